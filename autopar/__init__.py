@@ -1,0 +1,29 @@
+"""autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
+
+Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
+:class:`Layout`, :class:`Plan`, :func:`report` (and :func:`load_model`).
+"""
+
+from cost_models.hardware import Cluster
+
+from .api import evaluate, load_model, plan
+from .plan import Layout, Plan, Prediction
+from .solve import InfeasibleError
+from .trace import TraceError
+
+__all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "parallelize",
+           "report", "load_model", "InfeasibleError", "TraceError"]
+
+
+def parallelize(*args, **kwargs):
+    """See :func:`autopar.parallel.parallelize` (imported lazily: it needs torch.distributed)."""
+    from .parallel import parallelize as _parallelize
+
+    return _parallelize(*args, **kwargs)
+
+
+def report(plan, out_dir, **kwargs):
+    """Write a Markdown report of ``plan``; see :func:`autopar.report.write_report`."""
+    from .report import write_report
+
+    return write_report(plan, out_dir, **kwargs)

@@ -1,0 +1,105 @@
+"""The public face: ``plan``, ``evaluate``, ``parallelize`` and ``load_model``."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import torch
+
+from .graph import TracedModel
+from .plan import Layout, Plan
+from .predict import predict
+from .runtime.support import RUNTIME_SUPPORT
+from .search import SearchResult, search
+from .trace import trace_model
+
+__all__ = ["plan", "evaluate", "load_model", "plan_from_search"]
+
+
+def load_model(spec: str) -> tuple[torch.nn.Module, str]:
+    """Build a model on the meta device from a preset name or ``module:factory``.
+
+    Raises ValueError for an unknown preset or a factory that cannot be imported.
+    """
+    from .models import GPT, PRESETS
+
+    if ":" not in spec:
+        if spec not in PRESETS:
+            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
+                             "or module:factory")
+        with torch.device("meta"):
+            return GPT(PRESETS[spec]), spec
+    module_name, _, factory = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), factory)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
+    with torch.device("meta"):
+        return fn(), spec
+
+
+def _model_config(model) -> dict:
+    cfg = getattr(model, "config", None)
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+
+
+def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
+                     global_batch_size: int, seq_len: int, model_name: str, layout: Layout) -> Plan:
+    """Turn the search's best decision into a Plan (placements, prediction, alternatives)."""
+    d = result.decision
+    cfg = d.config
+    pred = predict(traced, result.strategies, result.tables, cluster, d,
+                   global_batch_size=global_batch_size)
+    pred = replace(pred, solve_time_s=result.solve_time_s)
+    placements = {name: result.strategies[name][k].name for name, k in d.strategy.items()}
+    feasible = sorted((s for s in result.seen if s["feasible"]), key=lambda s: s["step_time_s"])
+    others = feasible[1:6] + [s for s in result.seen if s["feasible"] is False][:3]
+    stage_mem = pred.memory_bytes_by_stage
+    worst = max(range(len(stage_mem)), key=lambda i: sum(stage_mem[i].values()))
+    binding = [f"memory[stage {worst}]: {pred.peak_memory_bytes / 2**30:.1f} GiB of "
+               f"{cluster.device.memory_gib:.0f} GiB per GPU"]
+    return Plan(model=model_name, model_config=_model_config(model), cluster=cluster.to_dict(),
+                global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
+                dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+                num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
+                zero_stage=d.zero_stage, recompute=d.recompute, stage_layers=d.stage_layers,
+                placements=placements, predicted=pred, virtual_stages=cfg.virtual_stages,
+                sequence_parallel=bool(layout.sequence_parallel), alternatives=others,
+                binding=binding)
+
+
+def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: int,
+         layout: Layout | None = None, model_name: str = "model") -> Plan:
+    """Find the fastest executable plan for training ``model`` on ``cluster``.
+
+    model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
+        ideally on the meta device. layout: fields to pin (None = free).
+    Raises TraceError (untraceable model), InfeasibleError (nothing fits in memory),
+    ValueError (degrees inconsistent with the cluster, heads not divisible by tp, ...).
+    """
+    layout = layout or Layout()
+    traced = trace_model(model, seq_len, name=model_name)
+    result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT)
+    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
+                            seq_len=seq_len, model_name=model_name, layout=layout)
+
+
+def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
+             seq_len: int, model_name: str = "model") -> Plan:
+    """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) with the same cost
+    model. Layers are split evenly over stages as Megatron does; unset recompute means
+    "none", unset zero_stage 0, unset schedule "1f1b"; TP placements are Megatron's
+    (the solver's optimum for the fixed degrees). Raises ValueError for an incomplete
+    layout and InfeasibleError when it does not fit in memory.
+    """
+    if not layout.is_complete():
+        raise ValueError("evaluate needs tp, pp, dp and micro_batch_size; use autopar.plan "
+                         f"to choose the rest (got {layout})")
+    layout = replace(layout, recompute=layout.recompute or "none",
+                     zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
+                     schedule=layout.schedule or ("interleaved_1f1b" if (layout.virtual_stages or 1) > 1 else "1f1b"))
+    traced = trace_model(model, seq_len, name=model_name)
+    result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True)
+    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
+                            seq_len=seq_len, model_name=model_name, layout=layout)

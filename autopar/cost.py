@@ -1,0 +1,180 @@
+"""The one adapter from a traced graph + parallel decisions to ``cost_models``.
+
+The solver, ``autopar.evaluate`` of a hand-written layout and the report all price plans
+through these functions, so every comparison is apples to apples.
+
+Assumptions (the standard ones of Megatron-LM papers, stated once):
+
+* bf16/fp16 mixed precision: 2-byte activations and communication, mixed-precision Adam
+  model states (2 + 2 + 12 bytes per parameter, ZeRO paper section 3.1);
+* matmuls (linear, attention) run at the device's calibrated ``matmul_efficiency``; other
+  ops are memory-bound (read inputs + write output at HBM bandwidth);
+* backward costs twice the forward (Narayanan et al. 2021, section 5.1);
+* the loss (cross-entropy over the vocabulary) runs in fp32 on the last stage and keeps
+  its softmax (4 bytes per logit) for backward;
+* DP gradient reduction is not overlapped with backward (a conservative, reported choice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import comm, compute
+from cost_models.hardware import Cluster
+
+from .graph import ACTIVATION_BYTES, TracedModel
+from .strategies import NodeStrategies, Strategy, reshard_kinds, tensor_inputs
+
+__all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables",
+           "bytes_per_param", "dp_comm_s_per_param", "LOSS_BYTES_PER_LOGIT"]
+
+LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
+OPTIMIZER_BYTES_PER_PARAM = 32  # Adam step: read+write fp32 master, m, v and 16-bit param/grad
+
+
+@dataclass(frozen=True)
+class Config:
+    """A mesh shape and micro-batching: the part of a plan fixed before CP-SAT runs."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """Cost of one node under one strategy, for one micro-batch on one GPU.
+
+    fwd_s / bwd_s: compute seconds; param_numel: parameter elements held;
+    saved_bytes: activation bytes kept for backward; core_saved_bytes: the part selective
+    recompute drops; core_fwd_s: forward seconds selective recompute repeats.
+    """
+
+    fwd_s: float
+    bwd_s: float
+    param_numel: float
+    saved_bytes: float
+    core_saved_bytes: float
+    core_fwd_s: float
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    """Resharding between two strategies on one edge: seconds and payload bytes."""
+
+    fwd_s: float
+    bwd_s: float
+    fwd_kind: str | None
+    bwd_kind: str | None
+    nbytes: float
+
+
+@dataclass
+class CostTables:
+    """All coefficients the solver and the predictor need for one :class:`Config`.
+
+    node[name][k]: StrategyCost of strategy k; edge[(u, v, j)][(ku, kv)]: EdgeCost or None
+    (transition not offered); f_s[u], f_bytes[u]: Megatron-f all-reduce (backward) when a
+    consumer makes u's gradient partial; p2p_s: one activation send between stages, fwd+bwd;
+    loss_s / loss_bytes: cross-entropy time and saved bytes on the last stage.
+    """
+
+    config: Config
+    node: dict[str, list[StrategyCost]]
+    edge: dict[tuple[str, str, int], dict[tuple[int, int], EdgeCost | None]]
+    f_s: dict[str, float]
+    f_bytes: dict[str, float]
+    p2p_s: float
+    p2p_bytes: float
+    loss_s: float
+    loss_bytes: float
+    full_ckpt_bytes: float
+    model_flops_per_seq: float
+    layer_fwd_flops_per_seq: float
+
+
+def bytes_per_param(zero_stage: int, dp: int) -> float:
+    """Model-state bytes per parameter under mixed-precision Adam and ZeRO (Rajbhandari
+    et al. 2020, Fig. 1): 16, 4 + 12/d, 2 + 14/d, 16/d for stages 0..3."""
+    from cost_models.memory import model_state_bytes
+
+    return model_state_bytes(1.0, zero_stage, dp)
+
+
+def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
+    """Seconds of DP communication per parameter per step: a ring all-reduce of 2-byte
+    gradients (ZeRO-1/2: reduce-scatter + all-gather, the same bytes); ZeRO-3 adds a
+    parameter all-gather in forward and backward (1.5x, ZeRO paper section 7.2)."""
+    if cfg.dp == 1:
+        return 0.0
+    link = comm.group_link(cluster, cfg.dp, cfg.tp)
+    per_param = comm.all_reduce_time_s(2.0 * 1e6, cfg.dp, link) / 1e6  # amortise latency
+    return per_param * (1.5 if zero_stage == 3 else 1.0)
+
+
+def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int) -> StrategyCost:
+    dev = cluster.device
+    div = strat.compute_divisor
+    if info.kind in ("linear", "sdpa"):
+        fwd = compute.matmul_time_s(info.flops * b / div, dev)
+    elif info.kind in ("view", "transpose", "input", "output", "nontensor"):
+        fwd = 0.0
+    else:
+        fwd = compute.memory_bound_time_s(ACTIVATION_BYTES * (in_numel + info.numel) * b / div, dev)
+    sharded = strat.output.startswith("S")
+    saved = info.saved_bytes * b / (tp if sharded else 1)
+    core = info.core_saved_bytes * b / (tp if sharded else 1)
+    return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=info.param_numel / strat.param_divisor,
+                        saved_bytes=saved, core_saved_bytes=core,
+                        core_fwd_s=fwd if info.kind == "sdpa" else 0.0)
+
+
+def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
+                cfg: Config) -> CostTables:
+    """Price every node strategy and every edge transition for ``cfg`` on ``cluster``."""
+    b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
+    tp_link = comm.group_link(cluster, tp, 1)
+    node_tab: dict[str, list[StrategyCost]] = {}
+    edge_tab: dict = {}
+    f_s: dict[str, float] = {}
+    f_bytes: dict[str, float] = {}
+    for node in traced.gm.graph.nodes:
+        info = nodes[node.name]
+        ins = tensor_inputs(node, nodes)
+        in_numel = sum(nodes[n.name].numel for n in ins)
+        node_tab[node.name] = [_node_cost(info, s, b, cluster, tp, in_numel)
+                               for s in strategies[node.name]]
+        for j, src in enumerate(ins):
+            nbytes = ACTIVATION_BYTES * nodes[src.name].numel * b
+            table = {}
+            for ku, su in enumerate(strategies[src.name]):
+                for kv, sv in enumerate(strategies[node.name]):
+                    kinds = reshard_kinds(su.output, sv.inputs[j])
+                    table[(ku, kv)] = None if kinds is None else EdgeCost(
+                        fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
+                        bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
+                        fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes)
+            edge_tab[(src.name, node.name, j)] = table
+        if info.shape is not None:
+            nbytes = ACTIVATION_BYTES * info.numel * b
+            f_bytes[node.name] = nbytes
+            f_s[node.name] = comm.all_reduce_time_s(nbytes, tp, tp_link)
+    boundary = traced.boundary_numel() * b
+    pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
+    p2p_bytes = ACTIVATION_BYTES * boundary
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    logits = nodes[out.args[0].name].numel * b  # (b, s, V) fed to the loss
+    matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
+    layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
+    return CostTables(
+        config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes,
+        p2p_s=2.0 * comm.p2p_time_s(p2p_bytes, pp_link) if cfg.pp > 1 else 0.0,
+        p2p_bytes=p2p_bytes,
+        loss_s=compute.memory_bound_time_s(3 * LOSS_BYTES_PER_LOGIT * logits, cluster.device),
+        loss_bytes=LOSS_BYTES_PER_LOGIT * logits,
+        full_ckpt_bytes=ACTIVATION_BYTES * boundary,
+        model_flops_per_seq=3.0 * matmul, layer_fwd_flops_per_seq=layer_matmul)

@@ -1,0 +1,253 @@
+"""Node roles, FLOPs, bytes and transformer-layer grouping of a traced model.
+
+Everything here is for ONE sequence (b = 1); the cost adapter scales by micro-batch size.
+Activation bytes assume 16-bit activations and 1-byte dropout masks, the accounting of
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+section 4.1): a tensor is counted once, when some consumer saves it for backward.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind"]
+
+ACTIVATION_BYTES = 2  # 16-bit activations
+MASK_BYTES = 1        # dropout masks
+
+# ops whose backward saves their tensor inputs (Korthikanti et al. 2022, section 4.1)
+_SAVES_INPUT = {"linear", "layernorm", "gelu", "sdpa"}
+_ELEMENTWISE_FUNCS = {operator.add, operator.mul, operator.sub, operator.truediv, torch.add,
+                      torch.mul, F.gelu, F.relu, torch.tanh, F.dropout}
+_VIEW_METHODS = {"view", "reshape"}
+_SHAPE_ONLY_METHODS = {"transpose", "permute", "contiguous"}
+
+
+@dataclass
+class NodeInfo:
+    """Annotation of one fx node for one sequence.
+
+    kind: "linear" | "embedding" | "layernorm" | "sdpa" | "gelu" | "dropout" | "add" |
+        "view" | "transpose" | "contiguous" | "input" | "output" | "nontensor" | "other".
+    shape: output shape (b = 1) or None when the output is not a tensor.
+    numel: output elements; flops: forward FLOPs (2 per multiply-add).
+    params: canonical parameter names (tied weights appear under their first name).
+    param_numel: elements of those parameters.
+    saved_bytes: bytes of this output saved for backward by its consumers (16-bit), plus
+        this node's own dropout mask (1 byte/element).
+    core_saved_bytes: attention-core bytes (softmax output, its dropout mask and output:
+        5·a·s² for b = 1 with dropout) that selective recompute drops.
+    layer: transformer layer index or None; section: "pre" | "layer" | "post".
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] | None
+    numel: int
+    flops: float
+    params: tuple[str, ...] = ()
+    param_numel: int = 0
+    saved_bytes: float = 0.0
+    core_saved_bytes: float = 0.0
+    layer: int | None = None
+    section: str = "pre"
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class TracedModel:
+    """A traced model: the fx graph plus per-node annotations for one sequence.
+
+    gm: GraphModule over the original modules, output = logits (b, s, V).
+    nodes: NodeInfo by node name, in graph order.
+    layers: node names of each transformer layer, in order; pre / post: the rest.
+    layer_prefix: module path of the layer list (e.g. "transformer.h").
+    """
+
+    gm: fx.GraphModule
+    name: str
+    seq_len: int
+    nodes: dict[str, NodeInfo]
+    layers: list[list[str]]
+    pre: list[str]
+    post: list[str]
+    layer_prefix: str
+    tied_params: dict[str, str]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def boundary_numel(self) -> int:
+        """Elements (b = 1) of the activation that crosses a pipeline cut between layers."""
+        return self.nodes[self.layers[0][-1]].numel
+
+    def total_params(self) -> int:
+        seen: set[str] = set()
+        total = 0
+        for info in self.nodes.values():
+            for name in info.params:
+                if name not in seen:
+                    seen.add(name)
+                    total += info.extra["param_sizes"][name]
+        return total
+
+
+def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
+    """Classify an fx node into the op kinds strategies know about."""
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "output":
+        return "output"
+    meta = node.meta.get("tensor_meta")
+    if meta is None or not hasattr(meta, "shape"):
+        return "nontensor"
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        for cls, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"),
+                          (nn.LayerNorm, "layernorm"), (nn.GELU, "gelu"), (nn.Dropout, "dropout")):
+            if isinstance(mod, cls):
+                return kind
+        return "other"
+    if node.op == "call_function":
+        if node.target is F.scaled_dot_product_attention:
+            return "sdpa"
+        if node.target in (operator.add, torch.add):
+            return "add"
+        if node.target is F.gelu:
+            return "gelu"
+        return "elementwise" if node.target in _ELEMENTWISE_FUNCS else "other"
+    if node.op == "call_method":
+        if node.target in _VIEW_METHODS:
+            return "view"
+        if node.target in ("transpose", "permute"):
+            return "transpose"
+        if node.target == "contiguous":
+            return "contiguous"
+    return "other"
+
+
+def _flops(node: fx.Node, kind: str, gm: fx.GraphModule, numel: int) -> float:
+    if kind == "linear":
+        mod = gm.get_submodule(node.target)
+        return 2.0 * numel // mod.out_features * mod.in_features * mod.out_features
+    if kind == "sdpa":
+        b, nh, s, hd = node.args[0].meta["tensor_meta"].shape
+        s_kv = node.args[1].meta["tensor_meta"].shape[2]
+        return 4.0 * b * nh * s * s_kv * hd  # Q·Kᵀ and attention·V
+    if kind in ("layernorm", "gelu", "dropout", "add", "elementwise"):
+        return float(numel)
+    return 0.0
+
+
+def _layer_of(node: fx.Node, prefix: str) -> int | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
+    if node.op == "call_module":
+        paths.append(node.target)
+    for path in reversed(paths):
+        if path.startswith(prefix + "."):
+            return int(path[len(prefix) + 1:].split(".")[0])
+    return None
+
+
+def _layer_prefix(gm: fx.GraphModule) -> str:
+    """Module path of the stack of transformer layers: the prefix ``P`` for which module
+    paths ``P.<i>.…`` have the most distinct indices ``i`` (e.g. "transformer.h")."""
+    indices: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        parts = node.target.split(".")
+        for k, part in enumerate(parts):
+            if part.isdigit():
+                indices.setdefault(".".join(parts[:k]), set()).add(part)
+                break
+    return max(indices, key=lambda k: len(indices[k]), default="")
+
+
+def _params(node: fx.Node, gm: fx.GraphModule, canon: dict[int, str]) -> dict[str, int]:
+    if node.op != "call_module":
+        return {}
+    mod = gm.get_submodule(node.target)
+    return {canon[id(p)]: p.numel() for p in mod.parameters(recurse=True)}
+
+
+def annotate(gm: fx.GraphModule, *, seq_len: int, name: str) -> TracedModel:
+    """Annotate every node of a shape-propagated ``gm`` (see :class:`NodeInfo`)."""
+    canon: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for pname, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) in canon:
+            tied[pname] = canon[id(p)]
+        else:
+            canon[id(p)] = pname
+    prefix = _layer_prefix(gm)
+    nodes: dict[str, NodeInfo] = {}
+    for node in gm.graph.nodes:
+        kind = node_kind(node, gm)
+        meta = node.meta.get("tensor_meta")
+        shape = tuple(meta.shape) if kind not in ("nontensor", "output") and meta is not None \
+            and hasattr(meta, "shape") else None
+        numel = math.prod(shape) if shape is not None else 0
+        params = _params(node, gm, canon)
+        nodes[node.name] = NodeInfo(
+            name=node.name, kind=kind, shape=shape, numel=numel,
+            flops=_flops(node, kind, gm, numel), params=tuple(params),
+            param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
+            extra={"param_sizes": params},
+        )
+    _add_saved_bytes(gm, nodes)
+    layers, pre, post = _group_layers(gm, nodes)
+    return TracedModel(gm=gm, name=name, seq_len=seq_len, nodes=nodes, layers=layers,
+                       pre=pre, post=post, layer_prefix=prefix, tied_params=tied)
+
+
+def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
+    for node in gm.graph.nodes:
+        info = nodes[node.name]
+        if info.shape is None:
+            continue
+        if any(nodes[u.name].kind in _SAVES_INPUT for u in node.users):
+            info.saved_bytes += ACTIVATION_BYTES * info.numel
+        if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
+            info.saved_bytes += MASK_BYTES * info.numel
+        if info.kind == "sdpa":
+            b, nh, s, _ = node.args[0].meta["tensor_meta"].shape
+            s_kv = node.args[1].meta["tensor_meta"].shape[2]
+            scores = b * nh * s * s_kv
+            dropout = node.kwargs.get("dropout_p", 0.0) or 0.0
+            # softmax output (2 bytes); with dropout also its mask (1) and output (2)
+            info.core_saved_bytes = scores * (ACTIVATION_BYTES + (3 if dropout > 0 else 0))
+
+
+def _group_layers(gm: fx.GraphModule, nodes: dict[str, NodeInfo]):
+    order = [n.name for n in gm.graph.nodes]
+    layer_ids = [nodes[n].layer for n in order]
+    known = [i for i, lid in enumerate(layer_ids) if lid is not None]
+    if not known:
+        return [], [n for n in order], []
+    first, last = known[0], known[-1]
+    current = layer_ids[first]
+    layers: dict[int, list[str]] = {}
+    pre, post = [], []
+    for i, name in enumerate(order):
+        info = nodes[name]
+        if i < first:
+            info.section, info.layer = "pre", None
+            pre.append(name)
+        elif i > last:
+            info.section, info.layer = "post", None
+            post.append(name)
+        else:
+            current = info.layer if info.layer is not None else current
+            info.layer, info.section = current, "layer"
+            layers.setdefault(current, []).append(name)
+    return [layers[k] for k in sorted(layers)], pre, post

@@ -1,0 +1,191 @@
+"""The reference GPT: a plain, single-device, nanoGPT-style decoder.
+
+autopar plans and rewrites this model like any user model; nothing in it knows about
+parallelism. Two choices keep it friendly to graph-level tensor parallelism, and are
+worth copying into a user's model:
+
+* Q, K and V are three ``nn.Linear`` layers (as in Llama / GPT-NeoX-style code), so a
+  column split of each gives whole heads per rank without re-ordering a fused weight.
+* Reshapes infer the head count (``view(b, s, -1, head_dim)``, ``reshape(b, s, -1)``), so
+  the same code runs on ``n_head / tp`` local heads.
+
+Module names follow nanoGPT / GPT-2 (``transformer.wte``, ``transformer.h.0.attn.c_proj``,
+``transformer.h.0.mlp.c_fc`` ...). ``lm_head`` shares its weight with ``transformer.wte``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "PRESETS", "preset", "pad_vocab_size"]
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    """Round ``vocab_size`` up to a multiple of ``multiple`` (Megatron pads V to 128·t)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT.
+
+    n_layer: number of transformer layers L.
+    n_head: attention heads a.
+    n_embd: hidden size h (must be divisible by n_head).
+    vocab_size: vocabulary V (already padded if the caller wants padding).
+    block_size: maximum sequence length s (learned position embeddings).
+    dropout: dropout probability in attention output, MLP output and embeddings.
+    """
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{field} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count Ψ (tied lm_head counted once), from the module definitions below."""
+        h, L, V, s = self.n_embd, self.n_layer, self.vocab_size, self.block_size
+        per_layer = 12 * h * h + 13 * h  # qkv+proj (4h²+4h), mlp (8h²+5h), 2 LayerNorms (4h)
+        return L * per_layer + V * h + s * h + 2 * h
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named presets. Sizes follow Brown et al. 2020 (GPT-3, Table 2.1) and Narayanan et al.
+# 2021 (Table 1); V = 51200 is GPT-2's 50257 padded the way Megatron pads it (to 1024 = 128·8).
+PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16),
+    "gpt-small-test": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=64),
+    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
+    "gpt-1.3b": GPTConfig(n_layer=24, n_head=32, n_embd=2048, vocab_size=51200, block_size=2048),
+    "gpt-8.3b": GPTConfig(n_layer=72, n_head=32, n_embd=3072, vocab_size=51200, block_size=1024),
+    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048),
+    "gpt-1t": GPTConfig(n_layer=128, n_head=160, n_embd=25600, vocab_size=51200, block_size=2048),
+}
+
+
+def preset(name: str) -> GPTConfig:
+    """Return the named preset config; ValueError lists the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, config.n_embd)
+        self.c_k = nn.Linear(config.n_embd, config.n_embd)
+        self.c_v = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.size(0), x.size(1)
+        # (b, s, h) -> (b, nh, s, hd); nh inferred so a head-split shard runs unchanged
+        q = self.c_q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT decoder. ``forward(idx (b, s) int64, targets (b, s) | None) -> (logits (b, s, V), loss | None)``.
+
+    loss is the mean token cross-entropy. Build on the meta device to plan a large model
+    without allocating it: ``with torch.device("meta"): GPT(preset("gpt3-175b"))``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+            for name, p in self.named_parameters():
+                if name.endswith("c_proj.weight"):  # GPT-2 scaled init of residual projections
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        s = idx.size(1)
+        pos = torch.arange(0, s, dtype=torch.long, device=idx.device)  # (s,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (b, s, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss

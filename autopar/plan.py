@@ -1,0 +1,198 @@
+"""The plan: the contract between the solver, the report and the runtime.
+
+A :class:`Layout` is what a person writes (Megatron flags: ``tp=8, pp=16, dp=8, mbs=1``);
+any field left ``None`` is for the solver to choose. A :class:`Plan` is a fully decided
+layout plus everything the rewriter needs (stage boundaries, per-node placements) and the
+cost model's prediction. Plans are versioned JSON: ``Plan.from_json(plan.to_json()) == plan``,
+and a saved plan can be reported or executed without solving again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "PLAN_VERSION"]
+
+PLAN_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (partial) parallel layout; ``None`` means "let the solver choose".
+
+    tp: tensor-parallel size t (must divide the head count and GPUs per node).
+    pp: pipeline-parallel size p.
+    dp: data-parallel size d.
+    micro_batch_size: b, sequences per micro-batch.
+    zero_stage: 0 (plain DP), 1, 2 or 3 (Rajbhandari et al. 2020).
+    recompute: "none" | "selective" | "full", applied to every layer when fixed.
+    schedule: "gpipe" | "1f1b" | "interleaved_1f1b".
+    virtual_stages: v, model chunks per pipeline rank (interleaved schedule only).
+    sequence_parallel: Megatron-3 sequence parallelism in the non-TP regions.
+    """
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    zero_stage: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    sequence_parallel: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Layout.{name} must be a positive int or None, got {value!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"Layout.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"Layout.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+    def is_complete(self) -> bool:
+        """True when tp, pp, dp and micro_batch_size are all fixed."""
+        return None not in (self.tp, self.pp, self.dp, self.micro_batch_size)
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """Parse ``"tp=8,pp=16,dp=8,mbs=1,recompute=full"`` (Megatron-style flags)."""
+        aliases = {"mbs": "micro_batch_size", "zero": "zero_stage", "sp": "sequence_parallel",
+                   "v": "virtual_stages"}
+        kwargs: dict = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = aliases.get(key.strip(), key.strip())
+            if not sep or key not in {f.name for f in fields(cls)}:
+                raise ValueError(f"cannot parse layout item {item!r} in {text!r}; "
+                                 "expected key=value with keys tp, pp, dp, mbs, zero_stage, "
+                                 "recompute, schedule, virtual_stages, sequence_parallel")
+            value = value.strip()
+            if key in ("recompute", "schedule"):
+                kwargs[key] = value
+            elif key == "sequence_parallel":
+                kwargs[key] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                kwargs[key] = int(value)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for one training step of a plan.
+
+    step_time_s: predicted wall time of one optimizer step (seconds).
+    tflops_per_gpu: model FLOPs per second per GPU, in TFLOP/s, counting recomputed
+        forward work the way Megatron reports it (Narayanan et al. 2021, eq. 3).
+    mfu: model FLOPs utilisation (model FLOPs without recompute / peak).
+    hfu: hardware FLOPs utilisation (includes recompute).
+    peak_memory_bytes: the largest per-GPU memory over stages.
+    memory_bytes_by_stage: per pipeline stage, bytes per GPU by kind
+        (parameters, gradients, optimizer_states, activations).
+    time_s_by_kind: seconds per step by kind (compute, recompute, tp_comm, pp_p2p,
+        dp_comm, bubble, optimizer).
+    comm_bytes_by_kind: payload bytes per GPU per step by collective kind.
+    stage_time_s: per stage, forward+backward seconds of one micro-batch.
+    solve_time_s: seconds the solver spent (0 for evaluate of a fixed layout).
+    """
+
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    peak_memory_bytes: float
+    memory_bytes_by_stage: list[dict[str, float]]
+    time_s_by_kind: dict[str, float]
+    comm_bytes_by_kind: dict[str, float]
+    stage_time_s: list[float]
+    solve_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A fully decided parallel training plan (JSON version ``PLAN_VERSION``).
+
+    model: model name or ``module:factory`` it was planned for; model_config its shape.
+    cluster: the cluster as ``Cluster.to_dict()``.
+    global_batch_size, seq_len: B and s of one step.
+    tp, pp, dp, micro_batch_size, num_micro_batches, schedule, zero_stage,
+    virtual_stages, sequence_parallel: the layout; B = dp · micro_batch_size · num_micro_batches.
+    recompute: one mode per transformer layer (length L).
+    stage_layers: per pipeline stage, [first_layer, last_layer_exclusive).
+    placements: per traced node name, its tensor-parallel strategy
+        ("replicate" | "column" | "row" | "vocab" | "heads" | "sharded" ...).
+    predicted: the cost model's :class:`Prediction`.
+    alternatives: the best other layouts the search priced (dicts with layout + step time).
+    binding: human-readable binding constraints (memory, divisibility ...).
+    """
+
+    model: str
+    model_config: dict
+    cluster: dict
+    global_batch_size: int
+    seq_len: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    schedule: str
+    zero_stage: int
+    recompute: list[str]
+    stage_layers: list[list[int]]
+    placements: dict[str, str]
+    predicted: Prediction
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    alternatives: list[dict] = field(default_factory=list)
+    binding: list[str] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def layout(self) -> Layout:
+        """The plan's layout (recompute given only when uniform across layers)."""
+        modes = set(self.recompute)
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch_size=self.micro_batch_size,
+                      zero_stage=self.zero_stage, recompute=modes.pop() if len(modes) == 1 else None,
+                      schedule=self.schedule, virtual_stages=self.virtual_stages,
+                      sequence_parallel=self.sequence_parallel)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(f"plan version {version!r} is not supported (this autopar reads "
+                             f"version {PLAN_VERSION}); re-run `autopar plan` to regenerate it")
+        data = dict(data)
+        data["predicted"] = Prediction(**data["predicted"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def summary(self) -> str:
+        """One line: the layout and its predicted speed."""
+        p = self.predicted
+        rec = ",".join(sorted(set(self.recompute)))
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} "
+                f"m={self.num_micro_batches} {self.schedule} zero={self.zero_stage} "
+                f"recompute={rec}: step {p.step_time_s:.3f} s, {p.tflops_per_gpu:.1f} TFLOP/s/GPU, "
+                f"MFU {p.mfu:.1%}, peak memory {p.peak_memory_bytes / 2**30:.1f} GiB")

@@ -1,0 +1,329 @@
+"""The plan report: what was chosen, what it is predicted to cost, and why.
+
+``write_report(plan, out_dir)`` writes ``out_dir/report.md``, plain Markdown that reads
+well on GitHub and in a terminal:
+
+1. the chosen layout (t, p, d, b, m, schedule, ZeRO stage, stage boundaries, recompute);
+2. the prediction: step time, TFLOP/s per GPU, MFU/HFU, peak memory against the device;
+3. where the step time goes (seconds and % by kind) and where the memory goes (GiB per
+   GPU per pipeline stage, by kind), and the bytes each kind of communication moves;
+4. why: the binding constraints and the best alternatives the search priced;
+5. hand-written layouts (e.g. Megatron-LM's) priced by the same cost model, side by side.
+
+Everything here reads only the :class:`~autopar.plan.Plan`; nothing is re-solved, so a
+saved plan (``Plan.from_json``) can be reported again. A small memory bar chart
+(``memory.png``) is added when matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autopar.plan import Layout, Plan
+
+__all__ = ["render_markdown", "write_report", "write_memory_chart", "format_seconds",
+           "format_bytes", "format_layout", "device_memory_bytes"]
+
+GIB = 2**30
+# Display order; kinds a cost model adds later are appended after these.
+TIME_KINDS = ("compute", "recompute", "tp_comm", "pp_p2p", "dp_comm", "bubble", "optimizer")
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+TIME_KIND_NOTES = {
+    "compute": "forward + backward matmuls and element-wise work",
+    "recompute": "forward work repeated in backward (activation recomputation)",
+    "tp_comm": "tensor-parallel all-reduces / all-gathers on the critical path",
+    "pp_p2p": "activations and gradients sent between pipeline stages",
+    "dp_comm": "data-parallel gradient reduction not hidden behind backward",
+    "bubble": "pipeline fill and drain: idle time",
+    "optimizer": "optimizer step",
+}
+
+
+# ------------------------------------------------------------------ formatting
+def format_seconds(seconds: float) -> str:
+    """``12.3 s``, ``45.6 ms`` or ``7.8 µs``."""
+    if seconds >= 1.0 or seconds == 0.0:
+        return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units: ``512 B``, ``3.0 MiB``, ``71.2 GiB``, ``1.50 TiB``."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_layout(layout: Layout | dict) -> str:
+    """``tp=8 pp=16 dp=8 mbs=1 recompute=full`` (fields left to the solver are omitted)."""
+    data = layout if isinstance(layout, dict) else vars(layout)
+    short = {"micro_batch_size": "mbs", "zero_stage": "zero", "virtual_stages": "v",
+             "sequence_parallel": "sp"}
+    defaults = {"virtual_stages": 1, "sequence_parallel": False}  # omitted: noise in tables
+    items = [(k, v) for k, v in data.items() if v is not None and defaults.get(k, None) != v]
+    return " ".join(f"{short.get(k, k)}={v}" for k, v in items) or "(free)"
+
+
+def device_memory_bytes(plan: Plan) -> float | None:
+    """Memory of one device of the plan's cluster, or None if the cluster dict lacks it."""
+    try:
+        return float(plan.cluster["device"]["memory_gib"]) * GIB
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _ordered(keys, known: tuple[str, ...]) -> list[str]:
+    keys = list(keys)
+    return [k for k in known if k in keys] + sorted(k for k in keys if k not in known)
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """Markdown table; ``align`` holds one of 'l'/'r' per column (default: first l, rest r)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+# ------------------------------------------------------------------- sections
+def _cluster_line(plan: Plan) -> str:
+    c = plan.cluster
+    device = c.get("device", {}).get("name", "?")
+    nodes, per_node = c.get("nodes", "?"), c.get("gpus_per_node", "?")
+    return f"{c.get('name', 'cluster')}: {nodes} nodes × {per_node} × {device}"
+
+
+def _recompute_summary(modes: list[str]) -> str:
+    """``full on layers 0–95 (96/96)`` or one run per contiguous range of a mode."""
+    if not modes:
+        return "no transformer layers"
+    runs: list[tuple[str, int, int]] = []
+    for i, mode in enumerate(modes):
+        if runs and runs[-1][0] == mode and runs[-1][2] == i - 1:
+            runs[-1] = (mode, runs[-1][1], i)
+        else:
+            runs.append((mode, i, i))
+    parts = [f"{m} on layers {a}–{b}" if a != b else f"{m} on layer {a}" for m, a, b in runs]
+    counts = ", ".join(f"{m}: {modes.count(m)}/{len(modes)}" for m in sorted(set(modes)))
+    return "; ".join(parts) + f" ({counts})"
+
+
+def _layout_section(plan: Plan) -> list[str]:
+    rows = [
+        ["model", f"`{plan.model}`"],
+        ["cluster", _cluster_line(plan)],
+        ["GPUs N = t·p·d", f"{plan.num_gpus}"],
+        ["global batch B / sequence length s", f"{plan.global_batch_size} / {plan.seq_len}"],
+        ["tensor parallel t", f"{plan.tp}" + (" + sequence parallel" if plan.sequence_parallel else "")],
+        ["pipeline parallel p", f"{plan.pp}"],
+        ["data parallel d", f"{plan.dp}"],
+        ["micro-batch size b", f"{plan.micro_batch_size}"],
+        ["micro-batches per step m", f"{plan.num_micro_batches}"],
+        ["pipeline schedule", f"{plan.schedule}" + (f" (v={plan.virtual_stages})"
+                                                    if plan.virtual_stages > 1 else "")],
+        ["ZeRO stage", f"{plan.zero_stage}"],
+        ["activation recompute", _recompute_summary(plan.recompute)],
+    ]
+    lines = ["## Chosen plan", "", f"`{plan.summary()}`", ""]
+    lines += _table(["setting", "value"], rows, "ll")
+    return lines + _stages_section(plan)
+
+
+def _stages_section(plan: Plan) -> list[str]:
+    stage_time = plan.predicted.stage_time_s
+    rows = []
+    for i, (first, last) in enumerate(plan.stage_layers):
+        modes = plan.recompute[first:last]
+        rec = ", ".join(f"{m} ×{modes.count(m)}" for m in sorted(set(modes))) or "–"
+        t = format_seconds(stage_time[i]) if i < len(stage_time) else "–"
+        rows.append([f"{i}", f"{first}–{last - 1}" if last > first else "–",
+                     f"{last - first}", rec, t])
+    lines = ["### Pipeline stages", "",
+             "Layers are `[first, last]` inclusive; stage time is forward + backward of one "
+             "micro-batch.", ""]
+    return lines + _table(["stage", "layers", "count", "recompute", "stage time"], rows, "lrrlr")
+
+
+def _prediction_section(plan: Plan) -> list[str]:
+    p, device = plan.predicted, device_memory_bytes(plan)
+    peak = format_bytes(p.peak_memory_bytes)
+    if device:
+        peak += f" of {format_bytes(device)} ({p.peak_memory_bytes / device:.0%} of device memory)"
+    rows = [
+        ["step time", format_seconds(p.step_time_s)],
+        ["throughput per GPU", f"{p.tflops_per_gpu:.1f} TFLOP/s"],
+        ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
+        ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
+        ["peak memory per GPU", peak],
+        ["solver time", format_seconds(p.solve_time_s)],
+    ]
+    return ["## Prediction", ""] + _table(["quantity", "value"], rows, "lr")
+
+
+def _time_section(plan: Plan) -> list[str]:
+    p = plan.predicted
+    kinds = _ordered(p.time_s_by_kind, TIME_KINDS)
+    rows = [[k, format_seconds(p.time_s_by_kind[k]),
+             f"{p.time_s_by_kind[k] / p.step_time_s:.1%}" if p.step_time_s else "–",
+             TIME_KIND_NOTES.get(k, "")] for k in kinds]
+    lines = ["## Where the step time goes", ""]
+    lines += _table(["kind", "time", "% of step", "what"], rows, "lrrl")
+    total = sum(p.time_s_by_kind.values())
+    if p.step_time_s and abs(total - p.step_time_s) > 0.005 * p.step_time_s:
+        why = ("some of it overlaps" if total > p.step_time_s
+               else "the rest is not attributed to a kind")
+        lines += [f"The parts add up to {format_seconds(total)} against a step time of "
+                  f"{format_seconds(p.step_time_s)} ({why}).", ""]
+    return lines
+
+
+def _memory_section(plan: Plan, chart: str | None) -> list[str]:
+    stages = plan.predicted.memory_bytes_by_stage
+    kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
+    device = device_memory_bytes(plan)
+    rows = []
+    for i, stage in enumerate(stages):
+        total = sum(stage.values())
+        row = [f"{i}"] + [f"{stage.get(k, 0.0) / GIB:.2f}" for k in kinds] + [f"{total / GIB:.2f}"]
+        rows.append(row + ([f"{total / device:.0%}"] if device else []))
+    header = ["stage"] + kinds + ["total"] + (["% of device"] if device else [])
+    lines = ["## Memory per GPU by pipeline stage (GiB)", ""]
+    if device:
+        lines += [f"Device memory: {device / GIB:.0f} GiB.", ""]
+    lines += _table(header, rows)
+    return lines + ([f"![memory per stage]({chart})", ""] if chart else [])
+
+
+def _comm_section(plan: Plan) -> list[str]:
+    by_kind = plan.predicted.comm_bytes_by_kind
+    rows = [[k, format_bytes(by_kind[k])] for k in _ordered(by_kind, ())]
+    if len(rows) > 1:
+        rows.append(["**total**", format_bytes(sum(by_kind.values()))])
+    lines = ["## Communication per GPU per step", "", "Payload bytes each GPU sends per step.", ""]
+    return lines + (_table(["kind", "bytes"], rows) if rows else ["No communication.", ""])
+
+
+def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
+    step = alt.get("step_time_s")
+    feasible = alt.get("feasible", True)
+    priced = isinstance(step, (int, float)) and step > 0
+    ratio = f"{step / chosen_s:.2f}×" if priced and chosen_s else "–"
+    peak = alt.get("peak_memory_bytes")
+    outcome = alt.get("reason") or ("slower" if feasible else "infeasible")
+    if not feasible and not outcome.startswith("infeasible"):
+        outcome = f"infeasible: {outcome}"
+    return [format_layout(alt.get("layout", {})), format_seconds(step) if priced else "–", ratio,
+            f"{alt['tflops_per_gpu']:.1f}" if alt.get("tflops_per_gpu") else "–",
+            format_bytes(peak) if peak else "–", outcome]
+
+
+def _why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
+    lines = ["## Why this plan", "", "### Binding constraints", ""]
+    lines += [f"- {b}" for b in plan.binding] or ["- none reported: the fastest layout fits."]
+    lines += [""]
+    alts = sorted(plan.alternatives, key=lambda a: (not a.get("feasible", True),
+                                                   a.get("step_time_s") or float("inf")))
+    lines += ["### Best alternatives the search priced", ""]
+    if not alts:
+        return lines + ["The plan records no alternatives (a fully fixed layout is not searched).", ""]
+    rows = [_alternative_row(a, plan.predicted.step_time_s) for a in alts[:max_alternatives]]
+    lines += [f"{len(rows)} of {len(alts)} shown, fastest feasible first; *vs chosen* is the "
+              "alternative's step time over the chosen plan's.", ""]
+    return lines + _table(["layout", "step time", "vs chosen", "TFLOP/s/GPU", "peak memory",
+                           "outcome"], rows, "lrrrrl")
+
+
+def _hand_row(name: str, hand: Plan | str, auto: Plan, device: float | None) -> list[str]:
+    if not isinstance(hand, Plan):  # could not be priced: the reason is in the last column
+        return [name, "–", "–", "–", "–", "–", "–", str(hand)]
+    p = hand.predicted
+    fits = "yes" if device is None or p.peak_memory_bytes <= device else "**no**"
+    return [name, f"`{format_layout(hand.layout())}`", format_seconds(p.step_time_s),
+            f"{p.tflops_per_gpu:.1f}", f"{p.mfu:.1%}", f"{p.peak_memory_bytes / GIB:.1f}",
+            f"{auto.predicted.step_time_s / p.step_time_s:.2f}" if p.step_time_s else "–", fits]
+
+
+def _hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
+    device = device_memory_bytes(plan)
+    rows = [_hand_row("**autopar (this plan)**", plan, plan, device)]
+    rows += [_hand_row(name, hand, plan, device) for name, hand in hand_layouts.items()]
+    lines = ["## Hand-written layouts priced by the same cost model", "",
+             "*auto/hand* is the auto plan's step time over the hand layout's: below 1 the "
+             "auto plan is faster.", ""]
+    lines += _table(["layout", "flags", "step time", "TFLOP/s/GPU", "MFU", "peak memory (GiB)",
+                     "auto/hand", "fits in memory"], rows, "llrrrrrl")
+    for name, hand in hand_layouts.items():
+        if isinstance(hand, Plan) and hand.predicted.step_time_s:
+            speedup = hand.predicted.step_time_s / plan.predicted.step_time_s
+            word = "faster" if speedup >= 1 else "slower"
+            lines.append(f"- against {name}: the auto plan is {max(speedup, 1 / speedup):.2f}× "
+                         f"{word} ({format_seconds(plan.predicted.step_time_s)} vs "
+                         f"{format_seconds(hand.predicted.step_time_s)} per step).")
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------- public
+def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = None, *,
+                    title: str | None = None, memory_chart: str | None = None) -> str:
+    """The whole report as Markdown.
+
+    hand_layouts: name -> a :class:`Plan` from ``autopar.evaluate`` of a hand-written layout,
+        or a string saying why that layout could not be priced (e.g. the InfeasibleError text).
+    title: the top heading (default: the model and cluster).
+    memory_chart: relative path of a memory bar chart image to link, if one was drawn.
+    """
+    title = title or f"autopar plan: {plan.model} on {_cluster_line(plan)}"
+    lines = [f"# {title}", ""]
+    lines += _layout_section(plan) + _prediction_section(plan) + _time_section(plan)
+    lines += _memory_section(plan, memory_chart) + _comm_section(plan) + _why_section(plan)
+    if hand_layouts:
+        lines += _hand_section(plan, hand_layouts)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
+    """Stacked bars of memory per stage by kind (PNG); None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    stages = plan.predicted.memory_bytes_by_stage
+    kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(stages) + 2), 3.2), dpi=100)
+    bottom = [0.0] * len(stages)
+    for kind in kinds:
+        values = [stage.get(kind, 0.0) / GIB for stage in stages]
+        ax.bar(range(len(stages)), values, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    device = device_memory_bytes(plan)
+    if device:
+        ax.axhline(device / GIB, color="black", linestyle="--", linewidth=1, label="device memory")
+    ax.set_xlabel("pipeline stage")
+    ax.set_ylabel("GiB per GPU")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(plan: Plan, out_dir: str | Path, *,
+                 hand_layouts: dict[str, Plan | str] | None = None,
+                 title: str | None = None, chart: bool = True) -> Path:
+    """Write ``out_dir/report.md`` (and ``memory.png`` when ``chart``); return the report path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = write_memory_chart(plan, out_dir / "memory.png") if chart else None
+    text = render_markdown(plan, hand_layouts, title=title,
+                           memory_chart=drawn.name if drawn else None)
+    path = out_dir / "report.md"
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,234 @@
+"""Train one pipeline stage of a (tp, pp, dp) plan: micro-batches, schedule, gradient sync, step.
+
+``ParallelModule`` wraps the stage this rank runs (already tensor-parallel-rewritten,
+its TP collectives inside) and implements one training step:
+
+1. Every rank receives the same global batch (B, s), B = d * b * m, and keeps its DP
+   slice of B/d rows, cut into m micro-batches of b rows.
+2. Forward/backward of the stage over the m micro-batches. pp == 1: plain gradient
+   accumulation, each micro-batch loss scaled by 1/m. pp > 1: the pipeline schedule
+   (GPipe or 1F1B) of :mod:`autopar.runtime.schedule`; the last stage computes a
+   per-micro-batch mean loss and the gradients are divided by m, so either way the
+   gradient is that of the mean loss over the DP-local batch.
+3. Tied embedding: the first and last stage each hold a copy of the (shard of the)
+   word embedding and get a partial gradient; they are summed over
+   ``groups.embedding_group`` (pp > 1).
+4. DP: every gradient is averaged over ``groups.dp_group`` (one flattened all-reduce
+   per dtype, then / d).
+5. ``optimizer.step()``, ``zero_grad()``; the returned loss is the mean over all
+   micro-batches and replicas, the same float on every rank.
+
+A failure raises on the rank that saw it; the others then fail in their next
+collective with gloo's "Connection closed by peer" or the process group timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.runtime.collectives import CommCounter
+from autopar.runtime.mesh import ParallelGroups
+from autopar.runtime.schedule import PipelineRunner, StageShapes
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over tokens. logits: (b, s, V), targets: (b, s) int64 -> scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_schedule(schedule: str, pp: int, num_micro_batches: int) -> None:
+    if schedule == "interleaved_1f1b":
+        raise NotImplementedError(
+            "interleaved 1F1B (v virtual stages per rank) is not implemented yet; "
+            "use schedule='1f1b' or 'gpipe'"
+        )
+    if schedule not in SCHEDULES:
+        raise NotImplementedError(f"pipeline schedule {schedule!r} is not supported; use one of {SCHEDULES}")
+    if schedule == "1f1b" and pp > 1 and num_micro_batches < pp:
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: m={num_micro_batches} < p={pp}; "
+            f"raise num_micro_batches to {pp} or use schedule='gpipe'"
+        )
+
+
+class ParallelModule(nn.Module):
+    """One rank's share of a (tp, pp, dp) training job; see the module docstring.
+
+    Args:
+        stage_module: this rank's pipeline stage. Input: first stage idx (b, s) int64,
+            other stages (b, s, hidden_size) of activation_dtype. Output: (b, s,
+            hidden_size) of activation_dtype, the last stage logits (b, s, V).
+        groups: this rank's process groups.
+        micro_batch_size: b, rows per micro-batch.
+        num_micro_batches: m, micro-batches per step and DP replica.
+        seq_len: s.
+        hidden_size: h, the width of the activation between stages.
+        schedule: "1f1b" or "gpipe" (ignored when pp == 1).
+        optimizer_factory: builds the optimizer from the stage's parameters.
+        tied_parameter_names: names (in stage_module.named_parameters()) of the tied
+            embedding shard on the first and last stage; summed over the embedding group.
+        activation_dtype: dtype of the activations sent between stages.
+        loss_fn: per-micro-batch mean loss (logits (b, s, V), targets (b, s)) -> scalar.
+        comm_counter: optional counter for pp_p2p and dp_all_reduce bytes.
+
+    Raises:
+        ValueError: a size is not a positive int, 1F1B with m < p, or a tied name is
+            missing on the first/last stage.
+        NotImplementedError: schedule "interleaved_1f1b" or any other unknown schedule.
+    """
+
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        groups: ParallelGroups,
+        *,
+        micro_batch_size: int,
+        num_micro_batches: int,
+        seq_len: int,
+        hidden_size: int,
+        schedule: str = "1f1b",
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        tied_parameter_names: Sequence[str] = (),
+        activation_dtype: torch.dtype = torch.float32,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy,
+        comm_counter: CommCounter | None = None,
+    ) -> None:
+        super().__init__()
+        _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
+                        seq_len=seq_len, hidden_size=hidden_size)
+        _check_schedule(schedule, groups.pp, num_micro_batches)
+        self.stage_module = stage_module
+        self.groups = groups
+        self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
+        self.seq_len, self.hidden_size, self.schedule = seq_len, hidden_size, schedule
+        self.loss_fn, self.comm_counter = loss_fn, comm_counter
+        self.tied_parameters = self._find_tied(tied_parameter_names)
+        self.optimizer = optimizer_factory(stage_module.parameters())
+        self.runner: PipelineRunner | None = None
+        if groups.pp > 1:
+            shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype)
+            self.runner = PipelineRunner(
+                stage_module, groups, shapes, num_micro_batches, schedule, loss_fn, comm_counter
+            )
+
+    def _find_tied(self, names: Sequence[str]) -> list[nn.Parameter]:
+        """The tied parameters present on this stage; all must exist on the first/last stage."""
+        params = dict(self.stage_module.named_parameters())
+        on_end_stage = self.groups.is_first_stage or self.groups.is_last_stage
+        missing = [n for n in names if n not in params]
+        if missing and on_end_stage:
+            raise ValueError(
+                f"tied parameter(s) {missing} not found in stage {self.groups.pp_rank}; "
+                f"its parameters are {sorted(params)}"
+            )
+        return [params[n] for n in names if n in params]
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        """Run the stage module alone (no pipeline, no gradient sync)."""
+        return self.stage_module(*args)
+
+    def _local_batch(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP replica's rows: (B, s) -> (B/d, s). Raises ValueError on a wrong shape."""
+        g, b, m, s = self.groups, self.micro_batch_size, self.num_micro_batches, self.seq_len
+        expected = (g.dp * b * m, s)
+        for name, t in (("idx", idx), ("targets", targets)):
+            if tuple(t.shape) != expected:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} but the plan needs the global batch "
+                    f"(B, s) = ({g.dp}*{b}*{m}, {s}) = {expected} (dp * micro_batch_size * "
+                    f"num_micro_batches rows of seq_len tokens)"
+                )
+        rows = b * m
+        start = g.dp_rank * rows
+        return idx[start : start + rows], targets[start : start + rows]
+
+    def _accumulate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """pp == 1: forward/backward each micro-batch, loss / m. Returns the mean loss (detached)."""
+        m = self.num_micro_batches
+        total = torch.zeros((), dtype=torch.float64)
+        for mb_idx, mb_targets in zip(idx.split(self.micro_batch_size), targets.split(self.micro_batch_size)):
+            loss = self.loss_fn(self.stage_module(mb_idx), mb_targets)  # (b, s, V) -> scalar
+            (loss / m).backward()
+            total += loss.detach().double()
+        return total / m
+
+    def train_step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch idx, targets: (B, s) int64, the same on every rank.
+
+        Returns the mean loss over all micro-batches and DP replicas (same on every rank).
+        Raises ValueError if B != dp * micro_batch_size * num_micro_batches or s != seq_len.
+        """
+        local_idx, local_targets = self._local_batch(idx, targets)
+        if self.runner is None:
+            loss = self._accumulate(local_idx, local_targets)
+        else:
+            loss = self.runner.run(local_idx, local_targets)  # on the last stage, else None
+        self._sync_tied_grads()
+        self._average_dp_grads()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._global_loss(loss)
+
+    def _sync_tied_grads(self) -> None:
+        """Sum the tied embedding's partial gradients over the first and last stage."""
+        group = self.groups.embedding_group
+        if group is None:
+            return
+        for p in self.tied_parameters:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            p.grad = grad
+            if self.comm_counter is not None:
+                self.comm_counter.add("other", grad.numel() * grad.element_size())
+
+    def _average_dp_grads(self) -> None:
+        """Average every gradient over the DP group: one flattened all-reduce per dtype, / d.
+
+        Replicas run the same program, so the same parameters have gradients everywhere.
+        """
+        d = self.groups.dp
+        if d == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.stage_module.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
+            flat.div_(d)
+            if self.comm_counter is not None:
+                self.comm_counter.add("dp_all_reduce", flat.numel() * flat.element_size())
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _global_loss(self, local_loss: torch.Tensor | None) -> float:
+        """Mean over DP replicas on the last stage, then broadcast to the other stages."""
+        g = self.groups
+        loss = local_loss if local_loss is not None else torch.zeros((), dtype=torch.float64)
+        loss = loss.reshape(1).double()
+        if g.is_last_stage and g.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=g.dp_group)
+            loss /= g.dp
+        if g.pp > 1:
+            dist.broadcast(loss, src=g.pp_rank_to_global(g.pp - 1), group=g.pp_group)
+        return float(loss.item())
+
+    def last_step_stats(self) -> dict[str, float]:
+        """Measured statistics of the last step (filled by a later issue): {} for now."""
+        return {}

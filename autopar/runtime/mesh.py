@@ -1,0 +1,136 @@
+"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style.
+
+TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+which is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
+("pp", "dp", "tp"). The degrees are validated before any collective runs, so a
+wrong launch is a clear error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
+    """Check that tp, pp, dp are positive ints whose product is ``world_size``.
+
+    Raises:
+        ValueError: a degree is not a positive int, or tp*pp*dp != world_size (the
+            message says how to launch or which plan to pass instead).
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    n = tp * pp * dp
+    if n != world_size:
+        raise ValueError(
+            f"plan needs tp*pp*dp = N = {tp}*{pp}*{dp} = {n} GPUs but world size is {world_size}; "
+            f"launch torchrun with --nproc-per-node {n} or pass a plan for {world_size} ranks"
+        )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's coordinates and process groups. Build with :meth:`build`.
+
+    Attributes:
+        tp: tensor-parallel size t.
+        pp: pipeline-parallel size p.
+        dp: data-parallel size d.
+        rank: global rank of this process.
+        world_size: N = t*p*d.
+        tp_rank: index in the TP group (innermost).
+        pp_rank: pipeline stage index of this rank.
+        dp_rank: data-parallel replica index.
+        tp_group: ranks sharing (pp_rank, dp_rank).
+        pp_group: ranks sharing (tp_rank, dp_rank): one per stage, ordered by pp_rank.
+        dp_group: ranks sharing (tp_rank, pp_rank).
+        embedding_group: {first-stage rank, last-stage rank} with this rank's (tp_rank,
+            dp_rank), for the tied-embedding gradient; None when pp == 1 or this rank is
+            on a middle stage.
+        device_mesh: the (pp, dp, tp) DeviceMesh the groups came from (for DTensor users).
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    embedding_group: dist.ProcessGroup | None
+    device_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, tp: int, pp: int, dp: int) -> ParallelGroups:
+        """Create the groups; call on every rank, in the same order, after init_process_group.
+
+        Raises:
+            RuntimeError: torch.distributed is not initialised.
+            ValueError: see :func:`validate_degrees` (raised before any collective).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call init_process_group (or launch with "
+                "torchrun) before ParallelGroups.build"
+            )
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        validate_degrees(tp, pp, dp, world_size)
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        return cls(
+            tp=tp, pp=pp, dp=dp, rank=rank, world_size=world_size,
+            tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+            tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
+            dp_group=mesh.get_group("dp"),
+            embedding_group=_embedding_group(tp, pp, dp, rank),
+            device_mesh=mesh,
+        )
+
+    def pp_rank_to_global(self, pp_rank: int) -> int:
+        """Global rank of stage ``pp_rank`` with this rank's tp/dp coordinates.
+
+        Raises ValueError if pp_rank is outside [0, pp).
+        """
+        if not 0 <= pp_rank < self.pp:
+            raise ValueError(f"pp_rank {pp_rank} is outside [0, {self.pp})")
+        return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on pipeline stage 0 (it owns the input embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on pipeline stage p-1 (it owns the head and computes the loss)."""
+        return self.pp_rank == self.pp - 1
+
+
+def _embedding_group(tp: int, pp: int, dp: int, rank: int) -> dist.ProcessGroup | None:
+    """Create every {first, last}-stage pair group, in the same order on all ranks.
+
+    new_group must be called by every rank for every group; this rank keeps the one it
+    belongs to. Returns None when pp == 1 or this rank is on a middle stage.
+    """
+    if pp == 1:
+        return None
+    mine: dist.ProcessGroup | None = None
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            first = tp_rank + tp * dp_rank
+            last = tp_rank + tp * (dp_rank + dp * (pp - 1))
+            group = dist.new_group([first, last])
+            if rank in (first, last):
+                mine = group
+    return mine

@@ -1,0 +1,45 @@
+"""What the runtime executes today: the one source of truth for the solver's search space.
+
+The solver only emits plans inside this space (``autopar.plan``), so ``parallelize`` never
+receives a plan it cannot run; ``autopar.evaluate`` may still price any layout the cost
+model understands (e.g. a published Megatron run with interleaving) for comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable"]
+
+
+@dataclass(frozen=True)
+class RuntimeSupport:
+    """Options the runtime can execute.
+
+    schedules: pipeline schedules; zero_stages: ZeRO stages; recompute: recompute modes;
+    sequence_parallel: allowed values; virtual_stages: allowed v.
+    """
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    zero_stages: tuple[int, ...] = (0,)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: tuple[bool, ...] = (False,)
+    virtual_stages: tuple[int, ...] = (1,)
+
+
+RUNTIME_SUPPORT = RuntimeSupport()
+
+
+def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
+    """Raise NotImplementedError naming the first plan feature the runtime cannot run."""
+    checks = [
+        ("schedule", plan.schedule, support.schedules),
+        ("zero_stage", plan.zero_stage, support.zero_stages),
+        ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
+        ("virtual_stages", plan.virtual_stages, support.virtual_stages),
+    ] + [("recompute", mode, support.recompute) for mode in set(plan.recompute)]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise NotImplementedError(
+                f"the autopar runtime cannot execute {name}={value!r} yet (supported: "
+                f"{allowed}); re-plan with autopar.plan, which only emits executable plans")

@@ -1,0 +1,190 @@
+"""The outer search: mesh shapes and micro-batch sizes, each solved by CP-SAT.
+
+Configs are visited in order of a compute lower bound (perfect TP split, no communication,
+no bubble); a config whose bound is already slower than the best plan found is skipped,
+so the search proves optimality over the enumerated space without solving every config.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from cost_models import compute
+
+from .cost import Config, cost_tables
+from .graph import TracedModel
+from .plan import Layout
+from .predict import predict
+from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
+from .solve import Decision, InfeasibleError, StageModel, template_map
+from .strategies import node_strategies
+
+__all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
+
+MAX_MICRO_BATCH_SIZE = 8
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _heads(traced: TracedModel) -> int | None:
+    for n in traced.layers[0] if traced.layers else []:
+        info = traced.nodes[n]
+        if info.kind == "sdpa":
+            return info.shape[1]
+    return None
+
+
+def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
+    """One validator for parallel degrees; messages say what to change (ValueError)."""
+    n = cluster.num_gpus
+    heads, L = _heads(traced), traced.num_layers
+    if layout.tp is not None:
+        if heads is not None and heads % layout.tp:
+            ok = [t for t in _divisors(heads) if t <= cluster.gpus_per_node]
+            raise ValueError(f"{heads} attention heads are not divisible by tp={layout.tp}; "
+                             f"choose tp in {ok}")
+    if layout.pp is not None and layout.pp > L:
+        raise ValueError(f"pp={layout.pp} exceeds the model's {L} layers; choose pp <= {L}")
+    fixed = [v for v in (layout.tp, layout.pp, layout.dp) if v is not None]
+    prod = 1
+    for v in fixed:
+        prod *= v
+    if len(fixed) == 3 and prod != n:
+        raise ValueError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {prod} but the "
+                         f"cluster has {n} GPUs; make the product equal {n}")
+    if n % prod:
+        raise ValueError(f"the fixed degrees multiply to {prod}, which does not divide the "
+                         f"{n} GPUs of the cluster")
+    if layout.dp is not None and layout.micro_batch_size is not None and \
+            global_batch_size % (layout.dp * layout.micro_batch_size):
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                         f"dp*micro_batch_size = {layout.dp}*{layout.micro_batch_size}")
+    if layout.dp is not None and global_batch_size % layout.dp:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp={layout.dp}")
+
+
+def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
+                      support: RuntimeSupport | None = RUNTIME_SUPPORT) -> list[Config]:
+    """All (tp, pp, dp, mbs, schedule) consistent with ``layout`` and the runtime."""
+    n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
+    schedules = [layout.schedule] if layout.schedule else ["1f1b"]
+    out = []
+    for tp in _divisors(n):
+        if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
+                continue
+            if global_batch_size % dp:
+                continue
+            per_replica = global_batch_size // dp
+            for mbs in _divisors(per_replica):
+                if layout.micro_batch_size not in (None, mbs) or (
+                        layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
+                    continue
+                m = per_replica // mbs
+                for sched in schedules:
+                    if support and sched not in support.schedules:
+                        continue
+                    if sched != "gpipe" and pp > 1 and m < pp:
+                        continue
+                    out.append(Config(tp, pp, dp, mbs, m, sched, layout.virtual_stages or 1))
+    return out
+
+
+def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, global_batch_size: int) -> float:
+    flops = 3.0 * sum(i.flops for i in traced.nodes.values() if i.kind in ("linear", "sdpa"))
+    per_gpu = flops * global_batch_size / (cfg.tp * cfg.pp * cfg.dp)
+    return compute.matmul_time_s(per_gpu, cluster.device)
+
+
+@dataclass
+class SearchResult:
+    """The best decision, its tables, and every config the search looked at."""
+
+    decision: Decision | None
+    tables: object
+    strategies: object
+    seen: list[dict]
+    solve_time_s: float
+
+
+def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
+              support: RuntimeSupport | None, mapping, time_limit_s: float = 10.0,
+              even_stages: bool = False):
+    """Solve one Config; returns (Decision | None, status name, tables, strategies)."""
+    from ortools.sat.python import cp_model
+
+    strategies = node_strategies(traced, cfg.tp)
+    tables = cost_tables(traced, strategies, cluster, cfg)
+    zero = (layout.zero_stage,) if layout.zero_stage is not None else \
+        (support.zero_stages if support else (0, 1, 2, 3))
+    modes = support.recompute if support else ("none", "selective", "full")
+    model = StageModel(traced, strategies, tables, cluster, zero_stages=zero,
+                       recompute_modes=modes, fixed_recompute=layout.recompute,
+                       even_stages=even_stages)
+    model.build()
+    status, solver = model.solve(time_limit_s)
+    name = solver.StatusName(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, name, tables, strategies
+    return model.decision(solver, mapping), name, tables, strategies
+
+
+def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
+           support: RuntimeSupport | None = RUNTIME_SUPPORT,
+           even_stages: bool = False) -> SearchResult:
+    """Branch and bound over configs; raises InfeasibleError when nothing fits."""
+    start = time.perf_counter()
+    validate_layout(traced, cluster, layout, global_batch_size)
+    mapping = template_map(traced)
+    configs = candidate_configs(traced, cluster, global_batch_size, layout, support)
+    if not configs:
+        raise ValueError(f"no (tp, pp, dp, micro_batch_size) fits {cluster.num_gpus} GPUs, "
+                         f"global_batch_size={global_batch_size} and layout {layout}; relax "
+                         "the fixed fields or change the batch size")
+    configs.sort(key=lambda c: _lower_bound_s(traced, cluster, c, global_batch_size))
+    best, best_t, best_tab, seen = None, float("inf"), None, []
+    for cfg in configs:
+        lb = _lower_bound_s(traced, cluster, cfg, global_batch_size)
+        if lb >= best_t:
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
+                         "reason": f"pruned: compute lower bound {lb:.3f} s >= best {best_t:.3f} s"})
+            continue
+        decision, status, tables, strategies = solve_one(
+            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            even_stages=even_stages)
+        if decision is None:
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
+                         "reason": f"no strategy fits device memory (CP-SAT {status})"})
+            continue
+        pred = predict(traced, strategies, tables, cluster, decision,
+                       global_batch_size=global_batch_size)
+        seen.append({"layout": asdict(cfg), "step_time_s": pred.step_time_s, "feasible": True,
+                     "tflops_per_gpu": pred.tflops_per_gpu,
+                     "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
+        if pred.step_time_s < best_t:
+            best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
+    elapsed = time.perf_counter() - start
+    if best is None:
+        raise InfeasibleError(_infeasible_message(traced, cluster, configs, global_batch_size))
+    return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
+
+
+def _infeasible_message(traced, cluster, configs, global_batch_size) -> str:
+    from cost_models.memory import model_state_bytes
+
+    n = cluster.num_gpus
+    states = model_state_bytes(traced.total_params(), 3, n) if n > 1 else \
+        model_state_bytes(traced.total_params(), 0, 1)
+    ckpt = 2.0 * traced.boundary_numel() * traced.num_layers / n
+    need = states + ckpt
+    return (f"no plan fits: even the most memory-frugal plan needs about {need / 2**30:.2f} GiB "
+            f"per GPU (model states fully sharded: {states / 2**30:.2f} GiB) against "
+            f"{cluster.device.memory_gib:.1f} GiB on {cluster.device.name}, and none of the "
+            f"{len(configs)} mesh shapes fit under the binding constraint memory[stage i]; use "
+            "more GPUs, GPUs with more memory, a smaller global batch, or allow ZeRO/recompute")

@@ -1,0 +1,332 @@
+r"""Stage 3: choose the plan with OR-Tools CP-SAT.
+
+The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-batch sizes b
+(:func:`autopar.search.candidate_configs`); for each, one CP-SAT model chooses jointly
+
+* a TP strategy per node, :math:`x_{n,k} \in \{0,1\}`, :math:`\sum_k x_{n,k} = 1`; identical
+  transformer layers share one template, so the layer's choice is solved once;
+* edge transitions :math:`e_{uv,kl} \ge x_{u,k} + x_{v,l} - 1` priced by the resharding
+  collectives they imply (forbidden pairs: :math:`x_{u,k} + x_{v,l} \le 1`);
+* Megatron's f: :math:`f_u \ge x_{v,l}` for consumers whose strategy makes u's gradient
+  partial (one backward all-reduce of u, shared by all such consumers);
+* pipeline cuts: :math:`n_i \ge 1` layers on stage i, :math:`\sum_i n_i = L`, contiguous;
+* recompute: :math:`r^{full}_i + r^{sel}_i \le n_i` layers of stage i;
+* ZeRO stage :math:`z_j`, one-hot;
+
+minimising the 1F1B/GPipe step time
+:math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp}` with :math:`T_{max} \ge T_i + c_{p2p}`,
+:math:`T_i = n_i (F_L + B_L) + r^{full}_i F_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`,
+subject to per-GPU memory
+:math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i \le M` for every stage.
+Products of two decision variables are exact CP-SAT multiplication constraints. Each
+constraint family has one ``add_*`` method and named constraints so an infeasible
+model says which family binds. Times are integer nanoseconds, memory integer KiB.
+Ties are broken toward the lower ZeRO stage (1 ns per stage: simpler runtime, equal cost).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from cost_models.memory import in_flight_micro_batches
+
+from .cost import Config, CostTables, bytes_per_param, dp_comm_s_per_param
+from .graph import TracedModel
+from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
+
+__all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map"]
+
+NS = 1e9  # seconds -> integer nanoseconds
+KIB = 1024
+
+
+class InfeasibleError(Exception):
+    """No plan fits; the message gives the smallest memory any plan needs vs the device."""
+
+
+@dataclass
+class Decision:
+    """What CP-SAT decided for one Config (strategy index per node of the full graph)."""
+
+    config: Config
+    strategy: dict[str, int]
+    stage_layers: list[list[int]]
+    recompute: list[str]
+    zero_stage: int
+    objective_s: float
+    solve_time_s: float
+
+
+def template_map(traced: TracedModel) -> dict[str, str]:
+    """Map every node name to the node of the layer template (layer 0) it mirrors.
+
+    Raises NotImplementedError when transformer layers are not identical op sequences.
+    """
+    tmpl = traced.layers[0]
+    mapping = {n: n for n in traced.pre + traced.post + tmpl}
+    for layer in traced.layers[1:]:
+        kinds = [traced.nodes[n].kind for n in layer]
+        if kinds != [traced.nodes[n].kind for n in tmpl]:
+            raise NotImplementedError(
+                f"layers of {traced.layer_prefix} are not identical op sequences; autopar "
+                "solves one template layer and needs every layer to match it")
+        mapping.update(zip(layer, tmpl))
+    return mapping
+
+
+class StageModel:
+    """CP-SAT model of one Config; build with the ``add_*`` methods, then :meth:`solve`."""
+
+    def __init__(self, traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
+                 cluster, *, zero_stages=(0,), recompute_modes=("none", "selective", "full"),
+                 fixed_recompute: str | None = None, even_stages: bool = False) -> None:
+        self.t, self.s, self.c, self.cluster = traced, strategies, tables, cluster
+        self.cfg = tables.config
+        self.m = cp_model.CpModel()
+        self.zero_stages = tuple(zero_stages)
+        self.recompute_modes = recompute_modes
+        self.fixed_recompute = fixed_recompute
+        self.even_stages = even_stages
+        self.section = {n: "pre" for n in traced.pre} | {n: "post" for n in traced.post} \
+            | {n: "layer" for n in traced.layers[0]}
+        self.x: dict[str, list] = {}
+        self.terms = {sec: {k: [] for k in ("fwd", "bwd", "core", "act", "core_act", "param")}
+                      for sec in ("pre", "layer", "post")}
+
+    # -- TP strategies ------------------------------------------------------------------
+    def add_strategy_choice(self) -> None:
+        for name in self.section:
+            xs = [self.m.NewBoolVar(f"x[{name},{k}]") for k in range(len(self.s[name]))]
+            self.m.AddExactlyOne(xs).WithName(f"one_strategy[{name}]")
+            self.x[name] = xs
+            sec = self.terms[self.section[name]]
+            for k, cost in enumerate(self.c.node[name]):
+                sec["fwd"].append((cost.fwd_s * NS, xs[k]))
+                sec["bwd"].append((cost.bwd_s * NS, xs[k]))
+                sec["core"].append((cost.core_fwd_s * NS, xs[k]))
+                sec["act"].append((cost.saved_bytes / KIB, xs[k]))
+                sec["core_act"].append((cost.core_saved_bytes / KIB, xs[k]))
+                sec["param"].append((cost.param_numel, xs[k]))
+
+    def add_boundaries(self) -> None:
+        """Activations crossing layer boundaries (pipeline cuts) are replicated."""
+        for name in (self.t.pre[-1], self.t.layers[0][-1]):
+            for k, strat in enumerate(self.s[name]):
+                if strat.output != "R":
+                    self.m.Add(self.x[name][k] == 0).WithName(f"boundary_replicated[{name}]")
+
+    def add_tied(self) -> None:
+        """Modules sharing a weight (token embedding and lm_head) split it the same way."""
+        for group in tied_groups(self.t):
+            group = [n for n in group if n in self.x]
+            splits = {param_split(s) for n in group for s in self.s[n]}
+            for split in splits:
+                sums = [sum(x for x, s in zip(self.x[n], self.s[n]) if param_split(s) == split)
+                        for n in group]
+                for a, b in zip(sums, sums[1:]):
+                    self.m.Add(a == b).WithName(f"tied[{split}]")
+
+    def add_edges(self) -> None:
+        nodes = self.t.nodes
+        for node in self.t.gm.graph.nodes:
+            if node.name not in self.section:
+                continue
+            for j, src in enumerate(tensor_inputs(node, nodes)):
+                src_name = src.name if src.name in self.x else self.t.layers[0][-1]
+                sec = self.terms[self.section[node.name]]
+                table = self.c.edge[(src.name, node.name, j)]
+                self._add_edge(src_name, node.name, j, table, sec)
+
+    def _add_edge(self, u: str, v: str, j: int, table, sec) -> None:
+        fkey = f"f[{u}]"
+        for ku, su in enumerate(self.s[u]):
+            for kv, sv in enumerate(self.s[v]):
+                cost = table.get((ku, kv))
+                xu, xv = self.x[u][ku], self.x[v][kv]
+                if cost is None:
+                    self.m.AddBoolOr([xu.Not(), xv.Not()]).WithName(f"reshard_offered[{u}->{v}]")
+                    continue
+                if sv.partial_grad_inputs and sv.partial_grad_inputs[j]:
+                    if fkey not in self.x:
+                        self.x[fkey] = [self.m.NewBoolVar(fkey)]
+                        sec["bwd"].append((self.c.f_s.get(u, 0.0) * NS, self.x[fkey][0]))
+                    self.m.AddImplication(xv, self.x[fkey][0])
+                if cost.fwd_s or cost.bwd_s:
+                    e = self.m.NewBoolVar(f"e[{u},{v},{ku},{kv}]")
+                    self.m.Add(e >= xu + xv - 1)
+                    sec["fwd"].append((cost.fwd_s * NS, e))
+                    sec["bwd"].append((cost.bwd_s * NS, e))
+
+    # -- sections as integer expressions -----------------------------------------------
+    def _expr(self, sec: str, key: str, scale: float = 1.0):
+        return sum(int(math.ceil(c * scale)) * v for c, v in self.terms[sec][key] if c)
+
+    def _var(self, name: str, expr, ub: int):
+        var = self.m.NewIntVar(0, ub, name)
+        self.m.Add(var == expr)
+        return var
+
+    def _prod(self, name: str, a, b, ub: int):
+        var = self.m.NewIntVar(0, ub, name)
+        self.m.AddMultiplicationEquality(var, [a, b])
+        return var
+
+    def _ub(self, sec: str, key: str) -> int:
+        return int(sum(math.ceil(c) for c, _ in self.terms[sec][key])) + 1
+
+    # -- stages, recompute, ZeRO, memory, objective -------------------------------------
+    def build(self) -> None:
+        self.add_strategy_choice()
+        self.add_boundaries()
+        self.add_tied()
+        self.add_edges()
+        self.add_stages()
+        self.add_zero()
+        self.add_memory()
+        self.add_objective()
+
+    def add_stages(self) -> None:
+        cfg, L = self.cfg, self.t.num_layers
+        p = cfg.pp
+        if p > L:
+            raise ValueError(f"pp={p} exceeds the {L} layers")
+        self.n = [self.m.NewIntVar(1, L - p + 1, f"layers[{i}]") for i in range(p)]
+        self.m.Add(sum(self.n) == L).WithName("all_layers_placed")
+        if self.even_stages:  # hand layouts: Megatron splits layers evenly
+            for i in range(p):
+                self.m.Add(self.n[i] == L // p + (1 if i < L % p else 0)).WithName("even_stages")
+        self.rf, self.rs = [], []
+        for i in range(p):
+            rf = self.m.NewIntVar(0, L, f"recompute_full[{i}]")
+            rs = self.m.NewIntVar(0, L, f"recompute_selective[{i}]")
+            self.m.Add(rf + rs <= self.n[i]).WithName(f"recompute_within_stage[{i}]")
+            modes = self.recompute_modes if self.fixed_recompute is None else (self.fixed_recompute,)
+            if "full" not in modes:
+                self.m.Add(rf == 0)
+            if "selective" not in modes:
+                self.m.Add(rs == 0)
+            if modes == ("full",):
+                self.m.Add(rf == self.n[i])
+            if modes == ("selective",):
+                self.m.Add(rs == self.n[i])
+            self.rf.append(rf)
+            self.rs.append(rs)
+
+    def add_zero(self) -> None:
+        self.z = {z: self.m.NewBoolVar(f"zero[{z}]") for z in self.zero_stages}
+        self.m.AddExactlyOne(self.z.values()).WithName("one_zero_stage")
+
+    def _stage_params(self, i: int):
+        p, L = self.cfg.pp, self.t.num_layers
+        pl = self._var("params_layer", self._expr("layer", "param"), self._ub("layer", "param"))
+        prod = self._prod(f"params_layers[{i}]", self.n[i], pl, L * self._ub("layer", "param"))
+        extra = 0
+        if i == 0:
+            extra += self._expr("pre", "param")
+        if i == p - 1:
+            extra += self._expr("post", "param")
+            if p == 1:  # a tied weight counted in pre and post is one tensor
+                extra -= self._tied_param_expr()
+        total_ub = L * self._ub("layer", "param") + self._ub("pre", "param") + self._ub("post", "param")
+        return self._var(f"params[{i}]", prod + extra, total_ub), total_ub
+
+    def _tied_param_expr(self):
+        expr = 0
+        for group in tied_groups(self.t):
+            last = group[-1]
+            if self.section.get(last) == "post":
+                for k, cost in enumerate(self.c.node[last]):
+                    expr += int(math.ceil(cost.param_numel)) * self.x[last][k]
+        return expr
+
+    def add_memory(self) -> None:
+        cfg = self.cfg
+        L, p, d = self.t.num_layers, cfg.pp, cfg.dp
+        act_ub, core_ub = self._ub("layer", "act"), self._ub("layer", "core_act")
+        a_layer = self._var("act_layer", self._expr("layer", "act"), act_ub)
+        a_sel = self._var("act_layer_selective", self._expr("layer", "act") - self._expr("layer", "core_act"), act_ub)
+        ckpt = int(math.ceil(self.c.full_ckpt_bytes / KIB))
+        self.params, self.state_terms, self.mem_parts = [], [], []
+        for i in range(p):
+            params, pub = self._stage_params(i)
+            self.params.append(params)
+            s_iz = {}
+            for z, zb in self.z.items():
+                s = self.m.NewIntVar(0, pub, f"params_if_zero[{i},{z}]")
+                self.m.Add(s == params).OnlyEnforceIf(zb)
+                self.m.Add(s == 0).OnlyEnforceIf(zb.Not())
+                s_iz[z] = s
+            self.state_terms.append(s_iz)
+            # state bytes * d, exact integers: 16d, 4d+12, 2d+14, 16 per parameter
+            state_d_bytes = sum(round(bytes_per_param(z, d) * d) * s for z, s in s_iz.items())
+            keep = self.m.NewIntVar(0, L, f"layers_no_recompute[{i}]")
+            self.m.Add(keep == self.n[i] - self.rf[i] - self.rs[i])
+            act = (self._prod(f"act_kept[{i}]", keep, a_layer, L * act_ub)
+                   + self._prod(f"act_sel[{i}]", self.rs[i], a_sel, L * act_ub) + ckpt * self.rf[i])
+            if i == 0:
+                act += self._expr("pre", "act")
+            inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
+                                               cfg.virtual_stages)
+            act_total = self._var(f"act_stage[{i}]", act, L * act_ub * 4 + self._ub("pre", "act"))
+            extra = a_layer  # working set of the layer being recomputed / run
+            if i == p - 1:
+                extra = extra + self._expr("post", "act") + int(self.c.loss_bytes / KIB)
+            # everything times d, in bytes: states exact, activations rounded up to KiB
+            mem_d = state_d_bytes + KIB * d * (int(math.ceil(inflight)) * act_total + extra)
+            self.m.Add(mem_d <= self.cluster.device.memory_bytes * d).WithName(f"memory[stage {i}]")
+
+    def add_objective(self) -> None:
+        cfg, L = self.cfg, self.t.num_layers
+        fl = self._var("fwd_layer", self._expr("layer", "fwd"), self._ub("layer", "fwd"))
+        bl = self._var("bwd_layer", self._expr("layer", "bwd"), self._ub("layer", "bwd"))
+        cl = self._var("core_layer", self._expr("layer", "core"), self._ub("layer", "core"))
+        fb = self._var("fwd_bwd_layer", fl + bl, self._ub("layer", "fwd") + self._ub("layer", "bwd"))
+        p2p = int(math.ceil(self.c.p2p_s * NS))
+        t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
+            self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + int(self.c.loss_s * NS) + 1
+        self.stage_t = []
+        for i in range(cfg.pp):
+            t = (self._prod(f"t_layers[{i}]", self.n[i], fb, t_ub)
+                 + self._prod(f"t_full[{i}]", self.rf[i], fl, t_ub)
+                 + self._prod(f"t_sel[{i}]", self.rs[i], cl, t_ub))
+            if i == 0:
+                t += self._expr("pre", "fwd") + self._expr("pre", "bwd")
+            if i == cfg.pp - 1:
+                t += self._expr("post", "fwd") + self._expr("post", "bwd") + int(self.c.loss_s * NS)
+            self.stage_t.append(self._var(f"stage_time[{i}]", t, t_ub))
+        tmax = self.m.NewIntVar(0, t_ub + p2p, "t_max")
+        for t in self.stage_t:
+            self.m.Add(tmax >= t + p2p)
+        tdp = self.m.NewIntVar(0, 10**15, "t_dp")
+        for i, s_iz in enumerate(self.state_terms):
+            per_z = {z: dp_comm_s_per_param(z, self.cluster, cfg) * NS * 1000 for z in s_iz}
+            self.m.Add(tdp * 1000 >= sum(int(math.ceil(per_z[z])) * s for z, s in s_iz.items()))
+        ties = sum(z * zb for z, zb in self.z.items())
+        self.m.Minimize((cfg.num_micro_batches - 1) * tmax + sum(self.stage_t)
+                        + (cfg.pp - 1) * p2p + tdp + ties)
+
+    def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.max_deterministic_time = max_time_s
+        solver.parameters.linearization_level = 2
+        status = solver.Solve(self.m)
+        return status, solver
+
+    def decision(self, solver: cp_model.CpSolver, mapping: dict[str, str]) -> Decision:
+        chosen = {n: next(k for k, x in enumerate(xs) if solver.Value(x))
+                  for n, xs in self.x.items() if not n.startswith("f[")}
+        strategy = {n: chosen[t] for n, t in mapping.items()}
+        n = [solver.Value(v) for v in self.n]
+        bounds, recompute, start = [], [], 0
+        for i, count in enumerate(n):
+            bounds.append([start, start + count])
+            rf, rs = solver.Value(self.rf[i]), solver.Value(self.rs[i])
+            recompute += ["full"] * rf + ["selective"] * rs + ["none"] * (count - rf - rs)
+            start += count
+        zero = next(z for z, zb in self.z.items() if solver.Value(zb))
+        return Decision(self.cfg, strategy, bounds, recompute, zero,
+                        solver.ObjectiveValue() / NS, solver.WallTime())

@@ -1,0 +1,200 @@
+"""Stage 2: the tensor-parallel options of every node, and what each edge costs to reshard.
+
+A *placement* says how a tensor lives on the t ranks of a TP group:
+
+* ``"R"``   replicated: every rank holds the whole tensor;
+* ``"S<d>"`` sharded: rank r holds the r-th of t equal slices along dim d;
+* ``"P"``   partial: the true tensor is the sum over ranks.
+
+A :class:`Strategy` fixes a node's input and output placements. Linear layers get the
+three Megatron options (Shoeybi et al. 2019, section 3): ``replicate``; ``column`` (weight
+split by output features: R -> S(-1), input gradient partial, i.e. the *f* operator);
+``row`` (weight split by input features: S(-1) -> P, completed by an all-reduce, the *g*
+operator). Embeddings may be split by vocabulary rows (R -> P). Shape-only and
+element-wise ops pass shards through; scaled-dot-product attention runs on whole heads
+(S1 on (b, nh, s, hd)). Anything unrecognised gets the explicit fallback ``replicate``,
+which is always correct (redundant compute, no communication).
+
+Edges reshard between a producer's output placement and a consumer's input placement:
+P -> R all-reduce (forward), S -> R all-gather (forward; backward slices), R -> S slice
+(forward; backward all-gathers the gradient). Other transitions are not offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .graph import NodeInfo, TracedModel
+
+__all__ = ["Strategy", "node_strategies", "reshard_kinds", "NodeStrategies"]
+
+_PASS_THROUGH = {"gelu", "dropout", "contiguous", "elementwise"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One tensor-parallel option of a node.
+
+    name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded" | "partial".
+    inputs: required placement of each tensor input (in ``node.all_input_nodes`` order
+        restricted to tensor inputs; see :func:`tensor_inputs`).
+    output: placement of the output.
+    compute_divisor: the node's FLOPs are divided by this (t when the work is split).
+    param_divisor: the node's parameters are divided by this (t when sharded).
+    partial_grad_inputs: per input, True when this strategy makes that input's gradient a
+        partial sum (the producer then needs Megatron's f: all-reduce in backward).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    output: str
+    compute_divisor: int = 1
+    param_divisor: int = 1
+    partial_grad_inputs: tuple[bool, ...] = ()
+
+
+NodeStrategies = dict[str, list[Strategy]]
+
+
+def tensor_inputs(node: fx.Node, nodes: dict[str, NodeInfo]) -> list[fx.Node]:
+    """Inputs of ``node`` that are tensors (size() ints and the like excluded)."""
+    return [n for n in node.all_input_nodes if nodes[n.name].shape is not None]
+
+
+def _shard(dim: int, ndim: int) -> str:
+    return f"S{dim % ndim}"
+
+
+def _replicate(n_inputs: int) -> Strategy:
+    return Strategy("replicate", ("R",) * n_inputs, "R", partial_grad_inputs=(False,) * n_inputs)
+
+
+def _view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
+    """Input dim -> output dim for dims that a sharding can pass through a view: the input
+    dim must be the outermost of a group of dims whose product equals that of an output
+    group, and the output dim the outermost of that group."""
+    mapping: dict[int, int] = {}
+    i = o = 0
+    while i < len(in_shape) and o < len(out_shape):
+        gi, go = i, o
+        pi, po = in_shape[i], out_shape[o]
+        i, o = i + 1, o + 1
+        while pi != po:
+            if pi < po:
+                pi *= in_shape[i]
+                i += 1
+            else:
+                po *= out_shape[o]
+                o += 1
+        mapping[gi] = go
+    return mapping
+
+
+def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
+                    gm: fx.GraphModule, tp: int) -> list[Strategy]:
+    ins = tensor_inputs(node, nodes)
+    base = [_replicate(len(ins))]
+    if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm"):
+        return base
+    kind, shape = info.kind, info.shape
+    if kind == "output":
+        return [Strategy("replicate", ("R",) * len(ins), "R")]
+    if kind == "linear":
+        mod = gm.get_submodule(node.target)
+        last = _shard(-1, len(shape))
+        if mod.out_features % tp == 0:
+            base.append(Strategy("column", ("R",), last, tp, tp, (True,)))
+        if mod.in_features % tp == 0:
+            base.append(Strategy("row", (last,), "P", tp, tp, (False,)))
+        return base
+    if kind == "embedding":
+        if gm.get_submodule(node.target).num_embeddings % tp == 0:
+            base.append(Strategy("vocab", ("R",), "P", 1, tp, (False,)))
+        return base
+    if kind == "sdpa":
+        if len(shape) == 4 and shape[1] % tp == 0 and len(ins) == 3 and not node.kwargs.get("attn_mask"):
+            base.append(Strategy("heads", ("S1",) * 3, "S1", tp, 1, (False,) * 3))
+        return base
+    shardable = [d for d in range(len(shape)) if shape[d] % tp == 0]
+    if kind in _PASS_THROUGH and len(ins) == 1:
+        base += [Strategy("sharded", (f"S{d}",), f"S{d}", tp, 1, (False,)) for d in shardable]
+    elif kind == "add" and len(ins) == 2 and all(nodes[n.name].shape == shape for n in ins):
+        base += [Strategy("sharded", (f"S{d}",) * 2, f"S{d}", tp, 1, (False,) * 2) for d in shardable]
+        base.append(Strategy("partial", ("P", "P"), "P", 1, 1, (False, False)))
+    elif kind == "transpose" and node.target == "transpose" and len(ins) == 1:
+        a, b = (d % len(shape) for d in node.args[1:3])
+        swap = {a: b, b: a}
+        base += [Strategy("sharded", (f"S{swap.get(d, d)}",), f"S{d}", 1, 1, (False,))
+                 for d in shardable]
+    elif kind == "view" and len(ins) == 1:
+        base += _view_strategies(node, nodes[ins[0].name].shape, shape, tp)
+    return base
+
+
+def _view_strategies(node: fx.Node, in_shape, out_shape, tp: int) -> list[Strategy]:
+    """Shards pass a view/reshape only where the target size is inferred (-1), so that
+    the unchanged call computes the local size on a shard."""
+    size_args = node.args[1:]
+    if len(size_args) == 1 and isinstance(size_args[0], (tuple, list)):
+        size_args = tuple(size_args[0])
+    out: list[Strategy] = []
+    for d_in, d_out in _view_map(tuple(in_shape), tuple(out_shape)).items():
+        inferred = d_out < len(size_args) and size_args[d_out] == -1
+        if inferred and in_shape[d_in] % tp == 0 and out_shape[d_out] % tp == 0:
+            out.append(Strategy("sharded", (f"S{d_in}",), f"S{d_out}", 1, 1, (False,)))
+    return out
+
+
+def node_strategies(traced: TracedModel, tp: int) -> NodeStrategies:
+    """Every node's strategies at TP size ``tp`` (one "replicate" strategy when tp == 1).
+
+    Tied parameters (the lm_head sharing the token embedding) must be split the same way;
+    the solver enforces that with :func:`tied_groups`.
+    """
+    gm = traced.gm
+    return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp)
+            for node in gm.graph.nodes}
+
+
+def param_split(strategy: Strategy) -> str:
+    """How a strategy splits its module's weight: "none" | "rows" (dim 0) | "cols" (dim 1).
+
+    column-linear and vocab-embedding split weight dim 0 (out_features / vocabulary);
+    row-linear splits dim 1 (in_features).
+    """
+    return {"column": "rows", "vocab": "rows", "row": "cols"}.get(strategy.name, "none")
+
+
+def tied_groups(traced: TracedModel) -> list[list[str]]:
+    """Groups of node names whose modules share a weight (e.g. wte and lm_head)."""
+    by_param: dict[str, list[str]] = {}
+    for name, info in traced.nodes.items():
+        for p in info.params:
+            if p.endswith("weight"):
+                by_param.setdefault(p, []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def reshard_kinds(src: str, dst: str) -> tuple[str | None, str | None] | None:
+    """Collectives that turn placement ``src`` into ``dst`` as (forward, backward) kinds
+    ("all_reduce" | "all_gather" | None); None when the transition is not offered."""
+    if src == dst:
+        return (None, None)
+    if src == "P" and dst == "R":
+        return ("all_reduce", None)
+    if src.startswith("S") and dst == "R":
+        return ("all_gather", None)
+    if src == "R" and dst.startswith("S"):
+        return (None, "all_gather")
+    return None
+
+
+def is_sharded(placement: str) -> bool:
+    return placement.startswith("S")
+
+
+def module_is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)

@@ -1,0 +1,116 @@
+"""Stage 1 of the flow: model -> fx graph annotated with shapes, FLOPs and bytes.
+
+``trace_model`` runs ``torch.fx.symbolic_trace`` (leaf ``nn`` modules such as Linear and
+LayerNorm stay ``call_module`` nodes, which is what a Megatron-style rewrite wants), then
+propagates shapes on the ``meta`` device, so a 175B model is planned without allocating
+its weights. Everything is traced for ONE sequence (b = 1): FLOPs and activation bytes of
+a transformer are linear in b, so the cost adapter scales them by the micro-batch size.
+
+Node annotations (``NodeInfo``) and the layer grouping live in :mod:`autopar.graph`.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from .graph import TracedModel, annotate
+
+__all__ = ["TraceError", "trace_model", "symbolic_trace_logits"]
+
+
+class TraceError(Exception):
+    """The model cannot be captured as an fx graph; the message names the code and a fix."""
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: where the user's code failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return "<unknown location>"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+
+
+def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
+    """fx-trace ``model(idx)`` and return a GraphModule whose output is the logits.
+
+    The model is called as ``model(idx)`` (a ``targets`` argument, if any, is fixed to
+    None). If it returns a tuple, the first element is taken as the logits (b, s, V).
+
+    Raises:
+        TraceError: naming the file, line and code fx could not trace, and how to fix it.
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    concrete = {name: None for name in list(params)[1:]
+                if params[name].default is None}
+    try:
+        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    except Exception as exc:  # fx raises TraceError, TypeError, AssertionError, ...
+        raise TraceError(
+            f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
+            f"  at {_user_frame(exc)}\n"
+            "  fix: remove data-dependent Python control flow and Python `assert` on tensor "
+            "values or sizes (use torch.where / torch._assert), or make the offending "
+            "sub-module a leaf, so that forward(idx) is a static graph"
+        ) from exc
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    result = out.args[0]
+    if isinstance(result, (tuple, list)):
+        out.args = (result[0],)
+    # drop the specialised `targets` placeholder and its assert
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
+            graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "placeholder" and not node.users and node is not _first_placeholder(graph):
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _first_placeholder(graph: fx.Graph) -> fx.Node:
+    return next(n for n in graph.nodes if n.op == "placeholder")
+
+
+def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") -> TracedModel:
+    """Trace ``model`` for one sequence of ``seq_len`` tokens and annotate every node.
+
+    The model may live on any device; shapes are propagated on a ``meta`` copy (models
+    already on ``meta`` are not copied). Returns a :class:`~autopar.graph.TracedModel`
+    with ``gm`` (the logits graph over the ORIGINAL modules, for rewriting) and per-node
+    ``NodeInfo`` for one sequence (b = 1).
+
+    Raises:
+        TraceError: the model is not fx-traceable, or shape propagation fails (the node
+            and the reason are named).
+    """
+    gm = symbolic_trace_logits(model)
+    meta_gm = gm if _all_meta(gm) else copy.deepcopy(gm).to("meta")
+    idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    try:
+        ShapeProp(meta_gm).propagate(idx)
+    except Exception as exc:
+        raise TraceError(
+            f"shape propagation of {type(model).__name__} on the meta device failed for "
+            f"seq_len={seq_len}: {type(exc).__name__}: {exc}\n  fix: check that seq_len fits the "
+            "model (e.g. block_size) and that forward(idx) uses no CPU-only operations"
+        ) from exc
+    # copy the shape annotations onto the graph that references the real modules
+    for node, meta_node in zip(gm.graph.nodes, meta_gm.graph.nodes):
+        if "tensor_meta" in meta_node.meta:
+            node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
+    return annotate(gm, seq_len=seq_len, name=name)
+
+
+def _all_meta(module: torch.nn.Module) -> bool:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return all(t.is_meta for t in tensors)

@@ -1,0 +1,137 @@
+"""Collective and point-to-point communication time: the ring alpha-beta model.
+
+For a group of n ranks and a message whose *full* size is M bytes, the ring
+algorithms (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective
+Communication Operations in MPICH", section 4; Patarasuk & Yuan 2009 for the
+bandwidth-optimal ring all-reduce) take
+
+    all-gather      (n-1) steps, each rank sends M/n per step:   (n-1)/n * M / B + (n-1) * alpha
+    reduce-scatter  same as all-gather (M is the full input):      (n-1)/n * M / B + (n-1) * alpha
+    all-reduce      reduce-scatter followed by all-gather:       2(n-1)/n * M / B + 2(n-1) * alpha
+    point-to-point  one message:                                           M / B + alpha
+
+with B the per-GPU, per-direction bandwidth in bytes/s and alpha the per-step
+latency.  B is what NCCL calls *bus bandwidth*: the NCCL tests define
+busbw = algbw * 2(n-1)/n for all-reduce and algbw * (n-1)/n for all-gather and
+reduce-scatter (nccl-tests doc/PERFORMANCE.md), precisely so that busbw is the
+link rate these formulas need, independent of n.  That is why ``LinkSpec``
+stores bus bandwidth.
+
+A group crosses the slowest link any of its members must use: the two-level
+cluster is priced by :func:`group_link`, which picks ``intra_node`` (NVLink) or
+``inter_node`` (InfiniBand) for a whole group.
+
+Conventions: ``nbytes`` is the full tensor size in bytes (for all-gather, the
+gathered output; for reduce-scatter, the input before scattering).  A group of
+one rank, or zero bytes, costs 0.0 s: nothing is sent.
+"""
+
+from __future__ import annotations
+
+from ._checks import check_choice, check_non_negative, check_positive_int
+from .hardware import Cluster, LinkSpec
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""Kinds accepted by :func:`collective_time_s`."""
+
+
+def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, rounds: int) -> float:
+    """``rounds`` passes of (n-1) ring steps over a message of ``nbytes`` in total."""
+    nbytes = check_non_negative("nbytes", nbytes)
+    n = check_positive_int("group_size", group_size)
+    if not isinstance(link, LinkSpec):
+        raise ValueError(f"link must be a LinkSpec, got {type(link).__name__}")
+    if n == 1 or nbytes == 0:
+        return 0.0
+    bandwidth_term = rounds * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
+    latency_term = rounds * (n - 1) * link.latency_s
+    return bandwidth_term + latency_term
+
+
+def all_reduce_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """Ring all-reduce of ``nbytes`` over ``group_size`` ranks, in seconds.
+
+    ``2(n-1)/n * nbytes / bw + 2(n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
+    """
+    return _ring_time_s(nbytes, group_size, link, rounds=2)
+
+
+def all_gather_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """Ring all-gather producing a ``nbytes`` tensor (each rank holds nbytes/n), seconds.
+
+    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
+    """
+    return _ring_time_s(nbytes, group_size, link, rounds=1)
+
+
+def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """Ring reduce-scatter of a ``nbytes`` input (each rank keeps nbytes/n), seconds.
+
+    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
+    """
+    return _ring_time_s(nbytes, group_size, link, rounds=1)
+
+
+def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
+    """One point-to-point message of ``nbytes``: ``latency + nbytes / bw`` seconds.
+
+    Zero bytes cost 0.0 s (no message is sent).
+    """
+    nbytes = check_non_negative("nbytes", nbytes)
+    if not isinstance(link, LinkSpec):
+        raise ValueError(f"link must be a LinkSpec, got {type(link).__name__}")
+    if nbytes == 0:
+        return 0.0
+    return link.latency_s + nbytes / link.bandwidth_bytes_per_s
+
+
+def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
+    """Dispatch on ``kind`` (one of :data:`COLLECTIVE_KINDS`), seconds.
+
+    ``"p2p"`` validates ``group_size`` but prices one message whatever it is.
+    An unknown kind raises ValueError: it is never priced as free.
+    """
+    check_choice("collective kind", kind, COLLECTIVE_KINDS)
+    if kind == "p2p":
+        check_positive_int("group_size", group_size)
+        return p2p_time_s(nbytes, link)
+    ring = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s,
+            "reduce_scatter": reduce_scatter_time_s}[kind]
+    return ring(nbytes, group_size, link)
+
+
+def group_link(cluster: Cluster, group_size: int, stride: int) -> LinkSpec:
+    """The link that the process groups of size ``group_size`` and ``stride`` cross.
+
+    Ranks follow the Megatron layout ``rank = tp_rank + t*(dp_rank + d*pp_rank)`` and
+    GPUs are numbered node-major (``node = rank // gpus_per_node``).  A group is
+    ``{r0 + k*stride : k < group_size}``; TP groups have stride 1, DP groups stride t,
+    PP groups stride t*d.  In this layout the groups of one family tile the ranks in
+    aligned blocks of ``S = stride * group_size`` consecutive ranks (block c covers
+    ``[c*S, (c+1)*S)``, holding ``stride`` interleaved groups).
+
+    Every group of the family stays inside a node iff ``gpus_per_node % S == 0``
+    (then also ``stride*(group_size-1) < gpus_per_node``).  If ``S`` does not divide
+    ``gpus_per_node`` some block straddles a node boundary and some group in it
+    crosses (e.g. 8 GPUs/node, stride 3, size 2: the group {6, 9}); the family's
+    collective finishes when its slowest group does, so it is priced at
+    ``inter_node``.  A single-node cluster and ``group_size == 1`` give ``intra_node``.
+
+    ValueError when the group does not fit in the cluster
+    (``stride*(group_size-1) >= num_gpus``).
+    """
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a Cluster, got {type(cluster).__name__}")
+    check_positive_int("group_size", group_size)
+    check_positive_int("stride", stride)
+    span = stride * (group_size - 1)
+    if span >= cluster.num_gpus:
+        raise ValueError(
+            f"a group of size {group_size} with stride {stride} spans {span + 1} ranks, "
+            f"but the cluster has only {cluster.num_gpus} GPUs"
+        )
+    if group_size == 1 or cluster.nodes == 1:
+        return cluster.intra_node
+    if cluster.gpus_per_node % (stride * group_size) == 0:
+        return cluster.intra_node
+    return cluster.inter_node

@@ -1,0 +1,269 @@
+"""Hardware descriptions: one accelerator, one link, one two-level cluster.
+
+Units (every number carries its unit in its name):
+
+* ``*_tflops``  -- 1e12 floating-point operations per second (dense 16-bit tensor math)
+* ``*_gib``     -- 2**30 bytes
+* ``*_gbps``    -- 1e9 bytes per second (GB/s, *bytes*, not bits)
+* ``*_s``       -- seconds
+
+Link bandwidths are NCCL "bus bandwidth": the achievable per-GPU, per-direction rate
+that makes the ring-algorithm time of every collective ``bytes_on_wire / bandwidth``
+(NCCL tests docs, "Performance": busbw = algbw * 2(n-1)/n for all-reduce). See comm.py.
+
+The cluster is two-level (Megatron/DGX style): ``gpus_per_node`` GPUs joined by the
+intra-node link (NVLink/NVSwitch), ``nodes`` nodes joined by the inter-node link
+(InfiniBand).  Presets live as data in ``cost_models/presets/<name>.json``, where every
+number sits next to its own ``source`` string; :meth:`Cluster.from_dict` folds those
+per-number sources into the ``source`` field of the spec they belong to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ._checks import check_non_negative, check_positive, check_positive_int, is_number
+
+PRESET_DIR = Path(__file__).with_name("presets")
+PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx2h-v100", "local-cpu")
+"""Names accepted by :meth:`Cluster.from_name`; each is ``presets/<name>.json``."""
+
+# Keys a spec dict may carry for humans only; they are accepted and not stored.
+_NOTE_KEYS = frozenset({"description", "notes"})
+
+
+def _check_text(where: str, value: object, what: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where} must be a non-empty str ({what}), got {value!r}")
+
+
+def _set(obj: object, field: str, value: object) -> None:
+    """Normalise a field of a frozen dataclass inside ``__post_init__``."""
+    object.__setattr__(obj, field, value)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (GPU or a CPU process standing in for one)."""
+
+    name: str
+    """Human-readable model name, e.g. "NVIDIA A100-SXM4-80GB"."""
+    peak_tflops: float
+    """Dense 16-bit (bf16/fp16) tensor-core peak, TFLOP/s (1e12 FLOP/s)."""
+    memory_gib: float
+    """Device memory, GiB (2**30 bytes)."""
+    memory_bandwidth_gbps: float
+    """Device-memory (HBM) bandwidth, GB/s (1e9 bytes/s)."""
+    matmul_efficiency: float
+    """Fraction of peak sustained by training GEMMs, in (0, 1]; one number per
+    hardware profile, the same for every model (a calibration knob)."""
+    source: str
+    """Where the numbers come from (spec sheet, paper + table, calibration run)."""
+
+    def __post_init__(self) -> None:
+        _check_text("DeviceSpec.name", self.name, "the device model")
+        for field in ("peak_tflops", "memory_gib", "memory_bandwidth_gbps"):
+            _set(self, field, check_positive(f"DeviceSpec.{field}", getattr(self, field)))
+        eff = self.matmul_efficiency
+        if not is_number(eff) or not 0 < eff <= 1:
+            raise ValueError(
+                f"DeviceSpec.matmul_efficiency must be a number in (0, 1], got {eff!r}"
+            )
+        _set(self, "matmul_efficiency", float(eff))
+        _check_text("DeviceSpec.source", self.source, "where the numbers come from")
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory in bytes (``memory_gib * 2**30``)."""
+        return int(round(self.memory_gib * 2**30))
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense 16-bit peak in FLOP/s (``peak_tflops * 1e12``)."""
+        return self.peak_tflops * 1e12
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One kind of link between GPUs, as the alpha-beta model sees it."""
+
+    name: str
+    """Human-readable link name, e.g. "NVLink3/NVSwitch"."""
+    bandwidth_gbps: float
+    """Achievable per-GPU, per-direction bandwidth, GB/s (1e9 bytes/s): NCCL bus bandwidth."""
+    latency_s: float
+    """Per-message (per ring hop) latency, seconds (the alpha term)."""
+    source: str
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        _check_text("LinkSpec.name", self.name, "the link kind")
+        _set(self, "bandwidth_gbps", check_positive("LinkSpec.bandwidth_gbps", self.bandwidth_gbps))
+        _set(self, "latency_s", check_non_negative("LinkSpec.latency_s", self.latency_s))
+        _check_text("LinkSpec.source", self.source, "where the numbers come from")
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """Bus bandwidth in bytes/s (``bandwidth_gbps * 1e9``)."""
+        return self.bandwidth_gbps * 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` identical nodes of ``gpus_per_node`` devices each (two-level topology)."""
+
+    device: DeviceSpec
+    """The accelerator every rank runs on."""
+    gpus_per_node: int
+    """Devices per node, joined by ``intra_node``."""
+    nodes: int
+    """Number of nodes, joined by ``inter_node``."""
+    intra_node: LinkSpec
+    """Link between two devices of the same node (NVLink/NVSwitch)."""
+    inter_node: LinkSpec
+    """Link between devices of different nodes (InfiniBand), per GPU."""
+    name: str = "custom"
+    """Preset name or a label of the user's choosing."""
+
+    def __post_init__(self) -> None:
+        for field, kind in (("device", DeviceSpec), ("intra_node", LinkSpec),
+                            ("inter_node", LinkSpec)):
+            value = getattr(self, field)
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"Cluster.{field} must be a {kind.__name__}, got {type(value).__name__}"
+                )
+        check_positive_int("Cluster.gpus_per_node", self.gpus_per_node)
+        check_positive_int("Cluster.nodes", self.nodes)
+        _check_text("Cluster.name", self.name, "a label")
+
+    @property
+    def num_gpus(self) -> int:
+        """Total devices N = gpus_per_node * nodes."""
+        return self.gpus_per_node * self.nodes
+
+    # ----------------------------------------------------------------- presets
+    @classmethod
+    def from_name(cls, name: str, nodes: int = 1) -> "Cluster":
+        """Load preset ``name`` (one of :data:`PRESET_NAMES`) with ``nodes`` nodes.
+
+        ``"local-cpu"`` keeps its preset ``gpus_per_node``; use :meth:`local_cpu`
+        to choose the number of processes.
+        """
+        key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
+        if key not in PRESET_NAMES:
+            raise ValueError(
+                f"unknown cluster preset {name!r}; valid names: {', '.join(PRESET_NAMES)}"
+            )
+        check_positive_int("nodes", nodes)
+        return dataclasses.replace(cls.from_json_file(PRESET_DIR / f"{key}.json"), nodes=nodes)
+
+    @classmethod
+    def dgx_a100(cls, nodes: int = 1) -> "Cluster":
+        """DGX A100 80GB nodes: 8x A100-SXM4-80GB, NVSwitch, 8x HDR 200 Gb/s."""
+        return cls.from_name("dgx-a100", nodes)
+
+    @classmethod
+    def dgx_h100(cls, nodes: int = 1) -> "Cluster":
+        """DGX H100 nodes: 8x H100-SXM5-80GB, NVLink4/NVSwitch, 8x NDR 400 Gb/s."""
+        return cls.from_name("dgx-h100", nodes)
+
+    @classmethod
+    def dgx2h_v100(cls, nodes: int = 1) -> "Cluster":
+        """DGX-2H nodes: 16x V100-SXM3-32GB, NVSwitch, 8x EDR 100 Gb/s."""
+        return cls.from_name("dgx2h-v100", nodes)
+
+    @classmethod
+    def local_cpu(cls, processes: int = 4) -> "Cluster":
+        """One host running ``processes`` CPU ranks over gloo (a nominal profile)."""
+        check_positive_int("processes", processes)
+        return dataclasses.replace(cls.from_name("local-cpu", 1), gpus_per_node=processes)
+
+    # ----------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict; ``Cluster.from_dict(c.to_dict()) == c`` exactly."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":
+        """Build a Cluster from :meth:`to_dict` output or a preset-style dict.
+
+        A number may be written plain or as ``{"value": x, "source": "..."}``; in a
+        device or link, such per-number sources are appended to its ``source``.
+        Missing or unknown keys raise ValueError naming them.
+        """
+        fields = _read_fields("Cluster", d, ("device", "gpus_per_node", "nodes",
+                                             "intra_node", "inter_node", "name"),
+                              optional=("name",))
+        kwargs: dict[str, Any] = {
+            "device": _spec_from_dict(DeviceSpec, "Cluster.device", fields["device"]),
+            "intra_node": _spec_from_dict(LinkSpec, "Cluster.intra_node", fields["intra_node"]),
+            "inter_node": _spec_from_dict(LinkSpec, "Cluster.inter_node", fields["inter_node"]),
+        }
+        for field in ("gpus_per_node", "nodes"):
+            kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
+        if "name" in fields:
+            kwargs["name"] = fields["name"]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Cluster":
+        """Read a cluster (or preset) JSON file written by hand or by :meth:`to_json_file`."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cluster file {path} is not valid JSON: {err}") from err
+        return cls.from_dict(data)
+
+    def to_json_file(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as indented JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def _read_fields(where: str, d: object, names: tuple[str, ...],
+                 optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Check ``d`` is a mapping with exactly the keys ``names`` (plus notes)."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where} must be a JSON object (dict), got {type(d).__name__}")
+    unknown = sorted(set(d) - set(names) - _NOTE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"expected {', '.join(names)}"
+        )
+    missing = [n for n in names if n not in d and n not in optional]
+    if missing:
+        raise ValueError(f"{where} is missing field(s) {', '.join(map(repr, missing))}")
+    return {n: d[n] for n in names if n in d}
+
+
+def _unwrap(where: str, raw: object) -> tuple[Any, str | None]:
+    """``x`` -> (x, None); ``{"value": x, "source": s}`` -> (x, s)."""
+    if isinstance(raw, Mapping):
+        fields = _read_fields(where, raw, ("value", "source"))
+        _check_text(f"{where}.source", fields["source"], "where the number comes from")
+        return fields["value"], fields["source"]
+    return raw, None
+
+
+def _spec_from_dict(spec_cls: type, where: str, d: object) -> Any:
+    """Build a DeviceSpec/LinkSpec, folding per-number sources into ``source``."""
+    names = tuple(f.name for f in dataclasses.fields(spec_cls))
+    fields = _read_fields(where, d, names)
+    kwargs: dict[str, Any] = {}
+    notes = []
+    for name in names:
+        if name in ("name", "source"):
+            kwargs[name] = fields[name]
+            continue
+        kwargs[name], source = _unwrap(f"{where}.{name}", fields[name])
+        if source is not None:
+            notes.append(f"{name}: {source}")
+    if notes and isinstance(kwargs["source"], str):
+        kwargs["source"] = f"{kwargs['source']} [{'; '.join(notes)}]"
+    return spec_cls(**kwargs)

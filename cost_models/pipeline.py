@@ -1,0 +1,95 @@
+"""Pipeline-parallel step time and bubble.
+
+Symbols: p stages, m micro-batches per step, v virtual stages (model chunks) per
+rank for the interleaved schedule, t_i the forward + backward time of one
+micro-batch on stage i, c the point-to-point time of one micro-batch across one
+stage boundary (activation forward plus its gradient backward).
+
+Bubble fraction (Narayanan et al. 2021, section 2.2): GPipe (Huang et al. 2019)
+and 1F1B (PipeDream-flush) idle for (p-1) micro-batch slots at fill and drain
+out of m useful ones, so bubble = (p-1)/m; interleaving v chunks per rank makes
+each slot v times shorter, so bubble = (p-1)/(v*m).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._checks import (PIPELINE_SCHEDULES, check_non_negative, check_positive_int,
+                      check_schedule)
+
+SCHEDULES = PIPELINE_SCHEDULES
+"""("gpipe", "1f1b", "interleaved_1f1b")."""
+
+
+def _check_pipeline(schedule: str, pp: int, num_micro_batches: int,
+                    virtual_stages: int) -> tuple[int, int, int]:
+    """Validate a schedule for p stages and m micro-batches; return (p, m, v)."""
+    v = check_schedule(schedule, virtual_stages)
+    p = check_positive_int("pp", pp)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
+    if schedule == "1f1b" and m < p:
+        raise ValueError(f"1F1B needs num_micro_batches >= pp, got m={m} < pp={p}")
+    if schedule == "interleaved_1f1b":
+        if m < p:
+            raise ValueError(
+                f"interleaved 1F1B needs num_micro_batches >= pp, got m={m} < pp={p}"
+            )
+        if m % p != 0:
+            raise ValueError(
+                f"interleaved 1F1B needs num_micro_batches divisible by pp, "
+                f"got m={m}, pp={p}"
+            )
+    return p, m, v
+
+
+def bubble_fraction(schedule: str, pp: int, num_micro_batches: int,
+                    virtual_stages: int = 1) -> float:
+    """Idle time over useful time: (p-1)/m, or (p-1)/(v*m) interleaved (Narayanan 2021)."""
+    p, m, v = _check_pipeline(schedule, pp, num_micro_batches, virtual_stages)
+    return (p - 1) / (v * m)
+
+
+def pipeline_step_time_s(
+    stage_times_s: Sequence[float],
+    num_micro_batches: int,
+    schedule: str,
+    virtual_stages: int = 1,
+    p2p_time_s: float = 0.0,
+) -> float:
+    """Seconds for one pipelined step of m micro-batches (no DP reduction, no optimizer).
+
+    ``stage_times_s[i]`` is t_i, the forward + backward time of ONE micro-batch on
+    stage i; ``p2p_time_s`` is c (unused when there is a single stage).
+
+    GPipe / 1F1B.  The first micro-batch's forward and backward cross every stage
+    and every boundary: sum_i t_i + (p-1)*c (fill and drain).  After it the
+    pipeline is paced by its slowest stage, which needs max_i(t_i + c) per
+    micro-batch, so
+
+        T = (m - 1) * max_i(t_i + c) + sum_i t_i + (p - 1) * c
+          = m * M + bubble,   M = max_i(t_i + c),   bubble = sum_i t_i + (p-1)*c - M.
+
+    Both schedules run the same work in the same dependency order, so they share
+    this time; they differ in memory (see ``memory.in_flight_micro_batches``).
+
+    Interleaved 1F1B.  Each rank runs v chunks of t_i/v, and every chunk boundary
+    is a point-to-point transfer, so a micro-batch costs the bottleneck rank
+    M_v = max_i(t_i + v*c); the fill/drain is made of chunk-sized slots, v times
+    shorter:
+
+        T = m * M_v + (sum_i t_i + v*(p-1)*c - M_v) / v
+
+    which equals the GPipe formula at v = 1.  With equal stages t and c = 0 both
+    reduce to (m + (p-1)/v) * t = m*t*(1 + bubble_fraction), e.g. (m + p - 1)*t.
+    """
+    times = [check_non_negative(f"stage_times_s[{i}]", t) for i, t in enumerate(stage_times_s)]
+    if not times:
+        raise ValueError("stage_times_s must hold one time per stage, got an empty sequence")
+    p, m, v = _check_pipeline(schedule, len(times), num_micro_batches, virtual_stages)
+    c = check_non_negative("p2p_time_s", p2p_time_s)
+    if p == 1:
+        c = 0.0  # a single stage sends nothing
+    steady = max(t + v * c for t in times)  # M_v; M at v = 1
+    bubble = (sum(times) + v * (p - 1) * c - steady) / v
+    return m * steady + bubble
