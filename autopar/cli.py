@@ -13,6 +13,7 @@ print one line on stderr; ``--debug`` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import textwrap
 import traceback
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import autopar
 from autopar.plan import RECOMPUTE_MODES, SCHEDULES, Layout, Plan
-from autopar.report import format_bytes, format_layout, format_seconds, write_report
+from autopar.report import (format_bytes, format_layout, format_seconds, format_tflops,
+                            write_report)
 from cost_models.hardware import PRESET_NAMES, Cluster
 
 __all__ = ["main", "build_parser"]
@@ -171,7 +173,9 @@ def load_cluster(name: str, nodes: int | None) -> Cluster:
         if not path.is_file():
             raise ValueError(f"cluster file {name} does not exist")
         cluster = Cluster.from_json_file(path)
-        return cluster if nodes is None else Cluster.from_dict({**cluster.to_dict(), "nodes": nodes})
+        if nodes is not None:
+            cluster = dataclasses.replace(cluster, nodes=nodes)
+        return cluster
     return Cluster.from_name(name, nodes or 1)
 
 
@@ -223,9 +227,11 @@ def _plan_table(plan: Plan) -> str:
     device = plan.cluster.get("device", {}).get("memory_gib")
     peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
     time_parts = sorted(p.time_s_by_kind.items(), key=lambda kv: -kv[1])
-    rows = [("layout", format_layout(plan.layout())), ("micro-batches m", str(plan.num_micro_batches)),
+    rows = [("layout", format_layout(plan.layout())),
+            ("micro-batches m", str(plan.num_micro_batches)),
             ("pipeline stages", stages), ("step time", format_seconds(p.step_time_s)),
-            ("TFLOP/s per GPU", f"{p.tflops_per_gpu:.1f}"), ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
+            ("TFLOP/s per GPU", format_tflops(p.tflops_per_gpu)),
+            ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
             ("peak memory", peak), ("solve time", format_seconds(p.solve_time_s)),
             ("time by kind", ", ".join(f"{k} {format_seconds(v)}" for k, v in time_parts if v > 0))]
     return "\n".join(f"  {k:<16} {v}" for k, v in rows)
@@ -237,9 +243,10 @@ def _comparison_lines(plan: Plan, hand: dict[str, Plan | str]) -> list[str]:
     for name, other in hand.items():
         if isinstance(other, Plan):
             ratio = plan.predicted.step_time_s / other.predicted.step_time_s
-            lines.append(f"  {name}: step {format_seconds(other.predicted.step_time_s)}, "
-                         f"{other.predicted.tflops_per_gpu:.1f} TFLOP/s/GPU; auto/hand step time "
-                         f"{ratio:.2f}")
+            pred = other.predicted
+            lines.append(f"  {name}: step {format_seconds(pred.step_time_s)}, "
+                         f"{format_tflops(pred.tflops_per_gpu)} TFLOP/s/GPU; "
+                         f"auto/hand step time {ratio:.2f}")
         else:
             lines.append(f"  {name}: {other}")
     return lines

@@ -22,7 +22,7 @@ from pathlib import Path
 from autopar.plan import Layout, Plan
 
 __all__ = ["render_markdown", "write_report", "write_memory_chart", "format_seconds",
-           "format_bytes", "format_layout", "device_memory_bytes"]
+           "format_bytes", "format_tflops", "format_layout", "device_memory_bytes"]
 
 GIB = 2**30
 # Display order; kinds a cost model adds later are appended after these.
@@ -47,6 +47,11 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"
+
+
+def format_tflops(tflops: float) -> str:
+    """TFLOP/s to one decimal, or three significant digits below 10 (tiny CPU runs)."""
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -77,7 +82,14 @@ def device_memory_bytes(plan: Plan) -> float | None:
         return None
 
 
+def _gib(num_bytes: float) -> str:
+    """Bytes as GiB: one decimal, or three significant digits below 1 GiB."""
+    gib = num_bytes / GIB
+    return f"{gib:.1f}" if gib >= 1 else f"{gib:.3g}"
+
+
 def _ordered(keys, known: tuple[str, ...]) -> list[str]:
+    """Known kinds in their display order, then any others sorted."""
     keys = list(keys)
     return [k for k in known if k in keys] + sorted(k for k in keys if k not in known)
 
@@ -93,16 +105,20 @@ def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[st
 
 # ------------------------------------------------------------------- sections
 def _cluster_line(plan: Plan) -> str:
+    """``dgx-a100: 128 nodes × 8 × NVIDIA A100-SXM4-80GB``."""
     c = plan.cluster
     device = c.get("device", {}).get("name", "?")
     nodes, per_node = c.get("nodes", "?"), c.get("gpus_per_node", "?")
-    return f"{c.get('name', 'cluster')}: {nodes} nodes × {per_node} × {device}"
+    plural = "" if nodes == 1 else "s"
+    return f"{c.get('name', 'cluster')}: {nodes} node{plural} × {per_node} × {device}"
 
 
 def _recompute_summary(modes: list[str]) -> str:
     """``full on layers 0–95 (96/96)`` or one run per contiguous range of a mode."""
     if not modes:
         return "no transformer layers"
+    if len(set(modes)) == 1:
+        return f"{modes[0]} on all {len(modes)} layers"
     runs: list[tuple[str, int, int]] = []
     for i, mode in enumerate(modes):
         if runs and runs[-1][0] == mode and runs[-1][2] == i - 1:
@@ -115,12 +131,13 @@ def _recompute_summary(modes: list[str]) -> str:
 
 
 def _layout_section(plan: Plan) -> list[str]:
+    """The chosen layout as a table, then the pipeline stages."""
     rows = [
         ["model", f"`{plan.model}`"],
         ["cluster", _cluster_line(plan)],
         ["GPUs N = t·p·d", f"{plan.num_gpus}"],
         ["global batch B / sequence length s", f"{plan.global_batch_size} / {plan.seq_len}"],
-        ["tensor parallel t", f"{plan.tp}" + (" + sequence parallel" if plan.sequence_parallel else "")],
+        ["tensor parallel t", f"{plan.tp}" + (" + sequence parallel" * plan.sequence_parallel)],
         ["pipeline parallel p", f"{plan.pp}"],
         ["data parallel d", f"{plan.dp}"],
         ["micro-batch size b", f"{plan.micro_batch_size}"],
@@ -136,6 +153,7 @@ def _layout_section(plan: Plan) -> list[str]:
 
 
 def _stages_section(plan: Plan) -> list[str]:
+    """One row per pipeline stage: its layers, recompute modes and time per micro-batch."""
     stage_time = plan.predicted.stage_time_s
     rows = []
     for i, (first, last) in enumerate(plan.stage_layers):
@@ -151,13 +169,14 @@ def _stages_section(plan: Plan) -> list[str]:
 
 
 def _prediction_section(plan: Plan) -> list[str]:
+    """Step time, TFLOP/s, MFU/HFU, peak memory against the device, solver time."""
     p, device = plan.predicted, device_memory_bytes(plan)
     peak = format_bytes(p.peak_memory_bytes)
     if device:
         peak += f" of {format_bytes(device)} ({p.peak_memory_bytes / device:.0%} of device memory)"
     rows = [
         ["step time", format_seconds(p.step_time_s)],
-        ["throughput per GPU", f"{p.tflops_per_gpu:.1f} TFLOP/s"],
+        ["throughput per GPU", f"{format_tflops(p.tflops_per_gpu)} TFLOP/s"],
         ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
         ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
         ["peak memory per GPU", peak],
@@ -167,6 +186,7 @@ def _prediction_section(plan: Plan) -> list[str]:
 
 
 def _time_section(plan: Plan) -> list[str]:
+    """Seconds and share of the step by kind (compute, recompute, communication ...)."""
     p = plan.predicted
     kinds = _ordered(p.time_s_by_kind, TIME_KINDS)
     rows = [[k, format_seconds(p.time_s_by_kind[k]),
@@ -184,16 +204,20 @@ def _time_section(plan: Plan) -> list[str]:
 
 
 def _memory_section(plan: Plan, chart: str | None) -> list[str]:
+    """GiB per GPU for each stage by kind (parameters, gradients, optimizer, activations)."""
     stages = plan.predicted.memory_bytes_by_stage
     kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
     device = device_memory_bytes(plan)
+    largest = max((sum(stage.values()) for stage in stages), default=0.0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     rows = []
     for i, stage in enumerate(stages):
         total = sum(stage.values())
-        row = [f"{i}"] + [f"{stage.get(k, 0.0) / GIB:.2f}" for k in kinds] + [f"{total / GIB:.2f}"]
+        row = [f"{i}"] + [f"{stage.get(k, 0.0) / scale:.2f}" for k in kinds]
+        row.append(f"{total / scale:.2f}")
         rows.append(row + ([f"{total / device:.0%}"] if device else []))
     header = ["stage"] + kinds + ["total"] + (["% of device"] if device else [])
-    lines = ["## Memory per GPU by pipeline stage (GiB)", ""]
+    lines = [f"## Memory per GPU by pipeline stage ({unit})", ""]
     if device:
         lines += [f"Device memory: {device / GIB:.0f} GiB.", ""]
     lines += _table(header, rows)
@@ -201,6 +225,7 @@ def _memory_section(plan: Plan, chart: str | None) -> list[str]:
 
 
 def _comm_section(plan: Plan) -> list[str]:
+    """Bytes per GPU per step by kind of communication."""
     by_kind = plan.predicted.comm_bytes_by_kind
     rows = [[k, format_bytes(by_kind[k])] for k in _ordered(by_kind, ())]
     if len(rows) > 1:
@@ -210,28 +235,36 @@ def _comm_section(plan: Plan) -> list[str]:
 
 
 def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
-    step = alt.get("step_time_s")
-    feasible = alt.get("feasible", True)
+    """One alternative layout: its step time against the chosen one, and why it lost."""
+    step, feasible = alt.get("step_time_s"), alt.get("feasible", True)
     priced = isinstance(step, (int, float)) and step > 0
     ratio = f"{step / chosen_s:.2f}×" if priced and chosen_s else "–"
     peak = alt.get("peak_memory_bytes")
-    outcome = alt.get("reason") or ("slower" if feasible else "infeasible")
-    if not feasible and not outcome.startswith("infeasible"):
-        outcome = f"infeasible: {outcome}"
+    if feasible is None:  # not priced, e.g. pruned by a lower bound
+        outcome = alt.get("reason") or "not priced"
+    elif not feasible:
+        reason = alt.get("reason") or "does not fit"
+        outcome = reason if reason.startswith("infeasible") else f"infeasible: {reason}"
+    elif priced and chosen_s and step > chosen_s * 1.0005:
+        outcome = alt.get("reason") or f"{step / chosen_s - 1:.1%} slower"
+    else:
+        outcome = alt.get("reason") or "ties the chosen plan (tie broken by the search order)"
     return [format_layout(alt.get("layout", {})), format_seconds(step) if priced else "–", ratio,
-            f"{alt['tflops_per_gpu']:.1f}" if alt.get("tflops_per_gpu") else "–",
+            format_tflops(alt["tflops_per_gpu"]) if alt.get("tflops_per_gpu") else "–",
             format_bytes(peak) if peak else "–", outcome]
 
 
 def _why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
+    """Binding constraints and the best alternatives the search priced."""
     lines = ["## Why this plan", "", "### Binding constraints", ""]
     lines += [f"- {b}" for b in plan.binding] or ["- none reported: the fastest layout fits."]
     lines += [""]
-    alts = sorted(plan.alternatives, key=lambda a: (not a.get("feasible", True),
+    rank = {True: 0, None: 1, False: 2}  # feasible, not priced, infeasible
+    alts = sorted(plan.alternatives, key=lambda a: (rank.get(a.get("feasible", True), 2),
                                                    a.get("step_time_s") or float("inf")))
     lines += ["### Best alternatives the search priced", ""]
     if not alts:
-        return lines + ["The plan records no alternatives (a fully fixed layout is not searched).", ""]
+        return lines + ["The plan records no alternatives.", ""]
     rows = [_alternative_row(a, plan.predicted.step_time_s) for a in alts[:max_alternatives]]
     lines += [f"{len(rows)} of {len(alts)} shown, fastest feasible first; *vs chosen* is the "
               "alternative's step time over the chosen plan's.", ""]
@@ -240,16 +273,18 @@ def _why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
 
 
 def _hand_row(name: str, hand: Plan | str, auto: Plan, device: float | None) -> list[str]:
+    """One row of the hand-layout table (a Plan, or the reason it could not be priced)."""
     if not isinstance(hand, Plan):  # could not be priced: the reason is in the last column
         return [name, "–", "–", "–", "–", "–", "–", str(hand)]
     p = hand.predicted
     fits = "yes" if device is None or p.peak_memory_bytes <= device else "**no**"
     return [name, f"`{format_layout(hand.layout())}`", format_seconds(p.step_time_s),
-            f"{p.tflops_per_gpu:.1f}", f"{p.mfu:.1%}", f"{p.peak_memory_bytes / GIB:.1f}",
+            format_tflops(p.tflops_per_gpu), f"{p.mfu:.1%}", _gib(p.peak_memory_bytes),
             f"{auto.predicted.step_time_s / p.step_time_s:.2f}" if p.step_time_s else "–", fits]
 
 
 def _hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
+    """Hand-written layouts priced by the same cost model, beside the auto plan."""
     device = device_memory_bytes(plan)
     rows = [_hand_row("**autopar (this plan)**", plan, plan, device)]
     rows += [_hand_row(name, hand, plan, device) for name, hand in hand_layouts.items()]
@@ -297,18 +332,21 @@ def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
         return None
     stages = plan.predicted.memory_bytes_by_stage
     kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(stages) + 2), 3.2), dpi=100)
+    largest = max((sum(stage.values()) for stage in stages), default=0.0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(stages) + 3), 3.2), dpi=100)
     bottom = [0.0] * len(stages)
     for kind in kinds:
-        values = [stage.get(kind, 0.0) / GIB for stage in stages]
+        values = [stage.get(kind, 0.0) / scale for stage in stages]
         ax.bar(range(len(stages)), values, bottom=bottom, label=kind)
         bottom = [b + v for b, v in zip(bottom, values)]
     device = device_memory_bytes(plan)
-    if device:
-        ax.axhline(device / GIB, color="black", linestyle="--", linewidth=1, label="device memory")
+    if device and device <= 4 * largest:  # the device line only where it is in scale
+        ax.axhline(device / scale, color="black", linestyle="--", linewidth=1, label="device memory")
+    ax.set_xticks(range(len(stages)))
     ax.set_xlabel("pipeline stage")
-    ax.set_ylabel("GiB per GPU")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_ylabel(f"{unit} per GPU")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

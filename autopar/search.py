@@ -96,10 +96,47 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     return out
 
 
-def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, global_batch_size: int) -> float:
-    flops = 3.0 * sum(i.flops for i in traced.nodes.values() if i.kind in ("linear", "sdpa"))
-    per_gpu = flops * global_batch_size / (cfg.tp * cfg.pp * cfg.dp)
-    return compute.matmul_time_s(per_gpu, cluster.device)
+def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) -> float:
+    """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
+    ``layer_s`` (every node at its cheapest strategy, communication free), so
+    (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s."""
+    L, p, m = traced.num_layers, cfg.pp, cfg.num_micro_batches
+    return (m + p - 1) * (L / p) * layer_s
+
+
+def _min_layer_time_s(traced: TracedModel, cluster, tp: int, mbs: int, cache: dict) -> float:
+    """Forward+backward seconds of one layer, each node at its cheapest strategy."""
+    key = (tp, mbs)
+    if key not in cache:
+        from .cost import _node_cost
+        from .strategies import node_strategies, tensor_inputs
+
+        strategies = node_strategies(traced, tp)
+        total = 0.0
+        for node in traced.gm.graph.nodes:
+            if node.name not in set(traced.layers[0]):
+                continue
+            info = traced.nodes[node.name]
+            in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
+            total += min(c.fwd_s + c.bwd_s for c in (
+                _node_cost(info, st, mbs, cluster, tp, in_numel) for st in strategies[node.name]))
+        cache[key] = total
+    return cache[key]
+
+
+def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
+    """Per-GPU memory no plan of ``cfg`` can go below: model states split over tp·pp with
+    the most sharding ZeRO allowed, plus stage 0's full-recompute checkpoints."""
+    from cost_models.memory import in_flight_micro_batches
+
+    from .cost import bytes_per_param
+
+    states = traced.total_params() / (cfg.tp * cfg.pp) * min(
+        bytes_per_param(z, cfg.dp) for z in zero_stages)
+    layers = traced.num_layers // cfg.pp
+    inflight = in_flight_micro_batches(cfg.schedule, cfg.pp, 0, cfg.num_micro_batches,
+                                       cfg.virtual_stages)
+    return states + 2.0 * traced.boundary_numel() * cfg.micro_batch_size * layers * inflight
 
 
 @dataclass
@@ -114,8 +151,8 @@ class SearchResult:
 
 
 def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
-              support: RuntimeSupport | None, mapping, time_limit_s: float = 10.0,
-              even_stages: bool = False):
+              support: RuntimeSupport | None, mapping, time_limit_s: float = 1.0,
+              even_stages: bool = False, cutoff_s: float | None = None):
     """Solve one Config; returns (Decision | None, status name, tables, strategies)."""
     from ortools.sat.python import cp_model
 
@@ -128,6 +165,8 @@ def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layo
                        recompute_modes=modes, fixed_recompute=layout.recompute,
                        even_stages=even_stages)
     model.build()
+    if cutoff_s is not None and cutoff_s < float("inf"):
+        model.add_cutoff(cutoff_s)
     status, solver = model.solve(time_limit_s)
     name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -147,20 +186,36 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         raise ValueError(f"no (tp, pp, dp, micro_batch_size) fits {cluster.num_gpus} GPUs, "
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
-    configs.sort(key=lambda c: _lower_bound_s(traced, cluster, c, global_batch_size))
+    cache: dict = {}
+    bound = {c: _lower_bound_s(traced, cluster, c, _min_layer_time_s(
+        traced, cluster, c.tp, c.micro_batch_size, cache)) for c in configs}
+    configs.sort(key=bound.get)
     best, best_t, best_tab, seen = None, float("inf"), None, []
     for cfg in configs:
-        lb = _lower_bound_s(traced, cluster, cfg, global_batch_size)
+        lb = bound[cfg]
         if lb >= best_t:
             seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
                          "reason": f"pruned: compute lower bound {lb:.3f} s >= best {best_t:.3f} s"})
             continue
+        zero = (layout.zero_stage,) if layout.zero_stage is not None else \
+            (support.zero_stages if support else (0, 1, 2, 3))
+        mem_lb = _memory_lower_bound_bytes(traced, cfg, zero)
+        if mem_lb > cluster.device.memory_bytes:
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
+                         "min_memory_bytes": mem_lb,
+                         "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
+                                   f"{cluster.device.memory_gib:.0f} GiB"})
+            continue
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, global_batch_size, layout, support, mapping,
-            even_stages=even_stages)
+            even_stages=even_stages, cutoff_s=best_t)
         if decision is None:
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
-                         "reason": f"no strategy fits device memory (CP-SAT {status})"})
+            beaten = best_t < float("inf")
+            seen.append({"layout": asdict(cfg), "step_time_s": None,
+                         "feasible": None if beaten else False,
+                         "reason": f"cannot beat the best plan ({best_t:.3f} s) within memory "
+                                   f"(CP-SAT {status})" if beaten else
+                                   f"no strategy fits device memory (CP-SAT {status})"})
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
@@ -169,22 +224,39 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                      "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
         if pred.step_time_s < best_t:
             best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
+    if best is not None:
+        _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
+                            seen, even_stages)
     elapsed = time.perf_counter() - start
     if best is None:
-        raise InfeasibleError(_infeasible_message(traced, cluster, configs, global_batch_size))
+        raise InfeasibleError(_infeasible_message(cluster, seen))
     return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
 
 
-def _infeasible_message(traced, cluster, configs, global_batch_size) -> str:
-    from cost_models.memory import model_state_bytes
+def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
+                        even_stages, count: int = 4) -> None:
+    """Solve the best few configs that lost to the cutoff without it, so the report can
+    show how much slower they are (the search itself never needed their optimum)."""
+    for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
+        cfg = Config(**entry["layout"])
+        decision, status, tables, strategies = solve_one(
+            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            even_stages=even_stages)
+        if decision is None:
+            entry.update(feasible=False, reason=f"no strategy fits device memory (CP-SAT {status})")
+            continue
+        pred = predict(traced, strategies, tables, cluster, decision,
+                       global_batch_size=global_batch_size)
+        entry.update(step_time_s=pred.step_time_s, feasible=True,
+                     tflops_per_gpu=pred.tflops_per_gpu,
+                     peak_memory_bytes=pred.peak_memory_bytes, reason="slower")
 
-    n = cluster.num_gpus
-    states = model_state_bytes(traced.total_params(), 3, n) if n > 1 else \
-        model_state_bytes(traced.total_params(), 0, 1)
-    ckpt = 2.0 * traced.boundary_numel() * traced.num_layers / n
-    need = states + ckpt
-    return (f"no plan fits: even the most memory-frugal plan needs about {need / 2**30:.2f} GiB "
-            f"per GPU (model states fully sharded: {states / 2**30:.2f} GiB) against "
-            f"{cluster.device.memory_gib:.1f} GiB on {cluster.device.name}, and none of the "
-            f"{len(configs)} mesh shapes fit under the binding constraint memory[stage i]; use "
-            "more GPUs, GPUs with more memory, a smaller global batch, or allow ZeRO/recompute")
+
+def _infeasible_message(cluster, seen: list[dict]) -> str:
+    bounds = [s["min_memory_bytes"] for s in seen if "min_memory_bytes" in s]
+    need = (f"the most memory-frugal mesh shape needs at least {min(bounds) / 2**30:.2f} GiB per "
+            "GPU" if bounds else "every mesh shape exceeds it once activations are counted")
+    return (f"no plan fits in {cluster.device.memory_gib:.1f} GiB per GPU "
+            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}; binding constraint: "
+            f"memory[stage 0] in all {len(seen)} mesh shapes. Use more GPUs, GPUs with more "
+            "memory, a smaller global batch or micro-batch, or allow ZeRO / recompute")

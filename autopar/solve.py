@@ -20,7 +20,9 @@ subject to per-GPU memory
 :math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i \le M` for every stage.
 Products of two decision variables are exact CP-SAT multiplication constraints. Each
 constraint family has one ``add_*`` method and named constraints so an infeasible
-model says which family binds. Times are integer nanoseconds, memory integer KiB.
+model says which family binds. Times are integers in a unit of about 1e-4 of one layer's
+forward+backward (``time_unit_s``), memory integer KiB, parameters integer units of 1024.
+Stage sizes are searched within ±2 layers of an even split (``STAGE_SLACK``).
 Ties are broken toward the lower ZeRO stage (1 ns per stage: simpler runtime, equal cost).
 """
 
@@ -39,8 +41,9 @@ from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
 __all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map"]
 
-NS = 1e9  # seconds -> integer nanoseconds
 KIB = 1024
+PARAM_UNIT = 1024   # parameters are counted in units of 1024 (rounded up)
+STAGE_SLACK = 2     # stage i holds L/p ± 2 layers
 
 
 class InfeasibleError(Exception):
@@ -93,6 +96,8 @@ class StageModel:
         self.section = {n: "pre" for n in traced.pre} | {n: "post" for n in traced.post} \
             | {n: "layer" for n in traced.layers[0]}
         self.x: dict[str, list] = {}
+        layer_s = sum(tables.node[n][0].fwd_s + tables.node[n][0].bwd_s for n in traced.layers[0])
+        self.ns = 1e4 / max(layer_s, 1e-12)  # seconds -> integer time units
         self.terms = {sec: {k: [] for k in ("fwd", "bwd", "core", "act", "core_act", "param")}
                       for sec in ("pre", "layer", "post")}
 
@@ -104,12 +109,12 @@ class StageModel:
             self.x[name] = xs
             sec = self.terms[self.section[name]]
             for k, cost in enumerate(self.c.node[name]):
-                sec["fwd"].append((cost.fwd_s * NS, xs[k]))
-                sec["bwd"].append((cost.bwd_s * NS, xs[k]))
-                sec["core"].append((cost.core_fwd_s * NS, xs[k]))
+                sec["fwd"].append((cost.fwd_s * self.ns, xs[k]))
+                sec["bwd"].append((cost.bwd_s * self.ns, xs[k]))
+                sec["core"].append((cost.core_fwd_s * self.ns, xs[k]))
                 sec["act"].append((cost.saved_bytes / KIB, xs[k]))
                 sec["core_act"].append((cost.core_saved_bytes / KIB, xs[k]))
-                sec["param"].append((cost.param_numel, xs[k]))
+                sec["param"].append((cost.param_numel / PARAM_UNIT, xs[k]))
 
     def add_boundaries(self) -> None:
         """Activations crossing layer boundaries (pipeline cuts) are replicated."""
@@ -152,13 +157,13 @@ class StageModel:
                 if sv.partial_grad_inputs and sv.partial_grad_inputs[j]:
                     if fkey not in self.x:
                         self.x[fkey] = [self.m.NewBoolVar(fkey)]
-                        sec["bwd"].append((self.c.f_s.get(u, 0.0) * NS, self.x[fkey][0]))
+                        sec["bwd"].append((self.c.f_s.get(u, 0.0) * self.ns, self.x[fkey][0]))
                     self.m.AddImplication(xv, self.x[fkey][0])
                 if cost.fwd_s or cost.bwd_s:
                     e = self.m.NewBoolVar(f"e[{u},{v},{ku},{kv}]")
                     self.m.Add(e >= xu + xv - 1)
-                    sec["fwd"].append((cost.fwd_s * NS, e))
-                    sec["bwd"].append((cost.bwd_s * NS, e))
+                    sec["fwd"].append((cost.fwd_s * self.ns, e))
+                    sec["bwd"].append((cost.bwd_s * self.ns, e))
 
     # -- sections as integer expressions -----------------------------------------------
     def _expr(self, sec: str, key: str, scale: float = 1.0):
@@ -193,7 +198,8 @@ class StageModel:
         p = cfg.pp
         if p > L:
             raise ValueError(f"pp={p} exceeds the {L} layers")
-        self.n = [self.m.NewIntVar(1, L - p + 1, f"layers[{i}]") for i in range(p)]
+        lo, hi = max(1, L // p - STAGE_SLACK), min(L - p + 1, -(-L // p) + STAGE_SLACK)
+        self.n = [self.m.NewIntVar(lo, hi, f"layers[{i}]") for i in range(p)]
         self.m.Add(sum(self.n) == L).WithName("all_layers_placed")
         if self.even_stages:  # hand layouts: Megatron splits layers evenly
             for i in range(p):
@@ -239,7 +245,7 @@ class StageModel:
             last = group[-1]
             if self.section.get(last) == "post":
                 for k, cost in enumerate(self.c.node[last]):
-                    expr += int(math.ceil(cost.param_numel)) * self.x[last][k]
+                    expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * self.x[last][k]
         return expr
 
     def add_memory(self) -> None:
@@ -260,8 +266,8 @@ class StageModel:
                 self.m.Add(s == 0).OnlyEnforceIf(zb.Not())
                 s_iz[z] = s
             self.state_terms.append(s_iz)
-            # state bytes * d, exact integers: 16d, 4d+12, 2d+14, 16 per parameter
-            state_d_bytes = sum(round(bytes_per_param(z, d) * d) * s for z, s in s_iz.items())
+            # state KiB * d, exact integers: 16d, 4d+12, 2d+14, 16 bytes per parameter
+            state_d_kib = sum(round(bytes_per_param(z, d) * d) * s for z, s in s_iz.items())
             keep = self.m.NewIntVar(0, L, f"layers_no_recompute[{i}]")
             self.m.Add(keep == self.n[i] - self.rf[i] - self.rs[i])
             act = (self._prod(f"act_kept[{i}]", keep, a_layer, L * act_ub)
@@ -274,9 +280,9 @@ class StageModel:
             extra = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
                 extra = extra + self._expr("post", "act") + int(self.c.loss_bytes / KIB)
-            # everything times d, in bytes: states exact, activations rounded up to KiB
-            mem_d = state_d_bytes + KIB * d * (int(math.ceil(inflight)) * act_total + extra)
-            self.m.Add(mem_d <= self.cluster.device.memory_bytes * d).WithName(f"memory[stage {i}]")
+            # everything times d, in KiB (parameter units of 1024 make state bytes KiB)
+            mem_d = state_d_kib + d * (int(math.ceil(inflight)) * act_total + extra)
+            self.m.Add(mem_d <= self.cluster.device.memory_bytes // KIB * d).WithName(f"memory[stage {i}]")
 
     def add_objective(self) -> None:
         cfg, L = self.cfg, self.t.num_layers
@@ -284,9 +290,9 @@ class StageModel:
         bl = self._var("bwd_layer", self._expr("layer", "bwd"), self._ub("layer", "bwd"))
         cl = self._var("core_layer", self._expr("layer", "core"), self._ub("layer", "core"))
         fb = self._var("fwd_bwd_layer", fl + bl, self._ub("layer", "fwd") + self._ub("layer", "bwd"))
-        p2p = int(math.ceil(self.c.p2p_s * NS))
+        p2p = int(math.ceil(self.c.p2p_s * self.ns))
         t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
-            self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + int(self.c.loss_s * NS) + 1
+            self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + int(self.c.loss_s * self.ns) + 1
         self.stage_t = []
         for i in range(cfg.pp):
             t = (self._prod(f"t_layers[{i}]", self.n[i], fb, t_ub)
@@ -295,18 +301,24 @@ class StageModel:
             if i == 0:
                 t += self._expr("pre", "fwd") + self._expr("pre", "bwd")
             if i == cfg.pp - 1:
-                t += self._expr("post", "fwd") + self._expr("post", "bwd") + int(self.c.loss_s * NS)
+                t += self._expr("post", "fwd") + self._expr("post", "bwd") + int(self.c.loss_s * self.ns)
             self.stage_t.append(self._var(f"stage_time[{i}]", t, t_ub))
         tmax = self.m.NewIntVar(0, t_ub + p2p, "t_max")
         for t in self.stage_t:
             self.m.Add(tmax >= t + p2p)
-        tdp = self.m.NewIntVar(0, 10**15, "t_dp")
+        tdp = self.m.NewIntVar(0, 10**13, "t_dp")
         for i, s_iz in enumerate(self.state_terms):
-            per_z = {z: dp_comm_s_per_param(z, self.cluster, cfg) * NS * 1000 for z in s_iz}
+            per_z = {z: dp_comm_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns * 1000
+                     for z in s_iz}
             self.m.Add(tdp * 1000 >= sum(int(math.ceil(per_z[z])) * s for z, s in s_iz.items()))
         ties = sum(z * zb for z, zb in self.z.items())
-        self.m.Minimize((cfg.num_micro_batches - 1) * tmax + sum(self.stage_t)
-                        + (cfg.pp - 1) * p2p + tdp + ties)
+        self.objective = (cfg.num_micro_batches - 1) * tmax + sum(self.stage_t) \
+            + (cfg.pp - 1) * p2p + tdp + ties
+        self.m.Minimize(self.objective)
+
+    def add_cutoff(self, step_time_s: float) -> None:
+        """Only plans faster than ``step_time_s`` (the best found so far) are of interest."""
+        self.m.Add(self.objective <= int(step_time_s * self.ns)).WithName("beats_incumbent")
 
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
         solver = cp_model.CpSolver()
@@ -329,4 +341,4 @@ class StageModel:
             start += count
         zero = next(z for z, zb in self.z.items() if solver.Value(zb))
         return Decision(self.cfg, strategy, bounds, recompute, zero,
-                        solver.ObjectiveValue() / NS, solver.WallTime())
+                        solver.ObjectiveValue() / self.ns, solver.WallTime())

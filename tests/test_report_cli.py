@@ -175,6 +175,15 @@ def test_cli_plan_report_prices_megatron_by_default(fake_api, tmp_path, capsys):
     assert "Megatron-LM" in (tmp_path / "report.md").read_text()
 
 
+def test_cli_cluster_from_json_file_with_nodes(fake_api, tmp_path, capsys):
+    path = tmp_path / "my-cluster.json"
+    Cluster.dgx_h100(nodes=2).to_json_file(path)
+    assert cli.main(["plan", "--model", "gpt-1.3b", "--cluster", str(path), "--nodes", "4",
+                     "--global-batch-size", "64", "--seq-len", "2048"]) == 0
+    cluster = fake_api[0][1]["cluster"]
+    assert cluster.nodes == 4 and cluster.name == "dgx-h100"
+
+
 def test_cli_plan_repeated_megatron_flags(fake_api, capsys):
     argv = ["plan", *PLAN_ARGS, "--megatron", "tp=8,pp=16,dp=8,mbs=1",
             "--megatron", "tp=8,pp=8,dp=16,mbs=1,recompute=full"]

@@ -1,0 +1,164 @@
+"""autopar in two minutes: plan GPT-3 175B on 1024 A100s, then train a tiny GPT on 4 CPU ranks.
+
+Run from the repository root::
+
+    python examples/quickstart.py            # both parts
+    python examples/quickstart.py --skip-175b   # only the 4-process training part
+
+Part 1 plans GPT-3 175B (built on the meta device: nothing is allocated) on 128 DGX A100
+nodes for a global batch of 1536 sequences of 2048 tokens, prices Megatron-LM's published
+layout (t=8, p=16, d=8, b=1, full recompute; Narayanan et al. 2021) with the same cost
+model, and writes ``reports/gpt3-175b-dgx-a100-128/report.md``.
+
+Part 2 trains a tiny GPT for 5 SGD steps on 4 local CPU processes joined by gloo, with a
+fixed layout of tensor parallel 2 × pipeline parallel 2, and prints each step's loss next
+to the loss of the same model trained in one process on the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+try:
+    import autopar
+except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import autopar
+from autopar import Cluster, Layout
+from autopar.models import GPT, PRESETS
+from autopar.report import format_seconds, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+MEGATRON_175B = "tp=8,pp=16,dp=8,mbs=1,recompute=full"  # Narayanan et al. 2021, Table 1
+TINY = PRESETS["gpt-tiny"]           # L=2, a=4, h=32, V=64, s=16
+WORLD_SIZE, STEPS, BATCH, LR, SEED = 4, 5, 8, 0.5, 0
+
+
+# ------------------------------------------------------------------- part 1: plan
+def plan_gpt3_175b() -> None:
+    """Plan GPT-3 175B on 128 DGX A100 nodes and compare with Megatron-LM's layout."""
+    model, name = autopar.load_model("gpt3-175b")  # meta device
+    cluster = Cluster.dgx_a100(nodes=128)
+    batch = dict(global_batch_size=1536, seq_len=2048, model_name=name)
+    plan = autopar.plan(model, cluster, **batch)
+    print(f"auto plan  : {plan.summary()}")
+    print(f"solved in {format_seconds(plan.predicted.solve_time_s)}")
+    megatron = autopar.evaluate(model, cluster, Layout.parse(MEGATRON_175B), **batch)
+    print(f"Megatron-LM: {megatron.summary()}")
+    speedup = megatron.predicted.step_time_s / plan.predicted.step_time_s
+    print(f"auto/Megatron step time: {1 / speedup:.2f} (the auto plan is {speedup:.2f}x "
+          f"{'faster' if speedup >= 1 else 'slower'})")
+    path = write_report(plan, REPO / "reports" / "gpt3-175b-dgx-a100-128",
+                        hand_layouts={f"Megatron-LM `{MEGATRON_175B}`": megatron},
+                        title="GPT-3 175B on 128 DGX A100 nodes (1024 GPUs)")
+    print(f"report: {path.relative_to(REPO)}")
+
+
+# ----------------------------------------------------------------- part 2: train
+def batches(steps: int, batch: int, seq_len: int, vocab: int) -> list[tuple[torch.Tensor, ...]]:
+    """Deterministic (idx, targets) pairs, (B, s) int64 each; targets are idx shifted by one.
+
+    Each row counts up modulo V from a random start (``t, t+1, t+2 ...``): a pattern a tiny
+    GPT learns within a few steps, so the loss visibly falls.
+    """
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (batch, 1), generator=gen)
+        tokens = (start + torch.arange(seq_len + 1)) % vocab  # (B, s + 1)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def reference_losses(data: list) -> list[float]:
+    """Single-process SGD on the same model (same seed) and the same batches."""
+    torch.manual_seed(SEED)
+    model = GPT(TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for idx, targets in data:
+        opt.zero_grad()
+        _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def tiny_plan():
+    """The plan for 4 CPU ranks with a fixed t=2, p=2 layout (the solver fills in the rest)."""
+    with torch.device("meta"):  # planning never needs real weights
+        model = GPT(TINY)
+    cluster = Cluster.local_cpu(processes=WORLD_SIZE)
+    layout = Layout(tp=2, pp=2, dp=1, micro_batch_size=2)
+    return autopar.plan(model, cluster, global_batch_size=BATCH, seq_len=TINY.block_size,
+                        layout=layout, model_name="gpt-tiny")
+
+
+def worker(rank: int, port: int, plan, data: list, reference: list[float]) -> None:
+    """One rank: join gloo, parallelize the same-seed model by ``plan``, train, print (rank 0)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(SEED)
+        model = GPT(TINY)  # identical weights on every rank; parallelize keeps this rank's shard
+        parallel = autopar.parallelize(
+            model, Cluster.local_cpu(processes=WORLD_SIZE), plan,
+            optimizer=functools.partial(torch.optim.SGD, lr=LR),
+            global_batch_size=BATCH, seq_len=TINY.block_size)
+        for step, (idx, targets) in enumerate(data):
+            loss = parallel.train_step(idx, targets)  # the same float on every rank
+            if rank == 0:
+                print(f"  step {step}: loss {loss:.6f} on 4 ranks, {reference[step]:.6f} in one "
+                      f"process (diff {abs(loss - reference[step]):.1e})", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_tiny_gpt() -> None:
+    """Plan, then spawn 4 gloo ranks that train 5 steps; rank 0 prints both loss curves."""
+    plan = tiny_plan()
+    print(f"plan for 4 CPU ranks: {plan.summary()}")
+    data = batches(STEPS, BATCH, TINY.block_size, TINY.vocab_size)
+    reference = reference_losses(data)
+    mp.spawn(worker, args=(free_port(), plan, data, reference), nprocs=WORLD_SIZE, join=True)
+
+
+def main() -> None:
+    """Run part 1 (plan 175B) and part 2 (train on 4 CPU ranks) unless skipped."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-175b", action="store_true", help="skip part 1 (planning 175B)")
+    parser.add_argument("--skip-train", action="store_true", help="skip part 2 (4-rank training)")
+    args = parser.parse_args()
+    if not args.skip_175b:
+        print("== 1. GPT-3 175B on 128 DGX A100 nodes ==")
+        start = time.perf_counter()
+        plan_gpt3_175b()
+        print(f"(part 1 took {time.perf_counter() - start:.1f} s)\n")
+    if not args.skip_train:
+        print(f"== 2. a tiny GPT on {WORLD_SIZE} CPU processes (gloo), {STEPS} SGD steps ==")
+        start = time.perf_counter()
+        train_tiny_gpt()
+        print(f"(part 2 took {time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
