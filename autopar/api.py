@@ -12,6 +12,7 @@ from .plan import Layout, Plan
 from .predict import predict
 from .runtime.support import RUNTIME_SUPPORT
 from .search import SearchResult, search
+from .strategies import strategy_key
 from .trace import trace_model
 
 __all__ = ["plan", "evaluate", "load_model", "plan_from_search"]
@@ -52,7 +53,7 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
     pred = predict(traced, result.strategies, result.tables, cluster, d,
                    global_batch_size=global_batch_size)
     pred = replace(pred, solve_time_s=result.solve_time_s)
-    placements = {name: result.strategies[name][k].name for name, k in d.strategy.items()}
+    placements = {name: strategy_key(result.strategies[name][k]) for name, k in d.strategy.items()}
     feasible = sorted((s for s in result.seen if s["feasible"]), key=lambda s: s["step_time_s"])
     others = feasible[1:6] + [s for s in result.seen if s["feasible"] is False][:3]
     stage_mem = pred.memory_bytes_by_stage

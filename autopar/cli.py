@@ -277,11 +277,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """``autopar plan``: solve, print, save, report."""
     model, name, cluster, seq_len = _load_problem(args)
     batch = dict(global_batch_size=args.global_batch_size, seq_len=seq_len)
-    plan = autopar.plan(model, cluster, layout=_layout(args), model_name=name, **batch)
     layouts = {f"hand `{text}`": Layout.parse(text) for text in args.megatron}
     if not layouts and args.report:
         layouts = default_hand_layouts(name, cluster)
+    # Hand layouts first: a mistyped one fails in seconds, not after the search.
     hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
+    plan = autopar.plan(model, cluster, layout=_layout(args), model_name=name, **batch)
     _emit(plan, args, hand)
     return EXIT_OK
 

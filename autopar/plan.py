@@ -188,6 +188,17 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
 
+    def decision_digest(self) -> str:
+        """SHA-256 of what the runtime executes (layout, stages, recompute, placements);
+        predictions and solve times are left out, so two solves of one plan agree."""
+        import hashlib
+
+        keys = ("global_batch_size", "seq_len", "tp", "pp", "dp", "micro_batch_size",
+                "num_micro_batches", "schedule", "zero_stage", "recompute", "stage_layers",
+                "placements", "virtual_stages", "sequence_parallel", "version")
+        data = {k: getattr(self, k) for k in keys}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
     def summary(self) -> str:
         """One line: the layout and its predicted speed."""
         p = self.predicted

@@ -68,9 +68,12 @@ def format_layout(layout: Layout | dict) -> str:
     """``tp=8 pp=16 dp=8 mbs=1 recompute=full`` (fields left to the solver are omitted)."""
     data = layout if isinstance(layout, dict) else vars(layout)
     short = {"micro_batch_size": "mbs", "zero_stage": "zero", "virtual_stages": "v",
-             "sequence_parallel": "sp"}
+             "sequence_parallel": "sp", "num_micro_batches": "m"}
     defaults = {"virtual_stages": 1, "sequence_parallel": False}  # omitted: noise in tables
-    items = [(k, v) for k, v in data.items() if v is not None and defaults.get(k, None) != v]
+    order = ("tp", "pp", "dp", "micro_batch_size", "num_micro_batches", "zero_stage",
+             "recompute", "schedule", "virtual_stages", "sequence_parallel")
+    keys = [k for k in order if k in data] + sorted(k for k in data if k not in order)
+    items = [(k, data[k]) for k in keys if data[k] is not None and defaults.get(k) != data[k]]
     return " ".join(f"{short.get(k, k)}={v}" for k, v in items) or "(free)"
 
 
@@ -245,10 +248,12 @@ def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
     elif not feasible:
         reason = alt.get("reason") or "does not fit"
         outcome = reason if reason.startswith("infeasible") else f"infeasible: {reason}"
+    elif alt.get("reason") not in (None, "", "slower"):  # a specific reason from the search
+        outcome = alt["reason"]
     elif priced and chosen_s and step > chosen_s * 1.0005:
-        outcome = alt.get("reason") or f"{step / chosen_s - 1:.1%} slower"
+        outcome = f"{step / chosen_s - 1:.1%} slower"
     else:
-        outcome = alt.get("reason") or "ties the chosen plan (tie broken by the search order)"
+        outcome = "ties the chosen plan (tie broken by the search order)"
     return [format_layout(alt.get("layout", {})), format_seconds(step) if priced else "–", ratio,
             format_tflops(alt["tflops_per_gpu"]) if alt.get("tflops_per_gpu") else "–",
             format_bytes(peak) if peak else "–", outcome]

@@ -38,7 +38,7 @@ _PASS_THROUGH = {"gelu", "dropout", "contiguous", "elementwise"}
 class Strategy:
     """One tensor-parallel option of a node.
 
-    name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded" | "partial".
+    name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded".
     inputs: required placement of each tensor input (in ``node.all_input_nodes`` order
         restricted to tensor inputs; see :func:`tensor_inputs`).
     output: placement of the output.
@@ -123,7 +123,6 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
         base += [Strategy("sharded", (f"S{d}",), f"S{d}", tp, 1, (False,)) for d in shardable]
     elif kind == "add" and len(ins) == 2 and all(nodes[n.name].shape == shape for n in ins):
         base += [Strategy("sharded", (f"S{d}",) * 2, f"S{d}", tp, 1, (False,) * 2) for d in shardable]
-        base.append(Strategy("partial", ("P", "P"), "P", 1, 1, (False, False)))
     elif kind == "transpose" and node.target == "transpose" and len(ins) == 1:
         a, b = (d % len(shape) for d in node.args[1:3])
         swap = {a: b, b: a}
@@ -157,6 +156,11 @@ def node_strategies(traced: TracedModel, tp: int) -> NodeStrategies:
     gm = traced.gm
     return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp)
             for node in gm.graph.nodes}
+
+
+def strategy_key(strategy: Strategy) -> str:
+    """The name a Plan stores for a strategy: ``"<name>:<output placement>"`` (unique per node)."""
+    return f"{strategy.name}:{strategy.output}"
 
 
 def param_split(strategy: Strategy) -> str:

@@ -170,8 +170,8 @@ def test_cli_plan_report_prices_megatron_by_default(fake_api, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tp=4 pp=4 dp=64" in out and "auto/hand step time 0.83" in out
     kinds = [kind for kind, _ in fake_api]
-    assert kinds == ["plan", "evaluate"]
-    assert fake_api[1][1]["layout"] == Layout.parse("tp=8,pp=16,dp=8,mbs=1,recompute=full")
+    assert kinds == ["evaluate", "plan"]  # hand layouts first: a typo fails before the search
+    assert fake_api[0][1]["layout"] == Layout.parse("tp=8,pp=16,dp=8,mbs=1,recompute=full")
     assert "Megatron-LM" in (tmp_path / "report.md").read_text()
 
 

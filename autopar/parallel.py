@@ -1,0 +1,153 @@
+"""``autopar.parallelize``: turn a model and a plan into this rank's training program.
+
+Passes run in a fixed order, each reading only the plan:
+
+1. trace the model (the same front end the planner used, so node names match the plan);
+2. annotate each node with its pipeline stage and layer;
+3. tensor parallelism (``rewrite.tensor_parallel``): shards + explicit f/g collectives;
+4. recompute (``rewrite.recompute``): checkpoint whole layers or the attention core;
+5. pipeline split (``rewrite.pipeline``): keep this rank's stage;
+6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe, DP averaging,
+   tied-embedding gradient sync, optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plan import Plan
+from .rewrite.pipeline import annotate_stages, split_stages
+from .rewrite.recompute import apply_recompute
+from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
+from .runtime.engine import ParallelModule
+from .runtime.mesh import ParallelGroups, validate_degrees
+from .runtime.support import check_executable
+from .trace import trace_model
+
+__all__ = ["parallelize", "ParallelizedModel"]
+
+
+class ParallelizedModel(ParallelModule):
+    """This rank's share of the plan: ``train_step(idx, targets) -> global mean loss``,
+    ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``)."""
+
+    def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec], **kwargs):
+        super().__init__(stage_module, groups, **kwargs)
+        self.plan = plan
+        self.shards = shards  # local parameter name -> origin
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under the original model's keys, on every rank (CPU).
+
+        Collective over the whole world: every rank must call it. Tied parameters appear
+        under every original name (e.g. ``lm_head.weight`` and ``transformer.wte.weight``).
+        """
+        g = self.groups
+        local: dict[str, torch.Tensor] = {}
+        params = dict(self.stage_module.named_parameters())
+        for name, spec in sorted(self.shards.items()):
+            t = params[name].detach()
+            if spec.dim is not None and g.tp > 1:
+                parts = [torch.empty_like(t) for _ in range(g.tp)]
+                dist.all_gather(parts, t.contiguous(), group=g.tp_group)
+                t = torch.cat(parts, dim=spec.dim)
+            local[spec.key] = t.cpu().clone()
+        gathered: list = [None] * g.world_size
+        dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            full.update(part)
+        for alias, canonical in self.tied_aliases.items():
+            if canonical in full:
+                full[alias] = full[canonical]
+        return full
+
+
+def _agree(plan: Plan, groups_world: int) -> None:
+    """Every rank must hold the same plan: compare a digest before any other collective."""
+    digest = plan.decision_digest()
+    digests: list = [None] * groups_world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError("ranks hold different plans (digests "
+                           f"{sorted(set(digests))}); pass the same plan to every rank or "
+                           "plan=None so that rank 0 solves and broadcasts")
+
+
+def _broadcast_plan(plan: Plan | None) -> Plan:
+    box = [plan.to_json() if plan is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0])
+
+
+def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
+                optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                global_batch_size: int | None = None, seq_len: int | None = None,
+                comm_counter=None) -> ParallelizedModel:
+    """Build this rank's parallel training program (call inside ``torchrun``/an initialised
+    process group on every rank).
+
+    model: the single-device model (materialised; it is copied, not modified).
+    cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
+        global_batch_size and seq_len are required).
+    optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
+    Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
+    same global batch on every rank and returns the global mean loss.
+
+    Raises ValueError (world size != tp·pp·dp, before any collective), NotImplementedError
+    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs torch.distributed to be initialised "
+                           "(run under torchrun and call dist.init_process_group first)")
+    world = dist.get_world_size()
+    if plan is not None:
+        validate_degrees(plan.tp, plan.pp, plan.dp, world)
+        check_executable(plan)
+    else:
+        if cluster is None or global_batch_size is None or seq_len is None:
+            raise ValueError("parallelize(plan=None) needs cluster, global_batch_size and seq_len")
+        if cluster.num_gpus != world:
+            raise ValueError(f"the cluster has {cluster.num_gpus} GPUs but the world size is "
+                             f"{world}; describe the cluster you launched on")
+        solved = None
+        if dist.get_rank() == 0:
+            from .api import plan as solve_plan
+
+            with torch.device("meta"):
+                meta_model = copy.deepcopy(model).to("meta")
+            solved = solve_plan(meta_model, cluster, global_batch_size=global_batch_size,
+                                seq_len=seq_len)
+        plan = _broadcast_plan(solved)
+    _agree(plan, world)
+    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
+    return _build(model, plan, groups, optimizer, comm_counter)
+
+
+def _build(model, plan: Plan, groups: ParallelGroups, optimizer, comm_counter) -> ParallelizedModel:
+    local_model = copy.deepcopy(model)
+    traced = trace_model(local_model, plan.seq_len)
+    annotate_stages(traced, plan.stage_layers)
+    tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,
+                               group=groups.tp_group, counter=comm_counter)
+    gm = tp.gm
+    layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
+                   for l in range(traced.num_layers)]
+    apply_recompute(gm, layer_nodes, plan.recompute)
+    stage = split_stages(gm, gm, plan.pp)[groups.pp_rank]
+    shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
+    tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
+    tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
+    module = ParallelizedModel(
+        stage, groups, plan, shards, micro_batch_size=plan.micro_batch_size,
+        num_micro_batches=plan.num_micro_batches, seq_len=plan.seq_len,
+        hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1], schedule=plan.schedule,
+        optimizer_factory=optimizer,
+        tied_parameter_names=tied_names if plan.pp > 1 else (), comm_counter=comm_counter)
+    module.tied_aliases = dict(traced.tied_params)
+    return module
