@@ -166,8 +166,11 @@ class StageModel:
                     sec["bwd"].append((cost.bwd_s * self.ns, e))
 
     # -- sections as integer expressions -----------------------------------------------
-    def _expr(self, sec: str, key: str, scale: float = 1.0):
-        return sum(int(math.ceil(c * scale)) * v for c, v in self.terms[sec][key] if c)
+    def _expr(self, sec: str, key: str):
+        """Integer expression of a section quantity. Times round to the nearest unit (errors
+        cancel); memory and parameters round up (a plan that fits really fits)."""
+        rnd = round if key in ("fwd", "bwd", "core") else math.ceil
+        return sum(int(rnd(c)) * v for c, v in self.terms[sec][key] if c)
 
     def _var(self, name: str, expr, ub: int):
         var = self.m.NewIntVar(0, ub, name)

@@ -1,0 +1,141 @@
+"""Planner regimes, published reference points, plan round trip and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.models import GPT, GPTConfig, preset
+from autopar.search import solve_one
+from autopar.solve import template_map
+from autopar.trace import trace_model
+
+
+def _meta(name: str) -> nn.Module:
+    with torch.device("meta"):
+        return GPT(preset(name))
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    cluster = autopar.Cluster.dgx_a100(nodes=128)
+    model = _meta("gpt3-175b")
+    auto = autopar.plan(model, cluster, global_batch_size=1536, seq_len=2048)
+    hand = autopar.evaluate(model, cluster, autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1,
+                                                           recompute="full"),
+                            global_batch_size=1536, seq_len=2048)
+    return auto, hand
+
+
+def test_small_model_gets_plain_data_parallelism():
+    plan = autopar.plan(_meta("gpt-tiny"), autopar.Cluster.local_cpu(processes=4),
+                        global_batch_size=8, seq_len=16)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 1, 4)
+
+
+def test_solver_rediscovers_megatron_tensor_parallel_pattern():
+    plan = autopar.plan(_meta("gpt-8.3b"), autopar.Cluster.dgx_a100(nodes=1), global_batch_size=16,
+                        seq_len=1024, layout=autopar.Layout(tp=8, pp=1, dp=1))
+    p = plan.placements
+    for proj in ("attn_c_q", "attn_c_k", "attn_c_v", "mlp_c_fc"):
+        assert p[f"transformer_h_0_{proj}"] == "column:S2", proj
+    assert p["transformer_h_0_attn_c_proj"] == "row:P"
+    assert p["transformer_h_0_mlp_c_proj"] == "row:P"
+    assert p["scaled_dot_product_attention"] == "heads:S1"
+    assert p["transformer_h_0_mlp_gelu"] == "sharded:S2"
+    assert p["transformer_h_0_ln_1"] == "replicate:R"
+    assert p["transformer_wte"] == "vocab:P" and p["lm_head"] == "column:S2"
+    assert all(p[f"transformer_h_{l}_mlp_c_proj"] == "row:P" for l in range(72))
+
+
+def test_gpt3_175b_plan_fits_and_beats_megatron(gpt3_plan):
+    auto, hand = gpt3_plan
+    assert auto.tp * auto.pp * auto.dp == 1024
+    assert auto.predicted.peak_memory_bytes <= 80 * 2**30
+    assert auto.predicted.step_time_s <= hand.predicted.step_time_s
+    assert sum(hi - lo for lo, hi in auto.stage_layers) == 96
+    assert len(auto.recompute) == 96
+
+
+def test_megatron_gpt3_layout_predicted_near_published(gpt3_plan):
+    """Narayanan et al. 2021, Table 1: ~140 TFLOP/s per A100 for TP 8, PP 16, DP 8."""
+    _, hand = gpt3_plan
+    assert (hand.tp, hand.pp, hand.dp, hand.micro_batch_size) == (8, 16, 8, 1)
+    assert set(hand.recompute) == {"full"}
+    assert abs(hand.predicted.tflops_per_gpu - 140) / 140 < 0.25
+
+
+def test_plan_json_round_trip_is_exact(gpt3_plan):
+    auto, _ = gpt3_plan
+    again = autopar.Plan.from_json(auto.to_json())
+    assert again == auto
+    assert again.to_json() == auto.to_json()
+
+
+def test_objective_equals_independent_prediction():
+    cluster = autopar.Cluster.dgx_a100(nodes=2)
+    model = _meta("gpt-1.3b")
+    traced = trace_model(model, 2048)
+    from autopar.cost import Config
+    from autopar.predict import predict
+
+    cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8)
+    decision, status, tables, strategies = solve_one(
+        traced, cluster, cfg, 32, autopar.Layout(), None, template_map(traced))
+    pred = predict(traced, strategies, tables, cluster, decision, global_batch_size=32)
+    without_optimizer = pred.step_time_s - pred.time_s_by_kind["optimizer"]
+    assert status == "OPTIMAL"
+    assert decision.objective_s == pytest.approx(without_optimizer, rel=1e-3)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            x = x * 2
+        return x
+
+
+def test_untraceable_model_raises_trace_error_naming_the_code():
+    with pytest.raises(autopar.TraceError, match=r"if x.sum\(\) > 0.*\n.*fix"):
+        autopar.plan(DataDependent(), autopar.Cluster.local_cpu(processes=2),
+                     global_batch_size=2, seq_len=4)
+
+
+def test_infeasible_cluster_names_smallest_memory():
+    with pytest.raises(autopar.InfeasibleError, match=r"needs at least [\d.]+ GiB per GPU"):
+        autopar.plan(_meta("gpt3-175b"), autopar.Cluster.dgx_a100(nodes=1),
+                     global_batch_size=8, seq_len=2048)
+
+
+def test_heads_not_divisible_by_tp_is_a_clear_error():
+    model = _meta("gpt-tiny")  # 4 heads
+    with pytest.raises(ValueError, match=r"4 attention heads are not divisible by tp=3"):
+        autopar.evaluate(model, autopar.Cluster.local_cpu(processes=3),
+                         autopar.Layout(tp=3, pp=1, dp=1, micro_batch_size=1),
+                         global_batch_size=3, seq_len=16)
+
+
+def test_degrees_must_multiply_to_cluster_size():
+    with pytest.raises(ValueError, match=r"make the product equal 4"):
+        autopar.evaluate(_meta("gpt-tiny"), autopar.Cluster.local_cpu(processes=4),
+                         autopar.Layout(tp=2, pp=1, dp=1, micro_batch_size=1),
+                         global_batch_size=4, seq_len=16)
+
+
+def test_cluster_fields_are_validated():
+    with pytest.raises(ValueError, match="nodes"):
+        autopar.Cluster.dgx_a100(nodes=0)
+
+
+def test_user_model_factory_can_be_planned():
+    model, name = autopar.load_model("tests_factory:tiny_gpt")
+    plan = autopar.plan(model, autopar.Cluster.local_cpu(processes=2), global_batch_size=4,
+                        seq_len=8, model_name=name)
+    assert plan.model == "tests_factory:tiny_gpt" and plan.tp * plan.pp * plan.dp == 2
