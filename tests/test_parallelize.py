@@ -119,6 +119,21 @@ def _worker(rank: int, world: int, cases):
     return results
 
 
+def _wrong_world(rank: int, world: int) -> str:
+    """A plan for 4 GPUs on 2 processes: ValueError before any collective (no hang)."""
+    plan = _plan(4, *WORLD4[0])
+    try:
+        autopar.parallelize(_model(), plan=plan, optimizer=_optimizer("sgd"))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_world_size_mismatch_is_a_clear_error():
+    messages = run_distributed(_wrong_world, 2, timeout_s=120)
+    assert all("= 4 GPUs but world size is 2" in m for m in messages), messages
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
