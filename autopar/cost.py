@@ -126,7 +126,8 @@ def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_nume
     else:
         fwd = compute.memory_bound_time_s(ACTIVATION_BYTES * (in_numel + info.numel) * b / div, dev)
     sharded = strat.output.startswith("S")
-    saved = info.saved_bytes * b / (tp if sharded else 1)
+    # the attention core's bytes are part of what the layer saves (selective drops them)
+    saved = (info.saved_bytes + info.core_saved_bytes) * b / (tp if sharded else 1)
     core = info.core_saved_bytes * b / (tp if sharded else 1)
     return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=info.param_numel / strat.param_divisor,
                         saved_bytes=saved, core_saved_bytes=core,

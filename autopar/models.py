@@ -74,14 +74,16 @@ class GPTConfig:
 
 # Named presets. Sizes follow Brown et al. 2020 (GPT-3, Table 2.1) and Narayanan et al.
 # 2021 (Table 1); V = 51200 is GPT-2's 50257 padded the way Megatron pads it (to 1024 = 128·8).
+# The large models use Megatron-LM's default hidden/attention dropout of 0.1, which the
+# activation-memory accounting of Korthikanti et al. 2022 assumes.
 PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16),
     "gpt-small-test": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=64),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024),
-    "gpt-1.3b": GPTConfig(n_layer=24, n_head=32, n_embd=2048, vocab_size=51200, block_size=2048),
-    "gpt-8.3b": GPTConfig(n_layer=72, n_head=32, n_embd=3072, vocab_size=51200, block_size=1024),
-    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048),
-    "gpt-1t": GPTConfig(n_layer=128, n_head=160, n_embd=25600, vocab_size=51200, block_size=2048),
+    "gpt-1.3b": GPTConfig(n_layer=24, n_head=32, n_embd=2048, vocab_size=51200, block_size=2048, dropout=0.1),
+    "gpt-8.3b": GPTConfig(n_layer=72, n_head=32, n_embd=3072, vocab_size=51200, block_size=1024, dropout=0.1),
+    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048, dropout=0.1),
+    "gpt-1t": GPTConfig(n_layer=128, n_head=160, n_embd=25600, vocab_size=51200, block_size=2048, dropout=0.1),
 }
 
 
