@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="global batch B in sequences")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence s (<= 64)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 AdamW, 0.5 SGD")
+    p.add_argument("--lr", type=float, default=None, help="default: 3e-3 AdamW, 0.1 SGD")
     p.add_argument("--seed", type=int, default=0, help="model init and batch sampling seed")
     p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="text bytes to load")
@@ -93,7 +93,7 @@ def get_batch(tokens: torch.Tensor, step: int, batch: int, seq_len: int,
 def make_optimizer(args: argparse.Namespace):
     """An optimizer factory ``params -> Optimizer`` (what autopar.parallelize expects)."""
     if args.optimizer == "sgd":
-        return functools.partial(torch.optim.SGD, lr=args.lr or 0.5)
+        return functools.partial(torch.optim.SGD, lr=args.lr or 0.1)
     return functools.partial(torch.optim.AdamW, lr=args.lr or 3e-3, weight_decay=0.0)
 
 

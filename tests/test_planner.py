@@ -35,10 +35,14 @@ def test_small_model_gets_plain_data_parallelism():
     assert (plan.tp, plan.pp, plan.dp) == (1, 1, 4)
 
 
-def test_solver_rediscovers_megatron_tensor_parallel_pattern():
-    plan = autopar.plan(_meta("gpt-8.3b"), autopar.Cluster.dgx_a100(nodes=1), global_batch_size=16,
+@pytest.fixture(scope="module")
+def tp8_plan():
+    return autopar.plan(_meta("gpt-8.3b"), autopar.Cluster.dgx_a100(nodes=1), global_batch_size=16,
                         seq_len=1024, layout=autopar.Layout(tp=8, pp=1, dp=1))
-    p = plan.placements
+
+
+def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
+    p = tp8_plan.placements
     for proj in ("attn_c_q", "attn_c_k", "attn_c_v", "mlp_c_fc"):
         assert p[f"transformer_h_0_{proj}"] == "column:S2", proj
     assert p["transformer_h_0_attn_c_proj"] == "row:P"
@@ -48,6 +52,26 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern():
     assert p["transformer_h_0_ln_1"] == "replicate:R"
     assert p["transformer_wte"] == "vocab:P" and p["lm_head"] == "column:S2"
     assert all(p[f"transformer_h_{l}_mlp_c_proj"] == "row:P" for l in range(72))
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
+    """Korthikanti et al. 2022, Table 2: s·b·h·(34 + 5as/h) bytes per layer at t = 1 and
+    s·b·h·(10 + 24/t + 5as/(ht)) with Megatron TP, derived here from the traced graph."""
+    from autopar.cost import Config, cost_tables
+    from autopar.strategies import node_strategies, strategy_key
+    from cost_models.memory import transformer_layer_activation_bytes
+
+    cluster = autopar.Cluster.dgx_a100(nodes=1)
+    traced = trace_model(_meta("gpt-8.3b"), 1024)
+    strategies = node_strategies(traced, tp)
+    tables = cost_tables(traced, strategies, cluster, Config(tp, 1, 8 // tp, 1, 2))
+    placements = tp8_plan.placements if tp == 8 else {}
+    saved = 0.0
+    for name in traced.layers[0]:
+        keys = [strategy_key(s) for s in strategies[name]]
+        saved += tables.node[name][keys.index(placements.get(name, "replicate:R"))].saved_bytes
+    assert saved == transformer_layer_activation_bytes(1024, 1, 3072, 32, tp=tp)
 
 
 def test_gpt3_175b_plan_fits_and_beats_megatron(gpt3_plan):
