@@ -1,11 +1,12 @@
 """autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
 
 Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
-:class:`Layout`, :class:`Plan`, :func:`report` (and :func:`load_model`).
+:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``) and :func:`load_model`.
 """
 
 from cost_models.hardware import Cluster
 
+from . import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
 from .api import evaluate, load_model, plan
 from .plan import Layout, Plan, Prediction
 from .solve import InfeasibleError
@@ -20,10 +21,3 @@ def parallelize(*args, **kwargs):
     from .parallel import parallelize as _parallelize
 
     return _parallelize(*args, **kwargs)
-
-
-def report(plan, out_dir, **kwargs):
-    """Write a Markdown report of ``plan``; see :func:`autopar.report.write_report`."""
-    from .report import write_report
-
-    return write_report(plan, out_dir, **kwargs)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import autopar
 from autopar.plan import RECOMPUTE_MODES, SCHEDULES, Layout, Plan
-from autopar.report import (format_bytes, format_layout, format_seconds, format_tflops,
-                            write_report)
+from autopar.report import format_bytes, format_seconds, format_tflops, plan_flags, write_report
 from cost_models.hardware import PRESET_NAMES, Cluster
 
 __all__ = ["main", "build_parser"]
@@ -227,7 +226,7 @@ def _plan_table(plan: Plan) -> str:
     device = plan.cluster.get("device", {}).get("memory_gib")
     peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
     time_parts = sorted(p.time_s_by_kind.items(), key=lambda kv: -kv[1])
-    rows = [("layout", format_layout(plan.layout())),
+    rows = [("layout", plan_flags(plan)),
             ("micro-batches m", str(plan.num_micro_batches)),
             ("pipeline stages", stages), ("step time", format_seconds(p.step_time_s)),
             ("TFLOP/s per GPU", format_tflops(p.tflops_per_gpu)),

@@ -22,7 +22,7 @@ from pathlib import Path
 from autopar.plan import Layout, Plan
 
 __all__ = ["render_markdown", "write_report", "write_memory_chart", "format_seconds",
-           "format_bytes", "format_tflops", "format_layout", "device_memory_bytes"]
+           "format_bytes", "format_tflops", "format_layout", "plan_flags", "device_memory_bytes"]
 
 GIB = 2**30
 # Display order; kinds a cost model adds later are appended after these.
@@ -75,6 +75,16 @@ def format_layout(layout: Layout | dict) -> str:
     keys = [k for k in order if k in data] + sorted(k for k in data if k not in order)
     items = [(k, data[k]) for k in keys if data[k] is not None and defaults.get(k) != data[k]]
     return " ".join(f"{short.get(k, k)}={v}" for k, v in items) or "(free)"
+
+
+def plan_flags(plan: Plan) -> str:
+    """The plan's layout as flags; per-layer recompute shows as ``recompute=none×90+full×6``."""
+    text = format_layout(plan.layout())
+    modes = plan.recompute
+    if len(set(modes)) > 1:
+        counts = "+".join(f"{m}×{modes.count(m)}" for m in sorted(set(modes)))
+        text += f" recompute={counts}"
+    return text
 
 
 def device_memory_bytes(plan: Plan) -> float | None:
@@ -283,7 +293,7 @@ def _hand_row(name: str, hand: Plan | str, auto: Plan, device: float | None) -> 
         return [name, "–", "–", "–", "–", "–", "–", str(hand)]
     p = hand.predicted
     fits = "yes" if device is None or p.peak_memory_bytes <= device else "**no**"
-    return [name, f"`{format_layout(hand.layout())}`", format_seconds(p.step_time_s),
+    return [name, f"`{plan_flags(hand)}`", format_seconds(p.step_time_s),
             format_tflops(p.tflops_per_gpu), f"{p.mfu:.1%}", _gib(p.peak_memory_bytes),
             f"{auto.predicted.step_time_s / p.step_time_s:.2f}" if p.step_time_s else "–", fits]
 
@@ -347,7 +357,8 @@ def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
         bottom = [b + v for b, v in zip(bottom, values)]
     device = device_memory_bytes(plan)
     if device and device <= 4 * largest:  # the device line only where it is in scale
-        ax.axhline(device / scale, color="black", linestyle="--", linewidth=1, label="device memory")
+        ax.axhline(device / scale, color="black", linestyle="--", linewidth=1,
+                   label="device memory")
     ax.set_xticks(range(len(stages)))
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel(f"{unit} per GPU")

@@ -18,7 +18,7 @@ from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed
 
-CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=64, block_size=16)
 BATCH, SEQ, STEPS = 8, 16, 3
 
 # (tp, pp, dp, micro_batch_size, recompute, placements): "solver" lets CP-SAT choose the TP
@@ -48,15 +48,23 @@ def _megatron(placements: dict[str, str]) -> dict[str, str]:
             out[name] = "row:P"
         elif name == "transformer_wte":
             out[name] = "vocab:P"
-        elif name.startswith(("view", "reshape", "transpose_3", "transpose_7")) or name.endswith("gelu"):
-            out[name] = "sharded:S2"
+        elif name.startswith(("view", "reshape")) or name.endswith("gelu") or _after_attention(name):
+            out[name] = "sharded:S2"  # (b, s, heads, hd) and (b, s, h) shards
         elif name.startswith("transpose"):
-            out[name] = "sharded:S1"
+            out[name] = "sharded:S1"  # (b, heads, s, hd)
         elif name.startswith("scaled_dot_product_attention"):
             out[name] = "heads:S1"
         else:
             out[name] = "replicate:R"
     return out
+
+
+def _after_attention(name: str) -> bool:
+    """Each layer traces 4 transposes (q, k, v, then the attention output): the 4th is S2."""
+    if not name.startswith("transpose"):
+        return False
+    index = int(name.rpartition("_")[2]) if "_" in name else 0
+    return index % 4 == 3
 
 
 def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:

@@ -84,6 +84,7 @@ def test_render_markdown_compares_hand_layouts():
     row = next(line for line in text.splitlines() if line.startswith("| Megatron-LM"))
     assert "tp=8 pp=16 dp=8 mbs=1" in row and "15 s" in row and "0.83" in row  # 12.5 / 15
     assert "| pure DP |" in text and "infeasible: too big" in text
+    assert "recompute=full×6+selective×90" in text   # the auto plan's per-layer recompute
     assert "1.20× faster" in text
 
 

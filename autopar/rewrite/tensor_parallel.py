@@ -27,7 +27,7 @@ import torch.nn as nn
 from ..runtime.collectives import TPAllGather, TPAllReduce, TPCopy, TPScatter, VocabParallelEmbedding
 from ..strategies import Strategy, node_strategies, strategy_key
 
-__all__ = ["ShardSpec", "TPRewrite", "apply_tensor_parallel"]
+__all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ class TPRewrite:
 
     gm: fx.GraphModule
     shards: dict[int, ShardSpec] = field(default_factory=dict)
+
+
+class BiasAdd(nn.Module):
+    """``x + bias``: a row-parallel Linear's bias, added once after the all-reduce
+    (adding it on every rank before the reduction would count it t times)."""
+
+    def __init__(self, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
 
 
 def _owner_meta(node: fx.Node) -> dict:
@@ -193,15 +205,7 @@ class _Rewriter:
                                      node, node)
         out = reduced
         if bias is not None:
-            holder = nn.Module()
-            holder.bias = bias
-            target = self._add_module("row_bias", holder)
-            with self.gm.graph.inserting_after(reduced):
-                attr = self.gm.graph.get_attr(f"{target}.bias")
-            with self.gm.graph.inserting_after(attr):
-                out = self.gm.graph.call_function(torch.add, (reduced, attr))
-            for new in (attr, out):
-                new.meta.update(_owner_meta(node))
+            out = self._insert_after(reduced, "row_bias", BiasAdd(bias), reduced, node)
         for user in users:
             user.replace_input_with(node, out)
         self.placement[node] = "R"
