@@ -64,13 +64,14 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
 
 
 def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
-    lo, hi = bounds
-    names = [n for l in range(lo, hi) for n in traced.layers[l]]
-    total = section_cost(traced, strategies, tables, choice, names)
-    rec_s = 0.0
-    act = 0.0
-    for l in range(lo, hi):
+    """One stage's summed costs, recompute seconds, kept activations (per micro-batch in
+    flight) and extra activations held once (the layer being run, the loss)."""
+    total: dict[str, float] = defaultdict(float)
+    rec_s = act = extra_act = 0.0
+    for l in range(*bounds):
         layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
+        for key, val in layer.items():
+            total[key] += val
         mode = recompute[l]
         if mode == "full":
             rec_s += layer["fwd_s"] + layer["tp_fwd_s"]
@@ -80,8 +81,7 @@ def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
             act += layer["act_bytes"] - layer["core_act_bytes"]
         else:
             act += layer["act_bytes"]
-        work = max(work if l > lo else 0.0, layer["act_bytes"])
-    extra_act = work if hi > lo else 0.0
+        extra_act = max(extra_act, layer["act_bytes"])  # working set of the running layer
     for sec, on in (("pre", i == 0), ("post", i == p - 1)):
         if on:
             s = section_cost(traced, strategies, tables, choice, getattr(traced, sec))

@@ -258,10 +258,9 @@ class StageModel:
         a_layer = self._var("act_layer", self._expr("layer", "act"), act_ub)
         a_sel = self._var("act_layer_selective", self._expr("layer", "act") - self._expr("layer", "core_act"), act_ub)
         ckpt = int(math.ceil(self.c.full_ckpt_bytes / KIB))
-        self.params, self.state_terms, self.mem_parts = [], [], []
+        self.state_terms = []
         for i in range(p):
             params, pub = self._stage_params(i)
-            self.params.append(params)
             s_iz = {}
             for z, zb in self.z.items():
                 s = self.m.NewIntVar(0, pub, f"params_if_zero[{i},{z}]")
