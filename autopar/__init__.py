@@ -7,12 +7,12 @@ Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluste
 from cost_models.hardware import Cluster
 
 from . import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
-from .api import evaluate, load_model, plan
+from .api import evaluate, evaluate_plan, load_model, plan
 from .plan import Layout, Plan, Prediction
 from .solve import InfeasibleError
 from .trace import TraceError
 
-__all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "parallelize",
+__all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
            "report", "load_model", "InfeasibleError", "TraceError"]
 
 

@@ -15,7 +15,7 @@ from .search import SearchResult, search
 from .strategies import strategy_key
 from .trace import trace_model
 
-__all__ = ["plan", "evaluate", "load_model", "plan_from_search"]
+__all__ = ["plan", "evaluate", "evaluate_plan", "load_model", "plan_from_search"]
 
 
 def load_model(spec: str) -> tuple[torch.nn.Module, str]:
@@ -66,7 +66,8 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
                 num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
                 zero_stage=d.zero_stage, recompute=d.recompute, stage_layers=d.stage_layers,
                 placements=placements, predicted=pred, virtual_stages=cfg.virtual_stages,
-                sequence_parallel=bool(layout.sequence_parallel), alternatives=others,
+                sequence_parallel=bool(layout.sequence_parallel), dtype=cfg.dtype,
+                alternatives=others,
                 binding=binding)
 
 
@@ -104,3 +105,31 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name, layout=layout)
+
+
+def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
+    """Re-price ``plan``'s exact decisions (placements, stages, recompute, ZeRO) on
+    ``cluster`` with the cost model, without solving: e.g. after editing placements by
+    hand, or to price a saved plan on other hardware. Returns the plan with a new
+    ``predicted``. Raises ValueError when a placement does not exist for this model/tp.
+    """
+    from .cost import Config, cost_tables
+    from .solve import Decision
+    from .strategies import node_strategies
+
+    traced = trace_model(model, plan.seq_len)
+    cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
+                 plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention)
+    strategies = node_strategies(traced, plan.tp)
+    choice = {}
+    for name, options in strategies.items():
+        keys = [strategy_key(s) for s in options]
+        if plan.placements.get(name) not in keys:
+            raise ValueError(f"placement {plan.placements.get(name)!r} of node {name} is not "
+                             f"one of {keys} at tp={plan.tp}")
+        choice[name] = keys.index(plan.placements[name])
+    decision = Decision(cfg, choice, plan.stage_layers, plan.recompute, plan.zero_stage, 0.0, 0.0)
+    tables = cost_tables(traced, strategies, cluster, cfg)
+    pred = predict(traced, strategies, tables, cluster, decision,
+                   global_batch_size=plan.global_batch_size)
+    return replace(plan, predicted=pred)

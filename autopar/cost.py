@@ -43,6 +43,13 @@ class Config:
     num_micro_batches: int
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    dtype: str = "bf16"
+    attention: str = "math"
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation/communicated element: 2 (bf16) or 4 (fp32)."""
+        return ACTIVATION_BYTES if self.dtype == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -97,12 +104,19 @@ class CostTables:
     layer_fwd_flops_per_seq: float
 
 
-def bytes_per_param(zero_stage: int, dp: int) -> float:
-    """Model-state bytes per parameter under mixed-precision Adam and ZeRO (Rajbhandari
-    et al. 2020, Fig. 1): 16, 4 + 12/d, 2 + 14/d, 16/d for stages 0..3."""
+def state_bytes(dtype: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter with Adam: mixed precision
+    bf16 keeps 2 + 2 + 12 (fp32 master, m, v; ZeRO paper section 3.1); fp32 keeps 4 + 4 + 8."""
+    return (2, 2, 12) if dtype == "bf16" else (4, 4, 8)
+
+
+def bytes_per_param(zero_stage: int, dp: int, dtype: str = "bf16") -> float:
+    """Model-state bytes per parameter under Adam and ZeRO (Rajbhandari et al. 2020,
+    Fig. 1): for bf16 16, 4 + 12/d, 2 + 14/d, 16/d for stages 0..3."""
     from cost_models.memory import model_state_bytes
 
-    return model_state_bytes(1.0, zero_stage, dp)
+    p, g, o = state_bytes(dtype)
+    return model_state_bytes(1.0, zero_stage, dp, param_bytes=p, grad_bytes=g, optimizer_bytes=o)
 
 
 def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
@@ -112,24 +126,37 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     if cfg.dp == 1:
         return 0.0
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
-    per_param = comm.all_reduce_time_s(2.0 * 1e6, cfg.dp, link) / 1e6  # amortise latency
+    grad_bytes = state_bytes(cfg.dtype)[1]
+    per_param = comm.all_reduce_time_s(grad_bytes * 1e6, cfg.dp, link) / 1e6  # amortise latency
     return per_param * (1.5 if zero_stage == 3 else 1.0)
 
 
-def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int) -> StrategyCost:
+def _param_numel(info, strat: Strategy) -> float:
+    """Parameter elements held under ``strat``: a row-parallel Linear shards its weight but
+    keeps the whole bias (added once after the all-reduce); other splits shard everything."""
+    sizes = info.extra.get("param_sizes", {})
+    if strat.name == "row":
+        return sum(n if name.endswith("bias") else n / strat.param_divisor
+                   for name, n in sizes.items())
+    return info.param_numel / strat.param_divisor
+
+
+def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
+               act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
     dev = cluster.device
     div = strat.compute_divisor
+    b = b if info.per_sequence else 1
     if info.kind in ("linear", "sdpa"):
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
     elif info.kind in ("view", "transpose", "input", "output", "nontensor"):
         fwd = 0.0
     else:
-        fwd = compute.memory_bound_time_s(ACTIVATION_BYTES * (in_numel + info.numel) * b / div, dev)
+        fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
     sharded = strat.output.startswith("S")
     # the attention core's bytes are part of what the layer saves (selective drops them)
-    saved = (info.saved_bytes + info.core_saved_bytes) * b / (tp if sharded else 1)
-    core = info.core_saved_bytes * b / (tp if sharded else 1)
-    return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=info.param_numel / strat.param_divisor,
+    core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
+    saved = info.saved_bytes_at(act_bytes) * b / (tp if sharded else 1) + core
+    return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=fwd if info.kind == "sdpa" else 0.0)
 
@@ -147,10 +174,12 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
         info = nodes[node.name]
         ins = tensor_inputs(node, nodes)
         in_numel = sum(nodes[n.name].numel for n in ins)
-        node_tab[node.name] = [_node_cost(info, s, b, cluster, tp, in_numel)
+        node_tab[node.name] = [_node_cost(info, s, b, cluster, tp, in_numel, cfg.activation_bytes,
+                                          cfg.attention)
                                for s in strategies[node.name]]
         for j, src in enumerate(ins):
-            nbytes = ACTIVATION_BYTES * nodes[src.name].numel * b
+            src_info = nodes[src.name]
+            nbytes = cfg.activation_bytes * src_info.numel * (b if src_info.per_sequence else 1)
             table = {}
             for ku, su in enumerate(strategies[src.name]):
                 for kv, sv in enumerate(strategies[node.name]):
@@ -161,12 +190,12 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
                         fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes)
             edge_tab[(src.name, node.name, j)] = table
         if info.shape is not None:
-            nbytes = ACTIVATION_BYTES * info.numel * b
+            nbytes = cfg.activation_bytes * info.numel * (b if info.per_sequence else 1)
             f_bytes[node.name] = nbytes
             f_s[node.name] = comm.all_reduce_time_s(nbytes, tp, tp_link)
     boundary = traced.boundary_numel() * b
     pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
-    p2p_bytes = ACTIVATION_BYTES * boundary
+    p2p_bytes = cfg.activation_bytes * boundary
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     logits = nodes[out.args[0].name].numel * b  # (b, s, V) fed to the loss
     matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
@@ -177,5 +206,5 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
         p2p_bytes=p2p_bytes,
         loss_s=compute.memory_bound_time_s(3 * LOSS_BYTES_PER_LOGIT * logits, cluster.device),
         loss_bytes=LOSS_BYTES_PER_LOGIT * logits,
-        full_ckpt_bytes=ACTIVATION_BYTES * boundary,
+        full_ckpt_bytes=cfg.activation_bytes * boundary,
         model_flops_per_seq=3.0 * matmul, layer_fwd_flops_per_seq=layer_matmul)

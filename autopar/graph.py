@@ -40,10 +40,14 @@ class NodeInfo:
     numel: output elements; flops: forward FLOPs (2 per multiply-add).
     params: canonical parameter names (tied weights appear under their first name).
     param_numel: elements of those parameters.
-    saved_bytes: bytes of this output saved for backward by its consumers (16-bit), plus
-        this node's own dropout mask (1 byte/element).
-    core_saved_bytes: attention-core bytes (softmax output, its dropout mask and output:
-        5·a·s² for b = 1 with dropout) that selective recompute drops.
+    saved_elems: elements of this output saved for backward by its consumers.
+    mask_elems: elements of this node's own dropout mask (1 byte each).
+    core_elems / core_mask_elems: attention-core activations (softmax output and, with
+        dropout, its output) and mask that selective recompute drops: with 16-bit
+        activations 5·a·s² bytes for b = 1 (Korthikanti et al. 2022).
+    flash_elems: what a fused (flash) attention kernel keeps instead of the core: its
+        output and the log-sum-exp, b·a·s·(hd + 1) (Dao et al. 2022, Algorithm 2).
+    per_sequence: the output grows with the batch (False for e.g. position embeddings).
     layer: transformer layer index or None; section: "pre" | "layer" | "post".
     """
 
@@ -54,11 +58,36 @@ class NodeInfo:
     flops: float
     params: tuple[str, ...] = ()
     param_numel: int = 0
-    saved_bytes: float = 0.0
-    core_saved_bytes: float = 0.0
+    saved_elems: int = 0
+    mask_elems: int = 0
+    core_elems: int = 0
+    core_mask_elems: int = 0
+    flash_elems: int = 0
+    per_sequence: bool = True
     layer: int | None = None
     section: str = "pre"
     extra: dict = field(default_factory=dict)
+
+    def saved_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES) -> float:
+        """Bytes saved for backward (attention core excluded) at ``activation_bytes`` per element."""
+        return activation_bytes * self.saved_elems + MASK_BYTES * self.mask_elems
+
+    def core_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> float:
+        """Attention-core bytes (dropped by selective recompute) for the "math" kernel
+        (softmax kept) or the "flash" kernel (output + log-sum-exp kept)."""
+        if attention == "flash":
+            return activation_bytes * self.flash_elems
+        return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems
+
+    @property
+    def saved_bytes(self) -> float:
+        """16-bit saved bytes (see :meth:`saved_bytes_at`)."""
+        return self.saved_bytes_at()
+
+    @property
+    def core_saved_bytes(self) -> float:
+        """16-bit attention-core bytes (see :meth:`core_bytes_at`)."""
+        return self.core_bytes_at()
 
 
 @dataclass
@@ -98,6 +127,16 @@ class TracedModel:
                     seen.add(name)
                     total += info.extra["param_sizes"][name]
         return total
+
+
+def last_saver_index(nodes: dict[str, NodeInfo], names: list[str]) -> int:
+    """Index in ``names`` (a layer, in graph order) of the last op that saves a tensor for
+    backward. Non-reentrant ``torch.utils.checkpoint`` stops recomputing there ("early
+    stop"), so under full recompute only ``names[: index + 1]`` and the collectives placed
+    before that op run again in backward."""
+    savers = [i for i, n in enumerate(names)
+              if nodes[n].kind in _SAVES_INPUT or nodes[n].mask_elems]
+    return max(savers, default=len(names) - 1)
 
 
 def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -205,9 +244,22 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str) -> TracedModel:
             extra={"param_sizes": params},
         )
     _add_saved_bytes(gm, nodes)
+    _mark_per_sequence(gm, nodes)
     layers, pre, post = _group_layers(gm, nodes)
     return TracedModel(gm=gm, name=name, seq_len=seq_len, nodes=nodes, layers=layers,
                        pre=pre, post=post, layer_prefix=prefix, tied_params=tied)
+
+
+def _mark_per_sequence(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
+    """A tensor grows with the batch iff it depends on a graph input (the token ids) through
+    tensor data; sizes (``idx.size(1)``) and creation ops (``arange``) do not carry it."""
+    for node in gm.graph.nodes:
+        info = nodes[node.name]
+        if node.op == "placeholder":
+            info.per_sequence = True
+            continue
+        ins = [n for n in node.all_input_nodes if nodes[n.name].shape is not None]
+        info.per_sequence = any(nodes[n.name].per_sequence for n in ins)
 
 
 def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
@@ -216,16 +268,18 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         if info.shape is None:
             continue
         if any(nodes[u.name].kind in _SAVES_INPUT for u in node.users):
-            info.saved_bytes += ACTIVATION_BYTES * info.numel
+            info.saved_elems += info.numel
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
-            info.saved_bytes += MASK_BYTES * info.numel
+            info.mask_elems += info.numel
         if info.kind == "sdpa":
             b, nh, s, _ = node.args[0].meta["tensor_meta"].shape
             s_kv = node.args[1].meta["tensor_meta"].shape[2]
             scores = b * nh * s * s_kv
             dropout = node.kwargs.get("dropout_p", 0.0) or 0.0
-            # softmax output (2 bytes); with dropout also its mask (1) and output (2)
-            info.core_saved_bytes = scores * (ACTIVATION_BYTES + (3 if dropout > 0 else 0))
+            # softmax output; with dropout also its output and its mask
+            info.core_elems = scores * (2 if dropout > 0 else 1)
+            info.core_mask_elems = scores if dropout > 0 else 0
+            info.flash_elems = info.numel + b * nh * s  # output (b, nh, s, hd) + lse (b, nh, s)
 
 
 def _group_layers(gm: fx.GraphModule, nodes: dict[str, NodeInfo]):

@@ -24,6 +24,7 @@ from .plan import Plan
 from .rewrite.pipeline import annotate_stages, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
+from .runtime.collectives import CommCounter
 from .runtime.engine import ParallelModule
 from .runtime.mesh import ParallelGroups, validate_degrees
 from .runtime.support import check_executable
@@ -130,6 +131,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
 
 
 def _build(model, plan: Plan, groups: ParallelGroups, optimizer, comm_counter) -> ParallelizedModel:
+    comm_counter = comm_counter if comm_counter is not None else CommCounter()
     local_model = copy.deepcopy(model)
     traced = trace_model(local_model, plan.seq_len)
     annotate_stages(traced, plan.stage_layers)

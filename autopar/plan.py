@@ -12,11 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "PLAN_VERSION"]
+__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "COMM_KINDS",
+           "PLAN_VERSION"]
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("bf16", "fp32")
+# payload kinds of ``last_step_stats()["comm_bytes"]`` and ``Prediction.stage_stats``
+COMM_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_p2p", "dp_all_reduce",
+              "dp_reduce_scatter", "dp_all_gather", "other")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Layout:
     schedule: "gpipe" | "1f1b" | "interleaved_1f1b".
     virtual_stages: v, model chunks per pipeline rank (interleaved schedule only).
     sequence_parallel: Megatron-3 sequence parallelism in the non-TP regions.
+    dtype: "bf16" (mixed precision) or "fp32"; None: the cluster's ``dtype``.
     """
 
     tp: int | None = None
@@ -43,6 +49,7 @@ class Layout:
     schedule: str | None = None
     virtual_stages: int | None = None
     sequence_parallel: bool | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
@@ -57,6 +64,8 @@ class Layout:
             )
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"Layout.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"Layout.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     def is_complete(self) -> bool:
         """True when tp, pp, dp and micro_batch_size are all fixed."""
@@ -76,7 +85,7 @@ class Layout:
                                  "expected key=value with keys tp, pp, dp, mbs, zero_stage, "
                                  "recompute, schedule, virtual_stages, sequence_parallel")
             value = value.strip()
-            if key in ("recompute", "schedule"):
+            if key in ("recompute", "schedule", "dtype"):
                 kwargs[key] = value
             elif key == "sequence_parallel":
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
@@ -102,6 +111,9 @@ class Prediction:
     comm_bytes_by_kind: payload bytes per GPU per step by collective kind.
     stage_time_s: per stage, forward+backward seconds of one micro-batch.
     solve_time_s: seconds the solver spent (0 for evaluate of a fixed layout).
+    stage_stats: per pipeline stage, what each of its ranks should measure in one step
+        (the keys of ``ParallelizedModel.last_step_stats()``): comm_bytes (payload bytes
+        by kind), model_state_bytes, saved_activation_bytes, step_time_s.
     """
 
     step_time_s: float
@@ -114,6 +126,7 @@ class Prediction:
     comm_bytes_by_kind: dict[str, float]
     stage_time_s: list[float]
     solve_time_s: float = 0.0
+    stage_stats: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -124,7 +137,8 @@ class Plan:
     cluster: the cluster as ``Cluster.to_dict()``.
     global_batch_size, seq_len: B and s of one step.
     tp, pp, dp, micro_batch_size, num_micro_batches, schedule, zero_stage,
-    virtual_stages, sequence_parallel: the layout; B = dp · micro_batch_size · num_micro_batches.
+    virtual_stages, sequence_parallel, dtype: the layout;
+    B = dp · micro_batch_size · num_micro_batches.
     recompute: one mode per transformer layer (length L).
     stage_layers: per pipeline stage, [first_layer, last_layer_exclusive).
     placements: per traced node name, its tensor-parallel strategy
@@ -152,6 +166,7 @@ class Plan:
     predicted: Prediction
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    dtype: str = "bf16"
     alternatives: list[dict] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     version: int = PLAN_VERSION
@@ -166,7 +181,7 @@ class Plan:
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch_size=self.micro_batch_size,
                       zero_stage=self.zero_stage, recompute=modes.pop() if len(modes) == 1 else None,
                       schedule=self.schedule, virtual_stages=self.virtual_stages,
-                      sequence_parallel=self.sequence_parallel)
+                      sequence_parallel=self.sequence_parallel, dtype=self.dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,7 +210,7 @@ class Plan:
 
         keys = ("global_batch_size", "seq_len", "tp", "pp", "dp", "micro_batch_size",
                 "num_micro_batches", "schedule", "zero_stage", "recompute", "stage_layers",
-                "placements", "virtual_stages", "sequence_parallel", "version")
+                "placements", "virtual_stages", "sequence_parallel", "dtype", "version")
         data = {k: getattr(self, k) for k in keys}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

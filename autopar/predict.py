@@ -8,16 +8,16 @@ against this independent sum (tests do).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from cost_models import compute
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import (OPTIMIZER_BYTES_PER_PARAM, CostTables, bytes_per_param,
-                   dp_comm_s_per_param)
-from .graph import TracedModel
-from .plan import Prediction
+from .cost import OPTIMIZER_BYTES_PER_PARAM, CostTables, dp_comm_s_per_param, state_bytes
+from .graph import TracedModel, last_saver_index
+from .plan import COMM_KINDS, Prediction
 from .strategies import NodeStrategies, tensor_inputs
 
 __all__ = ["section_cost", "predict"]
@@ -25,63 +25,82 @@ __all__ = ["section_cost", "predict"]
 
 def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
                  choice: dict[str, int], names: list[str]) -> dict[str, float]:
-    """Sum one micro-batch's costs over ``names`` (a layer, pre or post).
+    """Sum one micro-batch's costs over ``names`` (one layer, pre or post).
 
-    Keys: fwd_s/bwd_s (compute), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, act_bytes,
-    core_act_bytes, params, and comm bytes "tp_all_reduce" / "tp_all_gather".
+    Keys: fwd_s/bwd_s (compute), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
+    full recompute re-runs, see :func:`~autopar.graph.last_saver_index`), act_bytes,
+    core_act_bytes, params, and payload bytes handed to TP collectives: "tp_all_reduce"
+    (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward
+    ("fwd_" prefix, repeated by full recompute) and backward. A reshard of one tensor into
+    one placement, and Megatron's f, run once per section however many consumers read it.
     """
     out: dict[str, float] = defaultdict(float)
-    nodes, members = traced.nodes, set(names)
+    nodes, members, tp = traced.nodes, set(names), tables.config.tp
+    position = {n: i for i, n in enumerate(names)}
+    last = last_saver_index(nodes, names)
     partial: set[str] = set()
+    done: set[tuple[str, str]] = set()
     for node in traced.gm.graph.nodes:
         if node.name not in members:
             continue
         k = choice[node.name]
         c = tables.node[node.name][k]
-        out["fwd_s"] += c.fwd_s
-        out["bwd_s"] += c.bwd_s
-        out["core_fwd_s"] += c.core_fwd_s
-        out["act_bytes"] += c.saved_bytes
-        out["core_act_bytes"] += c.core_saved_bytes
-        out["params"] += c.param_numel
+        if position[node.name] <= last:  # full recompute re-runs this node's forward
+            out["rec_fwd_s"] += c.fwd_s
+        for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("core_fwd_s", c.core_fwd_s),
+                         ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
+                         ("params", c.param_numel)):
+            out[key] += val
         strat = strategies[node.name][k]
         for j, src in enumerate(tensor_inputs(node, nodes)):
             edge = tables.edge[(src.name, node.name, j)][(choice[src.name], k)]
             if edge is None:
                 raise ValueError(f"plan reshards {src.name} -> {node.name} in a way autopar "
                                  "does not offer; the placements are inconsistent")
-            out["tp_fwd_s"] += edge.fwd_s
-            out["tp_bwd_s"] += edge.bwd_s
-            for kind in (edge.fwd_kind, edge.bwd_kind):
-                if kind:
-                    out[f"tp_{kind}"] += edge.nbytes
             if strat.partial_grad_inputs and strat.partial_grad_inputs[j]:
                 partial.add(src.name)
+            if (src.name, strat.inputs[j]) in done or not (edge.fwd_kind or edge.bwd_kind):
+                continue
+            done.add((src.name, strat.inputs[j]))
+            out["tp_fwd_s"] += edge.fwd_s
+            out["tp_bwd_s"] += edge.bwd_s
+            rerun = position.get(src.name, -1) < last  # collective placed before the last saver
+            phases = [("fwd_", edge.fwd_kind), ("", edge.bwd_kind)]
+            if rerun:
+                out["rec_fwd_s"] += edge.fwd_s
+                phases.append(("rec_fwd_", edge.fwd_kind))
+            for phase, kind in phases:
+                if kind == "all_reduce":
+                    out[f"{phase}tp_all_reduce"] += edge.nbytes
+                elif kind == "all_gather":
+                    out[f"{phase}tp_all_gather"] += edge.nbytes / tp
     for u in partial:  # Megatron f: one backward all-reduce per partially-consumed tensor
         out["tp_bwd_s"] += tables.f_s[u]
-        out["tp_all_reduce"] += tables.f_bytes[u] if tables.config.tp > 1 else 0.0
+        if tp > 1:
+            out["tp_all_reduce"] += tables.f_bytes[u]
     return out
 
 
 def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
-    """One stage's summed costs, recompute seconds, kept activations (per micro-batch in
-    flight) and extra activations held once (the layer being run, the loss)."""
+    """One stage's summed costs, recompute seconds, kept activations per micro-batch in
+    flight, activations held once (the last stage's head and loss) and the working set
+    of the layer being run (recomputed layers rebuild their activations)."""
     total: dict[str, float] = defaultdict(float)
-    rec_s = act = extra_act = 0.0
+    rec_s = act = held = working = 0.0
     for l in range(*bounds):
         layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
         for key, val in layer.items():
             total[key] += val
         mode = recompute[l]
         if mode == "full":
-            rec_s += layer["fwd_s"] + layer["tp_fwd_s"]
+            rec_s += layer["rec_fwd_s"]
             act += tables.full_ckpt_bytes
         elif mode == "selective":
             rec_s += layer["core_fwd_s"]
             act += layer["act_bytes"] - layer["core_act_bytes"]
         else:
             act += layer["act_bytes"]
-        extra_act = max(extra_act, layer["act_bytes"])  # working set of the running layer
+        working = max(working, layer["act_bytes"])
     for sec, on in (("pre", i == 0), ("post", i == p - 1)):
         if on:
             s = section_cost(traced, strategies, tables, choice, getattr(traced, sec))
@@ -90,12 +109,12 @@ def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
             if sec == "pre":
                 act += s["act_bytes"]
             else:
-                extra_act += s["act_bytes"] + tables.loss_bytes
+                held += s["act_bytes"] + tables.loss_bytes
                 total["fwd_s"] += tables.loss_s / 3
                 total["bwd_s"] += 2 * tables.loss_s / 3
     if p == 1:  # the tied weight is one tensor when both ends share a stage
         total["params"] -= _tied_numel(traced, tables, choice)
-    return total, rec_s, act, extra_act
+    return total, rec_s, act, held, working
 
 
 def _tied_numel(traced, tables, choice) -> float:
@@ -107,57 +126,85 @@ def _tied_numel(traced, tables, choice) -> float:
 
 def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables, cluster,
             decision, *, global_batch_size: int) -> Prediction:
-    """Predicted step time, throughput and per-stage memory of a decided plan."""
+    """Predicted step time, throughput, per-stage memory and per-stage step statistics."""
     cfg = tables.config
-    p, m, d = cfg.pp, cfg.num_micro_batches, cfg.dp
-    stage_t, mem, parts = [], [], []
+    p, m = cfg.pp, cfg.num_micro_batches
+    stage_t, mem, parts, stats = [], [], [], []
     for i, bounds in enumerate(decision.stage_layers):
-        total, rec_s, act, extra = _stage(traced, strategies, tables, decision.strategy,
-                                          bounds, decision.recompute, i, p)
-        t = total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s
-        stage_t.append(t)
+        total, rec_s, act, held, working = _stage(traced, strategies, tables, decision.strategy,
+                                                  bounds, decision.recompute, i, p)
+        stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
-        params = total["params"]
-        bpp = bytes_per_param(decision.zero_stage, d)
-        zero = decision.zero_stage
-        mem.append({
-            "parameters": params * 2.0 / (d if zero >= 3 else 1),
-            "gradients": params * 2.0 / (d if zero >= 2 else 1),
-            "optimizer_states": params * (bpp - 2.0 / (d if zero >= 3 else 1) - 2.0 / (d if zero >= 2 else 1)),
-            "activations": act * int(-(-inflight // 1)) + extra,
-        })
-        parts.append((total, rec_s, params))
+        saved = act * math.ceil(inflight) + held
+        mem.append(_memory(total["params"], saved + working, decision.zero_stage, cfg))
+        parts.append((total, rec_s, total["params"]))
+        stats.append(_stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved))
     pipe = pipeline_step_time_s(stage_t, m, cfg.schedule, cfg.virtual_stages, tables.p2p_s)
     dp_s = max(dp_comm_s_per_param(decision.zero_stage, cluster, cfg) * pt[2] for pt in parts)
     opt_s = max(compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM * pt[2]
-                                            / (d if decision.zero_stage else 1), cluster.device)
+                                            / (cfg.dp if decision.zero_stage else 1), cluster.device)
                 for pt in parts)
-    step = pipe + dp_s
+    step = pipe + dp_s + opt_s
+    for st in stats:
+        st["step_time_s"] = step
     slow = max(range(p), key=lambda i: stage_t[i])
     total, rec_s, params = parts[slow]
+    hop = tables.p2p_s if p > 1 else 0.0
     breakdown = {
         "compute": m * (total["fwd_s"] + total["bwd_s"]), "recompute": m * rec_s,
-        "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]),
-        "pp_p2p": m * tables.p2p_s if p > 1 else 0.0, "dp_comm": dp_s, "optimizer": opt_s,
+        "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hop,
+        "dp_comm": dp_s, "optimizer": opt_s,
+        "bubble": max(0.0, pipe - m * (stage_t[slow] + hop)),
     }
-    breakdown["bubble"] = max(0.0, pipe - m * (stage_t[slow] + (tables.p2p_s if p > 1 else 0.0)))
-    comm = {k: m * v for k, v in total.items() if k.startswith("tp_all")}
-    comm["pp_p2p"] = 2 * m * tables.p2p_bytes if p > 1 else 0.0
-    comm["dp_all_reduce"] = 2.0 * params if d > 1 else 0.0
-    n = cfg.tp * p * d
+    n = cfg.tp * p * cfg.dp
     model_flops = tables.model_flops_per_seq * global_batch_size
     rec_flops = global_batch_size * sum(
         tables.layer_fwd_flops_per_seq if r == "full" else
         (_sdpa_flops(traced) if r == "selective" else 0.0) for r in decision.recompute)
     peak = cluster.device.peak_flops
-    step_total = step + opt_s
     return Prediction(
-        step_time_s=step_total,
-        tflops_per_gpu=(model_flops + rec_flops) / step_total / n / 1e12,
-        mfu=model_flops / step_total / n / peak, hfu=(model_flops + rec_flops) / step_total / n / peak,
+        step_time_s=step, tflops_per_gpu=(model_flops + rec_flops) / step / n / 1e12,
+        mfu=model_flops / step / n / peak, hfu=(model_flops + rec_flops) / step / n / peak,
         peak_memory_bytes=max(sum(s.values()) for s in mem), memory_bytes_by_stage=mem,
-        time_s_by_kind=breakdown, comm_bytes_by_kind=comm, stage_time_s=stage_t,
-        solve_time_s=decision.solve_time_s)
+        time_s_by_kind=breakdown, comm_bytes_by_kind=stats[slow]["comm_bytes"],
+        stage_time_s=stage_t, solve_time_s=decision.solve_time_s, stage_stats=stats)
+
+
+def _memory(params: float, activations: float, zero: int, cfg) -> dict[str, float]:
+    """Bytes per GPU by kind; ZeRO shards optimizer states (>=1), gradients (>=2) and
+    parameters (3) over d (Rajbhandari et al. 2020, Fig. 1)."""
+    pb, gb, ob = state_bytes(cfg.dtype)
+    d = cfg.dp
+    return {"parameters": params * pb / (d if zero >= 3 else 1),
+            "gradients": params * gb / (d if zero >= 2 else 1),
+            "optimizer_states": params * ob / (d if zero >= 1 else 1),
+            "activations": activations}
+
+
+def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved) -> dict:
+    """What stage i's ranks should measure in one step (``last_step_stats`` keys):
+    payload bytes per collective kind, model-state bytes, peak saved-activation bytes."""
+    cfg = tables.config
+    p, m, act_b = cfg.pp, cfg.num_micro_batches, cfg.activation_bytes
+    lo, hi = decision.stage_layers[i]
+    comm = dict.fromkeys(COMM_KINDS, 0.0)
+    comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
+    comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
+    for l in range(lo, hi):  # full recompute runs the layer's forward collectives again
+        if decision.recompute[l] == "full":
+            layer = section_cost(traced, strategies, tables, decision.strategy, traced.layers[l])
+            comm["tp_all_reduce"] += m * layer["rec_fwd_tp_all_reduce"]
+            comm["tp_all_gather"] += m * layer["rec_fwd_tp_all_gather"]
+    if p > 1:
+        comm["pp_p2p"] = (int(i < p - 1) + int(i > 0)) * m * tables.p2p_bytes
+    grad_b = state_bytes(cfg.dtype)[1]
+    if cfg.dp > 1:
+        comm["dp_all_reduce"] = grad_b * total["params"]
+    if p > 1 and i in (0, p - 1):
+        comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
+    comm["other"] += 8.0 * ((i == p - 1 and cfg.dp > 1) + (p > 1))  # the loss (float64)
+    return {"comm_bytes": comm, "model_state_bytes": mem["parameters"] + mem["gradients"]
+            + mem["optimizer_states"], "saved_activation_bytes": saved}
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

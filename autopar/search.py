@@ -92,7 +92,8 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                         continue
                     if sched != "gpipe" and pp > 1 and m < pp:
                         continue
-                    out.append(Config(tp, pp, dp, mbs, m, sched, layout.virtual_stages or 1))
+                    out.append(Config(tp, pp, dp, mbs, m, sched, layout.virtual_stages or 1,
+                                      layout.dtype or cluster.dtype, cluster.attention))
     return out
 
 
@@ -104,9 +105,10 @@ def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) ->
     return (m + p - 1) * (L / p) * layer_s
 
 
-def _min_layer_time_s(traced: TracedModel, cluster, tp: int, mbs: int, cache: dict) -> float:
+def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) -> float:
     """Forward+backward seconds of one layer, each node at its cheapest strategy."""
-    key = (tp, mbs)
+    tp, mbs = cfg.tp, cfg.micro_batch_size
+    key = (tp, mbs, cfg.dtype)
     if key not in cache:
         from .cost import _node_cost
         from .strategies import node_strategies, tensor_inputs
@@ -119,7 +121,8 @@ def _min_layer_time_s(traced: TracedModel, cluster, tp: int, mbs: int, cache: di
             info = traced.nodes[node.name]
             in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
             total += min(c.fwd_s + c.bwd_s for c in (
-                _node_cost(info, st, mbs, cluster, tp, in_numel) for st in strategies[node.name]))
+                _node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
+                for st in strategies[node.name]))
         cache[key] = total
     return cache[key]
 
@@ -132,11 +135,11 @@ def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> 
     from .cost import bytes_per_param
 
     states = traced.total_params() / (cfg.tp * cfg.pp) * min(
-        bytes_per_param(z, cfg.dp) for z in zero_stages)
+        bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
     layers = traced.num_layers // cfg.pp
     inflight = in_flight_micro_batches(cfg.schedule, cfg.pp, 0, cfg.num_micro_batches,
                                        cfg.virtual_stages)
-    return states + 2.0 * traced.boundary_numel() * cfg.micro_batch_size * layers * inflight
+    return states + cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers * inflight
 
 
 @dataclass
@@ -187,8 +190,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
     cache: dict = {}
-    bound = {c: _lower_bound_s(traced, cluster, c, _min_layer_time_s(
-        traced, cluster, c.tp, c.micro_batch_size, cache)) for c in configs}
+    bound = {c: _lower_bound_s(traced, cluster, c, _min_layer_time_s(traced, cluster, c, cache))
+             for c in configs}
     configs.sort(key=bound.get)
     best, best_t, best_tab, seen = None, float("inf"), None, []
     for cfg in configs:

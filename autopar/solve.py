@@ -15,7 +15,8 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
 
 minimising the 1F1B/GPipe step time
 :math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp}` with :math:`T_{max} \ge T_i + c_{p2p}`,
-:math:`T_i = n_i (F_L + B_L) + r^{full}_i F_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`,
+:math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
+(:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
 subject to per-GPU memory
 :math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i \le M` for every stage.
 Products of two decision variables are exact CP-SAT multiplication constraints. Each
@@ -36,7 +37,7 @@ from ortools.sat.python import cp_model
 from cost_models.memory import in_flight_micro_batches
 
 from .cost import Config, CostTables, bytes_per_param, dp_comm_s_per_param
-from .graph import TracedModel
+from .graph import TracedModel, last_saver_index
 from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
 __all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map"]
@@ -96,10 +97,14 @@ class StageModel:
         self.section = {n: "pre" for n in traced.pre} | {n: "post" for n in traced.post} \
             | {n: "layer" for n in traced.layers[0]}
         self.x: dict[str, list] = {}
+        self.reshard: dict[tuple, object] = {}
         layer_s = sum(tables.node[n][0].fwd_s + tables.node[n][0].bwd_s for n in traced.layers[0])
         self.ns = 1e4 / max(layer_s, 1e-12)  # seconds -> integer time units
-        self.terms = {sec: {k: [] for k in ("fwd", "bwd", "core", "act", "core_act", "param")}
+        self.terms = {sec: {k: [] for k in ("fwd", "bwd", "core", "rec", "act", "core_act", "param")}
                       for sec in ("pre", "layer", "post")}
+        tmpl = traced.layers[0]
+        self.position = {n: i for i, n in enumerate(tmpl)}
+        self.last_saver = last_saver_index(traced.nodes, tmpl)
 
     # -- TP strategies ------------------------------------------------------------------
     def add_strategy_choice(self) -> None:
@@ -112,6 +117,8 @@ class StageModel:
                 sec["fwd"].append((cost.fwd_s * self.ns, xs[k]))
                 sec["bwd"].append((cost.bwd_s * self.ns, xs[k]))
                 sec["core"].append((cost.core_fwd_s * self.ns, xs[k]))
+                if self.position.get(name, len(self.position)) <= self.last_saver:
+                    sec["rec"].append((cost.fwd_s * self.ns, xs[k]))
                 sec["act"].append((cost.saved_bytes / KIB, xs[k]))
                 sec["core_act"].append((cost.core_saved_bytes / KIB, xs[k]))
                 sec["param"].append((cost.param_numel / PARAM_UNIT, xs[k]))
@@ -146,7 +153,10 @@ class StageModel:
                 self._add_edge(src_name, node.name, j, table, sec)
 
     def _add_edge(self, u: str, v: str, j: int, table, sec) -> None:
+        """Price edge u -> v (input j). A reshard of u into one placement is shared by all
+        consumers in a section (the rewriter inserts one collective), as is Megatron's f."""
         fkey = f"f[{u}]"
+        section = self.section[v]
         for ku, su in enumerate(self.s[u]):
             for kv, sv in enumerate(self.s[v]):
                 cost = table.get((ku, kv))
@@ -160,16 +170,21 @@ class StageModel:
                         sec["bwd"].append((self.c.f_s.get(u, 0.0) * self.ns, self.x[fkey][0]))
                     self.m.AddImplication(xv, self.x[fkey][0])
                 if cost.fwd_s or cost.bwd_s:
-                    e = self.m.NewBoolVar(f"e[{u},{v},{ku},{kv}]")
-                    self.m.Add(e >= xu + xv - 1)
-                    sec["fwd"].append((cost.fwd_s * self.ns, e))
-                    sec["bwd"].append((cost.bwd_s * self.ns, e))
+                    rkey = (u, ku, sv.inputs[j], section)
+                    if rkey not in self.reshard:
+                        r = self.m.NewBoolVar(f"reshard[{u},{ku}->{sv.inputs[j]}]")
+                        self.reshard[rkey] = r
+                        sec["fwd"].append((cost.fwd_s * self.ns, r))
+                        sec["bwd"].append((cost.bwd_s * self.ns, r))
+                        if section == "layer" and self.position.get(u, -1) < self.last_saver:
+                            sec["rec"].append((cost.fwd_s * self.ns, r))
+                    self.m.Add(self.reshard[rkey] >= xu + xv - 1)
 
     # -- sections as integer expressions -----------------------------------------------
     def _expr(self, sec: str, key: str):
         """Integer expression of a section quantity. Times round to the nearest unit (errors
         cancel); memory and parameters round up (a plan that fits really fits)."""
-        rnd = round if key in ("fwd", "bwd", "core") else math.ceil
+        rnd = round if key in ("fwd", "bwd", "core", "rec") else math.ceil
         return sum(int(rnd(c)) * v for c, v in self.terms[sec][key] if c)
 
     def _var(self, name: str, expr, ub: int):
@@ -269,7 +284,7 @@ class StageModel:
                 s_iz[z] = s
             self.state_terms.append(s_iz)
             # state KiB * d, exact integers: 16d, 4d+12, 2d+14, 16 bytes per parameter
-            state_d_kib = sum(round(bytes_per_param(z, d) * d) * s for z, s in s_iz.items())
+            state_d_kib = sum(round(bytes_per_param(z, d, cfg.dtype) * d) * s for z, s in s_iz.items())
             keep = self.m.NewIntVar(0, L, f"layers_no_recompute[{i}]")
             self.m.Add(keep == self.n[i] - self.rf[i] - self.rs[i])
             act = (self._prod(f"act_kept[{i}]", keep, a_layer, L * act_ub)
@@ -291,6 +306,7 @@ class StageModel:
         fl = self._var("fwd_layer", self._expr("layer", "fwd"), self._ub("layer", "fwd"))
         bl = self._var("bwd_layer", self._expr("layer", "bwd"), self._ub("layer", "bwd"))
         cl = self._var("core_layer", self._expr("layer", "core"), self._ub("layer", "core"))
+        rl = self._var("recompute_layer", self._expr("layer", "rec"), self._ub("layer", "rec"))
         fb = self._var("fwd_bwd_layer", fl + bl, self._ub("layer", "fwd") + self._ub("layer", "bwd"))
         p2p = int(math.ceil(self.c.p2p_s * self.ns))
         t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
@@ -298,7 +314,7 @@ class StageModel:
         self.stage_t = []
         for i in range(cfg.pp):
             t = (self._prod(f"t_layers[{i}]", self.n[i], fb, t_ub)
-                 + self._prod(f"t_full[{i}]", self.rf[i], fl, t_ub)
+                 + self._prod(f"t_full[{i}]", self.rf[i], rl, t_ub)
                  + self._prod(f"t_sel[{i}]", self.rs[i], cl, t_ub))
             if i == 0:
                 t += self._expr("pre", "fwd") + self._expr("pre", "bwd")

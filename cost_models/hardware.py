@@ -128,8 +128,20 @@ class Cluster:
     """Link between devices of different nodes (InfiniBand), per GPU."""
     name: str = "custom"
     """Preset name or a label of the user's choosing."""
+    dtype: str = "bf16"
+    """Training precision used on this cluster unless a layout says otherwise: "bf16"
+    (mixed precision: 16-bit activations/communication, fp32 master weights and Adam
+    states) or "fp32" (everything in 32-bit, e.g. the CPU/gloo path)."""
+    attention: str = "math"
+    """Attention kernel: "math" keeps the softmax for backward (a·s² per sequence, the
+    accounting of Korthikanti et al. 2022); "flash" keeps only output and log-sum-exp
+    (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ("math", "flash"):
+            raise ValueError(f"Cluster.attention must be 'math' or 'flash', got {self.attention!r}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"Cluster.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         for field, kind in (("device", DeviceSpec), ("intra_node", LinkSpec),
                             ("inter_node", LinkSpec)):
             value = getattr(self, field)
@@ -197,8 +209,9 @@ class Cluster:
         Missing or unknown keys raise ValueError naming them.
         """
         fields = _read_fields("Cluster", d, ("device", "gpus_per_node", "nodes",
-                                             "intra_node", "inter_node", "name"),
-                              optional=("name",))
+                                             "intra_node", "inter_node", "name", "dtype",
+                                             "attention"),
+                              optional=("name", "dtype", "attention"))
         kwargs: dict[str, Any] = {
             "device": _spec_from_dict(DeviceSpec, "Cluster.device", fields["device"]),
             "intra_node": _spec_from_dict(LinkSpec, "Cluster.intra_node", fields["intra_node"]),
@@ -206,8 +219,9 @@ class Cluster:
         }
         for field in ("gpus_per_node", "nodes"):
             kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
-        if "name" in fields:
-            kwargs["name"] = fields["name"]
+        for field in ("name", "dtype", "attention"):
+            if field in fields:
+                kwargs[field] = fields[field]
         return cls(**kwargs)
 
     @classmethod

@@ -35,7 +35,7 @@ def _cluster(world: int) -> Cluster:
     fast = LinkSpec(name="ideal", bandwidth_gbps=1e6, latency_s=1e-12,
                     source="test: communication nearly free, so TP pays off on a tiny model")
     return Cluster(device=a100.device, gpus_per_node=world, nodes=1, intra_node=fast,
-                   inter_node=fast, name="test")
+                   inter_node=fast, name="test", dtype="fp32", attention="flash")
 
 
 def _megatron(placements: dict[str, str]) -> dict[str, str]:
@@ -74,6 +74,7 @@ def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
     if kind == "megatron":
         plan = dataclasses.replace(plan, placements=_megatron(plan.placements))
+        plan = autopar.evaluate_plan(meta, _cluster(world), plan)
     return plan
 
 
@@ -124,7 +125,23 @@ def _worker(rank: int, world: int, cases):
             losses = [pm.train_step(idx, tgt) for idx, tgt in _batches(STEPS)]
             state = pm.full_state_dict()
             results.append((case, opt, losses, state if rank == 0 else None))
+            if opt == "adamw":  # the cost model prices Adam's states
+                _check_stats(case, pm.last_step_stats(), plan.predicted.stage_stats[pm.groups.pp_rank])
     return results
+
+
+def _check_stats(case, measured: dict, predicted: dict) -> None:
+    """The executed step against the cost model: communication payload bytes per kind
+    exactly, model-state bytes within 1%, peak saved activations within 10% (recompute
+    none: checkpointed regions keep their inputs outside the saved-tensor hooks)."""
+    for kind, nbytes in measured["comm_bytes"].items():
+        assert nbytes == predicted["comm_bytes"][kind], (case, kind, measured, predicted)
+    states = measured["model_state_bytes"] / predicted["model_state_bytes"]
+    assert abs(states - 1) < 0.01, (case, measured, predicted)
+    if case[4] == "none":
+        saved = measured["saved_activation_bytes"] / predicted["saved_activation_bytes"]
+        assert abs(saved - 1) < 0.10, (case, measured, predicted)
+    assert measured["step_time_s"] > 0
 
 
 def _wrong_world(rank: int, world: int) -> str:

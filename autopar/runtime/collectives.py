@@ -16,9 +16,9 @@ relatives: gather forward ↔ take-my-slice backward, and the reverse.
 Every operator takes its ``group`` and is a no-op when the group has one rank.
 The ``TP*`` modules wrap them so that a rewritten ``torch.fx.GraphModule`` shows
 them as ``call_module`` nodes and ``print(gm.code)`` reads like the distributed
-program. Payload bytes are recorded into an optional :class:`CommCounter`
-(all-reduce: bytes of the reduced tensor; all-gather: bytes of the gathered
-output, the nccl-tests convention; p2p: bytes this rank sends).
+program. Payload bytes, the size of each tensor this rank hands to a collective, are
+recorded into an optional :class:`CommCounter` (all-reduce: the reduced tensor;
+all-gather: this rank's shard; p2p: what this rank sends).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-COMM_KINDS: tuple[str, ...] = ("tp_all_reduce", "tp_all_gather", "pp_p2p", "dp_all_reduce", "other")
+from ..plan import COMM_KINDS  # the payload kinds predictions and measurements share
 Group = dist.ProcessGroup | None
 
 
@@ -91,7 +91,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group, counter: CommCounter | 
     front = x.movedim(dim, 0).contiguous()  # (n, ...)
     out = front.new_empty((t * front.shape[0], *front.shape[1:]))  # (t*n, ...), rank-major
     dist.all_gather_single(out, front, group=group)
-    _record(counter, "tp_all_gather", out)
+    _record(counter, "tp_all_gather", front)
     return out.movedim(0, dim).contiguous()
 
 

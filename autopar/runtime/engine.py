@@ -24,6 +24,7 @@ collective with gloo's "Connection closed by peer" or the process group timeout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from autopar.runtime.collectives import CommCounter
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
+from autopar.runtime.stats import SavedActivationTracker, model_state_bytes
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
@@ -114,14 +116,16 @@ class ParallelModule(nn.Module):
         self.groups = groups
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.seq_len, self.hidden_size, self.schedule = seq_len, hidden_size, schedule
-        self.loss_fn, self.comm_counter = loss_fn, comm_counter
+        self.loss_fn = loss_fn
+        self.comm_counter = comm_counter if comm_counter is not None else CommCounter()
+        self._stats: dict = {}
         self.tied_parameters = self._find_tied(tied_parameter_names)
         self.optimizer = optimizer_factory(stage_module.parameters())
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
             shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype)
             self.runner = PipelineRunner(
-                stage_module, groups, shapes, num_micro_batches, schedule, loss_fn, comm_counter
+                stage_module, groups, shapes, num_micro_batches, schedule, loss_fn, self.comm_counter
             )
 
     def _find_tied(self, names: Sequence[str]) -> list[nn.Parameter]:
@@ -172,15 +176,23 @@ class ParallelModule(nn.Module):
         Raises ValueError if B != dp * micro_batch_size * num_micro_batches or s != seq_len.
         """
         local_idx, local_targets = self._local_batch(idx, targets)
-        if self.runner is None:
-            loss = self._accumulate(local_idx, local_targets)
-        else:
-            loss = self.runner.run(local_idx, local_targets)  # on the last stage, else None
+        self.comm_counter.reset()
+        start = time.perf_counter()
+        with SavedActivationTracker(self.stage_module.parameters()) as saved:
+            if self.runner is None:
+                loss = self._accumulate(local_idx, local_targets)
+            else:
+                loss = self.runner.run(local_idx, local_targets)  # on the last stage, else None
         self._sync_tied_grads()
         self._average_dp_grads()
         self.optimizer.step()
+        states = model_state_bytes(self.stage_module, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return self._global_loss(loss)
+        result = self._global_loss(loss)
+        self._stats = {"comm_bytes": dict(self.comm_counter.bytes), "model_state_bytes": states,
+                       "saved_activation_bytes": saved.peak_bytes,
+                       "step_time_s": time.perf_counter() - start}
+        return result
 
     def _sync_tied_grads(self) -> None:
         """Sum the tied embedding's partial gradients over the first and last stage."""
@@ -224,11 +236,17 @@ class ParallelModule(nn.Module):
         loss = loss.reshape(1).double()
         if g.is_last_stage and g.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=g.dp_group)
+            self.comm_counter.add("other", loss.numel() * loss.element_size())
             loss /= g.dp
         if g.pp > 1:
             dist.broadcast(loss, src=g.pp_rank_to_global(g.pp - 1), group=g.pp_group)
+            self.comm_counter.add("other", loss.numel() * loss.element_size())
         return float(loss.item())
 
-    def last_step_stats(self) -> dict[str, float]:
-        """Measured statistics of the last step (filled by a later issue): {} for now."""
-        return {}
+    def last_step_stats(self) -> dict:
+        """Measured statistics of the last ``train_step`` on this rank (the keys of
+        ``Plan.predicted.stage_stats``): ``comm_bytes`` (payload bytes handed to
+        collectives and p2p sends, by kind), ``model_state_bytes`` (parameters, gradients
+        and optimizer states held), ``saved_activation_bytes`` (peak bytes saved for
+        backward) and ``step_time_s`` (wall seconds). Empty before the first step."""
+        return dict(self._stats)

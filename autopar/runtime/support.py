@@ -17,7 +17,8 @@ class RuntimeSupport:
     """Options the runtime can execute.
 
     schedules: pipeline schedules; zero_stages: ZeRO stages; recompute: recompute modes;
-    sequence_parallel: allowed values; virtual_stages: allowed v.
+    sequence_parallel: allowed values; virtual_stages: allowed v; dtypes: training
+    precisions (bf16 mixed precision is priced by the cost model but not executed yet).
     """
 
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
@@ -25,6 +26,7 @@ class RuntimeSupport:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: tuple[bool, ...] = (False,)
     virtual_stages: tuple[int, ...] = (1,)
+    dtypes: tuple[str, ...] = ("fp32",)
 
 
 RUNTIME_SUPPORT = RuntimeSupport()
@@ -37,6 +39,7 @@ def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
         ("zero_stage", plan.zero_stage, support.zero_stages),
         ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
         ("virtual_stages", plan.virtual_stages, support.virtual_stages),
+        ("dtype", plan.dtype, support.dtypes),
     ] + [("recompute", mode, support.recompute) for mode in set(plan.recompute)]
     for name, value, allowed in checks:
         if value not in allowed:
