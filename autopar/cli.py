@@ -1,8 +1,10 @@
-"""Command line: ``autopar plan``, ``autopar evaluate`` and ``autopar report``.
+"""Command line: ``autopar plan``, ``evaluate``, ``report``, ``compare`` and ``calibrate``.
 
 argparse turns flags into the plain calls of the library (``autopar.load_model``,
 ``Cluster.from_name``, ``autopar.plan`` / ``autopar.evaluate``, ``report.write_report``);
-nothing here decides anything the library would not.
+nothing here decides anything the library would not. ``compare`` prints the solver's plan
+beside hand-written layouts (views in :mod:`autopar.cli_compare`); ``calibrate`` measures
+the local CPU profile with ``autopar.calibrate.calibrate_local``.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
 a divisibility rule) · 3 no layout fits (``autopar.InfeasibleError``) · 4 the model cannot
@@ -14,14 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import textwrap
 import traceback
 from pathlib import Path
 
 import autopar
+from autopar.cli_compare import (compare, comparison_lines, format_compare, plan_table,
+                                 profile_lines)
 from autopar.plan import RECOMPUTE_MODES, SCHEDULES, Layout, Plan
-from autopar.report import format_bytes, format_seconds, format_tflops, plan_flags, write_report
+from autopar.report import write_report
 from cost_models.hardware import PRESET_NAMES, Cluster
 
 __all__ = ["main", "build_parser"]
@@ -38,6 +43,9 @@ examples:
   autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch-size 1536 \\
       --tp 8 --pp 16 --dp 8 --micro-batch-size 1 --recompute full
   autopar report plan.json --out reports/again
+  autopar compare --model gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch-size 1536 \\
+      --seq-len 2048 --megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"
+  autopar calibrate --processes 4 --out local-cpu.json
 
 exit codes: 0 ok, 2 bad input, 3 no layout fits the cluster, 4 model cannot be traced,
 1 internal error.
@@ -161,7 +169,39 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hand layouts to price beside the plan (rebuilds the model from "
                              "the plan's model name and the cluster from the plan)")
     report.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    _add_compare_parsers(sub, fmt)
     return parser
+
+
+def _add_compare_parsers(sub, fmt) -> None:
+    """The ``compare`` and ``calibrate`` subcommands."""
+    cmp = sub.add_parser(
+        "compare", formatter_class=fmt, epilog=EPILOG,
+        help="the auto plan beside hand layouts, and where the difference comes from",
+        description=_wrap("Solve for the auto plan, price each --megatron layout with the same "
+                          "cost model, and print them side by side: step time, TFLOP/s per "
+                          "GPU, MFU, peak memory per stage, the auto/hand ratio, and the "
+                          "difference per kind of time (bubble, tp_comm, dp_comm, recompute, "
+                          "compute ...)."))
+    _add_problem_args(cmp)
+    g = cmp.add_argument_group("hand layouts and output")
+    g.add_argument("--megatron", "--hand-layout", dest="megatron", action="append", default=[],
+                   metavar="FLAGS", help="a hand layout, e.g. \"tp=8,pp=16,dp=8,mbs=1,"
+                   "recompute=full\"; repeat for several (default: the published Megatron-LM "
+                   "layout where one is known)")
+    g.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    g.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    cal = sub.add_parser(
+        "calibrate", formatter_class=fmt, help="measure this machine's CPU profile",
+        description=_wrap("Run small matmuls and gloo collectives on local processes and "
+                          "write a cluster JSON usable with --cluster (calls "
+                          "autopar.calibrate.calibrate_local)."))
+    cal.add_argument("--processes", type=_positive_int, default=4, metavar="N",
+                     help="local processes to measure collectives across (default: 4)")
+    cal.add_argument("--out", type=Path, default=Path("local-cpu-calibrated.json"),
+                     metavar="FILE", help="where to write the measured cluster JSON")
+    cal.add_argument("--json", action="store_true", help="print the result as JSON")
+    cal.add_argument("--debug", action="store_true", help="show tracebacks of errors")
 
 
 # ------------------------------------------------------------------ building blocks
@@ -217,40 +257,6 @@ def price_hand_layouts(layouts: dict[str, Layout], model, cluster: Cluster, *,
     return priced
 
 
-def _plan_table(plan: Plan) -> str:
-    """A short plain-text table of the plan's layout and prediction."""
-    p = plan.predicted
-    counts = [last - first for first, last in plan.stage_layers]
-    stages = (f"{len(counts)} × {counts[0]} layers" if len(set(counts)) == 1
-              else " + ".join(map(str, counts)) + " layers")
-    device = plan.cluster.get("device", {}).get("memory_gib")
-    peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
-    time_parts = sorted(p.time_s_by_kind.items(), key=lambda kv: -kv[1])
-    rows = [("layout", plan_flags(plan)),
-            ("micro-batches m", str(plan.num_micro_batches)),
-            ("pipeline stages", stages), ("step time", format_seconds(p.step_time_s)),
-            ("TFLOP/s per GPU", format_tflops(p.tflops_per_gpu)),
-            ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
-            ("peak memory", peak), ("solve time", format_seconds(p.solve_time_s)),
-            ("time by kind", ", ".join(f"{k} {format_seconds(v)}" for k, v in time_parts if v > 0))]
-    return "\n".join(f"  {k:<16} {v}" for k, v in rows)
-
-
-def _comparison_lines(plan: Plan, hand: dict[str, Plan | str]) -> list[str]:
-    """One line per hand layout: its step time and the auto/hand ratio."""
-    lines = []
-    for name, other in hand.items():
-        if isinstance(other, Plan):
-            ratio = plan.predicted.step_time_s / other.predicted.step_time_s
-            pred = other.predicted
-            lines.append(f"  {name}: step {format_seconds(pred.step_time_s)}, "
-                         f"{format_tflops(pred.tflops_per_gpu)} TFLOP/s/GPU; "
-                         f"auto/hand step time {ratio:.2f}")
-        else:
-            lines.append(f"  {name}: {other}")
-    return lines
-
-
 def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str]) -> None:
     """Print the plan (text or JSON), save it and write the report as the flags ask."""
     info = sys.stderr if args.json else sys.stdout
@@ -258,10 +264,10 @@ def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str]) -> 
         print(plan.to_json())
     else:
         print(plan.summary())
-        print(_plan_table(plan))
+        print(plan_table(plan))
         if hand:
             print("compared with hand-written layouts:")
-            print("\n".join(_comparison_lines(plan, hand)))
+            print("\n".join(comparison_lines(plan, hand)))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(plan.to_json() + "\n", encoding="utf-8")
@@ -311,7 +317,39 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"plan": _cmd_plan, "evaluate": _cmd_evaluate, "report": _cmd_report}
+def _cmd_compare(args: argparse.Namespace) -> int:
+    """``autopar compare``: solve, price the hand layouts, print them side by side."""
+    model, name, cluster, seq_len = _load_problem(args)
+    batch = dict(global_batch_size=args.global_batch_size, seq_len=seq_len)
+    layouts = ({f"`{text}`": Layout.parse(text) for text in args.megatron}
+               or default_hand_layouts(name, cluster))
+    if not layouts:
+        raise ValueError("compare needs at least one --megatron layout, e.g. "
+                         "--megatron \"tp=8,pp=1,dp=1,mbs=1\"")
+    hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
+    plan = autopar.plan(model, cluster, model_name=name, **batch)
+    result = compare(plan, hand)
+    print(json.dumps(result, indent=2) if args.json else format_compare(result))
+    return EXIT_OK
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """``autopar calibrate``: measure the local profile (``autopar.calibrate``)."""
+    try:
+        from autopar.calibrate import calibrate_local
+    except ImportError as exc:
+        raise ImportError(f"autopar.calibrate is not available in this installation ({exc})") from exc
+    result = calibrate_local(processes=args.processes, out_path=str(args.out))
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    else:
+        print("\n".join(profile_lines(result)))
+        print(f"measured profile written to {args.out}; use it with --cluster {args.out}")
+    return EXIT_OK
+
+
+COMMANDS = {"plan": _cmd_plan, "evaluate": _cmd_evaluate, "report": _cmd_report,
+            "compare": _cmd_compare, "calibrate": _cmd_calibrate}
 
 
 def _exit_code(exc: BaseException) -> tuple[int, str]:

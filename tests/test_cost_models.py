@@ -149,9 +149,10 @@ def test_group_link_dgx_a100():
 # --------------------------------------------------------------------------- compute
 def test_roofline():
     dev = Cluster.dgx_a100().device
-    assert cm.matmul_time_s(312e12 * 0.62, dev) == pytest.approx(1.0)
+    sustained = 312e12 * dev.matmul_efficiency  # FLOP/s of training GEMMs
+    assert cm.matmul_time_s(sustained, dev) == pytest.approx(1.0)
     assert cm.memory_bound_time_s(2039e9, dev) == pytest.approx(1.0)
-    assert cm.op_time_s(312e12 * 0.62, 2 * 2039e9, dev) == pytest.approx(2.0)
+    assert cm.op_time_s(sustained, 2 * 2039e9, dev) == pytest.approx(2.0)
 
 
 def test_gpt3_175b_model_flops():
@@ -191,7 +192,8 @@ def test_every_preset_number_has_a_source(path):
 
 def test_preset_values():
     a100, h100, v100 = Cluster.dgx_a100(4), Cluster.dgx_h100(), Cluster.dgx2h_v100()
-    assert (a100.num_gpus, a100.device.peak_tflops, a100.device.matmul_efficiency) == (32, 312, 0.62)
+    assert (a100.num_gpus, a100.device.peak_tflops) == (32, 312)
+    assert 0.5 < a100.device.matmul_efficiency < 0.8  # calibrated on the GPT-3 175B run
     assert a100.device.memory_bytes == 80 * 2**30 and a100.inter_node.bandwidth_gbps <= 25
     assert (h100.device.peak_tflops, h100.device.memory_bandwidth_gbps) == (989, 3350)
     assert (v100.gpus_per_node, v100.device.memory_gib, v100.inter_node.bandwidth_gbps <= 6.25) == (16, 32, True)

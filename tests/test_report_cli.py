@@ -9,6 +9,7 @@ on the real planner with a tiny model when ``autopar.plan`` is available.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -228,3 +229,120 @@ def test_cli_real_planner_tiny_model(tmp_path, capsys):
     assert plan.global_batch_size == 8
     assert plan.dp * plan.micro_batch_size * plan.num_micro_batches == 8
     assert "## Chosen plan" in (tmp_path / "report.md").read_text()
+
+
+# -------------------------------------------------------------------------- compare
+def test_cli_compare_real_planner_explains_the_difference(capsys):
+    """gpt-1.3b on one DGX A100 node: the auto plan beside a Megatron-style hand layout."""
+    argv = ["compare", "--model", "gpt-1.3b", "--cluster", "dgx-a100", "--nodes", "1",
+            "--global-batch-size", "16", "--seq-len", "2048",
+            "--megatron", "tp=2,pp=2,dp=2,mbs=1,recompute=full"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("auto/hand", "TFLOP/s/GPU", "MFU / HFU", "memory per stage",
+                 "tp=2 pp=2 dp=2 mbs=1", "where the difference comes from", "auto − hand by kind"):
+        assert text in out, text
+    hand_row = [line for line in out.splitlines() if line.strip().startswith("hand 1 ")][-1]
+    assert re.search(r"\d\.\d / \d+\.\d GiB", hand_row)  # memory of each of the 2 stages
+    assert "recompute" in out.split("where the difference comes from")[1]
+
+
+def test_cli_compare_json_differences_add_up(capsys):
+    argv = ["compare", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size",
+            "8", "--megatron", "tp=2,pp=1,dp=2,mbs=1", "--megatron", "tp=1,pp=2,dp=2,mbs=1",
+            "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    auto = result["auto"]
+    assert result["model"] == "gpt-tiny" and result["num_gpus"] == 4 and len(result["hand"]) == 2
+    for row in result["hand"]:
+        assert row["auto_over_hand"] == pytest.approx(auto["step_time_s"] / row["step_time_s"])
+        assert sum(row["difference_s_by_kind"].values()) == pytest.approx(row["difference_s"])
+        assert row["difference_s"] == pytest.approx(auto["step_time_s"] - row["step_time_s"])
+        assert auto["step_time_s"] <= row["step_time_s"] * (1 + 1e-9)  # the solver's optimum
+    assert len(result["hand"][1]["memory_bytes_by_stage"]) == 2
+
+
+def test_cli_compare_with_fakes_shows_unpriceable_layouts(fake_api, monkeypatch, capsys):
+    evaluate = autopar.evaluate
+
+    def evaluate_or_infeasible(model, cluster, layout, **kwargs):
+        if layout.pp == 2:
+            raise autopar.InfeasibleError("needs 95 GiB per GPU, device has 80 GiB")
+        return evaluate(model, cluster, layout, **kwargs)
+
+    monkeypatch.setattr(autopar, "evaluate", evaluate_or_infeasible)
+    argv = ["compare", *PLAN_ARGS, "--megatron", "tp=8,pp=16,dp=8,mbs=1",
+            "--megatron", "tp=8,pp=2,dp=64,mbs=1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0.833" in out                                 # 12.5 s auto / 15 s hand
+    assert "auto is 2.5 s faster" in out
+    assert "other" in out   # the fakes' kinds do not add up to the step times
+    assert "cannot be priced: infeasible: needs 95 GiB per GPU" in out
+    assert [kind for kind, _ in fake_api] == ["evaluate", "plan"]  # hand layouts first
+
+
+def test_cli_compare_defaults_to_the_published_megatron_layout(fake_api, capsys):
+    assert cli.main(["compare", *PLAN_ARGS]) == 0
+    assert fake_api[0][1]["layout"] == Layout.parse("tp=8,pp=16,dp=8,mbs=1,recompute=full")
+    assert "Narayanan et al. 2021" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["compare", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8"],
+     2, "compare needs at least one --megatron layout"),
+    (["compare", *PLAN_ARGS, "--megatron", "tp=8,pipeline=16"], 2, "cannot parse layout item"),
+    (["compare", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8",
+      "--megatron", "tp=1,pp=1,dp=1,mbs=1"], 2, "make the product equal 4"),
+])
+def test_cli_compare_bad_input_exits_2(argv, code, message, capsys):
+    assert cli.main(argv) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_compare_infeasible_auto_plan_exits_3(fake_api, monkeypatch, capsys):
+    def failing_plan(*args, **kwargs):
+        raise autopar.InfeasibleError("needs 300 GiB per GPU, device has 80 GiB")
+
+    monkeypatch.setattr(autopar, "plan", failing_plan)
+    assert cli.main(["compare", *PLAN_ARGS, "--megatron", "tp=8,pp=16,dp=8,mbs=1"]) == 3
+    assert "no layout fits" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ calibrate
+def test_cli_calibrate_calls_calibrate_local(monkeypatch, tmp_path, capsys):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("autopar.calibrate")
+
+    def calibrate_local(processes, out_path):
+        calls.append((processes, out_path))
+        return {"matmul_tflops": 0.12, "gloo_bandwidth_gbps": 1.5}
+
+    fake.calibrate_local = calibrate_local
+    monkeypatch.setitem(sys.modules, "autopar.calibrate", fake)
+    out = tmp_path / "cpu.json"
+    assert cli.main(["calibrate", "--processes", "2", "--out", str(out), "--json"]) == 0
+    assert calls == [(2, str(out))]
+    assert json.loads(capsys.readouterr().out)["matmul_tflops"] == 0.12
+    profile = {"name": "local-cpu-calibrated", "gpus_per_node": {"value": 2, "source": "s"},
+               "device": {"peak_tflops": {"value": 0.05, "source": "s"}, "source": "s"},
+               "notes": {"fit": {"alpha_s": 1e-5}}}
+    fake.calibrate_local = lambda processes, out_path: profile
+    assert cli.main(["calibrate", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gpus_per_node" in text and "device.peak_tflops" in text and "0.05" in text
+    assert "alpha_s" not in text and f"--cluster {out}" in text
+
+
+def test_cli_calibrate_without_the_module_is_a_clear_error(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "autopar.calibrate", None)  # import fails
+    assert cli.main(["calibrate", "--processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "autopar.calibrate is not available" in err and "Traceback" not in err

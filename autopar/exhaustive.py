@@ -1,0 +1,388 @@
+r"""An exhaustive check of the search: the optimum of the same plan space, found without CP-SAT.
+
+:func:`exhaustive` visits every config of :func:`autopar.search.candidate_configs` (no bound
+pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.solve` admits: a TP
+strategy per node of the pre section, the template layer and the post section (resharding
+transitions offered by :func:`~autopar.strategies.reshard_kinds`, replicated layer
+boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even, per stage
+the numbers of full and selective recompute layers, and the ZeRO stage. Each plan is priced
+with the formulas of :func:`autopar.predict.predict` (optimizer time included) and must fit
+device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
+
+Two exact reductions keep this tractable; neither can lose the optimum.
+
+* **TP assignments** (about 1.5e7 per GPT layer at t = 2) are enumerated by dynamic
+  programming in graph order over the *live* tensors (producer strategy, "Megatron f
+  already charged"), propagating only transitions the producers allow. A section's plan
+  enters the step time and memory only through the :data:`FIELDS` vector below, and both
+  are non-decreasing in every field, so per live state only Pareto-minimal vectors are kept.
+* **Recompute** changes only its own stage's time :math:`T_i` and memory, and the 1F1B/GPipe
+  step time is non-decreasing in every :math:`T_i`; so per stage the feasible
+  :math:`(r^{full}_i, r^{sel}_i)` of least :math:`T_i` is optimal (all pairs are tried).
+
+``rounding="predict"`` checks memory with predict's exact bytes; ``rounding="solver"`` with
+the integer KiB / 1024-parameter units of :meth:`autopar.solve.StageModel.add_memory`
+(rounded up per node, the loss bytes rounded down).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from cost_models import compute
+from cost_models.memory import in_flight_micro_batches
+from cost_models.pipeline import pipeline_step_time_s
+
+from .cost import OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables, dp_comm_s_per_param
+from .graph import TracedModel, last_saver_index
+from .plan import Layout, Plan
+from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
+from .search import SearchResult, candidate_configs, validate_layout
+from .solve import KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError, template_map
+from .strategies import node_strategies, param_split, tensor_inputs, tied_groups
+from .trace import trace_model
+
+__all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
+           "exhaustive_search", "section_options", "stage_splits", "price"]
+
+# One micro-batch through one section (pre, one layer, post), per GPU:
+FIELDS = ("time_s",        # forward + backward compute and TP communication (Megatron f too)
+          "rec_s",         # what full recompute repeats: forward compute and TP comm up to
+                           # the layer's last saved tensor (graph.last_saver_index)
+          "core_s",        # what selective recompute repeats: the attention core's forward
+          "act_bytes",     # activation bytes kept for backward
+          "sel_act_bytes",  # ... with selective recompute (attention core dropped)
+          "params",        # parameter elements held
+          "params_p1",     # ... minus the tied weight counted in pre too (post at p = 1)
+          "act_kib", "sel_act_kib", "param_units", "param_units_p1")  # solver rounding
+_I = {name: i for i, name in enumerate(FIELDS)}
+_ZERO = (0.0,) * len(FIELDS)
+
+
+@dataclass(frozen=True)
+class SectionOption:
+    """A Pareto-minimal TP assignment of one section: its cost vector (see :data:`FIELDS`),
+    strategy index per node name, and the weight split of its tied nodes."""
+
+    vec: tuple[float, ...]
+    choice: dict[str, int]
+    ties: tuple[tuple[str, str], ...]
+
+    def __getitem__(self, field: str) -> float:
+        return self.vec[_I[field]]
+
+
+def _dominates(a: tuple, b: tuple) -> bool:
+    return all(x <= y * (1 + 1e-12) for x, y in zip(a, b))
+
+
+def _pareto(entries: list) -> list:
+    """Entries (vec, assignment) whose vec no other entry's vec dominates (duplicates: one)."""
+    entries = sorted(entries, key=lambda e: e[0])
+    kept: list = []
+    for e in entries:
+        if not any(_dominates(k[0], e[0]) for k in kept):
+            kept.append(e)
+    return kept
+
+
+def _r_index(strategies, name: str) -> int:
+    return next(k for k, s in enumerate(strategies[name]) if s.output == "R")
+
+
+def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun: bool,
+                src_rerun: dict, tied_post: bool):
+    """Cost vector of node ``v`` at strategy ``kv`` with its input reshards and Megatron f,
+    each charged once per section and tensor (as ``predict.section_cost``); None when an
+    input transition is not offered. Returns (delta, {input: (f charged, placement)})."""
+    c, sv = tables.node[v][kv], strategies[v][kv]
+    d = [0.0] * len(FIELDS)
+    d[0], d[1], d[2] = c.fwd_s + c.bwd_s, c.fwd_s if node_rerun else 0.0, c.core_fwd_s
+    d[3], d[4] = c.saved_bytes, c.saved_bytes - c.core_saved_bytes
+    d[5] = d[6] = c.param_numel
+    akib, ckib = math.ceil(c.saved_bytes / KIB), math.ceil(c.core_saved_bytes / KIB)
+    d[7], d[8] = akib, akib - ckib
+    d[9] = d[10] = math.ceil(c.param_numel / PARAM_UNIT)
+    if tied_post:  # predict / StageModel: one tied tensor when pre and post share a stage
+        d[6], d[10] = 0.0, 0
+    used: dict = {}
+    for j, u in enumerate(ins):
+        ku, flag, done = live[u]
+        edge = tables.edge[(u, v, j)][(ku, kv)]
+        if edge is None:
+            return None, None
+        f_now, placed = used.get(u, (False, ()))
+        target = sv.inputs[j]
+        if (edge.fwd_kind or edge.bwd_kind) and target not in done and target not in placed:
+            d[0] += edge.fwd_s + edge.bwd_s
+            d[1] += edge.fwd_s if src_rerun[u] else 0.0
+            placed += (target,)
+        if sv.partial_grad_inputs and sv.partial_grad_inputs[j] and not flag and not f_now:
+            d[0] += tables.f_s.get(u, 0.0)
+            f_now = True
+        used[u] = (f_now, placed)
+    return d, used
+
+
+def _start(traced, strategies, names, boundary):
+    """Input lists, last in-section use, and what full recompute re-runs (nodes up to the
+    last saver, collectives on tensors produced before it: ``graph.last_saver_index``)."""
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    members, ins = set(names), {}
+    for v in names:
+        ins[v] = [u.name for u in tensor_inputs(graph[v], traced.nodes)]
+        bad = [u for u in ins[v] if u not in members and u != boundary]
+        if bad:
+            raise NotImplementedError(f"{v} reads {bad} across a section boundary; the "
+                                      "exhaustive check expects only the layer boundary there")
+    last_use = {u: i for i, v in enumerate(names) for u in ins[v]}
+    last = last_saver_index(traced.nodes, names)
+    rerun = {v: i <= last for i, v in enumerate(names)}
+    rerun_src = {v: i < last for i, v in enumerate(names)}
+    if boundary:
+        rerun_src[boundary] = True
+    return ins, last_use, rerun, rerun_src
+
+
+def section_options(traced: TracedModel, strategies, tables, names: list[str],
+                    boundary: str | None, replicated_out: bool, prune: bool = True) -> list[SectionOption]:
+    """Every TP assignment of section ``names`` reduced to its Pareto-minimal cost vectors.
+
+    boundary: the node outside the section whose output (replicated) feeds it, or None.
+    replicated_out: the section's last node must output "R" (a layer boundary).
+    prune=False keeps every distinct vector (exact duplicates merged) instead.
+    """
+    ins, last_use, rerun, rerun_src = _start(traced, strategies, names, boundary)
+    tied = {n: g for g in tied_groups(traced) for n in g}
+    start = ((boundary, _r_index(strategies, boundary), False, ()),) if boundary else ()
+    frontier = {(start, ()): [(_ZERO, ())]}
+    for i, v in enumerate(names):
+        grown: dict = defaultdict(list)
+        post_tie = v in tied and tied[v][-1] == v and v in traced.post
+        for (live_t, ties), entries in frontier.items():
+            live = {u: rest for u, *rest in live_t}
+            for kv, sv in enumerate(strategies[v]):
+                if replicated_out and i == len(names) - 1 and sv.output != "R":
+                    continue  # a layer boundary is replicated (StageModel.add_boundaries)
+                delta, used = _node_delta(tables, strategies, v, kv, ins[v], live, rerun[v],
+                                          rerun_src, post_tie)
+                if delta is None:
+                    continue
+                nxt = {}
+                for u, (k, f, done) in live.items():
+                    if last_use[u] > i:
+                        f_now, placed = used.get(u, (False, ()))
+                        nxt[u] = (k, f or f_now, tuple(sorted(done + placed)))
+                if last_use.get(v, -1) > i:
+                    nxt[v] = (kv, False, ())
+                key = (tuple(sorted((u,) + rest for u, rest in nxt.items())),
+                       ties + (((v, param_split(sv)),) if v in tied else ()))
+                for vec, assign in entries:
+                    grown[key].append((tuple(a + b for a, b in zip(vec, delta)), assign + (kv,)))
+        frontier = {k: (_pareto(e) if prune else list({x[0]: x for x in e}.values()))
+                    for k, e in grown.items()}
+    return [SectionOption(vec, dict(zip(names, assign)), ties)
+            for (_, ties), entries in frontier.items() for vec, assign in entries]
+
+
+def _ties_agree(*options: SectionOption, groups) -> bool:
+    split = dict(t for o in options for t in o.ties)
+    return all(len({split[n] for n in g if n in split}) <= 1 for g in groups)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layers, full and selective recompute counts of one pipeline stage."""
+
+    layers: int
+    full: int
+    selective: int
+
+
+def stage_splits(num_layers: int, pp: int) -> list[tuple[int, ...]]:
+    """Stage sizes within ``STAGE_SLACK`` of an even split summing to L (as StageModel)."""
+    lo = max(1, num_layers // pp - STAGE_SLACK)
+    hi = min(num_layers - pp + 1, -(-num_layers // pp) + STAGE_SLACK)
+    return [s for s in itertools.product(range(lo, hi + 1), repeat=pp) if sum(s) == num_layers]
+
+
+def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
+           memory_bytes: int):
+    """(seconds of one micro-batch, parameters, memory bytes, fits in ``memory_bytes``) of
+    stage ``i``; with solver rounding the bytes are the rounded KiB times 1024."""
+    pre, lay, post = secs
+    p, d, n = cfg.pp, cfg.dp, sp.layers
+    first, last = i == 0, i == p - 1
+    keep = n - sp.full - sp.selective
+    t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
+    t += first * pre["time_s"] + last * (post["time_s"] + tables.loss_s)
+    pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
+    params = n * lay["params"] + first * pre["params"] + last * post[pkey]
+    inflight = math.ceil(in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
+                                                 cfg.virtual_stages))
+    if rounding == "predict":
+        act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
+               + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
+        extra = lay["act_bytes"] + last * (post["act_bytes"] + tables.loss_bytes)
+        mem = params * bytes_per_param(zero, d, cfg.dtype) + inflight * act + extra
+        return t, params, mem, mem <= memory_bytes
+    units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
+    act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
+           + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
+    extra = lay["act_kib"] + last * (post["act_kib"] + int(tables.loss_bytes / KIB))
+    mem_d = round(bytes_per_param(zero, d, cfg.dtype) * d) * units + d * (inflight * act + extra)
+    return t, params, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
+
+
+def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
+          rounding: str = "predict") -> tuple[float, list[float], bool]:
+    """Predicted step time (seconds, as :func:`autopar.predict.predict`), memory bytes per
+    stage and whether every stage fits, from the section vectors alone (no graph walk)."""
+    times, params, mems, fits = [], [], [], True
+    for i, sp in enumerate(stages):
+        t, pa, mem, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
+        times.append(t)
+        params.append(pa)
+        mems.append(mem)
+        fits = fits and ok
+    return _step_time(times, params, tables, cluster, cfg, zero), mems, fits
+
+
+def _step_time(times, params, tables, cluster, cfg: Config, zero: int) -> float:
+    pipe = pipeline_step_time_s(times, cfg.num_micro_batches, cfg.schedule,
+                                cfg.virtual_stages, tables.p2p_s)
+    dp_s = max(dp_comm_s_per_param(zero, cluster, cfg) * pa for pa in params)
+    opt_s = max(compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM * pa / (cfg.dp if zero else 1),
+                                            cluster.device) for pa in params)
+    return pipe + dp_s + opt_s
+
+
+def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
+    """(stage time, parameters, StagePlan, pairs tried) of the feasible (full, selective)
+    recompute counts of least stage time; the first three None when none fits."""
+    best, tried = (None, None, None), 0
+    for rf in range(n + 1) if "full" in modes else (0,):
+        for rs in range(n - rf + 1) if "selective" in modes else (0,):
+            if "none" not in modes and rf + rs < n:
+                continue
+            sp = StagePlan(n, rf, rs)
+            tried += 1
+            t, pa, _, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, memory_bytes)
+            if ok and (best[0] is None or t < best[0]):
+                best = (t, pa, sp)
+    return (*best, tried)
+
+
+def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, rounding):
+    """((step time, sections, stage plans, zero stage) | None, plans covered) for ``cfg``;
+    plans covered counts every (sections, ZeRO, split, per-stage recompute) combination."""
+    groups, splits = tied_groups(traced), stage_splits(traced.num_layers, cfg.pp)
+    best, covered = None, 0
+    for secs in itertools.product(*options):
+        if not _ties_agree(*secs, groups=groups):
+            continue
+        for zero, split in itertools.product(zero_stages, splits):
+            stages = [_best_stage(secs, tables, cfg, i, n, zero, modes, rounding,
+                                  cluster.device.memory_bytes) for i, n in enumerate(split)]
+            covered += math.prod(s[3] for s in stages)
+            if any(s[0] is None for s in stages):
+                continue
+            step = _step_time([s[0] for s in stages], [s[1] for s in stages], tables,
+                              cluster, cfg, zero)
+            if best is None or step < best[0] * (1 - 1e-12):
+                best = (step, secs, [s[2] for s in stages], zero)
+    return best, covered
+
+
+@dataclass
+class ExhaustiveResult:
+    """The optimum over the whole space: its Decision, fast-path step time (seconds), the
+    tables and strategies of its config, per-config optima (``seen``), plans covered
+    (see :func:`_best_for_config`) and wall seconds."""
+
+    decision: Decision | None
+    step_time_s: float
+    tables: object
+    strategies: object
+    seen: list[dict]
+    plans_covered: int
+    solve_time_s: float
+
+
+def config_options(traced, strategies, tables, prune: bool = True):
+    """(pre, layer, post) Pareto options of one config's TP assignments."""
+    layer = traced.layers[0]
+    return (section_options(traced, strategies, tables, traced.pre, None, True, prune),
+            section_options(traced, strategies, tables, layer, traced.pre[-1], True, prune),
+            section_options(traced, strategies, tables, traced.post, traced.layers[-1][-1],
+                            False, prune))
+
+
+def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -> Decision:
+    chosen = {**secs[0].choice, **secs[1].choice, **secs[2].choice}
+    mapping = template_map(traced)
+    bounds, recompute, start = [], [], 0
+    for sp in stages:
+        bounds.append([start, start + sp.layers])
+        recompute += ["full"] * sp.full + ["selective"] * sp.selective + \
+            ["none"] * (sp.layers - sp.full - sp.selective)
+        start += sp.layers
+    return Decision(cfg, {n: chosen[t] for n, t in mapping.items()}, bounds, recompute, zero,
+                    step, elapsed)
+
+
+def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout | None = None,
+                      support: RuntimeSupport | None = RUNTIME_SUPPORT, rounding: str = "predict") -> ExhaustiveResult:
+    """The fastest plan over every config and every plan of each (see the module docstring)."""
+    if rounding not in ("predict", "solver"):
+        raise ValueError(f"rounding must be 'predict' or 'solver', got {rounding!r}")
+    start, layout = time.perf_counter(), layout or Layout()
+    validate_layout(traced, cluster, layout, global_batch_size)
+    zero = (layout.zero_stage,) if layout.zero_stage is not None else \
+        (support.zero_stages if support else (0, 1, 2, 3))
+    modes = (layout.recompute,) if layout.recompute else \
+        (support.recompute if support else ("none", "selective", "full"))
+    cache: dict = {}
+    best, seen, priced = None, [], 0
+    for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
+        strategies = node_strategies(traced, cfg.tp)
+        tables = cost_tables(traced, strategies, cluster, cfg)
+        key = (cfg.tp, cfg.micro_batch_size)  # node and edge costs depend on t and b only
+        if key not in cache:
+            cache[key] = config_options(traced, strategies, tables)
+        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zero, modes,
+                                    rounding)
+        priced += n
+        seen.append({"layout": cfg, "step_time_s": found[0] if found else None})
+        if found and (best is None or found[0] < best[0][0] * (1 - 1e-12)):
+            best = (found, cfg, tables, strategies)
+    elapsed = time.perf_counter() - start
+    if best is None:
+        return ExhaustiveResult(None, math.inf, None, None, seen, priced, elapsed)
+    (step, secs, stages, z), cfg, tables, strategies = best
+    return ExhaustiveResult(_decision(traced, cfg, secs, stages, z, step, elapsed), step,
+                            tables, strategies, seen, priced, elapsed)
+
+
+def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: Layout | None = None,
+               support: RuntimeSupport | None = RUNTIME_SUPPORT, rounding: str = "predict",
+               model_name: str = "model") -> Plan:
+    """The optimal Plan of the search space of :func:`autopar.plan`, by exhaustion; its
+    ``predicted`` comes from :func:`autopar.predict.predict`. Raises InfeasibleError when
+    no plan fits in memory."""
+    from .api import plan_from_search
+
+    traced = trace_model(model, seq_len, name=model_name)
+    res = exhaustive_search(traced, cluster, global_batch_size, layout, support, rounding)
+    if res.decision is None:
+        raise InfeasibleError(f"no plan of the search space fits in {cluster.device.memory_gib} "
+                              f"GiB per GPU (exhaustive check, {res.plans_covered} plans covered)")
+    seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"],
+             "feasible": s["step_time_s"] is not None, "reason": ""} for s in res.seen]
+    result = SearchResult(res.decision, res.tables, res.strategies, seen, res.solve_time_s)
+    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
+                            seq_len=seq_len, model_name=model_name, layout=layout or Layout())

@@ -1,0 +1,293 @@
+"""Published Megatron-LM runs priced by autopar: is the cost model's TFLOP/s trustworthy?
+
+    python benchmarks/published_runs.py            # print the table, write the report
+    python benchmarks/published_runs.py --fit      # re-fit the calibration rows' efficiency
+
+Every row is a training run whose per-GPU throughput a paper reports. autopar builds the
+same GPT (``GPTConfig(dropout=0.1)`` on the meta device, as Megatron trains it), prices the
+published layout with ``autopar.evaluate`` on the cluster preset, and compares its
+``Prediction.tflops_per_gpu`` (model FLOPs with full recompute counted, Narayanan et al.
+2021 eq. (3), the papers' convention) with the published figure.
+
+The constants are one set per hardware profile (``cost_models/presets/*.json``), the same
+for every model: exactly one number per profile is fitted, ``matmul_efficiency``, on one
+row marked "calibration" (A100: the GPT-3 175B run; V100: the 1.2B single-GPU baseline);
+every other row is a prediction. A row the cost model cannot reach carries ``known_gap``,
+the reason, which the report prints and ``tests/test_published.py`` turns into an xfail.
+
+Sources: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC21; Table 1, Table 2, section 5.1), with the micro-batch
+sizes and interleaving of Table 1 from the paper's artifact script
+``examples/sc21/run_table_1.sh`` in NVIDIA/Megatron-LM; Shoeybi et al. 2019,
+"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism"
+(abstract; sections 4.2, 5, 5.1, 5.1.1: batch 512, sequence 1024, dropout 0.1,
+activation checkpointing after every layer, V padded to 51,200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import autopar
+from autopar.models import GPT, GPTConfig
+from cost_models import comm
+from cost_models.hardware import PRESET_DIR
+
+REPORT = Path(__file__).resolve().parents[1] / "reports" / "published_vs_predicted.md"
+TOLERANCE = 0.15
+N21 = "Narayanan et al. 2021"
+S19 = "Shoeybi et al. 2019"
+T1 = f"{N21}, Table 1; b and v from examples/sc21/run_table_1.sh"
+T2 = f"{N21}, Table 2 (PTD-P, model-parallel size 96 = t·p; schedule not stated, priced 1F1B)"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run: the model, the cluster, the layout and the reported TFLOP/s.
+
+    cluster/nodes: a preset of ``cost_models/presets`` and its node count; gpus_per_node
+    overrides the preset (a single-GPU baseline). L, a, h, s, V: GPT shape. tp, pp, dp,
+    mbs (b), batch (B), v (interleaved virtual stages): the published layout, full
+    recompute. published: TFLOP/s per GPU as the source reports it. role: "calibration"
+    (its profile's matmul_efficiency is fitted on it) or "prediction". known_gap: why the
+    cost model cannot reach it (None: it must land within TOLERANCE).
+    """
+
+    name: str
+    cluster: str
+    nodes: int
+    L: int
+    a: int
+    h: int
+    s: int
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+    batch: int
+    published: float
+    source: str
+    v: int = 1
+    V: int = 51200
+    gpus_per_node: int | None = None
+    role: str = "prediction"
+    known_gap: str | None = None
+
+
+DP_LATENCY = ("data-parallel all-reduce latency: `autopar.cost.dp_comm_s_per_param` charges one "
+              "ring latency, 2(d-1)·10 µs, per 2 MB of gradients, about 1.1 s of this ~4.5 s "
+              "step (column *DP latency*), while Megatron reduces 25 MB buckets overlapped "
+              "with backward (`DDP=torch` in run_table_1.sh); without that latency the row is "
+              "within 15% (column *without it*). The fix belongs in `autopar/cost.py` "
+              "(bucket size), not in a constant.")
+DP_OVERLAP = ("data-parallel all-reduce is ~2.1 s of the predicted ~4.4 s step: ~1.3 s of ring "
+              "latency per 2 MB (as above) plus ~0.75 s to all-reduce 2 GB of gradients at 5.5 GB/s "
+              "per GPU of EDR InfiniBand, not overlapped. The paper's weak-scaling efficiency, "
+              "76% on 512 GPUs (74% in its section 5.1.1) against 77% on 8, means DP cost the "
+              "real run a few percent of its step: it was hidden behind backward. The cost "
+              "model has no DP/backward overlap, so no constant reaches this row "
+              "(matmul_efficiency = 1 would give ~24 TFLOP/s).")
+
+SYSTEMATIC = (
+    "Systematic effects the cost model leaves out, largest first (all push predictions "
+    "low unless noted): (1) the DP latency above; (2) no overlap of the DP all-reduce with "
+    "backward; (3) pipeline sends priced as whole b·s·h tensors over InfiniBand, where "
+    "Megatron's scatter/gather sends b·s·h/t per rank and all-gathers over NVLink "
+    "(Narayanan et al. 2021, section 4.1; pp_p2p is ~5 s of the 1T step); (4) one "
+    "matmul_efficiency for every GEMM size, while utilisation grows with model size (the "
+    "same paper, section 5.1): the largest models are under-predicted and the smallest "
+    "over-predicted, so the 1.7B row's -10% is two errors cancelling (+22% without the DP "
+    "latency).")
+
+
+def _table1(name, L, a, h, tp, pp, n, batch, mbs, v, published, gap=None) -> PublishedRun:
+    return PublishedRun(name, "dgx-a100", n // 8, L, a, h, 2048, tp, pp, n // (tp * pp), mbs,
+                        batch, published, T1, v=v, known_gap=gap)
+
+
+RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun("GPT-3 175B", "dgx-a100", 128, 96, 96, 12288, 2048, 8, 16, 8, 1, 1536, 140.0,
+                 f"{N21}, section 5.1 (GPT-3 on 1024 A100, B = 1536: 140 TFLOP/s per GPU); "
+                 "layout t=8 p=16 d=8 b=1 as in DESIGN.md", role="calibration"),
+    _table1("1.7B", 24, 24, 2304, 1, 1, 32, 512, 16, 1, 137.0),
+    _table1("3.6B", 30, 32, 3072, 2, 1, 64, 512, 16, 1, 138.0, DP_LATENCY),
+    _table1("7.5B", 36, 32, 4096, 4, 1, 128, 512, 16, 1, 142.0, DP_LATENCY),
+    _table1("18.4B", 40, 48, 6144, 8, 1, 256, 1024, 8, 1, 135.0),
+    _table1("39.1B", 48, 64, 8192, 8, 2, 512, 1536, 4, 1, 138.0),
+    _table1("76.1B", 60, 80, 10240, 8, 4, 1024, 1792, 2, 3, 140.0),
+    _table1("145.6B", 80, 96, 12288, 8, 8, 1536, 2304, 2, 2, 148.0),
+    _table1("310.1B", 96, 128, 16384, 8, 16, 1920, 2160, 1, 2, 155.0),
+    _table1("529.6B", 105, 128, 20480, 8, 35, 2520, 2520, 1, 3, 163.0),
+    _table1("1008.0B", 128, 160, 25600, 8, 64, 3072, 3072, 1, 1, 163.0),
+    *(PublishedRun(f"174.6B, {n} GPUs", "dgx-a100", n // 8, 96, 96, 12288, 2048, 8, 12, n // 96,
+                   1, 1536, published, T2) for n, published in ((384, 153.0), (768, 149.0),
+                                                               (1536, 141.0))),
+    PublishedRun("GPT-2 1.2B, 1 GPU", "dgx2h-v100", 1, 40, 16, 1536, 1024, 1, 1, 1, 8, 8, 39.0,
+                 f"{S19}, abstract and section 5.1.1 (39 TFLOP/s on one V100, batch 8)",
+                 gpus_per_node=1, role="calibration"),
+    PublishedRun("GPT-2 8.3B, 8-way TP", "dgx2h-v100", 1, 72, 32, 3072, 1024, 8, 1, 1, 8, 8,
+                 round(0.77 * 39.0, 2),
+                 f"{S19}, section 5.1.1 and Fig. 5 (77% weak scaling of 39 TFLOP/s, batch 8)",
+                 gpus_per_node=8),
+    PublishedRun("GPT-2 8.3B, 8-way TP x 64-way DP", "dgx2h-v100", 32, 72, 32, 3072, 1024, 8, 1,
+                 64, 8, 512, round(15.1e3 / 512, 2),
+                 f"{S19}, abstract (15.1 PFLOP/s on 512 V100 = 29.5 per GPU, B = 512)",
+                 known_gap=DP_OVERLAP),
+)
+
+
+def cluster_for(run: PublishedRun, matmul_efficiency: float | None = None) -> autopar.Cluster:
+    """The run's cluster preset (optionally with another matmul_efficiency, for fitting)."""
+    cluster = autopar.Cluster.from_name(run.cluster, run.nodes)
+    if run.gpus_per_node:
+        cluster = dataclasses.replace(cluster, gpus_per_node=run.gpus_per_node)
+    if matmul_efficiency is not None:
+        device = dataclasses.replace(cluster.device, matmul_efficiency=matmul_efficiency)
+        cluster = dataclasses.replace(cluster, device=device)
+    return cluster
+
+
+def evaluate_run(run: PublishedRun, matmul_efficiency: float | None = None) -> autopar.Plan:
+    """``autopar.evaluate`` of the run's published layout (full recompute, Megatron's even
+    stages, interleaved when v > 1) on its cluster."""
+    cfg = GPTConfig(n_layer=run.L, n_head=run.a, n_embd=run.h, vocab_size=run.V,
+                    block_size=run.s, dropout=0.1)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    layout = autopar.Layout(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch_size=run.mbs,
+                            recompute="full", virtual_stages=run.v)
+    return autopar.evaluate(model, cluster_for(run, matmul_efficiency), layout,
+                            global_batch_size=run.batch, seq_len=run.s, model_name=run.name)
+
+
+def dp_latency_s(plan: autopar.Plan, cluster: autopar.Cluster) -> float:
+    """The latency part of the predicted DP time: dp_comm minus a latency-free ring
+    all-reduce of the largest stage's gradients (a diagnostic, not a correction)."""
+    if plan.dp == 1:
+        return 0.0
+    grads = max(stage["gradients"] for stage in plan.predicted.memory_bytes_by_stage)
+    link = dataclasses.replace(comm.group_link(cluster, plan.dp, plan.tp), latency_s=0.0)
+    bandwidth_s = comm.all_reduce_time_s(grads, plan.dp, link)
+    return max(0.0, plan.predicted.time_s_by_kind["dp_comm"] - bandwidth_s)
+
+
+def price(run: PublishedRun) -> dict:
+    """One table row: published vs predicted TFLOP/s, the error and what the step is made of."""
+    start = time.perf_counter()
+    plan = evaluate_run(run)
+    pred = plan.predicted
+    latency = dp_latency_s(plan, cluster_for(run))
+    step = pred.step_time_s
+    return {"run": run, "predicted": pred.tflops_per_gpu,
+            "error": (pred.tflops_per_gpu - run.published) / run.published,
+            "step_s": step, "mfu": pred.mfu, "peak_gib": pred.peak_memory_bytes / 2**30,
+            "dp_latency_s": latency, "without_dp_latency": pred.tflops_per_gpu * step / (step - latency),
+            "kinds": pred.time_s_by_kind, "seconds": time.perf_counter() - start}
+
+
+def fit_efficiency(run: PublishedRun, lo: float = 0.05, hi: float = 1.0, tol: float = 5e-4) -> float:
+    """The matmul_efficiency at which ``run`` predicts exactly its published TFLOP/s
+    (bisection; predicted TFLOP/s grows with the efficiency)."""
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if evaluate_run(run, mid).predicted.tflops_per_gpu < run.published:
+            lo = mid
+        else:
+            hi = mid
+    return round((lo + hi) / 2, 3)
+
+
+# --------------------------------------------------------------------------- report
+def _fmt_kinds(kinds: dict[str, float]) -> str:
+    top = sorted(((k, v) for k, v in kinds.items() if v > 0), key=lambda kv: -kv[1])[:4]
+    return ", ".join(f"{k} {v:.2f}" for k, v in top)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The report: one table row per published run, then the constants and the gaps."""
+    ok = [r for r in rows if r["run"].known_gap is None]
+    worst = max(ok, key=lambda r: abs(r["error"]))
+    lines = [
+        "# Published runs vs autopar's predictions", "",
+        "Generated by `python benchmarks/published_runs.py`; checked by "
+        "`tests/test_published.py` (every row without a known gap within "
+        f"{TOLERANCE:.0%}). TFLOP/s per GPU count model FLOPs with full recompute, "
+        "Narayanan et al. 2021 eq. (3), as the papers do. Each run is priced by "
+        "`autopar.evaluate` of its published layout (full recompute, even stages, "
+        "interleaved 1F1B when v > 1, no ZeRO) on its cluster preset.", "",
+        f"Rows within {TOLERANCE:.0%}: {sum(abs(r['error']) < TOLERANCE for r in ok)} of "
+        f"{len(ok)} predicted rows (worst {worst['run'].name}, {worst['error']:+.1%}); "
+        f"{len(rows) - len(ok)} rows with a known gap, explained below.", "",
+        "| run | GPUs | t·p·d | b | B | v | role | published | predicted | error | step s | "
+        "largest parts of the step (s) | DP latency s | without it | source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        run = r["run"]
+        role = run.role if run.known_gap is None else "known gap"
+        lines.append(
+            f"| {run.name} | {run.tp * run.pp * run.dp} | {run.tp}·{run.pp}·{run.dp} | {run.mbs} | "
+            f"{run.batch} | {run.v} | {role} | {run.published:.1f} | {r['predicted']:.1f} | "
+            f"{r['error']:+.1%} | {r['step_s']:.2f} | {_fmt_kinds(r['kinds'])} | "
+            f"{r['dp_latency_s']:.2f} | {r['without_dp_latency']:.1f} | {run.source} |")
+    return "\n".join(lines + [""] + _constants() + [""] + _gaps(rows)) + "\n"
+
+
+def _constants() -> list[str]:
+    lines = ["## Constants (one set per hardware profile, the same for every model)", "",
+             "| profile | peak TFLOP/s | matmul_efficiency | intra-node GB/s | inter-node GB/s | "
+             "source of matmul_efficiency |", "|---|---|---|---|---|---|"]
+    for name in sorted({run.cluster for run in RUNS}):
+        c = autopar.Cluster.from_name(name)
+        preset = json.loads((PRESET_DIR / f"{name}.json").read_text(encoding="utf-8"))
+        source = preset["device"]["matmul_efficiency"]["source"]
+        lines.append(f"| {name} | {c.device.peak_tflops:g} | {c.device.matmul_efficiency:g} | "
+                     f"{c.intra_node.bandwidth_gbps:g} | {c.inter_node.bandwidth_gbps:g} | {source} |")
+    lines += ["", "Only `matmul_efficiency` was fitted, on the row marked *calibration* "
+              "(`python benchmarks/published_runs.py --fit` re-fits it); link bandwidths and "
+              "latencies are the presets' spec-sheet and NCCL-test values, untouched."]
+    return lines
+
+
+def _gaps(rows: list[dict]) -> list[str]:
+    lines = ["## Known gaps", "",
+             "The *DP latency* column is the part of the predicted data-parallel all-reduce "
+             "that is ring latency rather than bandwidth; *without it* is the TFLOP/s the "
+             "same prediction gives if that latency were paid once per step, to show where "
+             "the error comes from (it is a diagnostic, not a correction).", ""]
+    for r in rows:
+        if r["run"].known_gap:
+            lines.append(f"- **{r['run'].name}** ({r['error']:+.1%}): {r['run'].known_gap}")
+    return lines + ["", SYSTEMATIC]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPORT, help="Markdown report to write")
+    parser.add_argument("--fit", action="store_true",
+                        help="print the matmul_efficiency each calibration row implies")
+    args = parser.parse_args(argv)
+    if args.fit:
+        for run in (r for r in RUNS if r.role == "calibration"):
+            print(f"{run.cluster}: matmul_efficiency = {fit_efficiency(run)} (calibrated: {run.name})")
+        return 0
+    rows = []
+    for run in RUNS:
+        rows.append(price(run))
+        r = rows[-1]
+        print(f"{run.name:34s} published {run.published:6.1f} predicted {r['predicted']:6.1f} "
+              f"{r['error']:+7.1%}  ({r['seconds']:.1f} s){'  known gap' if run.known_gap else ''}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown(rows), encoding="utf-8")
+    print(f"report written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""autopar.calibrate: the ring fit recovers known numbers; a quick real calibration writes a
+profile that Cluster.from_json_file loads, with positive, plausible, sourced numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.calibrate import CalibrationSizes, calibrate_local, fit_ring_all_reduce
+from cost_models import comm
+from cost_models.hardware import Cluster, LinkSpec
+
+QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=8 * 2**20,
+                         all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
+                         timeout_s=60)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_fit_recovers_alpha_and_bandwidth(n):
+    link = LinkSpec(name="synthetic", bandwidth_gbps=3.0, latency_s=4e-5, source="test")
+    times = {m: comm.all_reduce_time_s(m, n, link) for m in (4, 1024, 2**16, 2**20, 2**24)}
+    alpha, bandwidth = fit_ring_all_reduce(times, n)
+    assert alpha == pytest.approx(4e-5, rel=1e-9)
+    assert bandwidth == pytest.approx(3e9, rel=1e-9)
+
+
+def test_ring_fit_and_calibrate_reject_bad_input():
+    with pytest.raises(ValueError, match="2 ranks"):
+        fit_ring_all_reduce({4: 1e-4, 8: 1e-4}, 1)
+    with pytest.raises(ValueError, match="grow with message size"):
+        fit_ring_all_reduce({4: 2e-3, 2**20: 1e-4}, 2)
+    with pytest.raises(ValueError, match="processes >= 2"):
+        calibrate_local(1)
+
+
+def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
+    path = tmp_path / "local.json"
+    profile = calibrate_local(2, str(path), sizes=QUICK)
+    assert json.loads(path.read_text())["name"] == profile["name"]
+    cluster = Cluster.from_json_file(path)
+    dev, link = cluster.device, cluster.intra_node
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.dtype) == (1, 2, "fp32")
+    assert 1e-4 < dev.peak_tflops < 50  # one CPU thread: ~1 GFLOP/s .. tens of TFLOP/s
+    assert dev.matmul_efficiency == 1.0
+    assert 0.1 < dev.memory_gib < 1e5 and 0.1 < dev.memory_bandwidth_gbps < 1e4
+    assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
+    for source in (dev.source, link.source):
+        assert "measured on" in source and "by autopar calibrate" in source
+    # the fitted ring reproduces the measured all-reduce times within a factor of 3
+    n, times = 2, profile["notes"]["all_reduce_s_by_bytes"]
+    for nbytes, seconds in times.items():
+        model = comm.all_reduce_time_s(nbytes, n, link)
+        assert seconds / 3 < model < seconds * 3, (nbytes, seconds, model)

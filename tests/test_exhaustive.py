@@ -1,0 +1,259 @@
+"""The CP-SAT search against an exhaustive check of the same plan space (autopar.exhaustive).
+
+Ladder: (1) the dynamic programme over TP assignments loses no assignment (naive
+enumeration of a small model, each priced by predict.section_cost); (2) the fast stage
+pricing equals predict on random plans; (3) on a small model the exhaustive optimum equals
+a brute force over every whole plan priced by predict; (4) autopar's CP-SAT plan has the
+exhaustive optimum's predicted step time within 0.1% on GPTs of 2-8 layers, h 64-1024,
+N <= 16, with and without binding memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.cost import cost_tables
+from autopar.exhaustive import (StagePlan, _decision, _r_index, _ties_agree, config_options,
+                                exhaustive, exhaustive_search, price, stage_splits)
+from autopar.models import GPT, GPTConfig
+from autopar.predict import predict, section_cost
+from autopar.runtime.support import RuntimeSupport
+from autopar.runtime.support import RUNTIME_SUPPORT
+from autopar.search import candidate_configs
+from autopar.solve import Decision, template_map
+from autopar.strategies import (node_strategies, param_split, reshard_kinds, tensor_inputs,
+                                tied_groups)
+from autopar.trace import trace_model
+from cost_models.hardware import Cluster
+
+WITH_ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))
+
+
+class _Block(nn.Module):
+    """A gated MLP block: a tensor read twice (reshard and f shared), a residual."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.up, self.gate, self.down = nn.Linear(h, 2 * h), nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+        self.act, self.drop = nn.GELU(), nn.Dropout(0.1)
+
+    def forward(self, x):  # x: (b, s, h)
+        y = self.ln(x)
+        return x + self.drop(self.down(self.act(self.up(y) + self.gate(y))))
+
+
+class _TinyLM(nn.Module):
+    """Tied embedding / head around two blocks: small enough to enumerate every plan."""
+
+    def __init__(self, vocab: int = 8, h: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.wte, self.drop = nn.Embedding(vocab, h), nn.Dropout(0.1)
+        self.h = nn.ModuleList(_Block(h) for _ in range(layers))
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):  # idx: (b, s) -> logits (b, s, V)
+        x = self.drop(self.wte(idx))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(x)
+
+
+def _meta(cfg) -> nn.Module:
+    with torch.device("meta"):
+        return GPT(cfg) if isinstance(cfg, GPTConfig) else _TinyLM()
+
+
+def _memory(cluster: Cluster, gib: float) -> Cluster:
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=gib))
+
+
+def _assignments(traced, strategies, names, boundary):
+    """Every strategy assignment of ``names`` whose transitions are offered (naive DFS)."""
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    ins = {v: [u.name for u in tensor_inputs(graph[v], traced.nodes)] for v in names}
+    out = {boundary: "R"} if boundary else {}
+
+    def walk(i, chosen):
+        if i == len(names):
+            yield dict(chosen)
+            return
+        v = names[i]
+        for k, s in enumerate(strategies[v]):
+            outs = {**out, **{n: strategies[n][c].output for n, c in chosen.items()}}
+            if all(reshard_kinds(outs[u], s.inputs[j]) is not None for j, u in enumerate(ins[v])):
+                yield from walk(i + 1, {**chosen, v: k})
+    yield from walk(0, {})
+
+
+def _vector(traced, strategies, tables, choice, names) -> tuple:
+    """The first seven FIELDS of one assignment, from predict.section_cost."""
+    c = section_cost(traced, strategies, tables, choice, names)
+    tied = sum(tables.node[g[-1]][choice[g[-1]]].param_numel for g in tied_groups(traced)
+               if g[-1] in names and g[-1] in traced.post)
+    return (c["fwd_s"] + c["bwd_s"] + c["tp_fwd_s"] + c["tp_bwd_s"], c["rec_fwd_s"],
+            c["core_fwd_s"], c["act_bytes"], c["act_bytes"] - c["core_act_bytes"],
+            c["params"], c["params"] - tied)
+
+
+def test_pareto_options_cover_every_tp_assignment():
+    traced = trace_model(_meta(None), 3)
+    cluster = Cluster.local_cpu(2)
+    cfg = candidate_configs(traced, cluster, 2, autopar.Layout(tp=2, micro_batch_size=1))[0]
+    strategies = node_strategies(traced, 2)
+    tables = cost_tables(traced, strategies, cluster, cfg)
+    boundaries = (traced.pre[-1], traced.layers[-1][-1])
+    r_out = {n: _r_index(strategies, n) for n in boundaries}  # the replicated layer inputs
+    sections = [(traced.pre, None, True), (traced.layers[0], boundaries[0], True),
+                (traced.post, boundaries[1], False)]
+    for (names, boundary, replicated), options in zip(
+            sections, config_options(traced, strategies, tables)):
+        for o in options:  # each option is a real assignment, priced as predict prices it
+            vec = _vector(traced, strategies, tables, {**r_out, **o.choice}, names)
+            assert vec == pytest.approx(o.vec[:7], rel=1e-12), names
+        count = 0
+        for choice in _assignments(traced, strategies, names, boundary):
+            if replicated and strategies[names[-1]][choice[names[-1]]].output != "R":
+                continue
+            count += 1
+            vec = _vector(traced, strategies, tables, {**r_out, **choice}, names)
+            ties = {(n, s) for n, s in _split(traced, strategies, choice)}
+            assert any(set(o.ties) == ties and all(a <= b * (1 + 1e-12) for a, b in
+                                                   zip(o.vec[:7], vec)) for o in options), choice
+        assert count >= len(options) and (len(names) < 5 or count > 20), (names, count)
+
+
+def _split(traced, strategies, choice):
+    return [(n, param_split(strategies[n][k])) for n, k in choice.items()
+            if any(n in g for g in tied_groups(traced))]
+
+
+def test_fast_pricing_equals_predict_on_random_plans():
+    traced = trace_model(_meta(GPTConfig(6, 8, 256, 512, 128)), 128)
+    cluster, rng, groups = Cluster.dgx_a100(1), random.Random(0), tied_groups(traced)
+    configs = candidate_configs(traced, cluster, 16, autopar.Layout(), None)
+    for _ in range(40):
+        cfg = rng.choice(configs)
+        strategies = node_strategies(traced, cfg.tp)
+        tables = cost_tables(traced, strategies, cluster, cfg)
+        options = config_options(traced, strategies, tables)
+        secs = rng.choice([s for s in itertools.product(*options) if _ties_agree(*s, groups=groups)])
+        stages = []
+        for n in rng.choice(stage_splits(traced.num_layers, cfg.pp)):
+            full = rng.randint(0, n)
+            stages.append(StagePlan(n, full, rng.randint(0, n - full)))
+        zero = rng.choice((0, 1, 2, 3))
+        step, mem, _ = price(secs, tables, cluster, cfg, stages, zero)
+        pred = predict(traced, strategies, tables, cluster,
+                       _decision(traced, cfg, secs, stages, zero, step, 0.0), global_batch_size=16)
+        assert step == pytest.approx(pred.step_time_s, rel=1e-12)
+        assert mem == pytest.approx([sum(m.values()) for m in pred.memory_bytes_by_stage], rel=1e-12)
+
+
+def _brute_force(traced, cluster, batch, support):
+    """(step time, peak bytes) of every whole plan, each priced by predict."""
+    out = []
+    for cfg in candidate_configs(traced, cluster, batch, autopar.Layout(), support):
+        strategies = node_strategies(traced, cfg.tp)
+        tables = cost_tables(traced, strategies, cluster, cfg)
+        pre = [c for c in _assignments(traced, strategies, traced.pre, None)
+               if strategies[traced.pre[-1]][c[traced.pre[-1]]].output == "R"]
+        layer = [c for c in _assignments(traced, strategies, traced.layers[0], traced.pre[-1])
+                 if strategies[traced.layers[0][-1]][c[traced.layers[0][-1]]].output == "R"]
+        post = list(_assignments(traced, strategies, traced.post, traced.layers[-1][-1]))
+        for a, b, c in itertools.product(pre, layer, post):
+            if len({s for _, s in _split(traced, strategies, {**a, **c})}) > 1:
+                continue
+            chosen = {**a, **b, **c}
+            strategy = {n: chosen[t] for n, t in template_map(traced).items()}
+            for split in stage_splits(traced.num_layers, cfg.pp):
+                bounds = [[sum(split[:i]), sum(split[:i + 1])] for i in range(len(split))]
+                for modes in itertools.product(*[_stage_modes(n) for n in split]):
+                    for zero in support.zero_stages:
+                        d = Decision(cfg, strategy, bounds, sum(modes, []), zero, 0, 0)
+                        p = predict(traced, strategies, tables, cluster, d, global_batch_size=batch)
+                        out.append((p.step_time_s, max(sum(m.values()) for m in p.memory_bytes_by_stage)))
+    return out
+
+
+def _stage_modes(n: int) -> list[list[str]]:
+    return [["full"] * f + ["selective"] * s + ["none"] * (n - f - s)
+            for f in range(n + 1) for s in range(n - f + 1)]
+
+
+def test_exhaustive_equals_brute_force_over_whole_plans():
+    traced = trace_model(_meta(None), 3)
+    cluster = Cluster.local_cpu(2)
+    support = RuntimeSupport(zero_stages=(0, 1))
+    plans = _brute_force(traced, cluster, 2, support)
+    assert len(plans) > 1000
+    peaks = sorted(p for _, p in plans)
+    for limit in (peaks[-1], peaks[len(peaks) // 3]):  # memory free, then binding
+        small = _memory(cluster, limit / 2**30)
+        want = min(t for t, p in plans if p <= small.device.memory_bytes)
+        got = exhaustive_search(traced, small, 2, autopar.Layout(), support)
+        assert got.step_time_s == pytest.approx(want, rel=1e-12)
+
+
+# (model, cluster, global batch, seq_len, memory GiB or None): N <= 16, L 2-8, h 64-1024
+CASES = {
+    "cpu2-L2-h64": (GPTConfig(2, 4, 64, 256, 64), Cluster.local_cpu(2), 8, 64, None),
+    "cpu8-L4-h256": (GPTConfig(4, 8, 256, 512, 128), Cluster.local_cpu(8), 16, 128, None),
+    "a100x8-L6-h512": (GPTConfig(6, 8, 512, 1024, 128), Cluster.dgx_a100(1), 16, 128, None),
+    "a100x16-L8-h1024": (GPTConfig(8, 16, 1024, 1024, 256), Cluster.dgx_a100(2), 16, 256, None),
+    "cpu4-L4-h256-recompute": (GPTConfig(4, 8, 256, 512, 256), Cluster.local_cpu(4), 16, 256, 0.02),
+    "a100x8-L8-h1024-recompute": (GPTConfig(8, 16, 1024, 1024, 512), Cluster.dgx_a100(1), 16, 512, 0.35),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpsat_plan_is_the_exhaustive_optimum(name):
+    cfg, cluster, batch, seq, gib = CASES[name]
+    cluster = _memory(cluster, gib) if gib else cluster
+    model = _meta(cfg)
+    auto = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq)
+    best = exhaustive(model, cluster, global_batch_size=batch, seq_len=seq, rounding="solver")
+    exact = exhaustive_search(trace_model(model, seq), cluster, batch, rounding="predict")
+    assert best.predicted.step_time_s <= auto.predicted.step_time_s * (1 + 1e-9)
+    assert auto.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-3)
+    assert exact.step_time_s <= best.predicted.step_time_s * (1 + 1e-9)  # rounding only removes
+    if gib:
+        assert set(auto.recompute) != {"none"}, "memory should bind in this case"
+
+
+# Known gaps, reported to the lead: strict xfails, so a fix shows up as XPASS (then unmark).
+GAPS = {
+    "zero-allowed": (GPTConfig(4, 8, 256, 512, 128), Cluster.dgx_a100(1), 16, 128, WITH_ZERO),
+    "cutoff-rounding": (GPTConfig(2, 4, 64, 256, 64), Cluster.dgx_a100(2), 16, 64, RUNTIME_SUPPORT),
+}
+WHY = {
+    "zero-allowed": "StageModel.add_objective omits predict's optimizer-step time (32 B/param "
+                    "over HBM, divided by d for ZeRO>=1), so ZeRO-1 ties with ZeRO-0 and loses",
+    "cutoff-rounding": "the T_dp term uses parameters rounded up to 1024 per node, so the "
+                       "objective overshoots predict and add_cutoff prunes a faster config",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=WHY[n]))
+                                  for n in GAPS])
+def test_known_gaps_between_cpsat_and_exhaustive(name):
+    from autopar.api import plan_from_search
+    from autopar.search import search
+
+    cfg, cluster, batch, seq, support = GAPS[name]
+    model = _meta(cfg)
+    traced = trace_model(model, seq)
+    result = search(traced, cluster, batch, autopar.Layout(), support)
+    auto = plan_from_search(traced, model, cluster, result, global_batch_size=batch, seq_len=seq,
+                            model_name="m", layout=autopar.Layout())
+    best = exhaustive_search(traced, cluster, batch, support=support, rounding="solver")
+    assert auto.predicted.step_time_s == pytest.approx(best.step_time_s, rel=1e-3)
