@@ -34,7 +34,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce"]
+__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "spawn_local"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,10 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     t = _median_time_s(lambda: dst.copy_(src), 0.5)
-    return {"matmul_tflops": flops, "copy_gbps": 2.0 * src.numel() * 4 / t / 1e9}
+    tiny = torch.ones(8)
+    op = _median_time_s(lambda: [tiny.add(1.0) for _ in range(100)], 0.2) / 100
+    return {"matmul_tflops": flops, "copy_gbps": 2.0 * src.numel() * 4 / t / 1e9,
+            "op_overhead_s": op}
 
 
 def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
@@ -95,7 +98,8 @@ def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
         dist.all_reduce(x)
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        guess = max(3, min(200, int(sizes.all_reduce_seconds / 3 / max(time.perf_counter() - t0, 1e-6))))
+        one = max(time.perf_counter() - t0, 1e-6)
+        guess = max(3, min(200, int(sizes.all_reduce_seconds / 3 / one)))
         agreed = torch.tensor([guess])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank must run as many
         reps = int(agreed.item())
@@ -112,8 +116,14 @@ def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, sizes: CalibrationSizes, out) -> None:
-    """Child: one thread, gloo on 127.0.0.1, compute then communication measurements."""
+def _measure(rank: int, world: int, sizes: CalibrationSizes) -> dict:
+    """One rank's measurements: compute first, then the all-reduce sweep."""
+    return {"compute": _measure_compute(sizes), "all_reduce_s": _measure_all_reduce(sizes)}
+
+
+def _child(rank: int, world: int, port: int, fn, args: tuple, timeout_s: float, out) -> None:
+    """Child body: one torch thread, gloo on 127.0.0.1, ``fn(rank, world, *args)``; the
+    pickled result or the traceback goes to ``out``."""
     try:
         import torch
         import torch.distributed as dist
@@ -121,17 +131,16 @@ def _worker(rank: int, world: int, port: int, sizes: CalibrationSizes, out) -> N
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=sizes.timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         dist.barrier()
-        result = {"compute": _measure_compute(sizes)}
-        result["all_reduce_s"] = _measure_all_reduce(sizes)
+        result = fn(rank, world, *args)
         dist.destroy_process_group()
         out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         out.put((rank, False, traceback.format_exc()))
     out.close()
     out.join_thread()
-    os._exit(0)
+    os._exit(0)  # skip torch's slow interpreter teardown
 
 
 def _free_port() -> int:
@@ -140,17 +149,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(processes: int, sizes: CalibrationSizes) -> list[dict]:
-    """Run :func:`_worker` on ``processes`` spawned ranks; RuntimeError/TimeoutError name
-    the failing rank (and its traceback) or the ranks still missing at the deadline."""
+def spawn_local(fn, processes: int, *args, timeout_s: float = 120.0) -> list:
+    """Run the module-level ``fn(rank, world, *args)`` on ``processes`` spawned gloo ranks
+    (one torch thread each, 127.0.0.1); returns the results in rank order. RuntimeError
+    names a failing rank (with its traceback) and TimeoutError the ranks still missing at
+    ``timeout_s``; every rank is killed on the way out."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, processes, port, sizes, out), daemon=True)
-             for r in range(processes)]
+    procs = [ctx.Process(target=_child, args=(r, processes, port, fn, args, timeout_s, out),
+                         daemon=True) for r in range(processes)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.monotonic() + sizes.timeout_s
+    results, deadline = {}, time.monotonic() + timeout_s
     try:
         while len(results) < processes:
             try:
@@ -158,15 +169,15 @@ def _spawn(processes: int, sizes: CalibrationSizes) -> list[dict]:
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"calibration rank {dead[0]} died (exit code "
-                                       f"{procs[dead[0]].exitcode})") from None
+                    code = procs[dead[0]].exitcode
+                    raise RuntimeError(f"rank {dead[0]} died (exit code {code})") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"calibration ranks {sorted(set(range(processes)) - set(results))}"
-                                       f" did not finish within {sizes.timeout_s} s; is 127.0.0.1 "
-                                       "reachable and the host not overloaded?") from None
+                    missing = sorted(set(range(processes)) - set(results))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s} s; is "
+                                       "127.0.0.1 reachable and the host not overloaded?") from None
                 continue
             if not ok:
-                raise RuntimeError(f"calibration rank {rank} failed:\n{payload}")
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
@@ -207,6 +218,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
                 for n in sorted(results[0]["compute"]["matmul_tflops"])}
     best = max(per_size, key=per_size.get)
     copy = min(r["compute"]["copy_gbps"] for r in results)
+    overhead = max(r["compute"]["op_overhead_s"] for r in results)
     times = {m: max(r["all_reduce_s"][m] for r in results) for m in results[0]["all_reduce_s"]}
     alpha, bandwidth = fit_ring_all_reduce(times, processes)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes / 2**30
@@ -223,11 +235,14 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
         "name": "local-cpu-calibrated", "gpus_per_node": num(processes, "ranks spawned"),
         "nodes": num(1, "one host"), "dtype": nominal.dtype, "attention": nominal.attention,
         "device": {"name": "CPU process (1 thread)", "source": source,
-                   "peak_tflops": num(per_size[best], f"fp32 torch.matmul {best}^3, median, slowest rank"),
+                   "peak_tflops": num(per_size[best],
+                                      f"fp32 torch.matmul {best}^3, median, slowest rank"),
                    "memory_gib": num(mem, f"physical memory / {processes} processes"),
                    "memory_bandwidth_gbps": num(copy, f"copy of {sizes.copy_bytes} B "
                                                          "fp32 (read + write), slowest rank"),
-                   "matmul_efficiency": num(1.0, "peak_tflops is the measured matmul rate")},
+                   "matmul_efficiency": num(1.0, "peak_tflops is the measured matmul rate"),
+                   "op_overhead_s": num(overhead, "eager dispatch of a tiny add, median, "
+                                                  "slowest rank")},
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
                   "fit": {"alpha_s": alpha, "bus_bandwidth_bytes_per_s": bandwidth}},
@@ -246,7 +261,8 @@ def calibrate_local(processes: int = 2, out_path: str | None = None,
         raise ValueError(f"calibrate_local needs processes >= 2 to measure gloo, got {processes!r}")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     source = f"measured on {socket.gethostname()} {stamp} by autopar calibrate"
-    profile = _profile(processes, _spawn(processes, sizes), source, sizes)
+    results = spawn_local(_measure, processes, sizes, timeout_s=sizes.timeout_s)
+    profile = _profile(processes, results, source, sizes)
     profile["notes"]["sizes"] = asdict(sizes)
     if out_path is not None:
         Path(out_path).write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")

@@ -12,7 +12,8 @@ Assumptions (the standard ones of Megatron-LM papers, stated once):
 * backward costs twice the forward (Narayanan et al. 2021, section 5.1);
 * the loss (cross-entropy over the vocabulary) runs in fp32 on the last stage and keeps
   its softmax (4 bytes per logit) for backward;
-* DP gradient reduction is not overlapped with backward (a conservative, reported choice).
+* DP gradients are reduced in 25 MB buckets that overlap the backward of the last
+  micro-batch (PyTorch DDP / Megatron ``DDP=torch``); what does not fit behind it is exposed.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from .graph import ACTIVATION_BYTES, TracedModel
 from .strategies import NodeStrategies, Strategy, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables",
-           "bytes_per_param", "dp_comm_s_per_param", "LOSS_BYTES_PER_LOGIT"]
+           "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
 
 LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
 OPTIMIZER_BYTES_PER_PARAM = 32  # Adam step: read+write fp32 master, m, v and 16-bit param/grad
+DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_cap_mb default)
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,18 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
         return 0.0
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
     grad_bytes = state_bytes(cfg.dtype)[1]
-    per_param = comm.all_reduce_time_s(grad_bytes * 1e6, cfg.dp, link) / 1e6  # amortise latency
+    # gradients are reduced in buckets (PyTorch DDP's bucket_cap_mb=25 default; Megatron's
+    # contiguous grad buffer is coarser still), so one ring latency per 25 MB bucket
+    bucket_params = DP_BUCKET_BYTES / grad_bytes
+    per_param = comm.all_reduce_time_s(DP_BUCKET_BYTES, cfg.dp, link) / bucket_params
     return per_param * (1.5 if zero_stage == 3 else 1.0)
+
+
+def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
+    """Seconds of the (memory-bound) Adam step per parameter: OPTIMIZER_BYTES_PER_PARAM
+    over HBM bandwidth, split over d ranks from ZeRO-1 on."""
+    per_param = compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM, cluster.device)
+    return per_param / (cfg.dp if zero_stage >= 1 else 1)
 
 
 def _param_numel(info, strat: Strategy) -> float:
@@ -148,10 +160,15 @@ def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_nume
     b = b if info.per_sequence else 1
     if info.kind in ("linear", "sdpa"):
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
+        if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
+            passes = info.extra.get("score_passes_elems", 0)
+            fwd += compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
     elif info.kind in ("view", "transpose", "input", "output", "nontensor"):
         fwd = 0.0
     else:
         fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+    if info.kind not in ("view", "transpose", "input", "output", "nontensor"):
+        fwd += dev.op_overhead_s  # dispatch / launch of the op itself
     sharded = strat.output.startswith("S")
     # the attention core's bytes are part of what the layer saves (selective drops them)
     core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)

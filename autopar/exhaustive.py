@@ -13,9 +13,11 @@ Two exact reductions keep this tractable; neither can lose the optimum.
 
 * **TP assignments** (about 1.5e7 per GPT layer at t = 2) are enumerated by dynamic
   programming in graph order over the *live* tensors (producer strategy, "Megatron f
-  already charged"), propagating only transitions the producers allow. A section's plan
-  enters the step time and memory only through the :data:`FIELDS` vector below, and both
-  are non-decreasing in every field, so per live state only Pareto-minimal vectors are kept.
+  already charged", placements already resharded to), propagating only transitions the
+  producers allow. A section's plan enters the step time and memory only through the
+  :data:`FIELDS` vector below, both non-decreasing in every field once ``time_s`` is split
+  into its backward part and the rest (:func:`_key`), so per live state only
+  Pareto-minimal vectors are kept.
 * **Recompute** changes only its own stage's time :math:`T_i` and memory, and the 1F1B/GPipe
   step time is non-decreasing in every :math:`T_i`; so per stage the feasible
   :math:`(r^{full}_i, r^{sel}_i)` of least :math:`T_i` is optimal (all pairs are tried).
@@ -58,7 +60,8 @@ FIELDS = ("time_s",        # forward + backward compute and TP communication (Me
           "sel_act_bytes",  # ... with selective recompute (attention core dropped)
           "params",        # parameter elements held
           "params_p1",     # ... minus the tied weight counted in pre too (post at p = 1)
-          "act_kib", "sel_act_kib", "param_units", "param_units_p1")  # solver rounding
+          "act_kib", "sel_act_kib", "param_units", "param_units_p1",  # solver rounding
+          "bwd_s")         # backward compute and TP communication (what hides DP reduction)
 _I = {name: i for i, name in enumerate(FIELDS)}
 _ZERO = (0.0,) * len(FIELDS)
 
@@ -76,22 +79,26 @@ class SectionOption:
         return self.vec[_I[field]]
 
 
-def _dominates(a: tuple, b: tuple) -> bool:
-    return all(x <= y * (1 + 1e-12) for x, y in zip(a, b))
+def _key(vec: tuple) -> tuple:
+    """Coordinates in which the step time and memory are non-decreasing: time_s is split
+    into its non-backward part and bwd_s. More backward hides at most as much DP reduction
+    (predict: max(0, D_i - B_i)) as it adds to its stage time, which the pipeline time
+    counts at least once, so the step time is non-decreasing in bwd_s too."""
+    return (vec[0] - vec[11],) + vec[1:]
 
 
 def _pareto(entries: list) -> list:
     """Entries (vec, assignment) whose vec no other entry's vec dominates (duplicates: one)."""
-    entries = sorted(entries, key=lambda e: e[0])
+    keyed = sorted(((_key(e[0]), e) for e in entries), key=lambda k: k[0])
     kept: list = []
-    for e in entries:
-        if not any(_dominates(k[0], e[0]) for k in kept):
-            kept.append(e)
-    return kept
+    for key, e in keyed:
+        if not any(all(x <= y + 1e-12 * abs(y) for x, y in zip(k, key)) for k, _ in kept):
+            kept.append((key, e))
+    return [e for _, e in kept]
 
 
 def _r_index(strategies, name: str) -> int:
-    return next(k for k, s in enumerate(strategies[name]) if s.output == "R")
+    return next(k for k, s in enumerate(strategies[name]) if s.output == "R")  # replicated
 
 
 def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun: bool,
@@ -107,9 +114,10 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
     akib, ckib = math.ceil(c.saved_bytes / KIB), math.ceil(c.core_saved_bytes / KIB)
     d[7], d[8] = akib, akib - ckib
     d[9] = d[10] = math.ceil(c.param_numel / PARAM_UNIT)
+    d[11] = c.bwd_s
     if tied_post:  # predict / StageModel: one tied tensor when pre and post share a stage
         d[6], d[10] = 0.0, 0
-    used: dict = {}
+    used: dict = {}  # input -> (f charged here, placements resharded to here)
     for j, u in enumerate(ins):
         ku, flag, done = live[u]
         edge = tables.edge[(u, v, j)][(ku, kv)]
@@ -120,9 +128,11 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
         if (edge.fwd_kind or edge.bwd_kind) and target not in done and target not in placed:
             d[0] += edge.fwd_s + edge.bwd_s
             d[1] += edge.fwd_s if src_rerun[u] else 0.0
+            d[11] += edge.bwd_s
             placed += (target,)
         if sv.partial_grad_inputs and sv.partial_grad_inputs[j] and not flag and not f_now:
             d[0] += tables.f_s.get(u, 0.0)
+            d[11] += tables.f_s.get(u, 0.0)
             f_now = True
         used[u] = (f_now, placed)
     return d, used
@@ -149,7 +159,8 @@ def _start(traced, strategies, names, boundary):
 
 
 def section_options(traced: TracedModel, strategies, tables, names: list[str],
-                    boundary: str | None, replicated_out: bool, prune: bool = True) -> list[SectionOption]:
+                    boundary: str | None, replicated_out: bool,
+                    prune: bool = True) -> list[SectionOption]:
     """Every TP assignment of section ``names`` reduced to its Pareto-minimal cost vectors.
 
     boundary: the node outside the section whose output (replicated) feeds it, or None.
@@ -212,14 +223,16 @@ def stage_splits(num_layers: int, pp: int) -> list[tuple[int, ...]]:
 
 def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
            memory_bytes: int):
-    """(seconds of one micro-batch, parameters, memory bytes, fits in ``memory_bytes``) of
-    stage ``i``; with solver rounding the bytes are the rounded KiB times 1024."""
+    """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm + 2/3
+    of the loss: what bucketed DP reduction hides behind), memory bytes, fits in
+    ``memory_bytes``) of stage ``i``; with solver rounding the bytes are KiB times 1024."""
     pre, lay, post = secs
     p, d, n = cfg.pp, cfg.dp, sp.layers
     first, last = i == 0, i == p - 1
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
     t += first * pre["time_s"] + last * (post["time_s"] + tables.loss_s)
+    bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * (post["bwd_s"] + 2 * tables.loss_s / 3)
     pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
     inflight = math.ceil(in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
@@ -229,51 +242,50 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
         extra = lay["act_bytes"] + last * (post["act_bytes"] + tables.loss_bytes)
         mem = params * bytes_per_param(zero, d, cfg.dtype) + inflight * act + extra
-        return t, params, mem, mem <= memory_bytes
+        return t, params, bwd, mem, mem <= memory_bytes
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
     extra = lay["act_kib"] + last * (post["act_kib"] + int(tables.loss_bytes / KIB))
     mem_d = round(bytes_per_param(zero, d, cfg.dtype) * d) * units + d * (inflight * act + extra)
-    return t, params, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
+    return t, params, bwd, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
 
 
 def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
           rounding: str = "predict") -> tuple[float, list[float], bool]:
     """Predicted step time (seconds, as :func:`autopar.predict.predict`), memory bytes per
     stage and whether every stage fits, from the section vectors alone (no graph walk)."""
-    times, params, mems, fits = [], [], [], True
-    for i, sp in enumerate(stages):
-        t, pa, mem, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
-        times.append(t)
-        params.append(pa)
-        mems.append(mem)
-        fits = fits and ok
-    return _step_time(times, params, tables, cluster, cfg, zero), mems, fits
+    per = [_stage(secs, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
+           for i, sp in enumerate(stages)]
+    times, params, bwds, mems, fits = zip(*per)
+    return _step_time(times, params, bwds, tables, cluster, cfg, zero), list(mems), all(fits)
 
 
-def _step_time(times, params, tables, cluster, cfg: Config, zero: int) -> float:
+def _step_time(times, params, bwds, tables, cluster, cfg: Config, zero: int) -> float:
+    """Pipeline + DP reduction not hidden behind the last backward + optimizer step,
+    seconds (as predict)."""
     pipe = pipeline_step_time_s(times, cfg.num_micro_batches, cfg.schedule,
                                 cfg.virtual_stages, tables.p2p_s)
-    dp_s = max(dp_comm_s_per_param(zero, cluster, cfg) * pa for pa in params)
+    per_param = dp_comm_s_per_param(zero, cluster, cfg)
+    dp_s = max(max(0.0, per_param * pa - bw) for pa, bw in zip(params, bwds))
     opt_s = max(compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM * pa / (cfg.dp if zero else 1),
                                             cluster.device) for pa in params)
     return pipe + dp_s + opt_s
 
 
 def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
-    """(stage time, parameters, StagePlan, pairs tried) of the feasible (full, selective)
-    recompute counts of least stage time; the first three None when none fits."""
-    best, tried = (None, None, None), 0
+    """(stage time, parameters, backward seconds, StagePlan, pairs tried) of the feasible
+    (full, selective) recompute counts of least stage time; the first four None if none fits."""
+    best, tried = (None, None, None, None), 0
     for rf in range(n + 1) if "full" in modes else (0,):
         for rs in range(n - rf + 1) if "selective" in modes else (0,):
             if "none" not in modes and rf + rs < n:
                 continue
             sp = StagePlan(n, rf, rs)
             tried += 1
-            t, pa, _, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, memory_bytes)
+            t, pa, bwd, _, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, memory_bytes)
             if ok and (best[0] is None or t < best[0]):
-                best = (t, pa, sp)
+                best = (t, pa, bwd, sp)
     return (*best, tried)
 
 
@@ -288,21 +300,20 @@ def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, 
         for zero, split in itertools.product(zero_stages, splits):
             stages = [_best_stage(secs, tables, cfg, i, n, zero, modes, rounding,
                                   cluster.device.memory_bytes) for i, n in enumerate(split)]
-            covered += math.prod(s[3] for s in stages)
+            covered += math.prod(s[4] for s in stages)
             if any(s[0] is None for s in stages):
                 continue
-            step = _step_time([s[0] for s in stages], [s[1] for s in stages], tables,
-                              cluster, cfg, zero)
+            times, params, bwds, plans, _ = zip(*stages)
+            step = _step_time(times, params, bwds, tables, cluster, cfg, zero)
             if best is None or step < best[0] * (1 - 1e-12):
-                best = (step, secs, [s[2] for s in stages], zero)
+                best = (step, secs, list(plans), zero)
     return best, covered
 
 
 @dataclass
 class ExhaustiveResult:
-    """The optimum over the whole space: its Decision, fast-path step time (seconds), the
-    tables and strategies of its config, per-config optima (``seen``), plans covered
-    (see :func:`_best_for_config`) and wall seconds."""
+    """The optimum: Decision, step time (s), its config's tables and strategies, per-config
+    optima (``seen``), plans covered (:func:`_best_for_config`) and wall seconds."""
 
     decision: Decision | None
     step_time_s: float
@@ -315,11 +326,9 @@ class ExhaustiveResult:
 
 def config_options(traced, strategies, tables, prune: bool = True):
     """(pre, layer, post) Pareto options of one config's TP assignments."""
-    layer = traced.layers[0]
-    return (section_options(traced, strategies, tables, traced.pre, None, True, prune),
-            section_options(traced, strategies, tables, layer, traced.pre[-1], True, prune),
-            section_options(traced, strategies, tables, traced.post, traced.layers[-1][-1],
-                            False, prune))
+    sections = ((traced.pre, None, True), (traced.layers[0], traced.pre[-1], True),
+                (traced.post, traced.layers[-1][-1], False))  # (names, boundary, R output)
+    return tuple(section_options(traced, strategies, tables, *s, prune) for s in sections)
 
 
 def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -> Decision:
@@ -335,8 +344,10 @@ def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -
                     step, elapsed)
 
 
-def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout | None = None,
-                      support: RuntimeSupport | None = RUNTIME_SUPPORT, rounding: str = "predict") -> ExhaustiveResult:
+def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
+                      layout: Layout | None = None,
+                      support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      rounding: str = "predict") -> ExhaustiveResult:
     """The fastest plan over every config and every plan of each (see the module docstring)."""
     if rounding not in ("predict", "solver"):
         raise ValueError(f"rounding must be 'predict' or 'solver', got {rounding!r}")
@@ -351,7 +362,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int, layo
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
         strategies = node_strategies(traced, cfg.tp)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        key = (cfg.tp, cfg.micro_batch_size)  # node and edge costs depend on t and b only
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype)  # what node and edge costs depend on
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
         found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zero, modes,
@@ -381,8 +392,8 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
     if res.decision is None:
         raise InfeasibleError(f"no plan of the search space fits in {cluster.device.memory_gib} "
                               f"GiB per GPU (exhaustive check, {res.plans_covered} plans covered)")
-    seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"],
-             "feasible": s["step_time_s"] is not None, "reason": ""} for s in res.seen]
+    seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"], "reason": "",
+             "feasible": s["step_time_s"] is not None} for s in res.seen]
     result = SearchResult(res.decision, res.tables, res.strategies, seen, res.solve_time_s)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name, layout=layout or Layout())

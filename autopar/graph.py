@@ -280,6 +280,9 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
             info.core_elems = scores * (2 if dropout > 0 else 1)
             info.core_mask_elems = scores if dropout > 0 else 0
             info.flash_elems = info.numel + b * nh * s  # output (b, nh, s, hd) + lse (b, nh, s)
+            # memory passes over the (b, nh, s, s) scores of unfused ("math") attention:
+            # write QKᵀ, read+write scale/mask/softmax, read for ·V; dropout adds 3 more
+            info.extra["score_passes_elems"] = scores * (4 + (3 if dropout > 0 else 0))
 
 
 def _group_layers(gm: fx.GraphModule, nodes: dict[str, NodeInfo]):

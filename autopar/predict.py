@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from cost_models import compute
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import OPTIMIZER_BYTES_PER_PARAM, CostTables, dp_comm_s_per_param, state_bytes
+from .cost import CostTables, dp_comm_s_per_param, optimizer_s_per_param, state_bytes
 from .graph import TracedModel, last_saver_index
 from .plan import COMM_KINDS, Prediction
 from .strategies import NodeStrategies, tensor_inputs
@@ -140,10 +139,10 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         parts.append((total, rec_s, total["params"]))
         stats.append(_stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved))
     pipe = pipeline_step_time_s(stage_t, m, cfg.schedule, cfg.virtual_stages, tables.p2p_s)
-    dp_s = max(dp_comm_s_per_param(decision.zero_stage, cluster, cfg) * pt[2] for pt in parts)
-    opt_s = max(compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM * pt[2]
-                                            / (cfg.dp if decision.zero_stage else 1), cluster.device)
-                for pt in parts)
+    # bucketed DP reduction overlaps the backward of the stage's last micro-batch
+    dp_s = max(max(0.0, dp_comm_s_per_param(decision.zero_stage, cluster, cfg) * pt[2]
+                   - pt[0]["bwd_s"] - pt[0]["tp_bwd_s"]) for pt in parts)
+    opt_s = max(optimizer_s_per_param(decision.zero_stage, cluster, cfg) * pt[2] for pt in parts)
     step = pipe + dp_s + opt_s
     for st in stats:
         st["step_time_s"] = step

@@ -334,7 +334,19 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
     lines += _memory_section(plan, memory_chart) + _comm_section(plan) + _why_section(plan)
     if hand_layouts:
         lines += _hand_section(plan, hand_layouts)
+    lines += _formulas_section()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _formulas_section() -> list[str]:
+    """The published closed forms the cost model is checked against (autopar.symbolic)."""
+    from .symbolic import formulas_markdown
+
+    return ["", "## How the cost model is checked", "",
+            "Every number above comes from one cost model (`autopar/cost.py` over "
+            "`cost_models/`); these are the published formulas it reproduces, and "
+            "`reports/published_vs_predicted.md` compares it with published Megatron-LM runs.",
+            ""] + formulas_markdown().splitlines()
 
 
 def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:

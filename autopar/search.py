@@ -23,6 +23,10 @@ from .strategies import node_strategies
 __all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
 
 MAX_MICRO_BATCH_SIZE = 8
+# The CP-SAT objective rounds coefficients to integer units (parameters up to 1024, times
+# to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
+# off when it cannot beat the incumbent by more than this margin, then predict decides.
+CUTOFF_SLACK = 0.01
 
 
 def _divisors(n: int) -> list[int]:
@@ -211,7 +215,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
             continue
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, global_batch_size, layout, support, mapping,
-            even_stages=even_stages, cutoff_s=best_t)
+            even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK))
         if decision is None:
             beaten = best_t < float("inf")
             seen.append({"layout": asdict(cfg), "step_time_s": None,

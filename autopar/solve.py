@@ -14,7 +14,9 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
 * ZeRO stage :math:`z_j`, one-hot;
 
 minimising the 1F1B/GPipe step time
-:math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp}` with :math:`T_{max} \ge T_i + c_{p2p}`,
+:math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp}` with :math:`T_{max} \ge T_i + c_{p2p}`
+and :math:`T_{dp} \ge D_i - B_i` (stage i's gradient reduction less the backward of its
+last micro-batch, which bucketed reduction overlaps),
 :math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
 (:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
 subject to per-GPU memory
@@ -36,7 +38,7 @@ from ortools.sat.python import cp_model
 
 from cost_models.memory import in_flight_micro_batches
 
-from .cost import Config, CostTables, bytes_per_param, dp_comm_s_per_param
+from .cost import Config, CostTables, bytes_per_param, dp_comm_s_per_param, optimizer_s_per_param
 from .graph import TracedModel, last_saver_index
 from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
@@ -62,6 +64,13 @@ class Decision:
     zero_stage: int
     objective_s: float
     solve_time_s: float
+
+
+def _precision_scale(coefs: list[float], digits: int = 4) -> int:
+    """A power of ten K so that the smallest non-zero coefficient keeps ``digits``
+    significant digits when multiplied by K and rounded (at most 1e6)."""
+    small = min((c for c in coefs if c > 0), default=1.0)
+    return int(min(1e6, max(1.0, 10 ** math.ceil(math.log10(10 ** digits / small)))))
 
 
 def template_map(traced: TracedModel) -> dict[str, str]:
@@ -311,8 +320,12 @@ class StageModel:
         p2p = int(math.ceil(self.c.p2p_s * self.ns))
         t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
             self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + int(self.c.loss_s * self.ns) + 1
-        self.stage_t = []
+        self.stage_t, self.stage_bwd = [], []
         for i in range(cfg.pp):
+            bwd = self._prod(f"bwd_layers[{i}]", self.n[i], bl, t_ub)
+            bwd += self._expr("pre", "bwd") if i == 0 else 0
+            bwd += self._expr("post", "bwd") if i == cfg.pp - 1 else 0
+            self.stage_bwd.append(bwd)
             t = (self._prod(f"t_layers[{i}]", self.n[i], fb, t_ub)
                  + self._prod(f"t_full[{i}]", self.rf[i], rl, t_ub)
                  + self._prod(f"t_sel[{i}]", self.rs[i], cl, t_ub))
@@ -324,14 +337,22 @@ class StageModel:
         tmax = self.m.NewIntVar(0, t_ub + p2p, "t_max")
         for t in self.stage_t:
             self.m.Add(tmax >= t + p2p)
-        tdp = self.m.NewIntVar(0, 10**13, "t_dp")
+        dp_coef = {z: dp_comm_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns
+                   for z in self.z}
+        opt_coef = {z: optimizer_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns
+                    for z in self.z}
+        k = _precision_scale(list(dp_coef.values()) + list(opt_coef.values()))
+        limit = 10**17 // k  # keep tdp·k far from int64 overflow (CP-SAT rejects such models)
+        tdp = self.m.NewIntVar(0, limit, "t_dp")
+        topt = self.m.NewIntVar(0, limit, "t_optimizer")
         for i, s_iz in enumerate(self.state_terms):
-            per_z = {z: dp_comm_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns * 1000
-                     for z in s_iz}
-            self.m.Add(tdp * 1000 >= sum(int(math.ceil(per_z[z])) * s for z, s in s_iz.items()))
+            # DP reduction overlaps the last micro-batch's backward (bucketed DDP)
+            self.m.Add(tdp * k >= sum(round(dp_coef[z] * k) * s for z, s in s_iz.items())
+                       - k * self.stage_bwd[i])
+            self.m.Add(topt * k >= sum(round(opt_coef[z] * k) * s for z, s in s_iz.items()))
         ties = sum(z * zb for z, zb in self.z.items())
         self.objective = (cfg.num_micro_batches - 1) * tmax + sum(self.stage_t) \
-            + (cfg.pp - 1) * p2p + tdp + ties
+            + (cfg.pp - 1) * p2p + tdp + topt + ties
         self.m.Minimize(self.objective)
 
     def add_cutoff(self, step_time_s: float) -> None:
@@ -344,6 +365,8 @@ class StageModel:
         solver.parameters.max_deterministic_time = max_time_s
         solver.parameters.linearization_level = 2
         status = solver.Solve(self.m)
+        if status == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"autopar built an invalid CP-SAT model: {self.m.Validate()}")
         return status, solver
 
     def decision(self, solver: cp_model.CpSolver, mapping: dict[str, str]) -> Decision:

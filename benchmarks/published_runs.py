@@ -81,30 +81,16 @@ class PublishedRun:
     known_gap: str | None = None
 
 
-DP_LATENCY = ("data-parallel all-reduce latency: `autopar.cost.dp_comm_s_per_param` charges one "
-              "ring latency, 2(d-1)·10 µs, per 2 MB of gradients, about 1.1 s of this ~4.5 s "
-              "step (column *DP latency*), while Megatron reduces 25 MB buckets overlapped "
-              "with backward (`DDP=torch` in run_table_1.sh); without that latency the row is "
-              "within 15% (column *without it*). The fix belongs in `autopar/cost.py` "
-              "(bucket size), not in a constant.")
-DP_OVERLAP = ("data-parallel all-reduce is ~2.1 s of the predicted ~4.4 s step: ~1.3 s of ring "
-              "latency per 2 MB (as above) plus ~0.75 s to all-reduce 2 GB of gradients at 5.5 GB/s "
-              "per GPU of EDR InfiniBand, not overlapped. The paper's weak-scaling efficiency, "
-              "76% on 512 GPUs (74% in its section 5.1.1) against 77% on 8, means DP cost the "
-              "real run a few percent of its step: it was hidden behind backward. The cost "
-              "model has no DP/backward overlap, so no constant reaches this row "
-              "(matmul_efficiency = 1 would give ~24 TFLOP/s).")
-
 SYSTEMATIC = (
-    "Systematic effects the cost model leaves out, largest first (all push predictions "
-    "low unless noted): (1) the DP latency above; (2) no overlap of the DP all-reduce with "
-    "backward; (3) pipeline sends priced as whole b·s·h tensors over InfiniBand, where "
-    "Megatron's scatter/gather sends b·s·h/t per rank and all-gathers over NVLink "
-    "(Narayanan et al. 2021, section 4.1; pp_p2p is ~5 s of the 1T step); (4) one "
-    "matmul_efficiency for every GEMM size, while utilisation grows with model size (the "
-    "same paper, section 5.1): the largest models are under-predicted and the smallest "
-    "over-predicted, so the 1.7B row's -10% is two errors cancelling (+22% without the DP "
-    "latency).")
+    "Effects the cost model leaves out, largest first: (1) pipeline sends are priced as "
+    "whole b·s·h tensors over InfiniBand, where Megatron's scatter/gather sends b·s·h/t per "
+    "rank and all-gathers over NVLink (Narayanan et al. 2021, section 4.1), which is why the "
+    "deepest pipelines (529.6B, 1T) are predicted low; (2) one matmul_efficiency for every "
+    "GEMM size, while utilisation grows with model size (the same paper, section 5.1); "
+    "(3) the DP/backward overlap is modelled as the last micro-batch's backward only. "
+    "Priced since the first version of this table: 25 MB DP buckets (one ring latency per "
+    "bucket, not per 2 MB) and the memory-bound softmax/mask/dropout passes over the s×s "
+    "attention scores, which had made small models look 20-35% faster than measured.")
 
 
 def _table1(name, L, a, h, tp, pp, n, batch, mbs, v, published, gap=None) -> PublishedRun:
@@ -117,8 +103,8 @@ RUNS: tuple[PublishedRun, ...] = (
                  f"{N21}, section 5.1 (GPT-3 on 1024 A100, B = 1536: 140 TFLOP/s per GPU); "
                  "layout t=8 p=16 d=8 b=1 as in DESIGN.md", role="calibration"),
     _table1("1.7B", 24, 24, 2304, 1, 1, 32, 512, 16, 1, 137.0),
-    _table1("3.6B", 30, 32, 3072, 2, 1, 64, 512, 16, 1, 138.0, DP_LATENCY),
-    _table1("7.5B", 36, 32, 4096, 4, 1, 128, 512, 16, 1, 142.0, DP_LATENCY),
+    _table1("3.6B", 30, 32, 3072, 2, 1, 64, 512, 16, 1, 138.0),
+    _table1("7.5B", 36, 32, 4096, 4, 1, 128, 512, 16, 1, 142.0),
     _table1("18.4B", 40, 48, 6144, 8, 1, 256, 1024, 8, 1, 135.0),
     _table1("39.1B", 48, 64, 8192, 8, 2, 512, 1536, 4, 1, 138.0),
     _table1("76.1B", 60, 80, 10240, 8, 4, 1024, 1792, 2, 3, 140.0),
@@ -138,8 +124,7 @@ RUNS: tuple[PublishedRun, ...] = (
                  gpus_per_node=8),
     PublishedRun("GPT-2 8.3B, 8-way TP x 64-way DP", "dgx2h-v100", 32, 72, 32, 3072, 1024, 8, 1,
                  64, 8, 512, round(15.1e3 / 512, 2),
-                 f"{S19}, abstract (15.1 PFLOP/s on 512 V100 = 29.5 per GPU, B = 512)",
-                 known_gap=DP_OVERLAP),
+                 f"{S19}, abstract (15.1 PFLOP/s on 512 V100 = 29.5 per GPU, B = 512)"),
 )
 
 

@@ -63,9 +63,15 @@ class DeviceSpec:
     hardware profile, the same for every model (a calibration knob)."""
     source: str
     """Where the numbers come from (spec sheet, paper + table, calibration run)."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds per executed op (framework dispatch / kernel launch), added to every
+    op's forward and backward. 0 on GPUs, where launches overlap on CUDA streams; measured
+    by ``autopar calibrate`` on CPU processes, where eager dispatch is not hidden."""
 
     def __post_init__(self) -> None:
         _check_text("DeviceSpec.name", self.name, "the device model")
+        if not is_number(self.op_overhead_s) or self.op_overhead_s < 0:
+            raise ValueError(f"DeviceSpec.op_overhead_s must be a number >= 0, got {self.op_overhead_s!r}")
         for field in ("peak_tflops", "memory_gib", "memory_bandwidth_gbps"):
             _set(self, field, check_positive(f"DeviceSpec.{field}", getattr(self, field)))
         eff = self.matmul_efficiency
@@ -268,10 +274,14 @@ def _unwrap(where: str, raw: object) -> tuple[Any, str | None]:
 def _spec_from_dict(spec_cls: type, where: str, d: object) -> Any:
     """Build a DeviceSpec/LinkSpec, folding per-number sources into ``source``."""
     names = tuple(f.name for f in dataclasses.fields(spec_cls))
-    fields = _read_fields(where, d, names)
+    optional = tuple(f.name for f in dataclasses.fields(spec_cls)
+                     if f.default is not dataclasses.MISSING)
+    fields = _read_fields(where, d, names, optional=optional)
     kwargs: dict[str, Any] = {}
     notes = []
     for name in names:
+        if name not in fields:
+            continue
         if name in ("name", "source"):
             kwargs[name] = fields[name]
             continue

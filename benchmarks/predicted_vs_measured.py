@@ -1,0 +1,149 @@
+"""Predicted vs measured step time of small-GPT layouts on 2 local CPU ranks (gloo).
+
+    python benchmarks/predicted_vs_measured.py
+
+1. calibrates this machine (``autopar.calibrate.calibrate_local(2)``: 1-thread fp32 matmul
+   rate, copy bandwidth, gloo all-reduce alpha/beta) and uses it as the cluster;
+2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
+   variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
+   for comparison, in bf16 mixed precision as on GPUs;
+3. runs every plan with ``autopar.parallelize`` in 2 spawned processes (one torch thread
+   each): AdamW, 2 warm-up steps, then the median over 5 timed ``train_step`` calls of the
+   slowest rank;
+4. prints layout, predicted, measured, error and whether the predicted ranking of the
+   layouts equals the measured one. A benchmark: it prints figures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+import time
+
+import torch
+
+import autopar
+from autopar.api import evaluate_plan
+from autopar.calibrate import calibrate_local, spawn_local
+from autopar.models import GPT, GPTConfig
+from cost_models.hardware import Cluster
+
+CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
+BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 5
+# name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" | "megatron")
+LAYOUTS = {
+    "dp2 mbs8": (1, 1, 2, 8, "none", "solver"),
+    "tp2 mbs16 (solver placements)": (2, 1, 1, 16, "none", "solver"),
+    "tp2 mbs16 (Megatron placements)": (2, 1, 1, 16, "none", "megatron"),
+    "pp2 mbs4 1f1b": (1, 2, 1, 4, "none", "solver"),
+    "pp2 mbs2 1f1b recompute=full": (1, 2, 1, 2, "full", "solver"),
+}
+
+
+def _megatron(placements: dict[str, str]) -> dict[str, str]:
+    """Megatron-LM's TP pattern for autopar's GPT (Shoeybi et al. 2019, Fig. 3), as in
+    tests/test_parallelize.py: Q/K/V/fc1/lm_head column, projections row, vocab embedding."""
+    out = {}
+    for name in placements:
+        transpose = name.startswith("transpose")
+        index = int(name.rpartition("_")[2]) if transpose and "_" in name else 0
+        if name.endswith(("c_q", "c_k", "c_v", "c_fc")) or name == "lm_head":
+            out[name] = "column:S2"
+        elif name.endswith("c_proj"):
+            out[name] = "row:P"
+        elif name == "transformer_wte":
+            out[name] = "vocab:P"
+        elif (name.startswith(("view", "reshape")) or name.endswith("gelu")
+              or (transpose and index % 4 == 3)):
+            out[name] = "sharded:S2"  # (b, s, heads, hd) and (b, s, h) shards
+        elif transpose:
+            out[name] = "sharded:S1"  # (b, heads, s, hd)
+        elif name.startswith("scaled_dot_product_attention"):
+            out[name] = "heads:S1"
+        else:
+            out[name] = "replicate:R"
+    return out
+
+
+def _meta() -> GPT:
+    with torch.device("meta"):
+        return GPT(CONFIG)
+
+
+def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
+    """One executable (fp32) plan per layout, with the cost model's prediction."""
+    plans = {}
+    for name, (tp, pp, dp, mbs, recompute, kind) in LAYOUTS.items():
+        layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
+        plan = autopar.plan(_meta(), cluster, global_batch_size=BATCH, seq_len=SEQ, layout=layout)
+        if kind == "megatron":
+            plan = evaluate_plan(_meta(), cluster, dataclasses.replace(
+                plan, placements=_megatron(plan.placements)))
+        plans[name] = plan
+    return plans
+
+
+def _measure(rank: int, world: int, plans: dict) -> dict[str, float]:
+    """Per layout, the median over the timed steps of the slowest rank's train_step (s)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
+             torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g))
+    out = {}
+    for name, plan in plans.items():
+        torch.manual_seed(0)
+        pm = autopar.parallelize(GPT(CONFIG), plan=plan,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+        times = []
+        for step in range(WARMUP + TIMED):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.train_step(*batch)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if step >= WARMUP:
+                times.append(dt.item())
+        out[name] = statistics.median(times)
+    return out
+
+
+def _ranking(times: dict[str, float]) -> list[str]:
+    return sorted(times, key=times.get)
+
+
+def main() -> None:
+    start = time.perf_counter()
+    cluster = Cluster.from_dict(calibrate_local(2))
+    dev, link = cluster.device, cluster.intra_node
+    print(f"calibrated in {time.perf_counter() - start:.1f} s: {dev.peak_tflops * 1e3:.1f} GFLOP/s "
+          f"fp32 matmul per rank, {dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha "
+          f"{link.latency_s * 1e6:.0f} us, bus bandwidth {link.bandwidth_gbps:.2f} GB/s")
+    plans = make_plans(cluster)
+    bf16 = {n: evaluate_plan(_meta(), cluster, dataclasses.replace(p, dtype="bf16"))
+            for n, p in plans.items()}
+    load = os.getloadavg()[0]
+    measured = spawn_local(_measure, 2, plans, timeout_s=600)[0]
+    predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
+    print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
+          f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} steps after "
+          f"{WARMUP} warm-up; host load average {load:.2f} on {os.cpu_count()} CPUs before the "
+          "run (other work shares the cores the ranks use)\n")
+    print("| layout | predicted fp32 (s) | measured (s) | error | predicted bf16 (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for n in plans:
+        err = (predicted[n] - measured[n]) / measured[n]
+        print(f"| {n} | {predicted[n]:.4f} | {measured[n]:.4f} | {err:+.1%} | "
+              f"{bf16[n].predicted.step_time_s:.4f} |")
+    ranks_p, ranks_m = _ranking(predicted), _ranking(measured)
+    print(f"\npredicted ranking: {ranks_p}\nmeasured ranking:  {ranks_m}")
+    print(f"rankings equal: {ranks_p == ranks_m}")
+    gap = statistics.median(bf16[n].predicted.step_time_s / predicted[n] for n in plans)
+    print(f"bf16 mixed-precision pricing of the same plans is {gap:.2f}x the fp32 pricing "
+          "(median); the CPU run executes fp32, which the fp32 column prices")
+
+
+if __name__ == "__main__":
+    main()
