@@ -68,6 +68,21 @@ def _median_time_s(fn, seconds: float, min_reps: int = 3) -> float:
     return statistics.median(times)
 
 
+_CHAIN = 50
+
+
+def _tiny_chain() -> None:
+    """Forward and backward through a chain of tiny element-wise ops: all dispatch and
+    autograd bookkeeping, no arithmetic to speak of."""
+    import torch
+
+    x = torch.ones(8, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
 def _measure_compute(sizes: CalibrationSizes) -> dict:
     """fp32 matmul TFLOP/s per size and copy bandwidth (GB/s) of this process."""
     import torch
@@ -80,8 +95,7 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     t = _median_time_s(lambda: dst.copy_(src), 0.5)
-    tiny = torch.ones(8)
-    op = _median_time_s(lambda: [tiny.add(1.0) for _ in range(100)], 0.2) / 100
+    op = _median_time_s(_tiny_chain, 0.3) / (3 * _CHAIN)  # backward ~ 2x forward ops
     return {"matmul_tflops": flops, "copy_gbps": 2.0 * src.numel() * 4 / t / 1e9,
             "op_overhead_s": op}
 
@@ -241,8 +255,8 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
                    "memory_bandwidth_gbps": num(copy, f"copy of {sizes.copy_bytes} B "
                                                          "fp32 (read + write), slowest rank"),
                    "matmul_efficiency": num(1.0, "peak_tflops is the measured matmul rate"),
-                   "op_overhead_s": num(overhead, "eager dispatch of a tiny add, median, "
-                                                  "slowest rank")},
+                   "op_overhead_s": num(overhead, "forward+backward of a chain of tiny ops / "
+                                                  "(3 x ops), median, slowest rank")},
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
                   "fit": {"alpha_s": alpha, "bus_bandwidth_bytes_per_s": bandwidth}},
