@@ -83,6 +83,23 @@ def test_gpt3_175b_plan_fits_and_beats_megatron(gpt3_plan):
     assert len(auto.recompute) == 96
 
 
+@pytest.fixture(scope="module")
+def gpt13_auto():
+    cluster = autopar.Cluster.dgx_a100(nodes=2)
+    model = _meta("gpt-1.3b")
+    return model, cluster, autopar.plan(model, cluster, global_batch_size=64, seq_len=2048)
+
+
+@pytest.mark.parametrize("hand", ["tp=2,pp=1,dp=8,mbs=1", "tp=4,pp=2,dp=2,mbs=2,recompute=full",
+                                  "tp=8,pp=2,dp=1,mbs=4,recompute=selective",
+                                  "tp=1,pp=4,dp=4,mbs=1,schedule=gpipe"])
+def test_auto_plan_never_slower_than_a_hand_layout(gpt13_auto, hand):
+    model, cluster, auto = gpt13_auto
+    manual = autopar.evaluate(model, cluster, autopar.Layout.parse(hand), global_batch_size=64,
+                              seq_len=2048)
+    assert auto.predicted.step_time_s <= manual.predicted.step_time_s * (1 + 1e-6), hand
+
+
 def test_megatron_gpt3_layout_predicted_near_published(gpt3_plan):
     """Narayanan et al. 2021, Table 1: ~140 TFLOP/s per A100 for TP 8, PP 16, DP 8."""
     _, hand = gpt3_plan
