@@ -202,3 +202,45 @@ def is_sharded(placement: str) -> bool:
 
 def module_is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
+
+
+def megatron_placements(traced: TracedModel, tp: int) -> dict[str, str]:
+    """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
+    placements: a Linear reading a shard is row-split; a Linear whose output feeds attention
+    or GELU (through reshapes), or that shares the token embedding's weight, is
+    column-split; the tied embedding is vocabulary-split; attention runs on whole heads;
+    every other op keeps the placement its inputs arrive in (replicated when none fits).
+    """
+    strategies = node_strategies(traced, tp)
+    nodes, placement, out = traced.nodes, {}, {}
+    tied = {n for group in tied_groups(traced) for n in group}
+    for node in traced.gm.graph.nodes:
+        options = {s.name: s for s in strategies[node.name]}
+        arriving = tuple(placement.get(n.name, "R") for n in tensor_inputs(node, nodes))
+        kind = nodes[node.name].kind
+        if kind == "linear" and arriving and arriving[0].startswith("S") and "row" in options:
+            chosen = options["row"]
+        elif kind == "linear" and "column" in options and (node.name in tied or _feeds_core(node, nodes)):
+            chosen = options["column"]
+        elif kind == "embedding" and node.name in tied and "vocab" in options:
+            chosen = options["vocab"]
+        else:
+            same = [s for s in strategies[node.name]  # pass-through: keep what arrives
+                    if s.inputs == arriving and s.name in ("replicate", "sharded", "heads")]
+            chosen = same[-1] if same else options["replicate"]
+        placement[node.name] = "R" if chosen.output == "P" else chosen.output
+        out[node.name] = strategy_key(chosen)
+    return out
+
+
+def _feeds_core(node: fx.Node, nodes: dict[str, NodeInfo]) -> bool:
+    """Does ``node``'s output reach attention or GELU through reshapes only?"""
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        kind = nodes[user.name].kind if user.name in nodes else "other"
+        if kind in ("sdpa", "gelu"):
+            return True
+        if kind in ("view", "transpose", "contiguous"):
+            frontier.extend(user.users)
+    return False

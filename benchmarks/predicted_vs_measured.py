@@ -25,6 +25,8 @@ import time
 import torch
 
 import autopar
+from autopar.strategies import megatron_placements
+from autopar.trace import trace_model
 from autopar.api import evaluate_plan
 from autopar.calibrate import calibrate_local, spawn_local
 from autopar.models import GPT, GPTConfig
@@ -42,31 +44,6 @@ LAYOUTS = {
 }
 
 
-def _megatron(placements: dict[str, str]) -> dict[str, str]:
-    """Megatron-LM's TP pattern for autopar's GPT (Shoeybi et al. 2019, Fig. 3), as in
-    tests/test_parallelize.py: Q/K/V/fc1/lm_head column, projections row, vocab embedding."""
-    out = {}
-    for name in placements:
-        transpose = name.startswith("transpose")
-        index = int(name.rpartition("_")[2]) if transpose and "_" in name else 0
-        if name.endswith(("c_q", "c_k", "c_v", "c_fc")) or name == "lm_head":
-            out[name] = "column:S2"
-        elif name.endswith("c_proj"):
-            out[name] = "row:P"
-        elif name == "transformer_wte":
-            out[name] = "vocab:P"
-        elif (name.startswith(("view", "reshape")) or name.endswith("gelu")
-              or (transpose and index % 4 == 3)):
-            out[name] = "sharded:S2"  # (b, s, heads, hd) and (b, s, h) shards
-        elif transpose:
-            out[name] = "sharded:S1"  # (b, heads, s, hd)
-        elif name.startswith("scaled_dot_product_attention"):
-            out[name] = "heads:S1"
-        else:
-            out[name] = "replicate:R"
-    return out
-
-
 def _meta() -> GPT:
     with torch.device("meta"):
         return GPT(CONFIG)
@@ -79,8 +56,8 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
         layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
         plan = autopar.plan(_meta(), cluster, global_batch_size=BATCH, seq_len=SEQ, layout=layout)
         if kind == "megatron":
-            plan = evaluate_plan(_meta(), cluster, dataclasses.replace(
-                plan, placements=_megatron(plan.placements)))
+            placements = megatron_placements(trace_model(_meta(), SEQ), tp)
+            plan = evaluate_plan(_meta(), cluster, dataclasses.replace(plan, placements=placements))
         plans[name] = plan
     return plans
 

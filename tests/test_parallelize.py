@@ -15,6 +15,8 @@ import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
+from autopar.strategies import megatron_placements
+from autopar.trace import trace_model
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed
 
@@ -38,42 +40,14 @@ def _cluster(world: int) -> Cluster:
                    inter_node=fast, name="test", dtype="fp32", attention="flash")
 
 
-def _megatron(placements: dict[str, str]) -> dict[str, str]:
-    """Megatron-LM's TP pattern for our GPT (Shoeybi et al. 2019, Fig. 3)."""
-    out = {}
-    for name, key in placements.items():
-        if name.endswith(("c_q", "c_k", "c_v", "c_fc")) or name == "lm_head":
-            out[name] = "column:S2"
-        elif name.endswith("c_proj"):
-            out[name] = "row:P"
-        elif name == "transformer_wte":
-            out[name] = "vocab:P"
-        elif name.startswith(("view", "reshape")) or name.endswith("gelu") or _after_attention(name):
-            out[name] = "sharded:S2"  # (b, s, heads, hd) and (b, s, h) shards
-        elif name.startswith("transpose"):
-            out[name] = "sharded:S1"  # (b, heads, s, hd)
-        elif name.startswith("scaled_dot_product_attention"):
-            out[name] = "heads:S1"
-        else:
-            out[name] = "replicate:R"
-    return out
-
-
-def _after_attention(name: str) -> bool:
-    """Each layer traces 4 transposes (q, k, v, then the attention output): the 4th is S2."""
-    if not name.startswith("transpose"):
-        return False
-    index = int(name.rpartition("_")[2]) if "_" in name else 0
-    return index % 4 == 3
-
-
 def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
     with torch.device("meta"):
         meta = GPT(CONFIG)
     layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
     if kind == "megatron":
-        plan = dataclasses.replace(plan, placements=_megatron(plan.placements))
+        placements = megatron_placements(trace_model(meta, SEQ), tp)
+        plan = dataclasses.replace(plan, placements=placements)
         plan = autopar.evaluate_plan(meta, _cluster(world), plan)
     return plan
 
