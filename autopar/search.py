@@ -118,9 +118,10 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
         from .strategies import node_strategies, tensor_inputs
 
         strategies = node_strategies(traced, tp)
+        layer = set(traced.layers[0])
         total = 0.0
         for node in traced.gm.graph.nodes:
-            if node.name not in set(traced.layers[0]):
+            if node.name not in layer:
                 continue
             info = traced.nodes[node.name]
             in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
@@ -132,18 +133,16 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
 
 
 def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
-    """Per-GPU memory no plan of ``cfg`` can go below: model states split over tp·pp with
-    the most sharding ZeRO allowed, plus stage 0's full-recompute checkpoints."""
-    from cost_models.memory import in_flight_micro_batches
-
+    """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
+    average model states (with the most sharding ZeRO allowed), and the stage with the most
+    layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
     from .cost import bytes_per_param
 
     states = traced.total_params() / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
-    layers = traced.num_layers // cfg.pp
-    inflight = in_flight_micro_batches(cfg.schedule, cfg.pp, 0, cfg.num_micro_batches,
-                                       cfg.virtual_stages)
-    return states + cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers * inflight
+    layers = -(-traced.num_layers // cfg.pp)
+    ckpt = cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers
+    return max(states, ckpt)
 
 
 @dataclass
