@@ -133,6 +133,21 @@ def test_world_size_mismatch_is_a_clear_error():
     assert all("= 4 GPUs but world size is 2" in m for m in messages), messages
 
 
+def _solve_on_rank0(rank: int, world: int) -> tuple:
+    """plan=None: rank 0 solves, broadcasts, every rank runs the same plan."""
+    pm = autopar.parallelize(_model(), Cluster.local_cpu(processes=world),
+                             optimizer=_optimizer("sgd"), global_batch_size=BATCH, seq_len=SEQ)
+    idx, tgt = _batches(1)[0]
+    return pm.plan.decision_digest(), pm.train_step(idx, tgt)
+
+
+def test_plan_none_solves_on_rank0_and_broadcasts():
+    results = run_distributed(_solve_on_rank0, 2, timeout_s=120)
+    assert len({digest for digest, _ in results}) == 1
+    want = _reference("sgd")[0][0]
+    assert all(abs(loss - want) / want < 1e-5 for _, loss in results), (results, want)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
