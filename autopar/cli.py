@@ -121,7 +121,7 @@ def _add_output_args(parser: argparse.ArgumentParser, *, hand: bool = True) -> N
     g.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
                    help="also save the plan as JSON to FILE (read it back with `autopar report`)")
     g.add_argument("--report", type=Path, default=None, metavar="DIR",
-                   help="write DIR/report.md (and DIR/memory.png): the plan, its predicted "
+                   help="write DIR/report.md, DIR/report.html and PNG charts: the plan, its predicted "
                         "time and memory, why it was chosen, hand layouts side by side")
     if hand:
         g.add_argument("--megatron", "--hand-layout", dest="megatron", action="append",
@@ -274,7 +274,7 @@ def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str]) -> 
         print(f"plan saved to {args.output}", file=info)
     if args.report:
         path = write_report(plan, args.report, hand_layouts=hand or None)
-        print(f"report written to {path}", file=info)
+        print(f"report written to {path} and {path.with_suffix('.html')}", file=info)
 
 
 # ------------------------------------------------------------------------ commands
@@ -313,7 +313,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         hand = price_hand_layouts(layouts, model, Cluster.from_dict(plan.cluster), model_name=name,
                                   global_batch_size=plan.global_batch_size, seq_len=plan.seq_len)
     path = write_report(plan, args.out, hand_layouts=hand or None)
-    print(f"report written to {path}")
+    print(f"report written to {path} and {path.with_suffix('.html')}")
     return EXIT_OK
 
 

@@ -3,7 +3,8 @@
 ``write_report(plan, out_dir)`` writes ``out_dir/report.md``, plain Markdown that reads
 well on GitHub and in a terminal:
 
-1. the chosen layout (t, p, d, b, m, schedule, ZeRO stage, stage boundaries, recompute);
+1. the chosen layout (t, p, d, b, m, schedule, ZeRO stage, stage boundaries, recompute),
+   the pipeline timeline and which global ranks form each TP/PP/DP group;
 2. the prediction: step time, TFLOP/s per GPU, MFU/HFU, peak memory against the device;
 3. where the step time goes (seconds and % by kind) and where the memory goes (GiB per
    GPU per pipeline stage, by kind), and the bytes each kind of communication moves;
@@ -11,8 +12,10 @@ well on GitHub and in a terminal:
 5. hand-written layouts (e.g. Megatron-LM's) priced by the same cost model, side by side.
 
 Everything here reads only the :class:`~autopar.plan.Plan`; nothing is re-solved, so a
-saved plan (``Plan.from_json``) can be reported again. A small memory bar chart
-(``memory.png``) is added when matplotlib is importable.
+saved plan (``Plan.from_json``) can be reported again. Charts (``timeline.png``,
+``memory.png``, ``breakdown.png``, ``comparison.png``; :mod:`autopar.report_plots`) are
+drawn when matplotlib is importable, and ``report.html`` (:mod:`autopar.report_html`) is
+the same report, self-contained, with the charts embedded.
 """
 
 from __future__ import annotations
@@ -320,22 +323,37 @@ def _hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
 
 # ---------------------------------------------------------------------- public
 def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = None, *,
-                    title: str | None = None, memory_chart: str | None = None) -> str:
+                    title: str | None = None, memory_chart: str | None = None,
+                    charts: dict[str, str] | None = None) -> str:
     """The whole report as Markdown.
 
     hand_layouts: name -> a :class:`Plan` from ``autopar.evaluate`` of a hand-written layout,
         or a string saying why that layout could not be priced (e.g. the InfeasibleError text).
     title: the top heading (default: the model and cluster).
     memory_chart: relative path of a memory bar chart image to link, if one was drawn.
+    charts: chart name ("timeline", "memory", "breakdown", "comparison") -> relative path
+        of the image drawn by :func:`autopar.report_plots.write_charts`.
     """
+    from .report_plots import rank_layout_section  # report_plots imports this module
+
+    charts = charts or {}
     title = title or f"autopar plan: {plan.model} on {_cluster_line(plan)}"
     lines = [f"# {title}", ""]
-    lines += _layout_section(plan) + _prediction_section(plan) + _time_section(plan)
-    lines += _memory_section(plan, memory_chart) + _comm_section(plan) + _why_section(plan)
+    lines += _layout_section(plan) + _image("pipeline timeline", charts.get("timeline"))
+    lines += rank_layout_section(plan) + _prediction_section(plan) + _time_section(plan)
+    lines += _image("step time by kind", charts.get("breakdown"))
+    lines += _memory_section(plan, memory_chart or charts.get("memory"))
+    lines += _comm_section(plan) + _why_section(plan)
     if hand_layouts:
         lines += _hand_section(plan, hand_layouts)
+        lines += _image("auto vs hand step time", charts.get("comparison"))
     lines += _formulas_section()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _image(alt: str, path: str | None) -> list[str]:
+    """A Markdown image paragraph, or nothing when the chart was not drawn."""
+    return [f"![{alt}]({path})", ""] if path else []
 
 
 def _formulas_section() -> list[str]:
@@ -351,45 +369,28 @@ def _formulas_section() -> list[str]:
 
 def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
     """Stacked bars of memory per stage by kind (PNG); None when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    stages = plan.predicted.memory_bytes_by_stage
-    kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
-    largest = max((sum(stage.values()) for stage in stages), default=0.0)
-    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(stages) + 3), 3.2), dpi=100)
-    bottom = [0.0] * len(stages)
-    for kind in kinds:
-        values = [stage.get(kind, 0.0) / scale for stage in stages]
-        ax.bar(range(len(stages)), values, bottom=bottom, label=kind)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    device = device_memory_bytes(plan)
-    if device and device <= 4 * largest:  # the device line only where it is in scale
-        ax.axhline(device / scale, color="black", linestyle="--", linewidth=1,
-                   label="device memory")
-    ax.set_xticks(range(len(stages)))
-    ax.set_xlabel("pipeline stage")
-    ax.set_ylabel(f"{unit} per GPU")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
+    from .report_plots import write_memory_chart as draw  # report_plots imports this module
+
+    return draw(plan, path)
 
 
 def write_report(plan: Plan, out_dir: str | Path, *,
                  hand_layouts: dict[str, Plan | str] | None = None,
                  title: str | None = None, chart: bool = True) -> Path:
-    """Write ``out_dir/report.md`` (and ``memory.png`` when ``chart``); return the report path."""
+    """Write ``out_dir/report.md`` and ``out_dir/report.html``; return the Markdown path.
+
+    With ``chart`` (and matplotlib importable) the PNG charts of
+    :mod:`autopar.report_plots` are drawn beside them, linked from the Markdown and
+    embedded as data URIs in the self-contained HTML.
+    """
+    from .report_html import write_html
+    from .report_plots import write_charts
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    drawn = write_memory_chart(plan, out_dir / "memory.png") if chart else None
-    text = render_markdown(plan, hand_layouts, title=title,
-                           memory_chart=drawn.name if drawn else None)
+    charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
+    text = render_markdown(plan, hand_layouts, title=title, charts=charts)
     path = out_dir / "report.md"
     path.write_text(text, encoding="utf-8")
+    write_html(text, out_dir)
     return path
