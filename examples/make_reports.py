@@ -1,0 +1,43 @@
+"""Regenerate the example plan reports checked in under reports/.
+
+    python examples/make_reports.py
+
+Each report is the auto plan beside a hand-written Megatron-LM layout priced by the same
+cost model: GPT-3 175B on 128 DGX A100 nodes (Narayanan et al. 2021: t=8, p=16, d=8, b=1,
+full recompute), a 1T-parameter GPT on 384 nodes (the same paper's Table 1 row: t=8, p=64,
+d=6, b=1), and a 1.3B GPT on one node (plain data parallelism, b=4). About a minute on two
+CPU cores; nothing is allocated (models are built on the meta device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import autopar
+
+ROOT = Path(__file__).resolve().parents[1] / "reports"
+
+CASES = (
+    # (directory, model, nodes, global batch, seq len, hand-written layout)
+    ("gpt3-175b-dgx-a100-128", "gpt3-175b", 128, 1536, 2048, "tp=8,pp=16,dp=8,mbs=1,recompute=full"),
+    ("gpt-1t-dgx-a100-384", "gpt-1t", 384, 3072, 2048, "tp=8,pp=64,dp=6,mbs=1,recompute=full"),
+    ("gpt-1.3b-dgx-a100-1", "gpt-1.3b", 1, 512, 2048, "tp=1,pp=1,dp=8,mbs=4,recompute=full"),
+)
+
+
+def main() -> None:
+    for directory, name, nodes, batch, seq, hand in CASES:
+        model, _ = autopar.load_model(name)
+        cluster = autopar.Cluster.dgx_a100(nodes=nodes)
+        plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
+        megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
+                                    global_batch_size=batch, seq_len=seq, model_name=name)
+        path = autopar.report.write_report(
+            plan, ROOT / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
+            title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}")
+        ratio = plan.predicted.step_time_s / megatron.predicted.step_time_s
+        print(f"{path}: {plan.summary()} | auto/Megatron step time {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
