@@ -222,10 +222,8 @@ class TPAllReduce(_TPModule):
         return ReduceFromTP.apply(x, self.group, self.counter)
 
 
-class TPAllGather(_TPModule):
-    """:class:`GatherFromTP` along ``dim``: (..., n, ...) -> (..., t*n, ...)."""
-
-    op_name = "all_gather_fwd/slice_bwd"
+class _TPDimModule(_TPModule):
+    """A TP operator along one tensor dimension ``dim``."""
 
     def __init__(self, group: Group, dim: int, counter: CommCounter | None = None) -> None:
         super().__init__(group, counter)
@@ -233,22 +231,21 @@ class TPAllGather(_TPModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dim={self.dim}"
+
+
+class TPAllGather(_TPDimModule):
+    """:class:`GatherFromTP` along ``dim``: (..., n, ...) -> (..., t*n, ...)."""
+
+    op_name = "all_gather_fwd/slice_bwd"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return GatherFromTP.apply(x, self.group, self.dim, self.counter)
 
 
-class TPScatter(_TPModule):
+class TPScatter(_TPDimModule):
     """:class:`ScatterToTP` along ``dim``: (..., t*n, ...) -> (..., n, ...)."""
 
     op_name = "slice_fwd/all_gather_bwd"
-
-    def __init__(self, group: Group, dim: int, counter: CommCounter | None = None) -> None:
-        super().__init__(group, counter)
-        self.dim = dim
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, dim={self.dim}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ScatterToTP.apply(x, self.group, self.dim, self.counter)
