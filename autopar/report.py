@@ -376,8 +376,12 @@ def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
 
 def write_report(plan: Plan, out_dir: str | Path, *,
                  hand_layouts: dict[str, Plan | str] | None = None,
-                 title: str | None = None, chart: bool = True) -> Path:
+                 title: str | None = None, chart: bool = True,
+                 what_ifs: dict[str, Plan | str] | None = None) -> Path:
     """Write ``out_dir/report.md`` and ``out_dir/report.html``; return the Markdown path.
+
+    what_ifs: label -> re-planned Plan (or why none), from
+    :func:`autopar.report_whatif.what_if_plans`, rendered as a "What if" section.
 
     With ``chart`` (and matplotlib importable) the PNG charts of
     :mod:`autopar.report_plots` are drawn beside them, linked from the Markdown and
@@ -390,6 +394,10 @@ def write_report(plan: Plan, out_dir: str | Path, *,
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
     text = render_markdown(plan, hand_layouts, title=title, charts=charts)
+    if what_ifs:
+        from .report_whatif import what_if_markdown
+
+        text += what_if_markdown(plan, what_ifs)
     path = out_dir / "report.md"
     path.write_text(text, encoding="utf-8")
     write_html(text, out_dir)

@@ -5,8 +5,9 @@
 Each report is the auto plan beside a hand-written Megatron-LM layout priced by the same
 cost model: GPT-3 175B on 128 DGX A100 nodes (Narayanan et al. 2021: t=8, p=16, d=8, b=1,
 full recompute), a 1T-parameter GPT on 384 nodes (the same paper's Table 1 row: t=8, p=64,
-d=6, b=1), and a 1.3B GPT on one node (plain data parallelism, b=4). About a minute on two
-CPU cores; nothing is allocated (models are built on the meta device).
+d=6, b=1), and a 1.3B GPT on one node (plain data parallelism, b=4), each with what-ifs
+(twice the nodes, H100 nodes, twice the batch). A few minutes on two CPU cores; nothing is
+allocated (models are built on the meta device).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import autopar
+from autopar.report_whatif import what_if_plans
 
 ROOT = Path(__file__).resolve().parents[1] / "reports"
 
@@ -32,9 +34,10 @@ def main() -> None:
         plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
         megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
                                     global_batch_size=batch, seq_len=seq, model_name=name)
+        what_ifs = what_if_plans(model, cluster, plan)
         path = autopar.report.write_report(
             plan, ROOT / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
-            title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}")
+            title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}", what_ifs=what_ifs)
         ratio = plan.predicted.step_time_s / megatron.predicted.step_time_s
         print(f"{path}: {plan.summary()} | auto/Megatron step time {ratio:.2f}")
 
