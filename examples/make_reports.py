@@ -27,17 +27,24 @@ CASES = (
 )
 
 
+def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, hand: str):
+    """Plan ``name`` on ``nodes`` DGX A100 nodes, price the hand layout, add what-ifs and
+    write ``reports/<directory>``. Returns (auto plan, hand plan, report.md path)."""
+    model, _ = autopar.load_model(name)
+    cluster = autopar.Cluster.dgx_a100(nodes=nodes)
+    plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
+    megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
+                                global_batch_size=batch, seq_len=seq, model_name=name)
+    path = autopar.report.write_report(
+        plan, ROOT / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
+        title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}",
+        what_ifs=what_if_plans(model, cluster, plan))
+    return plan, megatron, path
+
+
 def main() -> None:
-    for directory, name, nodes, batch, seq, hand in CASES:
-        model, _ = autopar.load_model(name)
-        cluster = autopar.Cluster.dgx_a100(nodes=nodes)
-        plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
-        megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
-                                    global_batch_size=batch, seq_len=seq, model_name=name)
-        what_ifs = what_if_plans(model, cluster, plan)
-        path = autopar.report.write_report(
-            plan, ROOT / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
-            title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}", what_ifs=what_ifs)
+    for case in CASES:
+        plan, megatron, path = write_example(*case)
         ratio = plan.predicted.step_time_s / megatron.predicted.step_time_s
         print(f"{path}: {plan.summary()} | auto/Megatron step time {ratio:.2f}")
 

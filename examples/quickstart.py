@@ -36,31 +36,25 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the re
     import autopar
 from autopar import Cluster, Layout
 from autopar.models import GPT, PRESETS
-from autopar.report import format_seconds, write_report
+from autopar.report import format_seconds
+from make_reports import CASES, write_example  # examples/make_reports.py, beside this file
 
 REPO = Path(__file__).resolve().parents[1]
-MEGATRON_175B = "tp=8,pp=16,dp=8,mbs=1,recompute=full"  # Narayanan et al. 2021, Table 1
 TINY = PRESETS["gpt-tiny"]           # L=2, a=4, h=32, V=64, s=16
 WORLD_SIZE, STEPS, BATCH, LR, SEED = 4, 5, 8, 0.5, 0
 
 
 # ------------------------------------------------------------------- part 1: plan
 def plan_gpt3_175b() -> None:
-    """Plan GPT-3 175B on 128 DGX A100 nodes and compare with Megatron-LM's layout."""
-    model, name = autopar.load_model("gpt3-175b")  # meta device
-    cluster = Cluster.dgx_a100(nodes=128)
-    batch = dict(global_batch_size=1536, seq_len=2048, model_name=name)
-    plan = autopar.plan(model, cluster, **batch)
+    """Plan GPT-3 175B on 128 DGX A100 nodes, compare with Megatron-LM's layout and write
+    the checked-in example report (the same one ``examples/make_reports.py`` writes)."""
+    plan, megatron, path = write_example(*CASES[0])
     print(f"auto plan  : {plan.summary()}")
     print(f"solved in {format_seconds(plan.predicted.solve_time_s)}")
-    megatron = autopar.evaluate(model, cluster, Layout.parse(MEGATRON_175B), **batch)
     print(f"Megatron-LM: {megatron.summary()}")
     speedup = megatron.predicted.step_time_s / plan.predicted.step_time_s
     print(f"auto/Megatron step time: {1 / speedup:.2f} (the auto plan is {speedup:.2f}x "
           f"{'faster' if speedup >= 1 else 'slower'})")
-    path = write_report(plan, REPO / "reports" / "gpt3-175b-dgx-a100-128",
-                        hand_layouts={f"Megatron-LM `{MEGATRON_175B}`": megatron},
-                        title="GPT-3 175B on 128 DGX A100 nodes (1024 GPUs)")
     print(f"report: {path.relative_to(REPO)}")
 
 
