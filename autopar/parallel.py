@@ -37,10 +37,12 @@ class ParallelizedModel(ParallelModule):
     """This rank's share of the plan: ``train_step(idx, targets) -> global mean loss``,
     ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``)."""
 
-    def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec], **kwargs):
+    def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec],
+                 tied_aliases: dict[str, str], **kwargs):
         super().__init__(stage_module, groups, **kwargs)
         self.plan = plan
         self.shards = shards  # local parameter name -> origin
+        self.tied_aliases = tied_aliases  # original key -> the key it shares a tensor with
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the original model's keys, on every rank (CPU).
@@ -146,10 +148,9 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, comm_counter) -
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
     module = ParallelizedModel(
-        stage, groups, plan, shards, micro_batch_size=plan.micro_batch_size,
+        stage, groups, plan, shards, dict(traced.tied_params), micro_batch_size=plan.micro_batch_size,
         num_micro_batches=plan.num_micro_batches, seq_len=plan.seq_len,
         hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1], schedule=plan.schedule,
         optimizer_factory=optimizer,
         tied_parameter_names=tied_names if plan.pp > 1 else (), comm_counter=comm_counter)
-    module.tied_aliases = dict(traced.tied_params)
     return module
