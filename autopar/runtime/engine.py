@@ -173,9 +173,12 @@ class ParallelModule(nn.Module):
         """One optimizer step on the global batch idx, targets: (B, s) int64, the same on every rank.
 
         Returns the mean loss over all micro-batches and DP replicas (same on every rank).
+        After it returns, each parameter's ``.grad`` holds this step's synchronised gradient
+        (the one the optimizer used) until the next call.
         Raises ValueError if B != dp * micro_batch_size * num_micro_batches or s != seq_len.
         """
         local_idx, local_targets = self._local_batch(idx, targets)
+        self.optimizer.zero_grad(set_to_none=True)  # grads stay readable until the next step
         self.comm_counter.reset()
         start = time.perf_counter()
         with SavedActivationTracker(self.stage_module.parameters()) as saved:
@@ -187,7 +190,6 @@ class ParallelModule(nn.Module):
         self._average_dp_grads()
         self.optimizer.step()
         states = model_state_bytes(self.stage_module, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
         result = self._global_loss(loss)
         self._stats = {"comm_bytes": dict(self.comm_counter.bytes), "model_state_bytes": states,
                        "saved_activation_bytes": saved.peak_bytes,
