@@ -122,9 +122,11 @@ def bytes_per_param(zero_stage: int, dp: int, dtype: str = "bf16") -> float:
 
 
 def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
-    """Seconds of DP communication per parameter per step: a ring all-reduce of 2-byte
-    gradients (ZeRO-1/2: reduce-scatter + all-gather, the same bytes); ZeRO-3 adds a
-    parameter all-gather in forward and backward (1.5x, ZeRO paper section 7.2)."""
+    """Seconds of DP communication per parameter per step: a ring all-reduce of the
+    gradients (ZeRO-1: reduce-scatter + all-gather, the same bytes); ZeRO-2 reduce-scatters
+    after each of the m micro-batches, as DeepSpeed's stage 2 and our runtime do
+    ((m + 1)/2 all-reduces); ZeRO-3 adds a parameter all-gather in forward and backward
+    (1.5x, ZeRO paper section 7.2)."""
     if cfg.dp == 1:
         return 0.0
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
@@ -133,6 +135,8 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     # contiguous grad buffer is coarser still), so one ring latency per 25 MB bucket
     bucket_params = DP_BUCKET_BYTES / grad_bytes
     per_param = comm.all_reduce_time_s(DP_BUCKET_BYTES, cfg.dp, link) / bucket_params
+    if zero_stage == 2:
+        return per_param * (cfg.num_micro_batches + 1) / 2
     return per_param * (1.5 if zero_stage == 3 else 1.0)
 
 

@@ -43,7 +43,7 @@ from .cost import OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_table
 from .graph import TracedModel, last_saver_index
 from .plan import Layout, Plan
 from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
-from .search import SearchResult, candidate_configs, validate_layout
+from .search import SearchResult, candidate_configs, validate_layout, zero_choices
 from .solve import KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError, template_map
 from .strategies import node_strategies, param_split, tensor_inputs, tied_groups
 from .trace import trace_model
@@ -353,8 +353,6 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
         raise ValueError(f"rounding must be 'predict' or 'solver', got {rounding!r}")
     start, layout = time.perf_counter(), layout or Layout()
     validate_layout(traced, cluster, layout, global_batch_size)
-    zero = (layout.zero_stage,) if layout.zero_stage is not None else \
-        (support.zero_stages if support else (0, 1, 2, 3))
     modes = (layout.recompute,) if layout.recompute else \
         (support.recompute if support else ("none", "selective", "full"))
     cache: dict = {}
@@ -365,7 +363,8 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
         key = (cfg.tp, cfg.micro_batch_size, cfg.dtype)  # what node and edge costs depend on
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
-        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zero, modes,
+        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key],
+                                    zero_choices(layout, support, cfg.pp), modes,
                                     rounding)
         priced += n
         seen.append({"layout": cfg, "step_time_s": found[0] if found else None})

@@ -24,7 +24,6 @@ from .plan import Plan
 from .rewrite.pipeline import annotate_stages, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
-from .runtime.collectives import CommCounter
 from .runtime.engine import ParallelModule
 from .runtime.mesh import ParallelGroups, validate_degrees
 from .runtime.support import check_executable
@@ -90,8 +89,8 @@ def _broadcast_plan(plan: Plan | None) -> Plan:
 
 def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                global_batch_size: int | None = None, seq_len: int | None = None,
-                comm_counter=None) -> ParallelizedModel:
+                global_batch_size: int | None = None,
+                seq_len: int | None = None) -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group on every rank).
 
@@ -129,16 +128,18 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         plan = _broadcast_plan(solved)
     _agree(plan, world)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
-    return _build(model, plan, groups, optimizer, comm_counter)
+    return _build(model, plan, groups, optimizer)
 
 
-def _build(model, plan: Plan, groups: ParallelGroups, optimizer, comm_counter) -> ParallelizedModel:
-    comm_counter = comm_counter if comm_counter is not None else CommCounter()
-    local_model = copy.deepcopy(model)
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _build(model, plan: Plan, groups: ParallelGroups, optimizer) -> ParallelizedModel:
+    local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
     traced = trace_model(local_model, plan.seq_len)
     annotate_stages(traced, plan.stage_layers)
     tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,
-                               group=groups.tp_group, counter=comm_counter)
+                               group=groups.tp_group)
     gm = tp.gm
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
                    for l in range(traced.num_layers)]
@@ -151,6 +152,7 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, comm_counter) -
         stage, groups, plan, shards, dict(traced.tied_params), micro_batch_size=plan.micro_batch_size,
         num_micro_batches=plan.num_micro_batches, seq_len=plan.seq_len,
         hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1], schedule=plan.schedule,
-        optimizer_factory=optimizer,
-        tied_parameter_names=tied_names if plan.pp > 1 else (), comm_counter=comm_counter)
+        optimizer_factory=optimizer, tied_parameter_names=tied_names if plan.pp > 1 else (),
+        activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
+        master_dtype=torch.float32)
     return module

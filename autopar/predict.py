@@ -196,14 +196,30 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
             comm["tp_all_gather"] += m * layer["rec_fwd_tp_all_gather"]
     if p > 1:
         comm["pp_p2p"] = (int(i < p - 1) + int(i > 0)) * m * tables.p2p_bytes
-    grad_b = state_bytes(cfg.dtype)[1]
-    if cfg.dp > 1:
-        comm["dp_all_reduce"] = grad_b * total["params"]
+    param_b, grad_b, _ = state_bytes(cfg.dtype)
+    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b))
     if p > 1 and i in (0, p - 1):
         comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
-    comm["other"] += 8.0 * ((i == p - 1 and cfg.dp > 1) + (p > 1))  # the loss (float64)
+    if i == p - 1 and cfg.dp > 1:
+        comm["dp_all_reduce"] += 8.0  # the step's mean loss (float64) over DP
+    comm["other"] += 8.0 * (p > 1)  # ... broadcast from the last stage
     return {"comm_bytes": comm, "model_state_bytes": mem["parameters"] + mem["gradients"]
             + mem["optimizer_states"], "saved_activation_bytes": saved}
+
+
+def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int) -> dict[str, float]:
+    """DP payload bytes per step of :class:`autopar.runtime.zero.DistributedOptimizer` for a
+    stage of ``params`` parameters: ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters
+    them once (ZeRO-2 after each of the m micro-batches) over a buffer padded to a multiple
+    of d, and all-gathers this rank's 1/d of the updated parameters."""
+    d = cfg.dp
+    if d == 1:
+        return {}
+    if zero == 0:
+        return {"dp_all_reduce": grad_b * params}
+    padded = math.ceil(round(params) / d) * d
+    times = cfg.num_micro_batches if zero == 2 else 1
+    return {"dp_reduce_scatter": times * grad_b * padded, "dp_all_gather": param_b * padded / d}
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

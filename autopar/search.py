@@ -156,6 +156,14 @@ class SearchResult:
     solve_time_s: float
 
 
+def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tuple[int, ...]:
+    """ZeRO stages to consider: the layout's if pinned, else what the runtime executes with
+    ``pp`` stages (support None: every stage the cost model prices, for evaluation)."""
+    if layout.zero_stage is not None:
+        return (layout.zero_stage,)
+    return support.zero_stages_for(pp) if support else (0, 1, 2, 3)
+
+
 def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
               support: RuntimeSupport | None, mapping, time_limit_s: float = 1.0,
               even_stages: bool = False, cutoff_s: float | None = None):
@@ -164,8 +172,7 @@ def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layo
 
     strategies = node_strategies(traced, cfg.tp)
     tables = cost_tables(traced, strategies, cluster, cfg)
-    zero = (layout.zero_stage,) if layout.zero_stage is not None else \
-        (support.zero_stages if support else (0, 1, 2, 3))
+    zero = zero_choices(layout, support, cfg.pp)
     modes = support.recompute if support else ("none", "selective", "full")
     model = StageModel(traced, strategies, tables, cluster, zero_stages=zero,
                        recompute_modes=modes, fixed_recompute=layout.recompute,
@@ -203,8 +210,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
             seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
                          "reason": f"pruned: compute lower bound {lb:.3f} s >= best {best_t:.3f} s"})
             continue
-        zero = (layout.zero_stage,) if layout.zero_stage is not None else \
-            (support.zero_stages if support else (0, 1, 2, 3))
+        zero = zero_choices(layout, support, cfg.pp)
         mem_lb = _memory_lower_bound_bytes(traced, cfg, zero)
         if mem_lb > cluster.device.memory_bytes:
             seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,

@@ -13,10 +13,15 @@ its TP collectives inside) and implements one training step:
 3. Tied embedding: the first and last stage each hold a copy of the (shard of the)
    word embedding and get a partial gradient; they are summed over
    ``groups.embedding_group`` (pp > 1).
-4. DP: every gradient is averaged over ``groups.dp_group`` (one flattened all-reduce
-   per dtype, then / d).
-5. ``optimizer.step()``, ``zero_grad()``; the returned loss is the mean over all
-   micro-batches and replicas, the same float on every rank.
+4. DP and the optimizer (:class:`autopar.runtime.zero.DistributedOptimizer`): gradients
+   averaged over ``groups.dp_group`` by all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2;
+   ZeRO-2 after every micro-batch), the optimizer steps (the owned slice, fp32 master
+   weights under bf16), parameters all-gathered back (ZeRO-1/2).
+5. The returned loss is the mean over all micro-batches and replicas, the same float on
+   every rank.
+
+Every collective the step issues is measured by :class:`autopar.runtime.stats.CommMeter`
+(payload bytes by kind), readable with ``last_step_stats()``.
 
 A failure raises on the rank that saw it; the others then fail in their next
 collective with gloo's "Connection closed by peer" or the process group timeout.
@@ -32,10 +37,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.runtime.collectives import CommCounter
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
-from autopar.runtime.stats import SavedActivationTracker, model_state_bytes
+from autopar.runtime.stats import CommMeter, SavedActivationTracker
+from autopar.runtime.zero import DistributedOptimizer
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
@@ -79,16 +84,19 @@ class ParallelModule(nn.Module):
         seq_len: s.
         hidden_size: h, the width of the activation between stages.
         schedule: "1f1b" or "gpipe" (ignored when pp == 1).
-        optimizer_factory: builds the optimizer from the stage's parameters.
+        optimizer_factory: builds an element-wise optimizer (SGD, Adam, AdamW, ...) from a
+            list of tensors; it is given this rank's flat (slice of the) master weights.
         tied_parameter_names: names (in stage_module.named_parameters()) of the tied
             embedding shard on the first and last stage; summed over the embedding group.
-        activation_dtype: dtype of the activations sent between stages.
+        activation_dtype: dtype of the activations sent between stages (the parameters').
         loss_fn: per-micro-batch mean loss (logits (b, s, V), targets (b, s)) -> scalar.
-        comm_counter: optional counter for pp_p2p and dp_all_reduce bytes.
+        zero_stage: 0, 1 or 2 over the DP group (2 only with pp == 1).
+        master_dtype: the optimizer's weights; float32 with bf16 parameters is mixed
+            precision (None: the parameters' dtype).
 
     Raises:
-        ValueError: a size is not a positive int, 1F1B with m < p, or a tied name is
-            missing on the first/last stage.
+        ValueError: a size is not a positive int, 1F1B with m < p, a tied name is
+            missing on the first/last stage, or ZeRO-2 with pp > 1.
         NotImplementedError: schedule "interleaved_1f1b" or any other unknown schedule.
     """
 
@@ -106,27 +114,33 @@ class ParallelModule(nn.Module):
         tied_parameter_names: Sequence[str] = (),
         activation_dtype: torch.dtype = torch.float32,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy,
-        comm_counter: CommCounter | None = None,
+        zero_stage: int = 0,
+        master_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
                         seq_len=seq_len, hidden_size=hidden_size)
         _check_schedule(schedule, groups.pp, num_micro_batches)
+        if zero_stage == 2 and groups.pp > 1:
+            raise ValueError("ZeRO-2 reduce-scatters after every micro-batch, which the pipeline "
+                             "schedule does not expose (as in DeepSpeed, ZeRO-2 is not combined "
+                             "with pipeline parallelism); use zero_stage=1 with pp > 1")
         self.stage_module = stage_module
         self.groups = groups
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.seq_len, self.hidden_size, self.schedule = seq_len, hidden_size, schedule
         self.loss_fn = loss_fn
-        self.comm_counter = comm_counter if comm_counter is not None else CommCounter()
         self._stats: dict = {}
         self.tied_parameters = self._find_tied(tied_parameter_names)
-        self.optimizer = optimizer_factory(stage_module.parameters())
+        self.dp_optimizer = DistributedOptimizer(
+            stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
+            zero_stage=zero_stage, master_dtype=master_dtype)
+        self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
             shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype)
-            self.runner = PipelineRunner(
-                stage_module, groups, shapes, num_micro_batches, schedule, loss_fn, self.comm_counter
-            )
+            self.runner = PipelineRunner(stage_module, groups, shapes, num_micro_batches,
+                                         schedule, loss_fn)
 
     def _find_tied(self, names: Sequence[str]) -> list[nn.Parameter]:
         """The tied parameters present on this stage; all must exist on the first/last stage."""
@@ -166,6 +180,7 @@ class ParallelModule(nn.Module):
         for mb_idx, mb_targets in zip(idx.split(self.micro_batch_size), targets.split(self.micro_batch_size)):
             loss = self.loss_fn(self.stage_module(mb_idx), mb_targets)  # (b, s, V) -> scalar
             (loss / m).backward()
+            self.dp_optimizer.micro_batch_done()
             total += loss.detach().double()
         return total / m
 
@@ -178,20 +193,19 @@ class ParallelModule(nn.Module):
         Raises ValueError if B != dp * micro_batch_size * num_micro_batches or s != seq_len.
         """
         local_idx, local_targets = self._local_batch(idx, targets)
-        self.optimizer.zero_grad(set_to_none=True)  # grads stay readable until the next step
-        self.comm_counter.reset()
+        self.dp_optimizer.zero_grad()  # grads stay readable until the next step
         start = time.perf_counter()
-        with SavedActivationTracker(self.stage_module.parameters()) as saved:
-            if self.runner is None:
-                loss = self._accumulate(local_idx, local_targets)
-            else:
-                loss = self.runner.run(local_idx, local_targets)  # on the last stage, else None
-        self._sync_tied_grads()
-        self._average_dp_grads()
-        self.optimizer.step()
-        states = model_state_bytes(self.stage_module, self.optimizer)
-        result = self._global_loss(loss)
-        self._stats = {"comm_bytes": dict(self.comm_counter.bytes), "model_state_bytes": states,
+        with CommMeter(self.groups.axis_names()) as meter:
+            with SavedActivationTracker(self.stage_module.parameters()) as saved:
+                if self.runner is None:
+                    loss = self._accumulate(local_idx, local_targets)
+                else:
+                    loss = self.runner.run(local_idx, local_targets)  # last stage, else None
+            self._sync_tied_grads()
+            self.dp_optimizer.step()
+            result = self._global_loss(loss)
+        states = self.dp_optimizer.state_bytes()
+        self._stats = {"comm_bytes": dict(meter.bytes), "model_state_bytes": states,
                        "saved_activation_bytes": saved.peak_bytes,
                        "step_time_s": time.perf_counter() - start}
         return result
@@ -205,31 +219,6 @@ class ParallelModule(nn.Module):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
             p.grad = grad
-            if self.comm_counter is not None:
-                self.comm_counter.add("other", grad.numel() * grad.element_size())
-
-    def _average_dp_grads(self) -> None:
-        """Average every gradient over the DP group: one flattened all-reduce per dtype, / d.
-
-        Replicas run the same program, so the same parameters have gradients everywhere.
-        """
-        d = self.groups.dp
-        if d == 1:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self.stage_module.parameters():
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
-            flat.div_(d)
-            if self.comm_counter is not None:
-                self.comm_counter.add("dp_all_reduce", flat.numel() * flat.element_size())
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
 
     def _global_loss(self, local_loss: torch.Tensor | None) -> float:
         """Mean over DP replicas on the last stage, then broadcast to the other stages."""
@@ -238,11 +227,9 @@ class ParallelModule(nn.Module):
         loss = loss.reshape(1).double()
         if g.is_last_stage and g.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=g.dp_group)
-            self.comm_counter.add("other", loss.numel() * loss.element_size())
             loss /= g.dp
         if g.pp > 1:
             dist.broadcast(loss, src=g.pp_rank_to_global(g.pp - 1), group=g.pp_group)
-            self.comm_counter.add("other", loss.numel() * loss.element_size())
         return float(loss.item())
 
     def last_step_stats(self) -> dict:

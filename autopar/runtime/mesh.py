@@ -106,6 +106,14 @@ class ParallelGroups:
             raise ValueError(f"pp_rank {pp_rank} is outside [0, {self.pp})")
         return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
 
+    def axis_names(self) -> dict[str, str]:
+        """Process-group name -> axis ("tp", "pp", "dp", "embedding"), for :class:`CommMeter`."""
+        names = {self.tp_group.group_name: "tp", self.pp_group.group_name: "pp",
+                 self.dp_group.group_name: "dp"}
+        if self.embedding_group is not None:
+            names[self.embedding_group.group_name] = "embedding"
+        return names
+
     @property
     def is_first_stage(self) -> bool:
         """True on pipeline stage 0 (it owns the input embedding)."""

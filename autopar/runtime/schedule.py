@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autopar.runtime.collectives import CommCounter
 from autopar.runtime.mesh import ParallelGroups
 
 
@@ -75,7 +74,6 @@ class PipelineRunner:
         num_micro_batches: m.
         schedule: "gpipe" or "1f1b" (validated by the caller).
         loss_fn: per-micro-batch mean loss (logits, targets) -> scalar, used on the last stage.
-        counter: optional; gets the pp_p2p bytes this rank sends per step.
     """
 
     def __init__(
@@ -86,7 +84,6 @@ class PipelineRunner:
         num_micro_batches: int,
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        counter: CommCounter | None = None,
     ) -> None:
         b, s, h = shapes.micro_batch_size, shapes.seq_len, shapes.hidden_size
         act = torch.empty(b, s, h, dtype=shapes.activation_dtype, device="meta", requires_grad=True)
@@ -98,7 +95,7 @@ class PipelineRunner:
             group=groups.pp_group,
         )
         schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        self.groups, self.shapes, self.counter = groups, shapes, counter
+        self.groups, self.shapes = groups, shapes
         self.num_micro_batches = num_micro_batches
         self._schedule = schedule_cls(stage, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
 
@@ -120,12 +117,4 @@ class PipelineRunner:
         else:
             self._schedule.step()
             result = None
-        self._count_p2p()
         return result
-
-    def _count_p2p(self) -> None:
-        """Bytes sent this step: m activations forward (not the last stage), m gradients back (not the first)."""
-        if self.counter is None:
-            return
-        sends = int(not self.groups.is_last_stage) + int(not self.groups.is_first_stage)
-        self.counter.add("pp_p2p", sends * self.num_micro_batches * self.shapes.activation_bytes())

@@ -5,6 +5,11 @@ keeps the running and peak bytes of tensors autograd saved for backward. A stora
 counted once however many ops save it (or views of it), parameters are excluded (they are
 model states), and bytes are released when autograd frees the saved tensor. Tensors saved
 inside ``torch.utils.checkpoint`` regions are not stored, so they are not counted.
+
+``CommMeter`` is a ``TorchDispatchMode`` that sees every ``c10d`` collective and p2p send
+the step issues (``dist.all_reduce`` and friends go through the dispatcher as
+``c10d.allreduce_`` etc., including those issued by libraries such as
+``torch.distributed.pipelining``), and sums their payload bytes by kind.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SavedActivationTracker", "model_state_bytes"]
+from ..plan import COMM_KINDS
+
+__all__ = ["SavedActivationTracker", "CommMeter", "model_state_bytes"]
 
 
 class _Saved:
@@ -85,3 +94,56 @@ def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> in
     for state in optimizer.state.values():
         total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
     return total
+
+
+# c10d dispatcher op -> (collective, the argument whose bytes are this rank's payload)
+_C10D_OPS = {
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "allgather_": ("all_gather", "input_tensors"),
+    "_allgather_base_": ("all_gather", "input_tensor"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "inputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "broadcast_": ("broadcast", "tensors"),
+    "send": ("p2p", "tensors"),
+}
+
+
+def _nbytes(value) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class CommMeter(TorchDispatchMode):
+    """Payload bytes of every collective issued while active, by kind of :data:`COMM_KINDS`.
+
+    axes: process-group name (``ProcessGroup.group_name``) -> axis ("tp", "pp", "dp"; any
+    other name counts as "other"). The kind is ``f"{axis}_{collective}"`` when that is one
+    of COMM_KINDS (tp_all_reduce, dp_reduce_scatter, pp_p2p, ...), else "other".
+    Payload: all-reduce and broadcast the tensor; all-gather this rank's input shard;
+    reduce-scatter the full input; p2p what this rank sends (receives are not counted).
+    Attribute ``bytes``: kind -> int.
+    """
+
+    def __init__(self, axes: dict[str, str]) -> None:
+        super().__init__()
+        self.axes = dict(axes)
+        self.bytes = dict.fromkeys(COMM_KINDS, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.name.startswith("c10d::"):
+            op = _C10D_OPS.get(schema.name[len("c10d::"):])
+            if op is not None:
+                values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+                group = dist.ProcessGroup.unbox(values["process_group"])
+                axis = self.axes.get(group.group_name, "other")
+                kind = f"{axis}_{op[0]}"
+                self.bytes[kind if kind in COMM_KINDS else "other"] += _nbytes(values[op[1]])
+        return func(*args, **kwargs)

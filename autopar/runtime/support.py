@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .zero import EXECUTED_ZERO_STAGES
+
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable"]
 
 
@@ -16,17 +18,23 @@ __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable"]
 class RuntimeSupport:
     """Options the runtime can execute.
 
-    schedules: pipeline schedules; zero_stages: ZeRO stages; recompute: recompute modes;
-    sequence_parallel: allowed values; virtual_stages: allowed v; dtypes: training
-    precisions (bf16 mixed precision is priced by the cost model but not executed yet).
+    schedules: pipeline schedules; zero_stages: ZeRO stages (see :meth:`zero_stages_for`
+    for the ones a pipeline allows); recompute: recompute modes; sequence_parallel: allowed
+    values; virtual_stages: allowed v; dtypes: training precisions ("bf16": bf16
+    parameters, gradients and activations with fp32 master weights).
     """
 
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
-    zero_stages: tuple[int, ...] = (0,)
+    zero_stages: tuple[int, ...] = EXECUTED_ZERO_STAGES
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: tuple[bool, ...] = (False,)
     virtual_stages: tuple[int, ...] = (1,)
-    dtypes: tuple[str, ...] = ("fp32",)
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+
+    def zero_stages_for(self, pp: int) -> tuple[int, ...]:
+        """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 reduce-scatters after
+        every micro-batch, which needs the micro-batch loop (pp == 1), as in DeepSpeed."""
+        return tuple(z for z in self.zero_stages if not (z == 2 and pp > 1))
 
 
 RUNTIME_SUPPORT = RuntimeSupport()
@@ -40,6 +48,7 @@ def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
         ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
         ("virtual_stages", plan.virtual_stages, support.virtual_stages),
         ("dtype", plan.dtype, support.dtypes),
+        ("zero_stage (with pp > 1)", plan.zero_stage, support.zero_stages_for(plan.pp)),
     ] + [("recompute", mode, support.recompute) for mode in set(plan.recompute)]
     for name, value, allowed in checks:
         if value not in allowed:
