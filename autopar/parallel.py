@@ -94,7 +94,7 @@ def _broadcast_plan(plan: Plan | None) -> Plan:
 def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                 global_batch_size: int | None = None, seq_len: int | None = None,
-                seed: int = 0) -> ParallelizedModel:
+                seed: int = 0, verify: bool = False) -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group on every rank).
 
@@ -105,11 +105,14 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     seed: dropout seed, the same on every rank; each rank seeds its default generator
         (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
         (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
+    verify: first run :func:`autopar.verify.verify` (3 SGD steps of a copy against one
+        device; ``model`` is untouched) and raise its VerificationError on a mismatch.
     Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
     same global batch on every rank and returns the global mean loss.
 
     Raises ValueError (world size != tp·pp·dp, before any collective), NotImplementedError
-    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan).
+    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan),
+    ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
@@ -134,6 +137,10 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                                 seq_len=seq_len)
         plan = _broadcast_plan(solved)
     _agree(plan, world)
+    if verify:
+        from .verify import verify as verify_plan
+
+        verify_plan(model, plan)  # on copies, before anything trains the real model
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
     return _build(model, plan, groups, optimizer, seed)
 
