@@ -148,9 +148,10 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     Read after ``train_step``: each ``.grad`` then holds that step's synchronised gradient
     (tied embedding summed over stages, averaged over DP). A parameter without a gradient
     gives zeros. Collective over the whole world: every rank must call it.
-    Assumes gradients are plain tensors replicated over DP and split over TP like their
-    parameters (ZeRO stage 0); ZeRO-2/3 shard gradients over DP and will extend this.
+    Under ZeRO-1/2 each rank keeps only its slice of the averaged gradient; the slices are
+    all-gathered over DP first (``DistributedOptimizer.synchronize_gradients``).
     """
+    pm.dp_optimizer.synchronize_gradients()
     return _gather_full(pm, _grad_or_zeros)
 
 

@@ -41,11 +41,11 @@ def _meta_model() -> GPT:
         return GPT(CONFIG)
 
 
-def _plan(tp: int, pp: int) -> autopar.Plan:
+def _plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0) -> autopar.Plan:
     """A world-2 fp32 plan of gpt-tiny; TP plans get Megatron's placements (real all-reduces)."""
-    meta, cluster = _meta_model(), Cluster.local_cpu(processes=tp * pp)
+    meta, cluster = _meta_model(), Cluster.local_cpu(processes=tp * pp * dp)
     plan = autopar.plan(meta, cluster, global_batch_size=BATCH, seq_len=SEQ, model_name="gpt-tiny",
-                        layout=autopar.Layout(tp=tp, pp=pp, dp=1))
+                        layout=autopar.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage))
     if tp > 1:
         plan = dataclasses.replace(plan, placements=megatron_placements(trace_model(meta, SEQ), tp))
         plan = autopar.evaluate_plan(meta, cluster, plan)
@@ -55,7 +55,8 @@ def _plan(tp: int, pp: int) -> autopar.Plan:
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, autopar.Plan]:
-    return {"tp2": _plan(2, 1), "pp2": _plan(1, 2)}
+    return {"tp2": _plan(2, 1), "pp2": _plan(1, 2),  # ZeRO-1/2 keep gradient slices only:
+            "dp2-zero1": _plan(1, 1, 2, 1), "dp2-zero2": _plan(1, 1, 2, 2)}
 
 
 def _model() -> GPT:
