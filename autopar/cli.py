@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 import autopar
+from autopar.cli_verify import add_verify_parser, run_verify
 from autopar.cli_compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines)
 from autopar.plan import RECOMPUTE_MODES, SCHEDULES, Layout, Plan
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the plan's model name and the cluster from the plan)")
     report.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     _add_compare_parsers(sub, fmt)
+    add_verify_parser(sub)
     return parser
 
 
@@ -349,7 +351,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "evaluate": _cmd_evaluate, "report": _cmd_report,
-            "compare": _cmd_compare, "calibrate": _cmd_calibrate}
+            "compare": _cmd_compare, "calibrate": _cmd_calibrate, "verify": run_verify}
 
 
 def _exit_code(exc: BaseException) -> tuple[int, str]:

@@ -5,6 +5,8 @@ Passes run in a fixed order, each reading only the plan:
 1. trace the model (the same front end the planner used, so node names match the plan);
 2. annotate each node with its pipeline stage and layer;
 3. tensor parallelism (``rewrite.tensor_parallel``): shards + explicit f/g collectives;
+3b. dropout RNG (``rewrite.dropout``): dropouts on TP-sharded tensors fork the per-rank
+   tensor-parallel stream of the program's ``runtime.rng`` tracker;
 4. recompute (``rewrite.recompute``): checkpoint whole layers or the attention core;
 5. pipeline split (``rewrite.pipeline``): keep this rank's stage;
 6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe, DP averaging,
@@ -21,11 +23,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .plan import Plan
+from .rewrite.dropout import apply_dropout_rng
 from .rewrite.pipeline import annotate_stages, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from .runtime.engine import ParallelModule
 from .runtime.mesh import ParallelGroups, validate_degrees
+from .runtime.rng import seed_rank
 from .runtime.support import check_executable
 from .trace import trace_model
 
@@ -89,8 +93,8 @@ def _broadcast_plan(plan: Plan | None) -> Plan:
 
 def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                global_batch_size: int | None = None,
-                seq_len: int | None = None) -> ParallelizedModel:
+                global_batch_size: int | None = None, seq_len: int | None = None,
+                seed: int = 0, verify: bool = False) -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group on every rank).
 
@@ -98,11 +102,17 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
         global_batch_size and seq_len are required).
     optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
+    seed: dropout seed, the same on every rank; each rank seeds its default generator
+        (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
+        (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
+    verify: first run :func:`autopar.verify.verify` (3 SGD steps of a copy against one
+        device; ``model`` is untouched) and raise its VerificationError on a mismatch.
     Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
     same global batch on every rank and returns the global mean loss.
 
     Raises ValueError (world size != tp·pp·dp, before any collective), NotImplementedError
-    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan).
+    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan),
+    ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
@@ -127,23 +137,29 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                                 seq_len=seq_len)
         plan = _broadcast_plan(solved)
     _agree(plan, world)
+    if verify:
+        from .verify import verify as verify_plan
+
+        verify_plan(model, plan)  # on copies, before anything trains the real model
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
-    return _build(model, plan, groups, optimizer)
+    return _build(model, plan, groups, optimizer, seed)
 
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _build(model, plan: Plan, groups: ParallelGroups, optimizer) -> ParallelizedModel:
+def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) -> ParallelizedModel:
+    rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
     local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
     traced = trace_model(local_model, plan.seq_len)
     annotate_stages(traced, plan.stage_layers)
     tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,
                                group=groups.tp_group)
     gm = tp.gm
+    apply_dropout_rng(gm, plan.placements, rng)
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
                    for l in range(traced.num_layers)]
-    apply_recompute(gm, layer_nodes, plan.recompute)
+    apply_recompute(gm, layer_nodes, plan.recompute, tracker=rng)
     stage = split_stages(gm, gm, plan.pp)[groups.pp_rank]
     shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())

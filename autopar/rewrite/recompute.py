@@ -7,41 +7,58 @@
   dropout, ·V) is checkpointed (Korthikanti et al. 2022, section 5).
 
 Both appear in the rewritten code as ``call_module`` nodes named ``recompute_*``.
+
+Recomputation must draw the same dropout masks as the forward. Checkpointing restores
+the default generator by itself; the dropouts that run on the tracker's tensor-parallel
+stream (:mod:`autopar.rewrite.dropout`) need the tracker's states of the forward back
+during recomputation too, which ``Checkpointed`` does through checkpoint's ``context_fn``
+(Megatron-LM: ``CheckpointFunction`` in ``megatron/core/tensor_parallel/random.py``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.rng import RNGStatesTracker
+from .dropout import AttentionCore, ForkedRNG
+
 __all__ = ["Checkpointed", "apply_recompute"]
 
 
 class Checkpointed(nn.Module):
-    """Runs ``body`` under non-reentrant activation checkpointing."""
+    """Runs ``body`` under non-reentrant activation checkpointing; with a ``tracker``,
+    the recomputation runs with the tracker's states of the forward (then the states
+    current at backward time are put back), so forked dropouts redraw the same masks."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: nn.Module, tracker: RNGStatesTracker | None = None) -> None:
         super().__init__()
         self.body = body
+        self.tracker = tracker
 
     def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False)
+        if self.tracker is None:
+            return checkpoint(self.body, *args, use_reentrant=False)
+        return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._rng_contexts)
 
+    def _rng_contexts(self):
+        """(forward context, recompute context); called by checkpoint when the forward starts."""
+        forward_states = self.tracker.get_states()
 
-class _AttentionCore(nn.Module):
-    """scaled_dot_product_attention(q, k, v, **kwargs) as a module (for checkpointing)."""
+        @contextlib.contextmanager
+        def recompute_with_forward_states():
+            current = self.tracker.get_states()
+            self.tracker.set_states(forward_states)
+            try:
+                yield
+            finally:
+                self.tracker.set_states(current)
 
-    def __init__(self, kwargs: dict) -> None:
-        super().__init__()
-        self.kwargs = dict(kwargs)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
-
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
+        return contextlib.nullcontext(), recompute_with_forward_states()
 
 
 def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
@@ -65,15 +82,17 @@ def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, fx.N
     return fx.GraphModule(gm, sub, class_name="RecomputedLayer"), x, last
 
 
-def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute: list[str]) -> None:
+def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute: list[str], *,
+                    tracker: RNGStatesTracker | None = None) -> None:
     """Apply each layer's recompute mode in place. ``layer_nodes[l]``: node names of layer l
-    in ``gm`` (after the TP pass, inserted collectives included)."""
+    in ``gm`` (after the TP pass, inserted collectives included). ``tracker``: the
+    program's RNG tracker when dropouts fork it (their masks are then redrawn equal)."""
     for layer, (names, mode) in enumerate(zip(layer_nodes, recompute)):
         if mode == "selective":
-            _checkpoint_attention(gm, names, layer)
+            _checkpoint_attention(gm, names, layer, tracker)
         elif mode == "full":
             body, x, last = _extract(gm, names)
-            gm.add_submodule(f"recompute_layer_{layer}", Checkpointed(body))
+            gm.add_submodule(f"recompute_layer_{layer}", Checkpointed(body, tracker))
             with gm.graph.inserting_after(last):
                 new = gm.graph.call_module(f"recompute_layer_{layer}", (x,))
             new.meta.update({k: v for k, v in last.meta.items() if k.startswith("autopar")})
@@ -85,9 +104,19 @@ def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute:
     gm.recompile()
 
 
-def _checkpoint_attention(gm: fx.GraphModule, names: list[str], layer: int) -> None:
+def _checkpoint_attention(gm: fx.GraphModule, names: list[str], layer: int,
+                          tracker: RNGStatesTracker | None) -> None:
+    """Checkpoint each attention core: a plain scaled_dot_product_attention call, or the
+    dropout pass's ``ForkedRNG(AttentionCore)`` module."""
     for n in [n for n in gm.graph.nodes if n.name in set(names)]:
+        target = f"recompute_attention_{layer}_{n.name}"
         if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
-            target = f"recompute_attention_{layer}_{n.name}"
-            gm.add_submodule(target, Checkpointed(_AttentionCore(n.kwargs)))
+            gm.add_submodule(target, Checkpointed(AttentionCore(n.kwargs), tracker))
             n.op, n.target, n.kwargs = "call_module", target, {}
+        elif n.op == "call_module" and _is_forked_core(gm.get_submodule(n.target)):
+            gm.add_submodule(target, Checkpointed(gm.get_submodule(n.target), tracker))
+            n.target = target
+
+
+def _is_forked_core(module: nn.Module) -> bool:
+    return isinstance(module, ForkedRNG) and isinstance(module.body, AttentionCore)

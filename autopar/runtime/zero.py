@@ -90,6 +90,7 @@ class DistributedOptimizer:
         self.master = nn.Parameter(own if master_dtype == dtype else own.to(master_dtype))
         self.optimizer = optimizer_factory([self.master])
         self._grad_shard: torch.Tensor | None = None  # ZeRO-2: this rank's accumulated slice
+        self._flat: torch.Tensor | None = None  # ZeRO-1: the step's flat gradient
 
     @property
     def master_is_copy(self) -> bool:
@@ -101,7 +102,7 @@ class DistributedOptimizer:
         for p in self.params:
             p.grad = None
         self.master.grad = None
-        self._grad_shard = None
+        self._grad_shard = self._flat = None
 
     def _flat_grad(self) -> torch.Tensor:
         """The parameters' gradients in one padded flat tensor (padded_numel,); None -> 0."""
@@ -112,6 +113,29 @@ class DistributedOptimizer:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
         return flat
+
+    def _bind_grads(self, flat: torch.Tensor) -> None:
+        """Make every parameter's ``.grad`` a view of ``flat`` (padded_numel,)."""
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def synchronize_gradients(self) -> None:
+        """After ``step``: make every parameter's ``.grad`` the step's DP-averaged gradient,
+        for inspection (``autopar verify``). ZeRO-1/2 keep only their own slice averaged, so
+        this all-gathers the slices over DP (collective over the DP group; not counted in
+        the step's communication). ZeRO-0: nothing to do."""
+        if self.zero_stage == 0:
+            return
+        if self.zero_stage == 1:
+            flat = self._flat if self._flat is not None else self._flat_grad()
+            own = flat[self.lo:self.hi].clone()
+        else:
+            flat = self.buffer.new_zeros(self.padded_numel)
+            own = self._grad_shard if self._grad_shard is not None else flat[self.lo:self.hi].clone()
+        dist.all_gather_into_tensor(flat, own.contiguous(), group=self.group)
+        self._bind_grads(flat)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Average of the d ranks' flat gradients on this rank's slice: (padded/d,)."""
@@ -137,13 +161,13 @@ class DistributedOptimizer:
             if self.d > 1:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
                 flat.div_(self.d)
-            offset = 0
-            for p in self.params:  # the synchronised gradient, readable after the step
-                p.grad = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+            self._bind_grads(flat)  # the synchronised gradient, readable after the step
             grad = flat
         elif self.zero_stage == 1:
-            grad = self._reduce_scatter(self._flat_grad())
+            flat = self._flat = self._flat_grad()
+            self._bind_grads(flat)  # one flat gradient; its own slice becomes the average
+            grad = self._reduce_scatter(flat)
+            flat[self.lo:self.hi].copy_(grad)
         else:
             grad = self._grad_shard if self._grad_shard is not None else \
                 self.buffer.new_zeros(self.hi - self.lo)

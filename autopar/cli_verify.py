@@ -1,0 +1,236 @@
+"""``autopar verify PLAN.json``: run a saved plan's program against one device.
+
+Launches ``tp·pp·dp`` local CPU processes joined in a gloo process group (or, under
+``torchrun``, uses the processes it was started in), builds the same seeded model on each,
+and runs :func:`autopar.verify.verify`: a few SGD steps of the parallel program and of the
+single-device model on the same random batch, compared per step, stage and parameter.
+Rank 0 prints the report (a table, or JSON with ``--json``).
+
+Exit codes (those of :mod:`autopar.cli`, plus one): 0 the program matches · 5 it does not
+(:data:`EXIT_VERIFY_FAILED`) · 2 bad input (missing plan file, a model the plan was not
+made for, a plan the runtime cannot execute, more processes than a local run allows) ·
+1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_verify_parser", "run_verify", "build_model", "EXIT_VERIFY_FAILED"]
+
+EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli's (internal, bad input, infeasible, trace)
+
+
+def add_verify_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``verify`` subcommand on ``autopar``'s subparsers."""
+    p = subparsers.add_parser(
+        "verify", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run a saved plan's program on local processes and compare it with one device",
+        description="Run STEPS training steps of the plan's parallel program on tp*pp*dp local "
+                    "gloo CPU processes and of the single-device model on the same random batch, "
+                    "and report the largest loss, gradient and parameter differences per stage "
+                    "and per parameter.\n\nexit codes: 0 match, 5 mismatch past tolerance, "
+                    "2 bad input, 1 internal error.")
+    p.add_argument("plan_file", type=Path, metavar="PLAN.json", help="a plan saved by `autopar plan -o`")
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="preset name (gpt-tiny ...) or module:factory; default: the plan's model")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--tolerance", type=float, default=None, metavar="REL",
+                   help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
+                        "for fp32 plans, 2e-2 for bf16)")
+    p.add_argument("--max-processes", type=int, default=8, metavar="N",
+                   help="refuse plans needing more local processes than this (default 8)")
+    p.add_argument("--timeout", type=float, default=600, metavar="S",
+                   help="seconds before the local processes are killed (default 600)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    return p
+
+
+def build_model(spec: str, seed: int) -> torch.nn.Module:
+    """The materialised model of a preset name or ``module:factory``, seeded with ``seed``
+    (the same weights on every rank). Raises ValueError like :func:`autopar.load_model`."""
+    from autopar.models import GPT, PRESETS
+
+    torch.manual_seed(seed)
+    if ":" not in spec:
+        if spec not in PRESETS:
+            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
+                             "or module:factory")
+        return GPT(PRESETS[spec])
+    module_name, _, factory = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), factory)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
+    return fn()
+
+
+def _check_inputs(args: argparse.Namespace):
+    """(plan, model spec, tolerances): everything checked before a process is started."""
+    import autopar
+    from autopar.plan import Plan
+    from autopar.runtime.support import check_executable
+    from autopar.verify import Tolerances, check_plan_matches
+
+    if not args.plan_file.is_file():
+        raise ValueError(f"plan file {args.plan_file} does not exist")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    plan = Plan.from_json(args.plan_file.read_text(encoding="utf-8"))
+    try:
+        check_executable(plan)
+    except NotImplementedError as exc:
+        raise ValueError(str(exc)) from None
+    spec = args.model or plan.model
+    meta_model, _ = autopar.load_model(spec)
+    check_plan_matches(meta_model, plan)
+    tol = Tolerances.for_dtype(plan.dtype)
+    if args.tolerance is not None:
+        tol = Tolerances(loss=args.tolerance, grad=args.tolerance, param=args.tolerance,
+                         floor=tol.floor)
+    return plan, spec, tol
+
+
+def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
+    """Run verify on this rank (process group initialised); the outcome as plain data."""
+    from autopar.verify import verify
+
+    model = build_model(spec, args.seed)
+    report = verify(model, plan, steps=args.steps, seed=args.seed, tolerances=tol,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=args.lr),
+                    raise_on_failure=False)
+    return {"ok": report.ok, "report": report.to_dict(), "table": report.table(),
+            "message": "" if report.ok else report.failure_message()}
+
+
+def _child(rank: int, world: int, port: int, payload: tuple, out) -> None:
+    """One spawned rank: init gloo, verify, rank 0 sends the outcome (others send "done")."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                init_method=f"tcp://127.0.0.1:{port}",
+                                timeout=timedelta(seconds=120))
+        result = _verify_here(*payload)
+        out.put((rank, True, result if rank == 0 else None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    os._exit(0)  # skip torch's slow interpreter teardown in the child
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, payload: tuple, timeout_s: float) -> dict:
+    """Run ``_verify_here`` on ``world`` spawned local processes; rank 0's outcome.
+
+    Raises RuntimeError naming the first rank that failed (its traceback in the message
+    after the first line), or TimeoutError past ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, payload, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline, done, result = time.monotonic() + timeout_s, set(), None
+    try:
+        while len(done) < world:
+            try:
+                rank, ok, data = out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"verify did not finish within {timeout_s:.0f} s "
+                                       f"(ranks {sorted(set(range(world)) - done)} still running)")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed: {data}")
+            done.add(rank)
+            result = data if rank == 0 else result
+    finally:
+        for p in procs:
+            if p.is_alive() and len(done) < world:
+                p.kill()
+            p.join(timeout=10)
+    return result
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_in_torchrun(plan, payload: tuple) -> tuple[dict, bool]:
+    """Already launched by torchrun: verify in this process. (outcome, is rank 0); the
+    outcome is the same on every rank."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != plan.num_gpus:
+        raise ValueError(f"the plan needs tp*pp*dp = {plan.num_gpus} processes but torchrun "
+                         f"started {world}; use --nproc-per-node {plan.num_gpus}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return _verify_here(*payload), dist.get_rank() == 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``autopar verify``: check inputs, launch, print rank 0's report; the exit code.
+
+    Raises ValueError for bad input (exit 2 in autopar.cli), RuntimeError / TimeoutError
+    when a process fails (exit 1).
+    """
+    plan, spec, tol = _check_inputs(args)
+    payload = (plan, spec, tol, args)
+    show = True
+    if _under_torchrun():
+        result, show = _run_in_torchrun(plan, payload)
+    else:
+        if plan.num_gpus > args.max_processes:
+            raise ValueError(
+                f"the plan needs tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = {plan.num_gpus} "
+                f"processes, more than --max-processes {args.max_processes} for a local run on "
+                f"this machine ({os.cpu_count()} CPU cores); verify a plan of the same model "
+                "with fewer ranks (e.g. `autopar plan --cluster local-cpu --tp 2 ...`), or raise "
+                "--max-processes")
+        try:
+            result = _spawn(plan.num_gpus, payload, args.timeout)
+        except RuntimeError as exc:
+            first, _, rest = str(exc).partition("\n")
+            if args.debug:
+                print(rest, file=sys.stderr)
+            raise RuntimeError(first) from None
+    if show:  # under torchrun only rank 0 prints; every rank returns the same code
+        print(json.dumps(result["report"], indent=2) if args.json else result["table"])
+        if not result["ok"]:
+            print(f"autopar verify: {result['message']}", file=sys.stderr)
+    if not result["ok"]:
+        return EXIT_VERIFY_FAILED
+    return EXIT_OK

@@ -1,0 +1,292 @@
+"""``autopar.verify``: run a plan's program and the single-device model side by side.
+
+On every rank of an initialised process group (world size tp·pp·dp), :func:`verify`
+
+1. checks that the plan was made for this model (traced node names, model config) and
+   that the model is materialised: ValueError before any collective;
+2. copies the model with dropout switched off (:func:`disable_dropout`): the traced graph
+   bakes dropout probabilities in, so ``eval()`` cannot turn them off afterwards, and
+   two programs drawing different dropout masks could never agree;
+3. builds the parallel program with :func:`autopar.parallelize` from one copy, and keeps
+   another as the single-device reference with the same optimizer (default SGD);
+4. runs ``steps`` training steps of both on the same seeded batches (B = the plan's
+   global batch, s = its seq_len, token ids below the model's vocabulary size). After
+   each step it compares the global mean loss, every parameter's gradient (the
+   synchronised one the optimizer used, gathered by :func:`full_gradients`) and every
+   parameter's value after the step (``full_state_dict``);
+5. also compares every rank's *local* shard with the matching slice of the reference, so
+   a replica that drifted on one TP or DP rank is caught even though the gathered
+   tensors come from TP rank 0 / DP rank 0;
+6. returns a :class:`~autopar.verify_report.VerifyReport` (identical on every rank), or
+   raises :class:`~autopar.verify_report.VerificationError` on every rank past tolerance.
+
+The relative measure and the default tolerances are documented in
+:mod:`autopar.verify_report`. The reference loss is the runtime's own per-token
+cross-entropy of ``model(idx)``'s logits (``runtime.engine.token_cross_entropy``), so
+both sides compute the same function. Meant for small models: every rank holds the
+reference model and the gathered full tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plan import Plan
+from .runtime.engine import token_cross_entropy
+from .verify_report import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
+
+__all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
+           "Tolerances", "VerifyReport", "VerificationError"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+DEFAULT_SGD_LR = 0.1
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout probability in ``model`` to 0, in place; returns what was changed.
+
+    Covers ``nn.Dropout``-family modules (``p``) and float attributes whose name contains
+    "dropout" (e.g. the ``dropout`` passed to ``scaled_dot_product_attention``, Hugging
+    Face's ``attention_dropout``). Call it on a copy: it changes the model.
+    """
+    changed = []
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            changed.append(f"{mod_name}.p")
+        for attr, value in list(vars(module).items()):
+            if "dropout" in attr and isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                changed.append(f"{mod_name}.{attr}")
+    return changed
+
+
+def check_plan_matches(model: nn.Module, plan: Plan) -> None:
+    """Raise ValueError unless ``plan`` was made for ``model``: same traced node names
+    (hence layers and placements) and, when both are known, the same model config."""
+    from .api import _model_config
+    from .trace import trace_model
+
+    config = _model_config(model)
+    if plan.model_config and config and plan.model_config != config:
+        diff = {k: (plan.model_config.get(k), config.get(k))
+                for k in sorted(set(plan.model_config) | set(config))
+                if plan.model_config.get(k) != config.get(k)}
+        raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
+                         f"(plan vs model: {diff}); pass the model the plan was made for, or "
+                         "re-plan this model with `autopar plan`")
+    traced = trace_model(model, plan.seq_len)
+    names = {n.name for n in traced.gm.graph.nodes}
+    missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
+    if missing or extra:
+        raise ValueError(f"the plan was made for model {plan.model!r}, whose traced graph differs "
+                         f"from this model's: {len(missing)} plan nodes are not in the model "
+                         f"(e.g. {missing[:3]}), {len(extra)} model nodes are not in the plan "
+                         f"(e.g. {extra[:3]}); pass the model the plan was made for, or re-plan")
+
+
+def vocab_size(model: nn.Module) -> int:
+    """V: ``model.config.vocab_size``, else the largest ``nn.Embedding``'s row count."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not sizes:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__} (no "
+                         "config.vocab_size, no nn.Embedding); pass batches=...")
+    return max(sizes)
+
+
+def default_batches(model: nn.Module, plan: Plan, steps: int, seed: int = 0) -> list[Batch]:
+    """``steps`` random (idx, targets) pairs, each (B, s) int64 in [0, V), from ``seed``
+    (a private generator: the global RNG is untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape, v = (plan.global_batch_size, plan.seq_len), vocab_size(model)
+    return [(torch.randint(0, v, shape, generator=gen), torch.randint(0, v, shape, generator=gen))
+            for _ in range(steps)]
+
+
+# ------------------------------------------------------------------ gathering
+def _gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``pick(p)`` of every local parameter, unsharded over TP and collected from every
+    stage, under the original keys (tied aliases included). Collective over the world."""
+    g = pm.groups
+    params = dict(pm.stage_module.named_parameters())
+    local: dict[str, torch.Tensor] = {}
+    for name, spec in sorted(pm.shards.items()):
+        t = pick(params[name]).detach()
+        if spec.dim is not None and g.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(g.tp)]
+            dist.all_gather(parts, t.contiguous(), group=g.tp_group)
+            t = torch.cat(parts, dim=spec.dim)
+        local[spec.key] = t.cpu().clone()
+    gathered: list = [None] * g.world_size
+    dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
+    full: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        full.update(part)
+    for alias, canonical in pm.tied_aliases.items():
+        if canonical in full:
+            full[alias] = full[canonical]
+    return full
+
+
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def full_gradients(pm) -> dict[str, torch.Tensor]:
+    """Unsharded gradients of a :class:`~autopar.parallel.ParallelizedModel` under the
+    original model's keys, on every rank (CPU), like ``full_state_dict`` for parameters.
+
+    Read after ``train_step``: each ``.grad`` then holds that step's synchronised gradient
+    (tied embedding summed over stages, averaged over DP). A parameter without a gradient
+    gives zeros. Collective over the whole world: every rank must call it.
+    Under ZeRO-1/2 each rank keeps only its slice of the averaged gradient; the slices are
+    all-gathered over DP first (``DistributedOptimizer.synchronize_gradients``).
+    """
+    pm.dp_optimizer.synchronize_gradients()
+    return _gather_full(pm, _grad_or_zeros)
+
+
+def _stages_of(pm) -> dict[str, list[int]]:
+    """Original key -> pipeline stages holding it (every rank contributes its stage)."""
+    mine = {spec.key: pm.groups.pp_rank for spec in pm.shards.values()}
+    gathered: list = [None] * pm.groups.world_size
+    dist.all_gather_object(gathered, mine)
+    stages: dict[str, set[int]] = {}
+    for part in gathered:
+        for key, stage in part.items():
+            stages.setdefault(key, set()).add(stage)
+    for alias, canonical in pm.tied_aliases.items():
+        both = stages.get(alias, set()) | stages.get(canonical, set())
+        stages[alias] = stages[canonical] = both
+    return {k: sorted(v) for k, v in stages.items()}
+
+
+def _local_drift(pm, reference: dict[str, torch.Tensor],
+                 pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, float]:
+    """max|local shard - matching reference slice| per key, maximised over all ranks."""
+    g = pm.groups
+    params = dict(pm.stage_module.named_parameters())
+    mine: dict[str, float] = {}
+    for name, spec in pm.shards.items():
+        key = spec.key if spec.key in reference else pm.tied_aliases.get(spec.key, spec.key)
+        ref = reference[key]
+        if spec.dim is not None and g.tp > 1:
+            ref = ref.chunk(g.tp, dim=spec.dim)[g.tp_rank]
+        diff = (pick(params[name]).detach().cpu().float() - ref.float()).abs().max().item()
+        mine[key] = max(mine.get(key, 0.0), diff)
+    gathered: list = [None] * g.world_size
+    dist.all_gather_object(gathered, mine)
+    drift: dict[str, float] = {}
+    for part in gathered:
+        for key, value in part.items():
+            drift[key] = max(drift.get(key, 0.0), value)
+    return drift
+
+
+def _relative(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+              drift: dict[str, float], floor: float) -> dict[str, float]:
+    """Per key max|a - b| / max(max|b|, floor·S), S the largest max|b| (module docstring)."""
+    scale = {k: b.abs().max().item() if b.numel() else 0.0 for k, b in reference.items()}
+    floor_abs = floor * max(scale.values(), default=0.0)
+    out = {}
+    for key, b in reference.items():
+        if key not in full:
+            raise RuntimeError(f"the parallel program has no parameter {key!r} (it holds "
+                               f"{sorted(full)}); this is a bug in the rewrite")
+        diff = max((full[key].float() - b.float()).abs().max().item(), drift.get(key, 0.0))
+        out[key] = diff / max(scale[key], floor_abs, 1e-30)
+    return out
+
+
+# ------------------------------------------------------------------ the check
+def _reference_step(model: nn.Module, optim: torch.optim.Optimizer,
+                    batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """One single-device step; returns (loss, gradients by key)."""
+    idx, targets = batch
+    optim.zero_grad(set_to_none=True)
+    out = model(idx)
+    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+    loss = token_cross_entropy(logits, targets)  # (b, s, V), (b, s) -> scalar
+    loss.backward()
+    grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for k, p in model.named_parameters()}
+    optim.step()
+    return float(loss.item()), grads
+
+
+def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
+    """Everything that can be checked before any collective (ValueError)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("verify needs a materialised model (its parameters are on the meta "
+                         "device); build it on the CPU, e.g. outside `with torch.device('meta')`")
+    if batches is not None and len(batches) < steps:
+        raise ValueError(f"{len(batches)} batches given for {steps} steps")
+    check_plan_matches(model, plan)
+
+
+def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
+           optimizer: OptimizerFactory | None = None, seed: int = 0,
+           batches: Sequence[Batch] | None = None, tolerances: Tolerances | None = None,
+           raise_on_failure: bool = True) -> VerifyReport:
+    """Train ``steps`` steps of ``plan``'s parallel program and of ``model`` on one device on
+    the same batches, and compare loss, gradients and parameters (module docstring).
+
+    Call on every rank of an initialised process group of tp·pp·dp ranks; ``model`` must
+    be the same materialised model on every rank (it is copied, never modified).
+    optimizer: parameters -> Optimizer, the same for both sides; default SGD, lr 0.1
+        (Adam amplifies rounding of near-zero gradients; loosen ``tolerances.param``).
+    seed / batches: the seeded random batches of :func:`default_batches`, or your own
+        ``steps`` pairs (idx, targets) of shape (B, s) int64.
+    tolerances: default :meth:`Tolerances.for_dtype` of ``plan.dtype``.
+    Returns the :class:`VerifyReport` (the same on every rank).
+
+    Raises ValueError (bad steps/batches, meta model, plan made for another model; before
+    any collective), the errors of :func:`autopar.parallelize`, and
+    :class:`VerificationError` on every rank past tolerance when ``raise_on_failure``.
+    """
+    from .parallel import parallelize
+
+    _check_inputs(model, plan, steps, batches)
+    tolerances = tolerances or Tolerances.for_dtype(plan.dtype)
+    optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=DEFAULT_SGD_LR))
+    if batches is None:
+        batches = default_batches(model, plan, steps, seed)
+    batches = list(batches)[:steps]
+    base = copy.deepcopy(model)
+    disable_dropout(base)
+    base.train()
+    pm = parallelize(copy.deepcopy(base), plan=plan, optimizer=optimizer)
+    ref_optim = optimizer(base.parameters())
+    stages = _stages_of(pm)
+    layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp} {plan.dtype}"
+    report = VerifyReport(layout=layout, optimizer=type(ref_optim).__name__, steps=steps,
+                          tolerances=tolerances)
+    for key, _ in base.named_parameters():
+        report.params[key] = ParamDiff(key=key, stages=stages.get(key, []))
+    for step, (idx, targets) in enumerate(batches):
+        loss = pm.train_step(idx, targets)
+        ref_loss, ref_grads = _reference_step(base, ref_optim, (idx, targets))
+        loss_diff = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+        report.losses.append(StepLoss(step, loss, ref_loss, loss_diff))
+        grads = _relative(full_gradients(pm), ref_grads,
+                          _local_drift(pm, ref_grads, _grad_or_zeros), tolerances.floor)
+        ref_params = {k: p.detach() for k, p in base.named_parameters()}
+        params = _relative(pm.full_state_dict(), ref_params,
+                           _local_drift(pm, ref_params, lambda p: p), tolerances.floor)
+        for key, diff in report.params.items():
+            diff.grad.append(grads[key])
+            diff.param.append(params[key])
+    if raise_on_failure and not report.ok:
+        raise VerificationError(report)
+    return report

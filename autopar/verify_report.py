@@ -1,0 +1,222 @@
+"""What ``autopar.verify`` measured: tolerances, the report, and the error it raises.
+
+Every difference is *relative per tensor*: for the parallel value ``a`` and the
+single-device reference ``b`` of one parameter (or its gradient) at one step,
+
+    diff = max|a - b| / max(max|b|, floor · S)
+
+where ``S`` is the largest ``max|b|`` over all parameters at that step (of the same kind:
+gradients or parameters) and ``floor`` is :attr:`Tolerances.floor`. The floor keeps a
+tensor that is zero in exact arithmetic (a zero-initialised bias after one step, or the
+key bias, whose gradient vanishes because softmax ignores a per-row constant) from
+turning rounding noise into a huge ratio. The loss difference is ``|a - b| / |b|``.
+
+Results are plain data so that a report can be printed on rank 0, sent between processes
+(``to_dict`` is JSON-able) and attached to the :class:`VerificationError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Tolerances", "ParamDiff", "StepLoss", "VerifyReport", "VerificationError"]
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Largest relative differences accepted (see the module docstring for the measure).
+
+    loss: per-step loss, |a - b| / |b|.
+    grad: per-parameter gradient after each step's backward (the synchronised gradient
+        the optimizer used).
+    param: per-parameter value after each optimizer step.
+    floor: fraction of the largest tensor (of that kind, that step) below which a
+        tensor's own scale is not used as the denominator.
+
+    Defaults (:meth:`for_dtype`): fp32 1e-5 for loss, gradients and SGD parameters;
+    bf16 2e-2 (about three bf16 ulps: 8-bit mantissa, 2^-8 ≈ 4e-3, accumulated over a
+    few layers). Adam amplifies rounding of near-zero gradients: with an Adam-like
+    optimizer pass a looser ``param`` (the tests use 1e-3 for fp32).
+    """
+
+    loss: float = 1e-5
+    grad: float = 1e-5
+    param: float = 1e-5
+    floor: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "grad", "param", "floor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"Tolerances.{name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "Tolerances":
+        """The default tolerances for a plan's ``dtype`` ("fp32" or "bf16")."""
+        if dtype == "fp32":
+            return cls()
+        if dtype == "bf16":
+            return cls(loss=2e-2, grad=2e-2, param=2e-2, floor=1e-2)
+        raise ValueError(f"no default tolerances for dtype {dtype!r}; pass tolerances=Tolerances(...)")
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """One step's global mean loss: parallel program, single-device reference, relative diff."""
+
+    step: int
+    parallel: float
+    reference: float
+    diff: float
+
+
+@dataclass
+class ParamDiff:
+    """One parameter (original model key) across the steps.
+
+    stages: pipeline stages holding it (two for a tied embedding split over stages).
+    grad, param: relative difference per step (index = step).
+    """
+
+    key: str
+    stages: list[int]
+    grad: list[float] = field(default_factory=list)
+    param: list[float] = field(default_factory=list)
+
+    def worst(self, kind: str) -> tuple[float, int]:
+        """(largest difference, step at which it occurs) of kind "grad" or "param"."""
+        values = getattr(self, kind)
+        step = max(range(len(values)), key=values.__getitem__)
+        return values[step], step
+
+
+@dataclass
+class VerifyReport:
+    """The comparison of ``steps`` training steps of a plan against one device.
+
+    layout: e.g. "tp=2 pp=1 dp=1 fp32"; optimizer: its class name.
+    losses: one :class:`StepLoss` per step. params: one :class:`ParamDiff` per key.
+    """
+
+    layout: str
+    optimizer: str
+    steps: int
+    tolerances: Tolerances
+    losses: list[StepLoss] = field(default_factory=list)
+    params: dict[str, ParamDiff] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ summaries
+    @property
+    def max_loss_diff(self) -> float:
+        return max((s.diff for s in self.losses), default=0.0)
+
+    @property
+    def max_grad_diff(self) -> float:
+        return max((p.worst("grad")[0] for p in self.params.values()), default=0.0)
+
+    @property
+    def max_param_diff(self) -> float:
+        return max((p.worst("param")[0] for p in self.params.values()), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        """True when every loss, gradient and parameter difference is within tolerance."""
+        t = self.tolerances
+        return (self.max_loss_diff <= t.loss and self.max_grad_diff <= t.grad
+                and self.max_param_diff <= t.param)
+
+    def _badness(self, p: ParamDiff) -> float:
+        """How far past its tolerance a parameter is (> 1: failing)."""
+        return max(p.worst("grad")[0] / self.tolerances.grad,
+                   p.worst("param")[0] / self.tolerances.param)
+
+    def worst_params(self) -> list[ParamDiff]:
+        """Parameters ordered worst first (by difference / tolerance)."""
+        return sorted(self.params.values(), key=lambda p: (-self._badness(p), p.key))
+
+    def by_stage(self) -> dict[int, dict]:
+        """Per pipeline stage: parameter count and the largest grad/param differences."""
+        out: dict[int, dict] = {}
+        for p in self.params.values():
+            for s in p.stages:
+                row = out.setdefault(s, {"params": 0, "max_grad_diff": 0.0, "max_param_diff": 0.0})
+                row["params"] += 1
+                row["max_grad_diff"] = max(row["max_grad_diff"], p.worst("grad")[0])
+                row["max_param_diff"] = max(row["max_param_diff"], p.worst("param")[0])
+        return dict(sorted(out.items()))
+
+    # ------------------------------------------------------------------- outputs
+    def to_dict(self) -> dict:
+        """JSON-able: summary, tolerances, per-step losses, per-stage and per-parameter diffs
+        (parameters worst first)."""
+        return {
+            "ok": self.ok, "layout": self.layout, "optimizer": self.optimizer,
+            "steps": self.steps, "tolerances": asdict(self.tolerances),
+            "max_loss_diff": self.max_loss_diff, "max_grad_diff": self.max_grad_diff,
+            "max_param_diff": self.max_param_diff,
+            "losses": [asdict(s) for s in self.losses],
+            "stages": {str(k): v for k, v in self.by_stage().items()},
+            "params": [asdict(p) for p in self.worst_params()],
+        }
+
+    def table(self, max_params: int | None = 20) -> str:
+        """Human-readable report: verdict, losses per step, stages, worst parameters first."""
+        t = self.tolerances
+        verdict = "OK" if self.ok else "FAILED"
+        lines = [f"autopar verify: {self.layout}, {self.steps} {self.optimizer} steps: {verdict}",
+                 f"  max relative diff: loss {self.max_loss_diff:.1e} (tol {t.loss:.0e}), "
+                 f"grad {self.max_grad_diff:.1e} (tol {t.grad:.0e}), "
+                 f"param {self.max_param_diff:.1e} (tol {t.param:.0e})", "",
+                 f"{'step':>4}  {'loss parallel':>14}  {'loss single':>14}  {'rel diff':>9}"]
+        lines += [f"{s.step:>4}  {s.parallel:>14.8f}  {s.reference:>14.8f}  {s.diff:>9.1e}"
+                  for s in self.losses]
+        lines += ["", f"{'stage':>5}  {'params':>6}  {'max grad diff':>13}  {'max param diff':>14}"]
+        lines += [f"{s:>5}  {r['params']:>6}  {r['max_grad_diff']:>13.1e}  {r['max_param_diff']:>14.1e}"
+                  for s, r in self.by_stage().items()]
+        params = self.worst_params()
+        shown = params if max_params is None else params[:max_params]
+        width = max([len(p.key) for p in shown] + [9])
+        lines += ["", f"{'parameter':<{width}}  {'stage':>5}  {'grad diff (step)':>16}  "
+                      f"{'param diff (step)':>17}"]
+        for p in shown:
+            (g, gs), (v, vs) = p.worst("grad"), p.worst("param")
+            stages = ",".join(map(str, p.stages))
+            lines.append(f"{p.key:<{width}}  {stages:>5}  {g:>9.1e} ({gs:>2})    {v:>9.1e} ({vs:>2})")
+        if len(shown) < len(params):
+            lines.append(f"... {len(params) - len(shown)} more parameters within these differences")
+        return "\n".join(lines)
+
+    def failure_message(self) -> str:
+        """One paragraph naming the worst loss step and the worst parameter, step and stage."""
+        t = self.tolerances
+        parts = []
+        if self.max_loss_diff > t.loss:
+            s = max(self.losses, key=lambda s: s.diff)
+            parts.append(f"loss differs by {s.diff:.1e} relative at step {s.step} "
+                         f"(parallel {s.parallel:.8f}, single device {s.reference:.8f}; "
+                         f"tolerance {t.loss:.0e})")
+        if self.params:
+            p = self.worst_params()[0]
+            what = [f"{label} differs by {value:.1e} relative at step {step} (tolerance {tol:.0e})"
+                    for label, (value, step), tol in
+                    (("gradient", p.worst("grad"), t.grad),
+                     ("value after the optimizer step", p.worst("param"), t.param))
+                    if value > tol]
+            if what:
+                parts.append(f"parameter {p.key!r} (pipeline stage "
+                             f"{','.join(map(str, p.stages))}): " + ", ".join(what))
+        return (f"autopar verify failed for {self.layout}: " + "; ".join(parts)
+                + ". The parallel program does not compute what the single-device model does; "
+                  "see .report.table() for every parameter")
+
+
+class VerificationError(AssertionError):
+    """The parallel program's loss, gradients or parameters differ from the single-device
+    model's past tolerance. An AssertionError because it is a failed check of a result
+    (like a failing test), not a failure to run; raised explicitly, so ``python -O`` does
+    not disable it. ``.report`` holds the full :class:`VerifyReport`.
+    """
+
+    def __init__(self, report: VerifyReport) -> None:
+        super().__init__(report.failure_message())
+        self.report = report
