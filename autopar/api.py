@@ -66,7 +66,7 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
                 num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
                 zero_stage=d.zero_stage, recompute=d.recompute, stage_layers=d.stage_layers,
                 placements=placements, predicted=pred, virtual_stages=cfg.virtual_stages,
-                sequence_parallel=bool(layout.sequence_parallel), dtype=cfg.dtype,
+                sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype,
                 alternatives=others,
                 binding=binding)
 
@@ -119,8 +119,9 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
 
     traced = trace_model(model, plan.seq_len)
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
-                 plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention)
-    strategies = node_strategies(traced, plan.tp)
+                 plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention,
+                 plan.sequence_parallel)
+    strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
     choice = {}
     for name, options in strategies.items():
         keys = [strategy_key(s) for s in options]

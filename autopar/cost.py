@@ -24,9 +24,9 @@ from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
 from .graph import ACTIVATION_BYTES, TracedModel
-from .strategies import NodeStrategies, Strategy, reshard_kinds, tensor_inputs
+from .strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
-__all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables",
+__all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "f_cost",
            "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
 
 LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
@@ -47,6 +47,7 @@ class Config:
     virtual_stages: int = 1
     dtype: str = "bf16"
     attention: str = "math"
+    sequence_parallel: bool = False
 
     @property
     def activation_bytes(self) -> int:
@@ -88,7 +89,8 @@ class CostTables:
 
     node[name][k]: StrategyCost of strategy k; edge[(u, v, j)][(ku, kv)]: EdgeCost or None
     (transition not offered); f_s[u], f_bytes[u]: Megatron-f all-reduce (backward) when a
-    consumer makes u's gradient partial; p2p_s: one activation send between stages, fwd+bwd;
+    consumer makes u's gradient partial, f_rs_s[u] the reduce-scatter that replaces it when
+    u arrives sharded (:func:`f_cost`); p2p_s: one activation send between stages, fwd+bwd;
     loss_s / loss_bytes: cross-entropy time and saved bytes on the last stage.
     """
 
@@ -97,6 +99,7 @@ class CostTables:
     edge: dict[tuple[str, str, int], dict[tuple[int, int], EdgeCost | None]]
     f_s: dict[str, float]
     f_bytes: dict[str, float]
+    f_rs_s: dict[str, float]
     p2p_s: float
     p2p_bytes: float
     loss_s: float
@@ -104,6 +107,14 @@ class CostTables:
     full_ckpt_bytes: float
     model_flops_per_seq: float
     layer_fwd_flops_per_seq: float
+
+
+def f_cost(tables: CostTables, u: str, placement: str) -> tuple[str, float]:
+    """(kind, seconds) of Megatron's f on tensor ``u`` produced in ``placement``: an
+    all-reduce of the partial gradient, or a reduce-scatter when u arrives sharded
+    (:func:`~autopar.strategies.f_kind`). Payload bytes: ``tables.f_bytes[u]`` either way."""
+    kind = f_kind(placement)
+    return kind, (tables.f_rs_s if kind == "reduce_scatter" else tables.f_s).get(u, 0.0)
 
 
 def state_bytes(dtype: str) -> tuple[int, int, int]:
@@ -191,6 +202,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     edge_tab: dict = {}
     f_s: dict[str, float] = {}
     f_bytes: dict[str, float] = {}
+    f_rs_s: dict[str, float] = {}
     for node in traced.gm.graph.nodes:
         info = nodes[node.name]
         ins = tensor_inputs(node, nodes)
@@ -204,7 +216,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
             table = {}
             for ku, su in enumerate(strategies[src.name]):
                 for kv, sv in enumerate(strategies[node.name]):
-                    kinds = reshard_kinds(su.output, sv.inputs[j])
+                    kinds = reshard_kinds(su.output, sv.inputs[j], cfg.sequence_parallel)
                     table[(ku, kv)] = None if kinds is None else EdgeCost(
                         fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
                         bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
@@ -214,6 +226,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
             nbytes = cfg.activation_bytes * info.numel * (b if info.per_sequence else 1)
             f_bytes[node.name] = nbytes
             f_s[node.name] = comm.all_reduce_time_s(nbytes, tp, tp_link)
+            f_rs_s[node.name] = comm.reduce_scatter_time_s(nbytes, tp, tp_link)
     boundary = traced.boundary_numel() * b
     pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
     p2p_bytes = cfg.activation_bytes * boundary
@@ -222,7 +235,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
     return CostTables(
-        config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes,
+        config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,
         p2p_s=2.0 * comm.p2p_time_s(p2p_bytes, pp_link) if cfg.pp > 1 else 0.0,
         p2p_bytes=p2p_bytes,
         loss_s=compute.memory_bound_time_s(3 * LOSS_BYTES_PER_LOGIT * logits, cluster.device),

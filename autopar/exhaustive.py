@@ -39,7 +39,8 @@ from cost_models import compute
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables, dp_comm_s_per_param
+from .cost import (OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables,
+                   dp_comm_s_per_param, f_cost)
 from .graph import TracedModel, last_saver_index
 from .plan import Layout, Plan
 from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -124,15 +125,19 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
         if edge is None:
             return None, None
         f_now, placed = used.get(u, (False, ()))
-        target = sv.inputs[j]
+        partial_grad = bool(sv.partial_grad_inputs and sv.partial_grad_inputs[j])
+        # a gather for a partial-gradient consumer is its own (it reduce-scatters backward)
+        fused = partial_grad and strategies[u][ku].output.startswith("S") and sv.inputs[j] == "R"
+        target = (sv.inputs[j], fused)
         if (edge.fwd_kind or edge.bwd_kind) and target not in done and target not in placed:
             d[0] += edge.fwd_s + edge.bwd_s
             d[1] += edge.fwd_s if src_rerun[u] else 0.0
             d[11] += edge.bwd_s
             placed += (target,)
         if sv.partial_grad_inputs and sv.partial_grad_inputs[j] and not flag and not f_now:
-            d[0] += tables.f_s.get(u, 0.0)
-            d[11] += tables.f_s.get(u, 0.0)
+            f_s = f_cost(tables, u, strategies[u][ku].output)[1]
+            d[0] += f_s
+            d[11] += f_s
             f_now = True
         used[u] = (f_now, placed)
     return d, used
@@ -358,9 +363,9 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     cache: dict = {}
     best, seen, priced = None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
-        strategies = node_strategies(traced, cfg.tp)
+        strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype)  # what node and edge costs depend on
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # what node and edge costs depend on
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
         found, n = _best_for_config(traced, tables, cluster, cfg, cache[key],

@@ -154,7 +154,7 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
     traced = trace_model(local_model, plan.seq_len)
     annotate_stages(traced, plan.stage_layers)
     tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,
-                               group=groups.tp_group)
+                               group=groups.tp_group, sequence_parallel=plan.sequence_parallel)
     gm = tp.gm
     apply_dropout_rng(gm, plan.placements, rng)
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
@@ -164,11 +164,27 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
     shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
+    partial_names = [name for name, p in stage.named_parameters() if id(p) in tp.partial_grad_params]
     module = ParallelizedModel(
         stage, groups, plan, shards, dict(traced.tied_params), micro_batch_size=plan.micro_batch_size,
         num_micro_batches=plan.num_micro_batches, seq_len=plan.seq_len,
         hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1], schedule=plan.schedule,
         optimizer_factory=optimizer, tied_parameter_names=tied_names if plan.pp > 1 else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
-        master_dtype=torch.float32)
+        master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
+        boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
     return module
+
+
+def _boundary_shard_dims(traced, plan: Plan, stage: int) -> tuple[int | None, int | None]:
+    """The dims along which stage ``stage``'s received and sent activations are split over
+    TP: the placements of the last node of the layer before the cut (None: replicated)."""
+    def dim(layer: int) -> int | None:
+        name = traced.layers[layer][-1]
+        placement = plan.placements[name].split(":")[1]
+        if placement == "P":
+            raise NotImplementedError(f"{name} is a partial sum at a pipeline cut; autopar "
+                                      "sends whole or sharded activations between stages")
+        return int(placement[1:]) if placement.startswith("S") else None
+    lo, hi = plan.stage_layers[stage]
+    return (dim(lo - 1) if stage > 0 else None, dim(hi - 1) if stage < plan.pp - 1 else None)

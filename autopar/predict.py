@@ -14,7 +14,7 @@ from collections import defaultdict
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import CostTables, dp_comm_s_per_param, optimizer_s_per_param, state_bytes
+from .cost import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
 from .graph import TracedModel, last_saver_index
 from .plan import COMM_KINDS, Prediction
 from .strategies import NodeStrategies, tensor_inputs
@@ -56,11 +56,15 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
             if edge is None:
                 raise ValueError(f"plan reshards {src.name} -> {node.name} in a way autopar "
                                  "does not offer; the placements are inconsistent")
-            if strat.partial_grad_inputs and strat.partial_grad_inputs[j]:
-                partial.add(src.name)
-            if (src.name, strat.inputs[j]) in done or not (edge.fwd_kind or edge.bwd_kind):
+            src_placement = strategies[src.name][choice[src.name]].output
+            partial_grad = bool(strat.partial_grad_inputs and strat.partial_grad_inputs[j])
+            if partial_grad:
+                partial.add((src.name, src_placement))
+            # a gather for a partial-gradient consumer is its own (it reduce-scatters backward)
+            fused = partial_grad and src_placement.startswith("S") and strat.inputs[j] == "R"
+            if (src.name, strat.inputs[j], fused) in done or not (edge.fwd_kind or edge.bwd_kind):
                 continue
-            done.add((src.name, strat.inputs[j]))
+            done.add((src.name, strat.inputs[j], fused))
             out["tp_fwd_s"] += edge.fwd_s
             out["tp_bwd_s"] += edge.bwd_s
             rerun = position.get(src.name, -1) < last  # collective placed before the last saver
@@ -69,14 +73,15 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                 out["rec_fwd_s"] += edge.fwd_s
                 phases.append(("rec_fwd_", edge.fwd_kind))
             for phase, kind in phases:
-                if kind == "all_reduce":
-                    out[f"{phase}tp_all_reduce"] += edge.nbytes
-                elif kind == "all_gather":
+                if kind in ("all_reduce", "reduce_scatter"):  # payload: the whole tensor
+                    out[f"{phase}tp_{kind}"] += edge.nbytes
+                elif kind == "all_gather":  # payload: this rank's shard
                     out[f"{phase}tp_all_gather"] += edge.nbytes / tp
-    for u in partial:  # Megatron f: one backward all-reduce per partially-consumed tensor
-        out["tp_bwd_s"] += tables.f_s[u]
+    for u, placement in partial:  # Megatron f: one backward collective per tensor
+        kind, f_s = f_cost(tables, u, placement)
+        out["tp_bwd_s"] += f_s
         if tp > 1:
-            out["tp_all_reduce"] += tables.f_bytes[u]
+            out[f"tp_{kind}"] += tables.f_bytes[u]
     return out
 
 
@@ -189,14 +194,23 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
     comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
+    comm["tp_reduce_scatter"] = m * (total["tp_reduce_scatter"] + total["fwd_tp_reduce_scatter"])
     for l in range(lo, hi):  # full recompute runs the layer's forward collectives again
         if decision.recompute[l] == "full":
             layer = section_cost(traced, strategies, tables, decision.strategy, traced.layers[l])
-            comm["tp_all_reduce"] += m * layer["rec_fwd_tp_all_reduce"]
-            comm["tp_all_gather"] += m * layer["rec_fwd_tp_all_gather"]
-    if p > 1:
-        comm["pp_p2p"] = (int(i < p - 1) + int(i > 0)) * m * tables.p2p_bytes
+            for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"):
+                comm[kind] += m * layer[f"rec_fwd_{kind}"]
+    if p > 1:  # activations forward, their gradients backward; sharded cuts send a shard
+        sends = ([hi - 1] if i < p - 1 else []) + ([lo - 1] if i > 0 else [])
+        comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
+                                 for l in sends)
     param_b, grad_b, _ = state_bytes(cfg.dtype)
+    if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
+        names = [n for l in range(lo, hi) for n in traced.layers[l]]
+        names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])
+        times = m if decision.zero_stage == 2 else 1
+        comm["tp_all_reduce"] += times * grad_b * _partial_grad_param_numel(
+            traced, strategies, decision.strategy, names)
     comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b))
     if p > 1 and i in (0, p - 1):
         comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
@@ -205,6 +219,31 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     comm["other"] += 8.0 * (p > 1)  # ... broadcast from the last stage
     return {"comm_bytes": comm, "model_state_bytes": mem["parameters"] + mem["gradients"]
             + mem["optimizer_states"], "saved_activation_bytes": saved}
+
+
+def _shards(traced, strategies, decision, layer: int, tp: int) -> int:
+    """t when the activation leaving ``layer`` (its last node) is sharded over TP, else 1."""
+    name = traced.layers[layer][-1]
+    return tp if strategies[name][decision.strategy[name]].output.startswith("S") else 1
+
+
+def _partial_grad_param_numel(traced, strategies, choice, names: list[str]) -> float:
+    """Elements of replicated parameters that ``names`` use on sequence shards, whose
+    gradients the runtime all-reduces over TP: LayerNorm on a shard, and the bias of a row
+    Linear whose partial output is reduce-scattered (``TPRewrite.partial_grad_params``)."""
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    total = 0.0
+    for name in names:
+        info, strat = traced.nodes[name], strategies[name][choice[name]]
+        if strat.name == "sharded":
+            total += info.param_numel
+        elif strat.output == "P":
+            bias = sum(n for key, n in info.extra.get("param_sizes", {}).items() if key.endswith("bias"))
+            to_shard = any(strategies[u.name][choice[u.name]].inputs[j].startswith("S")
+                           for u in graph[name].users
+                           for j, src in enumerate(tensor_inputs(u, traced.nodes)) if src.name == name)
+            total += bias if to_shard else 0.0
+    return total
 
 
 def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int) -> dict[str, float]:

@@ -97,7 +97,8 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                     if sched != "gpipe" and pp > 1 and m < pp:
                         continue
                     out.append(Config(tp, pp, dp, mbs, m, sched, layout.virtual_stages or 1,
-                                      layout.dtype or cluster.dtype, cluster.attention))
+                                      layout.dtype or cluster.dtype, cluster.attention,
+                                      bool(layout.sequence_parallel) and tp > 1))
     return out
 
 
@@ -112,12 +113,12 @@ def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) ->
 def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) -> float:
     """Forward+backward seconds of one layer, each node at its cheapest strategy."""
     tp, mbs = cfg.tp, cfg.micro_batch_size
-    key = (tp, mbs, cfg.dtype)
+    key = (tp, mbs, cfg.dtype, cfg.sequence_parallel)
     if key not in cache:
         from .cost import _node_cost
         from .strategies import node_strategies, tensor_inputs
 
-        strategies = node_strategies(traced, tp)
+        strategies = node_strategies(traced, tp, cfg.sequence_parallel)
         layer = set(traced.layers[0])
         total = 0.0
         for node in traced.gm.graph.nodes:
@@ -170,7 +171,7 @@ def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layo
     """Solve one Config; returns (Decision | None, status name, tables, strategies)."""
     from ortools.sat.python import cp_model
 
-    strategies = node_strategies(traced, cfg.tp)
+    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
     tables = cost_tables(traced, strategies, cluster, cfg)
     zero = zero_choices(layout, support, cfg.pp)
     modes = support.recompute if support else ("none", "selective", "full")

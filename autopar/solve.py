@@ -38,7 +38,8 @@ from ortools.sat.python import cp_model
 
 from cost_models.memory import in_flight_micro_batches
 
-from .cost import Config, CostTables, bytes_per_param, dp_comm_s_per_param, optimizer_s_per_param
+from .cost import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_cost,
+                   optimizer_s_per_param)
 from .graph import TracedModel, last_saver_index
 from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
@@ -164,7 +165,6 @@ class StageModel:
     def _add_edge(self, u: str, v: str, j: int, table, sec) -> None:
         """Price edge u -> v (input j). A reshard of u into one placement is shared by all
         consumers in a section (the rewriter inserts one collective), as is Megatron's f."""
-        fkey = f"f[{u}]"
         section = self.section[v]
         for ku, su in enumerate(self.s[u]):
             for kv, sv in enumerate(self.s[v]):
@@ -174,12 +174,17 @@ class StageModel:
                     self.m.AddBoolOr([xu.Not(), xv.Not()]).WithName(f"reshard_offered[{u}->{v}]")
                     continue
                 if sv.partial_grad_inputs and sv.partial_grad_inputs[j]:
+                    kind, f_s = f_cost(self.c, u, su.output)  # all-reduce, or reduce-scatter
+                    fkey = f"f[{u},{kind}]"
                     if fkey not in self.x:
                         self.x[fkey] = [self.m.NewBoolVar(fkey)]
-                        sec["bwd"].append((self.c.f_s.get(u, 0.0) * self.ns, self.x[fkey][0]))
-                    self.m.AddImplication(xv, self.x[fkey][0])
+                        sec["bwd"].append((f_s * self.ns, self.x[fkey][0]))
+                    self.m.Add(self.x[fkey][0] >= xu + xv - 1)
                 if cost.fwd_s or cost.bwd_s:
-                    rkey = (u, ku, sv.inputs[j], section)
+                    # a gather for a partial-gradient consumer reduce-scatters backward: its own
+                    fused = bool(sv.partial_grad_inputs and sv.partial_grad_inputs[j]
+                                 and su.output.startswith("S") and sv.inputs[j] == "R")
+                    rkey = (u, ku, sv.inputs[j], section, fused)
                     if rkey not in self.reshard:
                         r = self.m.NewBoolVar(f"reshard[{u},{ku}->{sv.inputs[j]}]")
                         self.reshard[rkey] = r

@@ -17,7 +17,10 @@ which is always correct (redundant compute, no communication).
 
 Edges reshard between a producer's output placement and a consumer's input placement:
 P -> R all-reduce (forward), S -> R all-gather (forward; backward slices), R -> S slice
-(forward; backward all-gathers the gradient). Other transitions are not offered.
+(forward; backward all-gathers the gradient). With sequence parallelism (Korthikanti et al.
+2022, section 4.2.2) LayerNorm may also run on sequence shards (S1 of (b, s, h)) and
+P -> S is a reduce-scatter (forward; backward all-gathers). Megatron's f on a tensor that
+arrives sharded becomes a reduce-scatter (:func:`f_kind`). Other transitions are not offered.
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ import torch.nn as nn
 
 from .graph import NodeInfo, TracedModel
 
-__all__ = ["Strategy", "node_strategies", "reshard_kinds", "NodeStrategies"]
+__all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
+           "SEQUENCE_DIM"]
+
+SEQUENCE_DIM = 1
+"""The sequence dimension of a (b, s, h) activation."""
 
 _PASS_THROUGH = {"gelu", "dropout", "contiguous", "elementwise"}
 
@@ -38,7 +45,8 @@ _PASS_THROUGH = {"gelu", "dropout", "contiguous", "elementwise"}
 class Strategy:
     """One tensor-parallel option of a node.
 
-    name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded".
+    name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded" | "shape_S<d>" (x.size()
+        of a tensor sharded along d).
     inputs: required placement of each tensor input (in ``node.all_input_nodes`` order
         restricted to tensor inputs; see :func:`tensor_inputs`).
     output: placement of the output.
@@ -94,12 +102,21 @@ def _view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int
 
 
 def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
-                    gm: fx.GraphModule, tp: int) -> list[Strategy]:
+                    gm: fx.GraphModule, tp: int, sequence_parallel: bool = False) -> list[Strategy]:
     ins = tensor_inputs(node, nodes)
     base = [_replicate(len(ins))]
+    kind, shape = info.kind, info.shape
+    if (tp > 1 and sequence_parallel and kind == "layernorm" and len(ins) == 1 and shape
+            and len(shape) == 3 and shape[SEQUENCE_DIM] % tp == 0):
+        seq = f"S{SEQUENCE_DIM}"  # per-token normalisation: runs on sequence shards
+        return base + [Strategy("sharded", (seq,), seq, tp, 1, (False,))]
+    if (tp > 1 and kind == "nontensor" and node.target == "size" and len(ins) == 1
+            and nodes[ins[0].name].shape):  # x.size(d) reads any shard (d sharded: * t)
+        in_shape = nodes[ins[0].name].shape
+        base += [Strategy(f"shape_S{d}", (f"S{d}",), "R", 1, 1, (False,))  # unique keys
+                 for d in range(len(in_shape)) if in_shape[d] % tp == 0]
     if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm"):
         return base
-    kind, shape = info.kind, info.shape
     if kind == "output":
         return [Strategy("replicate", ("R",) * len(ins), "R")]
     if kind == "linear":
@@ -147,14 +164,16 @@ def _view_strategies(node: fx.Node, in_shape, out_shape, tp: int) -> list[Strate
     return out
 
 
-def node_strategies(traced: TracedModel, tp: int) -> NodeStrategies:
-    """Every node's strategies at TP size ``tp`` (one "replicate" strategy when tp == 1).
+def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> NodeStrategies:
+    """Every node's strategies at TP size ``tp`` (one "replicate" strategy when tp == 1);
+    ``sequence_parallel`` adds LayerNorm on sequence shards.
 
     Tied parameters (the lm_head sharing the token embedding) must be split the same way;
     the solver enforces that with :func:`tied_groups`.
     """
     gm = traced.gm
-    return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp)
+    return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp,
+                                       sequence_parallel)
             for node in gm.graph.nodes}
 
 
@@ -182,18 +201,30 @@ def tied_groups(traced: TracedModel) -> list[list[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
-def reshard_kinds(src: str, dst: str) -> tuple[str | None, str | None] | None:
+def reshard_kinds(src: str, dst: str, sequence_parallel: bool = False
+                  ) -> tuple[str | None, str | None] | None:
     """Collectives that turn placement ``src`` into ``dst`` as (forward, backward) kinds
-    ("all_reduce" | "all_gather" | None); None when the transition is not offered."""
+    ("all_reduce" | "all_gather" | "reduce_scatter" | None); None when the transition is
+    not offered (P -> S only with ``sequence_parallel``)."""
     if src == dst:
         return (None, None)
     if src == "P" and dst == "R":
         return ("all_reduce", None)
+    if src == "P" and dst.startswith("S"):
+        return ("reduce_scatter", "all_gather") if sequence_parallel else None
     if src.startswith("S") and dst == "R":
         return ("all_gather", None)
     if src == "R" and dst.startswith("S"):
         return (None, "all_gather")
     return None
+
+
+def f_kind(placement: str) -> str:
+    """The backward collective of Megatron's f on a tensor produced in ``placement``: an
+    all-reduce of the partial gradient, or, when the tensor arrives sharded (and is
+    all-gathered for the consumer), a reduce-scatter straight into the shard
+    (:class:`~autopar.runtime.collectives.GatherToPartialGradTP`)."""
+    return "reduce_scatter" if placement.startswith("S") else "all_reduce"
 
 
 def is_sharded(placement: str) -> bool:
@@ -204,31 +235,43 @@ def module_is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
 
 
-def megatron_placements(traced: TracedModel, tp: int) -> dict[str, str]:
+def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
-    placements: a Linear reading a shard is row-split; a Linear whose output feeds attention
-    or GELU (through reshapes), or that shares the token embedding's weight, is
-    column-split; the tied embedding is vocabulary-split; attention runs on whole heads;
+    placements: a Linear reading a hidden-dim shard is row-split; a Linear whose output
+    feeds attention or GELU (through reshapes), or that shares the token embedding's weight,
+    is column-split; the tied embedding is vocabulary-split; attention runs on whole heads;
     every other op keeps the placement its inputs arrive in (replicated when none fits).
+    ``sequence_parallel`` (Korthikanti et al. 2022, Fig. 5): LayerNorm, dropout and residual
+    adds of (b, s, h) activations run on sequence shards, so row-parallel outputs are
+    reduce-scattered and column-parallel inputs all-gathered.
     """
-    strategies = node_strategies(traced, tp)
+    strategies = node_strategies(traced, tp, sequence_parallel)
     nodes, placement, out = traced.nodes, {}, {}
     tied = {n for group in tied_groups(traced) for n in group}
+    seq = f"S{SEQUENCE_DIM}"
     for node in traced.gm.graph.nodes:
         options = {s.name: s for s in strategies[node.name]}
-        arriving = tuple(placement.get(n.name, "R") for n in tensor_inputs(node, nodes))
-        kind = nodes[node.name].kind
-        if kind == "linear" and arriving and arriving[0].startswith("S") and "row" in options:
+        ins = tensor_inputs(node, nodes)
+        arriving = tuple(placement.get(n.name, "R") for n in ins)
+        kind, shape = nodes[node.name].kind, nodes[node.name].shape
+        hidden = _shard(-1, len(nodes[ins[0].name].shape)) if ins and nodes[ins[0].name].shape else None
+        on_sequence = [s for s in strategies[node.name] if s.name == "sharded" and s.output == seq]
+        if kind == "linear" and arriving and arriving[0] == hidden and "row" in options:
             chosen = options["row"]
         elif kind == "linear" and "column" in options and (node.name in tied or _feeds_core(node, nodes)):
             chosen = options["column"]
         elif kind == "embedding" and node.name in tied and "vocab" in options:
             chosen = options["vocab"]
+        elif (sequence_parallel and kind in ("layernorm", "dropout", "add") and on_sequence
+              and shape is not None and len(shape) == 3):
+            chosen = on_sequence[0]
         else:
             same = [s for s in strategies[node.name]  # pass-through: keep what arrives
-                    if s.inputs == arriving and s.name in ("replicate", "sharded", "heads")]
+                    if s.inputs == arriving and (s.name in ("replicate", "sharded", "heads")
+                                                 or s.name.startswith("shape"))]
             chosen = same[-1] if same else options["replicate"]
-        placement[node.name] = "R" if chosen.output == "P" else chosen.output
+        completed = seq if sequence_parallel else "R"  # where a partial sum is completed
+        placement[node.name] = completed if chosen.output == "P" else chosen.output
         out[node.name] = strategy_key(chosen)
     return out
 

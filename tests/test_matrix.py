@@ -12,6 +12,10 @@ sequence-parallel setting the runtime declares for that shape. Each combination 
 * the step's communication, measured by the dispatch-mode CommMeter, equals the plan's
   predicted payload bytes for every kind, exactly; model-state bytes within 1%.
 
+Sequence-parallel cases run Megatron's sequence-parallel placements (LayerNorm, dropout and
+residual adds on sequence shards; reduce-scatter out of and all-gather into each TP
+region), except under selective recompute, where they run the solver's own SP plan.
+
 bf16 mixed precision (bf16 parameters, gradients, activations and collectives; fp32 master
 weights) runs on one combination per shape against the fp32 single-process run with the
 documented tolerance BF16_TOLERANCE. A second test turns dropout on and checks that every
@@ -20,6 +24,7 @@ combination is reproducible from its seed (bitwise equal losses over two runs).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -29,6 +34,8 @@ import autopar
 from autopar.runtime.support import RUNTIME_SUPPORT
 from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference, _rel
 from autopar.models import GPT
+from autopar.strategies import megatron_placements
+from autopar.trace import trace_model
 from dist_utils import run_distributed
 
 # bf16 against the fp32 single-process run: bf16 keeps 8 significant bits (relative
@@ -53,11 +60,20 @@ def combinations(tp: int, pp: int, dp: int, support=RUNTIME_SUPPORT) -> list[dic
             for s, z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
 
 
-def _plan_json(world: int, layout: dict) -> str:
+DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
+
+
+def _plan_json(world: int, layout: dict, config=CONFIG) -> str:
+    """The solver's plan for ``layout``; sequence-parallel cases other than selective
+    recompute take Megatron's sequence-parallel placements instead (the solver, on a
+    cluster where communication is nearly free, need not put LayerNorm on shards)."""
     with torch.device("meta"):
-        meta = GPT(CONFIG)
+        meta = GPT(config)
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ,
                         layout=autopar.Layout(**layout))
+    if layout["sequence_parallel"] and layout["recompute"] != "selective":
+        placements = megatron_placements(trace_model(meta, SEQ), layout["tp"], sequence_parallel=True)
+        plan = autopar.evaluate_plan(meta, _cluster(world), dataclasses.replace(plan, placements=placements))
     return plan.to_json()
 
 
@@ -140,6 +156,38 @@ def test_bf16_mixed_precision_within_documented_tolerance():
     _check_matrix(per_rank, BF16_TOLERANCE["loss"], {"sgd": BF16_TOLERANCE["sgd_param"]})
 
 
+def _dropout_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(DROPOUT_CONFIG)
+
+
+def _dropout_worker(rank: int, world: int, plans: list[str]):
+    """Each plan trains 2 steps with dropout 0.1 twice with seed 0 and once with seed 1."""
+    results = []
+    for text in plans:
+        plan = autopar.Plan.from_json(text)
+        runs = []
+        for seed in (0, 0, 1):
+            pm = autopar.parallelize(_dropout_model(), plan=plan, optimizer=_optimizer("sgd"),
+                                     seed=seed)
+            runs.append([pm.train_step(idx, tgt) for idx, tgt in _batches(2)])
+        results.append((str(plan.layout()), runs))
+    return results
+
+
+@pytest.mark.parametrize("shape", SHAPES_4, ids=lambda s: "tp%d-pp%d-dp%d" % s)
+def test_world4_dropout_is_reproducible_from_the_seed(shape):
+    """Dropout on (Megatron's tracked RNG): the same seed repeats every combination's losses
+    bitwise on every rank; another seed changes them."""
+    plans = [_plan_json(4, layout, DROPOUT_CONFIG) for layout in combinations(*shape)]
+    per_rank = run_distributed(_dropout_worker, 4, plans, timeout_s=900)
+    for rank, results in enumerate(per_rank):
+        for layout, (first, again, other) in results:
+            assert first == again, (layout, rank, first, again)
+            assert all(a != b for a, b in zip(first, other)), (layout, rank, first, other)
+            assert first == per_rank[0][results.index((layout, [first, again, other]))][1][0]
+
+
 def test_matrix_covers_the_runtime_support():
     """The matrix is the runtime's declared space: every declared value appears."""
     seen = [c for shape in SHAPES_4 for c in combinations(*shape)]
@@ -148,3 +196,27 @@ def test_matrix_covers_the_runtime_support():
                           ("recompute", RUNTIME_SUPPORT.recompute),
                           ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel)):
         assert {c[field] for c in seen} == set(values), field
+
+
+@pytest.mark.parametrize("model_name,nodes,batch,layout", [
+    ("gpt-1.3b", 1, 512, {}),
+    ("gpt-1.3b", 2, 512, {"pp": 2}),
+    ("gpt-1.3b", 1, 64, {"tp": 2, "sequence_parallel": True, "dtype": "bf16"}),
+])
+def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, layout):
+    """The solver reads RUNTIME_SUPPORT, so its plans (and the alternatives it reports)
+    pass the runtime's own check, whatever the model, cluster and pinned fields."""
+    from autopar.runtime.support import check_executable
+    from autopar.models import preset
+
+    with torch.device("meta"):
+        meta = GPT(preset(model_name))
+    plan = autopar.plan(meta, autopar.Cluster.dgx_a100(nodes), global_batch_size=batch,
+                        seq_len=2048, layout=autopar.Layout(**layout))
+    check_executable(plan)
+    for field, value in layout.items():
+        assert getattr(plan, field) == value, (field, plan.layout())
+    for alt in plan.alternatives:
+        cfg = alt["layout"]
+        if cfg.get("schedule") is not None:
+            assert cfg["schedule"] in RUNTIME_SUPPORT.schedules, alt

@@ -7,24 +7,34 @@ Reads only the plan's per-node placements. For every node, in graph order:
    shared with a tied lm_head);
 2. each input edge whose producer placement differs from the required one gets an explicit
    collective module: ``TPAllGather`` (S -> R), ``TPScatter`` (R -> S); partial outputs (row
-   Linear, vocabulary Embedding) are completed right after the node by ``TPAllReduce``
-   (Megatron's g); a consumer whose strategy makes its input gradient partial (column
-   Linear) reads the producer through one shared ``TPCopy`` (Megatron's f);
+   Linear, vocabulary Embedding) are completed where they are read: ``TPAllReduce``
+   (Megatron's g, P -> R) or, with sequence parallelism, ``TPReduceScatter`` (ḡ, P -> S),
+   then the row Linear's bias; a consumer whose strategy makes its input gradient partial
+   (column Linear) reads the producer through one shared ``TPCopy`` (Megatron's f), or,
+   when the producer is sharded, through ``TPGatherToPartialGrad`` (all-gather forward,
+   reduce-scatter backward: f and the gather in one);
 3. shape-only and element-wise ops are left unchanged: they run on shards as they are
-   (reshapes infer the head count with -1, which the strategies checked).
+   (reshapes infer the head count with -1, which the strategies checked); ``x.size(d)`` of
+   a tensor sharded along d is multiplied by t;
+4. parameters that are replicated but used on sequence shards (LayerNorm on S1, a row
+   bias added after a reduce-scatter) get partial gradients: they are listed in
+   ``TPRewrite.partial_grad_params`` for the runtime to all-reduce over TP after backward
+   (Megatron's ``allreduce_sequence_parallel_grads``).
 
 ``print(gm.code)`` afterwards shows the distributed program.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..runtime.collectives import TPAllGather, TPAllReduce, TPCopy, TPScatter, VocabParallelEmbedding
+from ..runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
+                                   TPReduceScatter, TPScatter, VocabParallelEmbedding)
 from ..strategies import Strategy, node_strategies, strategy_key
 
 __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
@@ -41,23 +51,29 @@ class ShardSpec:
 
 @dataclass
 class TPRewrite:
-    """Result of the TP pass: the rewritten graph and the origin of every local parameter
-    (by ``id`` of the Parameter object, so later passes may move modules freely)."""
+    """Result of the TP pass: the rewritten graph, the origin of every local parameter and
+    the replicated parameters whose gradients are partial over TP (both by ``id`` of the
+    Parameter object, so later passes may move modules freely)."""
 
     gm: fx.GraphModule
     shards: dict[int, ShardSpec] = field(default_factory=dict)
+    partial_grad_params: set[int] = field(default_factory=set)
 
 
 class BiasAdd(nn.Module):
-    """``x + bias``: a row-parallel Linear's bias, added once after the all-reduce
-    (adding it on every rank before the reduction would count it t times)."""
+    """``x + bias``: a row-parallel Linear's bias, added once after the all-reduce or
+    reduce-scatter (adding it on every rank before the reduction would count it t times).
+    When x is sharded along its last dim, this rank's slice [start, start + n) of the bias."""
 
-    def __init__(self, bias: nn.Parameter) -> None:
+    def __init__(self, bias: nn.Parameter, start: int = 0, size: int | None = None) -> None:
         super().__init__()
         self.bias = bias
+        self.start, self.size = start, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.bias
+        if self.size is None:
+            return x + self.bias
+        return x + self.bias[self.start:self.start + self.size]
 
 
 def _owner_meta(node: fx.Node) -> dict:
@@ -75,10 +91,11 @@ def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
 
 
 class _Rewriter:
-    def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group, counter):
+    def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group, counter,
+                 sequence_parallel: bool = False):
         self.traced, self.gm = traced, traced.gm
         self.tp, self.rank, self.group, self.counter = tp, tp_rank, group, counter
-        strategies = node_strategies(traced, tp)
+        strategies = node_strategies(traced, tp, sequence_parallel)
         missing = [n.name for n in self.gm.graph.nodes if n.name not in placements]
         if missing:
             raise ValueError(f"plan has no placement for nodes {missing[:5]}: it was made for a "
@@ -93,6 +110,9 @@ class _Rewriter:
         self.placement: dict[fx.Node, str] = {}
         self.resharded: dict[tuple[fx.Node, str], fx.Node] = {}
         self.f_nodes: dict[fx.Node, fx.Node] = {}
+        self.partial_bias: dict[fx.Node, nn.Parameter | None] = {}  # P outputs -> their bias
+        self.scalars: set[fx.Node] = set()  # inserted nodes that are not tensors
+        self.bias_paths: dict[int, set[str]] = {}  # id(bias) -> placements it is added in
         self.shard_params: dict[tuple[int, str], nn.Parameter] = {}
         self.result = TPRewrite(self.gm)
         self.canon = {id(p): n for n, p in self.gm.named_parameters()}
@@ -113,22 +133,57 @@ class _Rewriter:
         new.meta.update(_owner_meta(owner))
         return new
 
-    def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node) -> fx.Node:
-        """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer)."""
+    def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node, partial_grad: bool = False
+                 ) -> tuple[fx.Node, bool]:
+        """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer).
+        Returns (node, whether Megatron's f is already included: a sharded tensor gathered
+        for a consumer with a partial input gradient reduce-scatters that gradient)."""
         have = self.placement[src]
         if have == dst:
-            return src
-        key = (src, dst, _owner_key(consumer))
+            return src, False
+        fused = partial_grad and have.startswith("S") and dst == "R"
+        key = (src, dst, _owner_key(consumer), fused)
         if key not in self.resharded:
-            if dst == "R" and have.startswith("S"):
-                mod = TPAllGather(self.group, int(have[1:]), self.counter)
+            if have == "P":
+                self.resharded[key] = self._complete_partial(src, dst, consumer)
+            elif dst == "R" and have.startswith("S"):
+                cls = TPGatherToPartialGrad if fused else TPAllGather
+                mod = cls(self.group, int(have[1:]), self.counter)
                 self.resharded[key] = self._insert_after(src, "tp_all_gather", mod, src, consumer)
             elif have == "R" and dst.startswith("S"):
                 mod = TPScatter(self.group, int(dst[1:]), self.counter)
                 self.resharded[key] = self._insert_after(src, "tp_scatter", mod, src, consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
-        return self.resharded[key]
+        return self.resharded[key], fused
+
+    def _complete_partial(self, src: fx.Node, dst: str, consumer: fx.Node) -> fx.Node:
+        """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
+        ḡ), then the row Linear's bias if it has one."""
+        if dst == "R":
+            mod, prefix = TPAllReduce(self.group, self.counter), "tp_g_all_reduce"
+        else:
+            mod, prefix = TPReduceScatter(self.group, int(dst[1:]), self.counter), "tp_g_reduce_scatter"
+        out = self._insert_after(src, prefix, mod, src, consumer)
+        bias = self.partial_bias.get(src)
+        if bias is None:
+            return out
+        paths = self.bias_paths.setdefault(id(bias), set())
+        paths.add("R" if dst == "R" else "S")
+        if len(paths) > 1:
+            raise NotImplementedError(
+                f"the bias of {src.name} would be added on a replicated and on a sharded path; "
+                "its gradient could not be completed by one all-reduce. Give the consumers of "
+                f"{src.name} one placement (e.g. megatron_placements(..., sequence_parallel=True))")
+        start, size = 0, None
+        dim = int(dst[1:]) if dst != "R" else None
+        ndim = len(self.traced.nodes[src.name].shape)
+        if dim is not None and dim == ndim - 1:  # sharded along the bias's own dim
+            size = bias.shape[0] // self.tp
+            start = self.rank * size
+        if dim is not None:
+            self.result.partial_grad_params.add(id(bias))
+        return self._insert_after(out, "row_bias", BiasAdd(bias, start, size), out, consumer)
 
     def _copy_to_tp(self, src: fx.Node, consumer: fx.Node) -> fx.Node:
         key = (src, _owner_key(consumer))
@@ -142,14 +197,17 @@ class _Rewriter:
             strat = self.choice[node.name]
             ins = self._tensor_inputs(node)
             for j, src in enumerate(ins):
-                new_src = self._reshard(src, strat.inputs[j], node)
-                if strat.partial_grad_inputs and strat.partial_grad_inputs[j]:
+                partial_grad = bool(strat.partial_grad_inputs and strat.partial_grad_inputs[j])
+                new_src, fused = self._reshard(src, strat.inputs[j], node, partial_grad)
+                if partial_grad and not fused:
                     new_src = self._copy_to_tp(new_src, node)
                 if new_src is not src:
                     node.replace_input_with(src, new_src)
             self.placement[node] = strat.output
             if node.op == "call_module":
                 self._replace_module(node, strat)
+            elif strat.name.startswith("shape"):
+                self._scale_size(node, strat)
         self._record_replicated()
         self.gm.graph.lint()
         self.gm.delete_all_unused_submodules()
@@ -159,7 +217,8 @@ class _Rewriter:
     def _tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
         """Tensor inputs in original order; nodes this pass inserted are tensors."""
         info = self.traced.nodes
-        return [n for n in node.all_input_nodes if n.name not in info or info[n.name].shape is not None]
+        return [n for n in node.all_input_nodes if n not in self.scalars
+                and (n.name not in info or info[n.name].shape is not None)]
 
     def _replace_module(self, node: fx.Node, strat: Strategy) -> None:
         mod = self.gm.get_submodule(node.target)
@@ -167,12 +226,31 @@ class _Rewriter:
             self._set(node, self._linear(mod, 0))
         elif strat.name == "row" and isinstance(mod, nn.Linear):
             self._set(node, self._linear(mod, 1))
-            self._complete_partial(node, mod.bias)
+            self.partial_bias[node] = mod.bias  # added where the partial sum is completed
         elif strat.name == "vocab" and isinstance(mod, nn.Embedding):
             weight = self._param(mod.weight, 0)
             emb = VocabParallelEmbedding(weight, self.rank * weight.shape[0])
             self._set(node, emb)
-            self._complete_partial(node, None)
+            self.partial_bias[node] = None
+        elif strat.name == "sharded":  # e.g. LayerNorm on sequence shards: partial grads
+            self.result.partial_grad_params.update(id(p) for p in mod.parameters())
+
+    def _scale_size(self, node: fx.Node, strat: Strategy) -> None:
+        """``x.size(d)`` of x sharded along d is the local size: multiply it by t."""
+        dim = int(strat.inputs[0][1:])
+        args = list(node.args[1:]) + list(node.kwargs.values())
+        if len(args) != 1 or not isinstance(args[0], int):
+            raise NotImplementedError(f"{node.name}: size() of a sharded tensor needs one int dim")
+        ndim = len(self.traced.nodes[node.args[0].name].shape)
+        if args[0] % ndim != dim:
+            return
+        users = list(node.users)
+        with self.gm.graph.inserting_after(node):
+            full = self.gm.graph.call_function(operator.mul, (node, self.tp))
+        full.meta.update(_owner_meta(node))
+        self.scalars.add(full)
+        for user in users:
+            user.replace_input_with(node, full)
 
     def _param(self, p: nn.Parameter, dim: int) -> nn.Parameter:
         key = (id(p), dim)
@@ -198,20 +276,6 @@ class _Rewriter:
         self.gm.add_submodule(name, module)
         node.target = name
 
-    def _complete_partial(self, node: fx.Node, bias: nn.Parameter | None) -> None:
-        """P -> R right after the node (Megatron's g), then the replicated bias if any."""
-        users = list(node.users)
-        reduced = self._insert_after(node, "tp_g_all_reduce", TPAllReduce(self.group, self.counter),
-                                     node, node)
-        out = reduced
-        if bias is not None:
-            out = self._insert_after(reduced, "row_bias", BiasAdd(bias), reduced, node)
-        for user in users:
-            user.replace_input_with(node, out)
-        self.placement[node] = "R"
-        self.placement[reduced] = "R"
-        self.placement[out] = "R"
-
     def _record_replicated(self) -> None:
         for p in self.gm.parameters():
             if id(p) not in self.result.shards and id(p) in self.canon:
@@ -219,9 +283,10 @@ class _Rewriter:
 
 
 def apply_tensor_parallel(traced, placements: dict[str, str], *, tp: int, tp_rank: int,
-                          group, counter=None) -> TPRewrite:
+                          group, counter=None, sequence_parallel: bool = False) -> TPRewrite:
     """Rewrite ``traced.gm`` in place into TP rank ``tp_rank``'s program (see module doc).
 
-    Raises ValueError when the placements do not belong to this graph or to this tp.
+    Raises ValueError when the placements do not belong to this graph or to this tp
+    (``sequence_parallel``: the strategies the plan was solved with).
     """
-    return _Rewriter(traced, placements, tp, tp_rank, group, counter).run()
+    return _Rewriter(traced, placements, tp, tp_rank, group, counter, sequence_parallel).run()

@@ -11,7 +11,12 @@ section 3, Fig. 3): ``f`` is the identity in forward and an all-reduce in backwa
 ``f`` makes the replicated input's gradient whole (each rank only sees the part of
 dL/dX that flows through its columns); ``g`` sums the row-split partial outputs.
 Gather/scatter along a dimension are the sequence-parallel (and logits-gather)
-relatives: gather forward ↔ take-my-slice backward, and the reverse.
+relatives: gather forward ↔ take-my-slice backward, and the reverse. Sequence parallelism
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.2.2, Fig. 6) replaces g by ``ḡ``: reduce-scatter along the sequence in
+forward, all-gather in backward (:class:`ReduceScatterToTP`), and f by its conjugate:
+all-gather forward, reduce-scatter of the partial gradient backward
+(:class:`GatherToPartialGradTP`).
 
 Every operator takes its ``group`` and is a no-op when the group has one rank.
 The ``TP*`` modules wrap them so that a rewritten ``torch.fx.GraphModule`` shows
@@ -92,6 +97,22 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group, counter: CommCounter | 
     out = front.new_empty((t * front.shape[0], *front.shape[1:]))  # (t*n, ...), rank-major
     dist.all_gather_single(out, front, group=group)
     _record(counter, "tp_all_gather", front)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group, counter: CommCounter | None) -> torch.Tensor:
+    """Sum over ``group``, keeping this rank's 1/t slice along ``dim``: (.., t*n, ..) -> (.., n, ..).
+
+    Raises ValueError if t does not divide ``x.shape[dim]``.
+    """
+    t = dist.get_world_size(group)
+    if x.shape[dim] % t != 0:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {t} ranks; "
+                         f"make that size a multiple of {t}")
+    front = x.movedim(dim, 0).contiguous()  # (t*n, ...), rank-major chunks
+    out = front.new_empty((front.shape[0] // t, *front.shape[1:]))
+    dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=group)
+    _record(counter, "tp_reduce_scatter", front)
     return out.movedim(0, dim).contiguous()
 
 
@@ -190,6 +211,55 @@ class ScatterToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
 
 
+class ReduceScatterToTP(torch.autograd.Function):
+    """Sequence-parallel ``ḡ``: reduce-scatter along ``dim`` forward, all-gather backward.
+
+    ``ReduceScatterToTP.apply(x, group, dim, counter)``; x: partial sum (b, s, h) ->
+    this rank's slice of the full sum, e.g. (b, s/t, h) for dim 1.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: Group, dim: int, counter: CommCounter | None
+    ) -> torch.Tensor:
+        dim = dim % x.dim()
+        ctx.group, ctx.dim, ctx.counter = group, dim, counter
+        if group_size(group) == 1:
+            return x
+        return _reduce_scatter(x, dim, group, counter)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if group_size(ctx.group) == 1:
+            return grad, None, None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
+
+
+class GatherToPartialGradTP(torch.autograd.Function):
+    """All-gather along ``dim`` forward for a consumer whose input gradient is partial (a
+    column-parallel Linear): backward reduce-scatters that gradient. Equals an all-gather
+    followed by f (all-reduce backward, then the gather's slice) at half the backward bytes.
+
+    ``GatherToPartialGradTP.apply(x, group, dim, counter)``; x: (b, s/t, h) -> (b, s, h).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: Group, dim: int, counter: CommCounter | None
+    ) -> torch.Tensor:
+        dim = dim % x.dim()
+        ctx.group, ctx.dim, ctx.counter = group, dim, counter
+        if group_size(group) == 1:
+            return x
+        return _all_gather(x, dim, group, counter)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if group_size(ctx.group) == 1:
+            return grad, None, None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
+
+
 class _TPModule(nn.Module):
     """Holds the process group as a plain attribute (not a buffer) and an optional counter."""
 
@@ -249,6 +319,24 @@ class TPScatter(_TPDimModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ScatterToTP.apply(x, self.group, self.dim, self.counter)
+
+
+class TPReduceScatter(_TPDimModule):
+    """:class:`ReduceScatterToTP` (sequence-parallel ḡ) along ``dim``: (.., t*n, ..) partial -> (.., n, ..)."""
+
+    op_name = "reduce_scatter_fwd/all_gather_bwd (g-bar)"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ReduceScatterToTP.apply(x, self.group, self.dim, self.counter)
+
+
+class TPGatherToPartialGrad(_TPDimModule):
+    """:class:`GatherToPartialGradTP` (sequence-parallel f-bar) along ``dim``: (.., n, ..) -> (.., t*n, ..)."""
+
+    op_name = "all_gather_fwd/reduce_scatter_bwd (f-bar)"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GatherToPartialGradTP.apply(x, self.group, self.dim, self.counter)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -93,6 +93,11 @@ class ParallelModule(nn.Module):
         zero_stage: 0, 1 or 2 over the DP group (2 only with pp == 1).
         master_dtype: the optimizer's weights; float32 with bf16 parameters is mixed
             precision (None: the parameters' dtype).
+        partial_grad_parameter_names: replicated parameters used on sequence shards
+            (LayerNorm under sequence parallelism): their gradients are summed over the TP
+            group after backward (per micro-batch under ZeRO-2).
+        boundary_shard_dims: the dim along which the activation this stage receives /
+            sends is split over TP (None: whole), see StageShapes.
 
     Raises:
         ValueError: a size is not a positive int, 1F1B with m < p, a tied name is
@@ -116,6 +121,8 @@ class ParallelModule(nn.Module):
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy,
         zero_stage: int = 0,
         master_dtype: torch.dtype | None = None,
+        partial_grad_parameter_names: Sequence[str] = (),
+        boundary_shard_dims: tuple[int | None, int | None] = (None, None),
     ) -> None:
         super().__init__()
         _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
@@ -132,13 +139,16 @@ class ParallelModule(nn.Module):
         self.loss_fn = loss_fn
         self._stats: dict = {}
         self.tied_parameters = self._find_tied(tied_parameter_names)
+        params = dict(stage_module.named_parameters())
+        self.partial_grad_parameters = [params[n] for n in partial_grad_parameter_names]
         self.dp_optimizer = DistributedOptimizer(
             stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
             zero_stage=zero_stage, master_dtype=master_dtype)
         self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
-            shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype)
+            shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype,
+                                 *boundary_shard_dims, tp=groups.tp)
             self.runner = PipelineRunner(stage_module, groups, shapes, num_micro_batches,
                                          schedule, loss_fn)
 
@@ -180,6 +190,8 @@ class ParallelModule(nn.Module):
         for mb_idx, mb_targets in zip(idx.split(self.micro_batch_size), targets.split(self.micro_batch_size)):
             loss = self.loss_fn(self.stage_module(mb_idx), mb_targets)  # (b, s, V) -> scalar
             (loss / m).backward()
+            if self.dp_optimizer.zero_stage == 2:  # gradients leave after each micro-batch
+                self._sync_partial_grads()
             self.dp_optimizer.micro_batch_done()
             total += loss.detach().double()
         return total / m
@@ -201,6 +213,8 @@ class ParallelModule(nn.Module):
                     loss = self._accumulate(local_idx, local_targets)
                 else:
                     loss = self.runner.run(local_idx, local_targets)  # last stage, else None
+            if self.dp_optimizer.zero_stage != 2:
+                self._sync_partial_grads()
             self._sync_tied_grads()
             self.dp_optimizer.step()
             result = self._global_loss(loss)
@@ -209,6 +223,15 @@ class ParallelModule(nn.Module):
                        "saved_activation_bytes": saved.peak_bytes,
                        "step_time_s": time.perf_counter() - start}
         return result
+
+    def _sync_partial_grads(self) -> None:
+        """Sum over TP the gradients of replicated parameters used on sequence shards (each
+        TP rank saw only its part of the sequence; Korthikanti et al. 2022, section 4.2.2)."""
+        if self.groups.tp == 1:
+            return
+        for p in self.partial_grad_parameters:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.tp_group)
 
     def _sync_tied_grads(self) -> None:
         """Sum the tied embedding's partial gradients over the first and last stage."""

@@ -27,6 +27,7 @@ How it is used:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,17 +47,31 @@ class StageShapes:
         seq_len: s.
         hidden_size: h.
         activation_dtype: dtype of the (b, s, h) activation and its gradient.
+        input_shard_dim / output_shard_dim: the dim of (b, s, h) along which the activation
+            this stage receives / sends is split over the TP group (None: whole), e.g. 1
+            under sequence parallelism: each TP rank sends its (b, s/t, h) shard.
+        tp: the TP degree t.
     """
 
     micro_batch_size: int
     seq_len: int
     hidden_size: int
     activation_dtype: torch.dtype
+    input_shard_dim: int | None = None
+    output_shard_dim: int | None = None
+    tp: int = 1
 
-    def activation_bytes(self) -> int:
-        """Bytes of one (b, s, h) activation (or its gradient)."""
+    def activation_shape(self, shard_dim: int | None = None) -> tuple[int, int, int]:
+        """(b, s, h), with ``shard_dim`` divided by t."""
+        shape = [self.micro_batch_size, self.seq_len, self.hidden_size]
+        if shard_dim is not None:
+            shape[shard_dim] //= self.tp
+        return tuple(shape)
+
+    def activation_bytes(self, shard_dim: int | None = None) -> int:
+        """Bytes of one activation (or its gradient) of :meth:`activation_shape`."""
         elem = torch.empty((), dtype=self.activation_dtype).element_size()
-        return self.micro_batch_size * self.seq_len * self.hidden_size * elem
+        return math.prod(self.activation_shape(shard_dim)) * elem
 
 
 def _stage_device(module: nn.Module) -> torch.device:
@@ -85,13 +100,17 @@ class PipelineRunner:
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
-        b, s, h = shapes.micro_batch_size, shapes.seq_len, shapes.hidden_size
-        act = torch.empty(b, s, h, dtype=shapes.activation_dtype, device="meta", requires_grad=True)
+        b, s = shapes.micro_batch_size, shapes.seq_len
+        dtype = shapes.activation_dtype
+        act_in = torch.empty(shapes.activation_shape(shapes.input_shard_dim), dtype=dtype,
+                             device="meta", requires_grad=True)
+        act_out = torch.empty(shapes.activation_shape(shapes.output_shard_dim), dtype=dtype,
+                              device="meta", requires_grad=True)
         first_input = torch.empty(b, s, dtype=torch.long, device="meta")
         stage = PipelineStage(
             stage_module, groups.pp_rank, groups.pp, _stage_device(stage_module),
-            input_args=first_input if groups.is_first_stage else act,
-            output_args=act,  # on the last stage a stand-in, see the module docstring
+            input_args=first_input if groups.is_first_stage else act_in,
+            output_args=act_out,  # on the last stage a stand-in, see the module docstring
             group=groups.pp_group,
         )
         schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe

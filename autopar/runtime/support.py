@@ -27,7 +27,7 @@ class RuntimeSupport:
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     zero_stages: tuple[int, ...] = EXECUTED_ZERO_STAGES
     recompute: tuple[str, ...] = ("none", "selective", "full")
-    sequence_parallel: tuple[bool, ...] = (False,)
+    sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] = (1,)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
 
