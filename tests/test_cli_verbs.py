@@ -250,3 +250,29 @@ def test_plan_draws_progress_on_a_terminal_only(monkeypatch, tmp_path, capsys):
     assert cli.main(["plan", *TINY]) == 0  # piped (captured) stderr: no progress
     captured = capsys.readouterr()
     assert "configs" not in captured.err and "\r" not in captured.err + captured.out
+
+
+# ------------------------------------------------- a saved plan for every rank (README)
+def test_saved_plan_of_the_training_example_is_what_every_rank_loads(tmp_path, monkeypatch):
+    """README's cluster recipe: `autopar plan --model examples.train_gpt:gpt_stdlib_bytes
+    ... -o plan.json`, then `train_gpt.py --plan plan.json` on every rank reads it."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # module:factory resolves from the current directory
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "examples.train_gpt:gpt_stdlib_bytes", "--cluster",
+                     "local-cpu", "--global-batch-size", "16", "--tp", "2", "--pp", "2",
+                     "-o", str(path)]) == 0
+    spec = importlib.util.spec_from_file_location("train_gpt", root / "examples" / "train_gpt.py")
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    cluster = autopar.Cluster.local_cpu(processes=4)
+    args = train_gpt.parse_args(["--plan", str(path)])
+    plan = train_gpt.load_or_solve(args, cluster, rank=3)  # no collective with --plan
+    assert (plan.tp, plan.pp, plan.dp, plan.seq_len) == (2, 2, 1, 64)
+    assert plan.decision_digest() == Plan.from_json(path.read_text()).decision_digest()
+    with pytest.raises(ValueError, match="plans B=16, s=64 on 4 ranks, but this run has B=8"):
+        train_gpt.load_or_solve(train_gpt.parse_args(["--plan", str(path), "--batch-size", "8"]),
+                                cluster, rank=0)
