@@ -54,7 +54,8 @@ EXAMPLES = {
     "report": """\
   autopar plan --model gpt-1.3b --nodes 1 --global-batch-size 512 -o plan.json
   autopar report plan.json --out reports/again
-  autopar report plan.json --out reports/again --megatron "tp=1,pp=1,dp=8,mbs=4" --json""",
+  autopar report plan.json --out reports/again \\
+      --megatron "tp=1,pp=1,dp=8,mbs=4,recompute=full" --json""",
     "calibrate": """\
   autopar calibrate --processes 2 --out local-cpu-calibrated.json
   autopar plan --model gpt-tiny --cluster local-cpu-calibrated.json \\
@@ -94,7 +95,7 @@ DESCRIPTIONS = {
               "solving again. --json prints the written files and the plan's headline numbers.",
     "calibrate": "Run small matmuls and gloo all-reduces on local processes and write a "
                  "cluster JSON usable with --cluster (calls autopar.calibrate.calibrate_local). "
-                 "Takes tens of seconds.",
+                 "Takes about ten seconds.",
 }
 
 
