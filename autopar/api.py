@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -72,17 +73,21 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
 
 
 def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: int,
-         layout: Layout | None = None, model_name: str = "model") -> Plan:
+         layout: Layout | None = None, model_name: str = "model",
+         progress: Callable[[int, int, float | None], None] | None = None) -> Plan:
     """Find the fastest executable plan for training ``model`` on ``cluster``.
 
     model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
         ideally on the meta device. layout: fields to pin (None = free).
+    progress: optional ``progress(visited, total, best_step_time_s)`` called as the search
+        visits its configs (see :func:`autopar.search.search`), e.g. to draw a progress bar.
     Raises TraceError (untraceable model), InfeasibleError (nothing fits in memory),
     ValueError (degrees inconsistent with the cluster, heads not divisible by tp, ...).
     """
     layout = layout or Layout()
     traced = trace_model(model, seq_len, name=model_name)
-    result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT)
+    result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT,
+                    progress=progress)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name, layout=layout)
 

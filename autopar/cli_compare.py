@@ -13,12 +13,15 @@ differences add up to the difference of step times; any remainder is shown as "o
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from autopar.plan import Plan
 from autopar.report import (TIME_KINDS, format_bytes, format_seconds, format_tflops,
                             plan_flags)
 
 __all__ = ["plan_table", "comparison_lines", "plan_metrics", "compare", "format_compare",
-           "profile_lines"]
+           "profile_lines", "report_summary"]
 
 GIB = 2**30
 _EPS_S = 1e-9
@@ -69,6 +72,19 @@ def plan_metrics(plan: Plan) -> dict:
             "peak_memory_bytes": p.peak_memory_bytes,
             "memory_bytes_by_stage": [sum(stage.values()) for stage in p.memory_bytes_by_stage],
             "time_s_by_kind": dict(p.time_s_by_kind)}
+
+
+def report_summary(plan: Plan, markdown_path: Path) -> dict:
+    """What ``autopar report --json`` prints (JSON-able): the written files (report.md,
+    report.html, every image the Markdown links, as paths) and the plan's headline numbers
+    (tp, pp, dp, micro_batch_size and :func:`plan_metrics`)."""
+    markdown_path = Path(markdown_path)
+    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown_path.read_text(encoding="utf-8"))
+    files = {"markdown": str(markdown_path), "html": str(markdown_path.with_suffix(".html")),
+             "images": [str(markdown_path.parent / name) for name in links]}
+    return {"files": files, "model": plan.model, "cluster": plan.cluster.get("name"),
+            "plan": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp,
+                     "micro_batch_size": plan.micro_batch_size, **plan_metrics(plan)}}
 
 
 def _difference(auto: Plan, hand: Plan) -> dict[str, float]:

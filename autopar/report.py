@@ -3,13 +3,17 @@
 ``write_report(plan, out_dir)`` writes ``out_dir/report.md``, plain Markdown that reads
 well on GitHub and in a terminal:
 
-1. the chosen layout (t, p, d, b, m, schedule, ZeRO stage, stage boundaries, recompute),
-   the pipeline timeline and which global ranks form each TP/PP/DP group;
+1. the chosen layout (t, p, d, b, m, schedule, ZeRO stage, stage boundaries, recompute)
+   and the pipeline timeline;
 2. the prediction: step time, TFLOP/s per GPU, MFU/HFU, peak memory against the device;
-3. where the step time goes (seconds and % by kind) and where the memory goes (GiB per
-   GPU per pipeline stage, by kind), and the bytes each kind of communication moves;
-4. why: the binding constraints and the best alternatives the search priced;
-5. hand-written layouts (e.g. Megatron-LM's) priced by the same cost model, side by side.
+3. where the memory goes (GiB per GPU per pipeline stage, by kind) and where the step
+   time goes (seconds and % by kind);
+4. which global ranks form each TP/PP/DP group, and the bytes each kind of communication
+   moves;
+5. why: the binding constraints and the best alternatives the search priced;
+6. hand-written layouts (e.g. Megatron-LM's) priced by the same cost model, side by side;
+7. what-ifs (when given): the same model re-planned with twice the nodes, H100 nodes,
+   twice the global batch.
 
 Everything here reads only the :class:`~autopar.plan.Plan`; nothing is re-solved, so a
 saved plan (``Plan.from_json``) can be reported again. Charts (``timeline.png``,
@@ -324,7 +328,8 @@ def _hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
 # ---------------------------------------------------------------------- public
 def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = None, *,
                     title: str | None = None, memory_chart: str | None = None,
-                    charts: dict[str, str] | None = None) -> str:
+                    charts: dict[str, str] | None = None,
+                    what_ifs: dict[str, Plan | str] | None = None) -> str:
     """The whole report as Markdown.
 
     hand_layouts: name -> a :class:`Plan` from ``autopar.evaluate`` of a hand-written layout,
@@ -333,20 +338,27 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
     memory_chart: relative path of a memory bar chart image to link, if one was drawn.
     charts: chart name ("timeline", "memory", "breakdown", "comparison") -> relative path
         of the image drawn by :func:`autopar.report_plots.write_charts`.
+    what_ifs: label -> re-planned Plan (or why none), from
+        :func:`autopar.report_whatif.what_if_plans`, rendered as a "What if" section.
     """
     from .report_plots import rank_layout_section  # report_plots imports this module
 
     charts = charts or {}
     title = title or f"autopar plan: {plan.model} on {_cluster_line(plan)}"
     lines = [f"# {title}", ""]
+    # The pictures first (timeline, memory, step time), then the rank map and the why.
     lines += _layout_section(plan) + _image("pipeline timeline", charts.get("timeline"))
-    lines += rank_layout_section(plan) + _prediction_section(plan) + _time_section(plan)
-    lines += _image("step time by kind", charts.get("breakdown"))
+    lines += _prediction_section(plan)
     lines += _memory_section(plan, memory_chart or charts.get("memory"))
-    lines += _comm_section(plan) + _why_section(plan)
+    lines += _time_section(plan) + _image("step time by kind", charts.get("breakdown"))
+    lines += rank_layout_section(plan) + _comm_section(plan) + _why_section(plan)
     if hand_layouts:
         lines += _hand_section(plan, hand_layouts)
         lines += _image("auto vs hand step time", charts.get("comparison"))
+    if what_ifs:
+        from .report_whatif import what_if_markdown
+
+        lines += what_if_markdown(plan, what_ifs).splitlines()
     lines += _formulas_section()
     return "\n".join(lines).rstrip() + "\n"
 
@@ -393,11 +405,7 @@ def write_report(plan: Plan, out_dir: str | Path, *,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
-    text = render_markdown(plan, hand_layouts, title=title, charts=charts)
-    if what_ifs:
-        from .report_whatif import what_if_markdown
-
-        text += what_if_markdown(plan, what_ifs)
+    text = render_markdown(plan, hand_layouts, title=title, charts=charts, what_ifs=what_ifs)
     path = out_dir / "report.md"
     path.write_text(text, encoding="utf-8")
     write_html(text, out_dir)

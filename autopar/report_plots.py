@@ -27,10 +27,16 @@ from autopar.report import GIB, MEMORY_KINDS, TIME_KINDS, _ordered, device_memor
 
 __all__ = ["simulate_schedule", "schedule_order", "write_timeline_chart", "write_memory_chart",
            "write_breakdown_chart", "write_comparison_chart", "write_charts", "rank_groups",
-           "rank_layout_section", "MAX_DRAWN_MICRO"]
+           "rank_layout_section", "MAX_DRAWN_MICRO", "TIMELINE_COLOURS", "MEMORY_COLOURS"]
 
 MAX_DRAWN_MICRO = 16  # the timeline draws at most this many micro-batches
 BACKWARD_OVER_FORWARD = 2.0  # backward = 2 x forward (see the module docstring)
+# Colours that only the timeline and only the memory chart use (the breakdown chart takes
+# matplotlib's default cycle, the comparison green and grey), so a screenshot of the HTML
+# report can tell the two charts are on screen by counting their pixels.
+TIMELINE_COLOURS = {"F": "#4c72b0", "B": "#dd8452"}  # forward, backward
+MEMORY_COLOURS = {"parameters": "#8172b3", "gradients": "#937860",
+                  "optimizer_states": "#64b5cd", "activations": "#da8bc3"}
 
 Op = tuple[str, int, float, float]  # (kind "F"/"B", micro-batch, start s, end s)
 
@@ -130,7 +136,7 @@ def write_timeline_chart(plan: Plan, path: str | Path) -> Path | None:
     makespan = max((ops[-1][3] for ops in timeline if ops), default=0.0)
     unit, scale = _time_unit(makespan)
     fig, ax = plt.subplots(figsize=(min(14.0, 4 + 0.45 * m * 2), 0.45 * plan.pp + 1.6), dpi=100)
-    colours = {"F": "#4c72b0", "B": "#dd8452"}
+    colours = TIMELINE_COLOURS
     for i, ops in enumerate(timeline):
         for kind, j, start, end in ops:
             ax.broken_barh([(start / scale, (end - start) / scale)], (i - 0.4, 0.8),
@@ -164,7 +170,8 @@ def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
     bottom = [0.0] * len(stages)
     for kind in kinds:
         values = [stage.get(kind, 0.0) / scale for stage in stages]
-        ax.bar(range(len(stages)), values, bottom=bottom, label=kind)
+        ax.bar(range(len(stages)), values, bottom=bottom, label=kind,
+               color=MEMORY_COLOURS.get(kind))  # None: the next default colour
         bottom = [b + v for b, v in zip(bottom, values)]
     device = device_memory_bytes(plan)
     if device and device <= 4 * largest:  # the device line only where it is in scale

@@ -9,14 +9,25 @@ plan fits).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from .plan import Layout, Plan
 
 __all__ = ["what_if_plans", "what_if_markdown"]
 
 
-def what_if_plans(model, cluster, plan: Plan, *, layout: Layout | None = None) -> dict[str, Plan | str]:
-    """Re-plan ``model`` for three changed inputs (seconds to a minute for big models)."""
+def what_if_plans(model, cluster, plan: Plan, *, layout: Layout | None = None,
+                  progress: Callable[[str], Callable | None] | None = None
+                  ) -> dict[str, Plan | str]:
+    """Re-plan ``model`` for three changed inputs: three more searches, each about as long
+    as the one that found ``plan`` (seconds to a minute for big models).
+
+    layout: the fields the user pinned, kept pinned in every what-if (a pin that no longer
+        fits, e.g. dp with twice the nodes, makes that what-if a "no plan: ..." string).
+    progress: ``progress(label)`` returns the ``autopar.plan`` progress callback for the
+        what-if named ``label`` (or None for no display).
+    Returns label -> Plan, or the reason there is none (InfeasibleError or ValueError text).
+    """
     from cost_models.hardware import Cluster
 
     from .api import plan as solve
@@ -32,7 +43,8 @@ def what_if_plans(model, cluster, plan: Plan, *, layout: Layout | None = None) -
     for label, (new_cluster, batch) in cases.items():
         try:
             out[label] = solve(model, new_cluster, global_batch_size=batch, seq_len=plan.seq_len,
-                               layout=layout, model_name=plan.model)
+                               layout=layout, model_name=plan.model,
+                               progress=progress(f"what if {label}") if progress else None)
         except (InfeasibleError, ValueError) as exc:
             out[label] = f"no plan: {exc}"
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from cost_models import compute
 
@@ -190,8 +191,16 @@ def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layo
 
 def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
            support: RuntimeSupport | None = RUNTIME_SUPPORT,
-           even_stages: bool = False) -> SearchResult:
-    """Branch and bound over configs; raises InfeasibleError when nothing fits."""
+           even_stages: bool = False,
+           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+    """Branch and bound over configs; raises InfeasibleError when nothing fits.
+
+    progress: called as ``progress(visited, total, best_step_time_s)`` before each of the
+        ``total`` configs (mesh shape and micro-batch size) is solved or pruned, and once
+        more with ``visited == total`` at the end; best_step_time_s is the best predicted
+        step time found so far in seconds, None while nothing fits. It only observes: the
+        result does not depend on it.
+    """
     start = time.perf_counter()
     validate_layout(traced, cluster, layout, global_batch_size)
     mapping = template_map(traced)
@@ -206,6 +215,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     configs.sort(key=bound.get)
     best, best_t, best_tab, seen = None, float("inf"), None, []
     for cfg in configs:
+        if progress is not None:
+            progress(len(seen), len(configs), best_t if best is not None else None)
         lb = bound[cfg]
         if lb >= best_t:
             seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
@@ -237,6 +248,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                      "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
         if pred.step_time_s < best_t:
             best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
+    if progress is not None:
+        progress(len(seen), len(configs), best_t if best is not None else None)
     if best is not None:
         _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
                             seen, even_stages)

@@ -12,9 +12,14 @@ allocated (models are built on the meta device).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import autopar
+try:
+    import autopar
+except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import autopar
 from autopar.report_whatif import what_if_plans
 
 ROOT = Path(__file__).resolve().parents[1] / "reports"
@@ -27,22 +32,25 @@ CASES = (
 )
 
 
-def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, hand: str):
+def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, hand: str,
+                  out_root: Path = ROOT):
     """Plan ``name`` on ``nodes`` DGX A100 nodes, price the hand layout, add what-ifs and
-    write ``reports/<directory>``. Returns (auto plan, hand plan, report.md path)."""
+    write ``<out_root>/<directory>`` (default ``reports/<directory>``).
+    Returns (auto plan, hand plan, report.md path)."""
     model, _ = autopar.load_model(name)
     cluster = autopar.Cluster.dgx_a100(nodes=nodes)
     plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
     megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
                                 global_batch_size=batch, seq_len=seq, model_name=name)
     path = autopar.report.write_report(
-        plan, ROOT / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
+        plan, Path(out_root) / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
         title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}",
         what_ifs=what_if_plans(model, cluster, plan))
     return plan, megatron, path
 
 
 def main() -> None:
+    """Regenerate every example report under reports/ and print one line per report."""
     for case in CASES:
         plan, megatron, path = write_example(*case)
         ratio = plan.predicted.step_time_s / megatron.predicted.step_time_s

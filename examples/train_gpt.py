@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 50   # 4 gloo ranks
     python examples/train_gpt.py --single --steps 50               # the 1-process reference
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29500 examples/train_gpt.py --plan plan.json   # on each node
 
 The text is the Python standard library's own source (the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]``, sorted by name and concatenated), so every machine
@@ -12,8 +14,13 @@ same plan. ``autopar.parallelize`` turns the model into this rank's part of the
 distributed program; ``train_step`` returns the global mean loss on every rank.
 
 Pin decisions with ``--tp/--pp/--dp/--mbs`` (e.g. ``--tp 2 --pp 2``); by default the
-solver picks the layout it predicts fastest for the local CPU profile. The same seed with
-``--single`` gives the loss curve the distributed run should reproduce (up to rounding).
+solver picks the layout it predicts fastest for the local CPU profile. ``--plan FILE``
+skips solving: every rank reads the same saved plan (``autopar plan ... -o FILE`` or
+``--save-plan FILE`` of an earlier run), and ``parallelize`` checks that all ranks hold
+the same decisions before the first collective. The process-group backend is gloo: the
+runtime keeps the stage modules on the CPU; ``--backend nccl`` is accepted for a runtime
+whose stages live on GPUs. The same seed with ``--single`` gives the loss curve the
+distributed run should reproduce (up to rounding).
 """
 
 from __future__ import annotations
@@ -56,12 +63,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("tp", "pp", "dp"):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"pin the {flag} size")
     p.add_argument("--mbs", type=int, default=None, help="pin the micro-batch size b")
+    p.add_argument("--plan", type=Path, default=None, metavar="FILE",
+                   help="a saved plan (autopar plan -o FILE); every rank reads it, no solving")
+    p.add_argument("--save-plan", type=Path, default=None, metavar="FILE",
+                   help="rank 0 writes the plan it ran to FILE (reuse it with --plan)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="torch.distributed backend (default gloo: the runtime keeps the "
+                        "stages on the CPU, so CPU tensors travel over gloo)")
     return p.parse_args(argv)
 
 
 def model_config() -> GPTConfig:
     """4 layers, h = 128, 4 heads, s = 64, bytes as tokens (about 0.8M parameters)."""
     return GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
+
+
+def gpt_stdlib_bytes() -> GPT:
+    """The model this example trains, as a factory for the CLI:
+    ``autopar plan --model examples.train_gpt:gpt_stdlib_bytes --cluster local-cpu
+    --global-batch-size 16 -o plan.json`` (built on the meta device there)."""
+    return GPT(model_config())
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -95,6 +116,23 @@ def make_optimizer(args: argparse.Namespace):
     if args.optimizer == "sgd":
         return functools.partial(torch.optim.SGD, lr=args.lr or 0.1)
     return functools.partial(torch.optim.AdamW, lr=args.lr or 3e-3, weight_decay=0.0)
+
+
+def load_or_solve(args: argparse.Namespace, cluster: Cluster, rank: int) -> Plan:
+    """The plan of ``--plan FILE`` (read on every rank), else rank 0 solves and broadcasts.
+
+    Raises ValueError when the saved plan is for another batch, sequence length or world
+    size than this run's.
+    """
+    if args.plan is None:
+        return solve_and_broadcast(args, cluster, rank)
+    plan = Plan.from_json(args.plan.read_text(encoding="utf-8"))
+    wanted = (args.batch_size, args.seq_len, cluster.num_gpus)
+    if (plan.global_batch_size, plan.seq_len, plan.num_gpus) != wanted:
+        raise ValueError(f"{args.plan} plans B={plan.global_batch_size}, s={plan.seq_len} on "
+                         f"{plan.num_gpus} ranks, but this run has B={wanted[0]}, "
+                         f"s={wanted[1]} on {wanted[2]} ranks")
+    return plan
 
 
 def solve_and_broadcast(args: argparse.Namespace, cluster: Cluster, rank: int) -> Plan:
@@ -159,11 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         print(summarize(losses, args.log_every))
         return
     torch.set_num_threads(1)  # several ranks share a few cores
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # torchrun's env://
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=120))  # torchrun's env://
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         cluster = Cluster.local_cpu(processes=world_size)
-        plan = solve_and_broadcast(args, cluster, rank)
+        plan = load_or_solve(args, cluster, rank)
+        if rank == 0 and args.save_plan:
+            args.save_plan.write_text(plan.to_json() + "\n", encoding="utf-8")
         if rank == 0:
             print(f"{world_size} ranks, {len(tokens):,} bytes of stdlib source; plan: "
                   f"{plan.summary()}", flush=True)

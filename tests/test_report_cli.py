@@ -126,8 +126,13 @@ def fake_api(monkeypatch):
             monkeypatch.setattr(autopar, name, fake, raising=False)
     monkeypatch.setattr(autopar, "load_model", lambda spec: (object(), spec), raising=False)
 
-    def fake_plan(model, cluster, *, global_batch_size, seq_len, layout=None, model_name="model"):
-        calls.append(("plan", dict(cluster=cluster, layout=layout, B=global_batch_size)))
+    def fake_plan(model, cluster, *, global_batch_size, seq_len, layout=None, model_name="model",
+                  progress=None):
+        calls.append(("plan", dict(cluster=cluster, layout=layout, B=global_batch_size,
+                                   progress=progress)))
+        if progress is not None:
+            progress(0, 2, None)
+            progress(2, 2, 12.5)
         return make_plan(model=model_name)
 
     def fake_evaluate(model, cluster, layout, *, global_batch_size, seq_len, model_name="model"):
@@ -168,7 +173,7 @@ def test_cli_plan_json_passes_fixed_flags(fake_api, capsys):
 
 
 def test_cli_plan_report_prices_megatron_by_default(fake_api, tmp_path, capsys):
-    assert cli.main(["plan", *PLAN_ARGS, "--report", str(tmp_path)]) == 0
+    assert cli.main(["plan", *PLAN_ARGS, "--report", str(tmp_path), "--no-whatif"]) == 0
     out = capsys.readouterr().out
     assert "tp=4 pp=4 dp=64" in out and "auto/hand step time 0.83" in out
     kinds = [kind for kind, _ in fake_api]

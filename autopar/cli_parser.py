@@ -1,0 +1,256 @@
+"""The ``autopar`` argument parser: every verb, its flags and its --help text.
+
+Flag names are shared across verbs: ``--model``, ``--cluster``, ``--nodes``,
+``--global-batch-size``, ``--seq-len`` (what to train, and where) on ``plan``,
+``evaluate`` and ``compare``; ``--megatron`` for hand layouts; ``--json`` and
+``--debug`` on every verb. Each verb's help ends with runnable examples and the exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+from autopar.cli_verify import add_verify_parser
+from autopar.plan import RECOMPUTE_MODES, SCHEDULES
+from cost_models.hardware import PRESET_NAMES
+
+__all__ = ["build_parser", "EXIT_CODES_HELP"]
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  success
+  1  internal error (a bug: rerun with --debug and report the traceback)
+  2  bad input: a flag, model or cluster name, file, or a layout that breaks a
+     divisibility rule (the message says what to change)
+  3  infeasible: no layout fits the cluster's memory (the message names the
+     binding constraint and the smallest memory any layout needs)
+  4  the model cannot be traced (the message names the node)
+  5  verify: the parallel program does not match the single-device model
+"""
+
+EXAMPLES = {
+    "plan": """\
+  # the fastest layout for a 1.3B GPT on one DGX A100 node (about 3 s)
+  autopar plan --model gpt-1.3b --cluster dgx-a100 --nodes 1 \\
+      --global-batch-size 512 --seq-len 2048
+  # GPT-3 175B on 128 nodes: save the plan and write the report (beside Megatron-LM)
+  autopar plan --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 -o plan.json --report reports/gpt3
+  # pin tp=2 and let the solver choose the rest; JSON for scripts
+  autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 --json""",
+    "evaluate": """\
+  # Megatron-LM's published GPT-3 layout, priced by the planner's cost model
+  autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 \\
+      --tp 8 --pp 16 --dp 8 --micro-batch-size 1 --recompute full
+  autopar evaluate --model gpt-tiny --cluster local-cpu --global-batch-size 8 \\
+      --tp 2 --pp 1 --dp 2 --mbs 1 --json""",
+    "compare": """\
+  autopar compare --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 \\
+      --megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"
+  autopar compare --model gpt-tiny --cluster local-cpu --global-batch-size 8 \\
+      --megatron "tp=2,pp=1,dp=2,mbs=1" --megatron "tp=1,pp=2,dp=2,mbs=1" --json""",
+    "report": """\
+  autopar plan --model gpt-1.3b --nodes 1 --global-batch-size 512 -o plan.json
+  autopar report plan.json --out reports/again
+  autopar report plan.json --out reports/again \\
+      --megatron "tp=1,pp=1,dp=8,mbs=4,recompute=full" --json""",
+    "calibrate": """\
+  autopar calibrate --processes 2 --out local-cpu-calibrated.json
+  autopar plan --model gpt-tiny --cluster local-cpu-calibrated.json \\
+      --global-batch-size 8""",
+}
+
+OVERVIEW_EXAMPLES = """\
+  autopar plan --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 -o plan.json --report reports/gpt3
+  autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 --tp 8 --pp 16 --dp 8 --mbs 1 --recompute full
+  autopar compare --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 --megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"
+  autopar report plan.json --out reports/again
+  autopar calibrate --processes 2 --out local-cpu-calibrated.json"""
+
+DESCRIPTIONS = {
+    "autopar": "Plan tensor, pipeline and data parallel training of a GPT on a GPU cluster, "
+               "price hand-written layouts with the same cost model, and explain the choice "
+               "in a Markdown + HTML report. Every verb takes --json (machine-readable "
+               "stdout) and --debug (tracebacks).",
+    "plan": "Search the layouts (t, p, d, b, m, schedule, ZeRO, recompute per layer) that fit "
+            "the cluster's memory and print the fastest, as predicted by the cost model. "
+            "Layout flags fix decisions; the solver chooses the rest. On a terminal a "
+            "progress line on stderr follows the search (none when stderr is piped or with "
+            "--json). --report DIR also writes the report, with what-ifs (twice the nodes, "
+            "H100 instead of A100 nodes, twice the global batch: three more searches, "
+            "about three times the plan's own search time; --no-whatif skips them).",
+    "evaluate": "Price one fully specified layout with the same cost model the planner uses: "
+                "step time, TFLOP/s per GPU, MFU, memory per stage. Nothing is searched.",
+    "compare": "Solve for the auto plan, price each --megatron layout with the same cost model, "
+               "and print them side by side: step time, TFLOP/s per GPU, MFU, peak memory per "
+               "stage, the auto/hand ratio, and the difference per kind of time (bubble, "
+               "tp_comm, dp_comm, recompute, compute ...).",
+    "report": "Read a plan saved with `plan -o FILE` (or `plan --json > FILE`) and write its "
+              "report (report.md, a self-contained report.html and PNG charts) without "
+              "solving again. --json prints the written files and the plan's headline numbers.",
+    "calibrate": "Run small matmuls and gloo all-reduces on local processes and write a "
+                 "cluster JSON usable with --cluster (calls autopar.calibrate.calibrate_local). "
+                 "Takes about ten seconds.",
+}
+
+
+def _wrap(text: str) -> str:
+    """A paragraph wrapped for the raw-description help formatter."""
+    return textwrap.fill(text, width=88, break_on_hyphens=False)
+
+
+def _epilog(verb: str) -> str:
+    """The examples of ``verb`` and the exit codes."""
+    return f"examples:\n{EXAMPLES[verb]}\n\n{EXIT_CODES_HELP}"
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_problem_args(parser: argparse.ArgumentParser) -> None:
+    """Model, cluster and batch flags shared by ``plan``, ``evaluate`` and ``compare``."""
+    g = parser.add_argument_group("what to train, and where")
+    g.add_argument("--model", required=True, metavar="SPEC",
+                   help="a preset name (gpt-tiny, gpt2-124m, gpt-1.3b, gpt-8.3b, gpt3-175b, "
+                        "gpt-1t) or 'module:factory', a function returning an nn.Module; "
+                        "the model is built on the meta device, never materialised")
+    g.add_argument("--cluster", default="dgx-a100", metavar="NAME|FILE",
+                   help=f"a cluster preset ({', '.join(PRESET_NAMES)}) or a cluster JSON file "
+                        "as written by Cluster.to_json_file or `autopar calibrate` "
+                        "(default: dgx-a100)")
+    g.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
+                   help="number of nodes (default: 1 for a preset, the file's value for a file)")
+    g.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="B",
+                   help="sequences per optimizer step, B = d · b · m")
+    g.add_argument("--seq-len", type=_positive_int, default=None, metavar="S",
+                   help="tokens per sequence (default: the model's block_size)")
+
+
+def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """The layout flags; for ``plan`` each one fixes that decision and the solver picks the rest."""
+    title = "layout (tp, pp, dp and micro-batch size required)" if required else \
+        "layout (optional: each flag fixes one decision, the solver chooses the rest)"
+    g = parser.add_argument_group(title)
+    g.add_argument("--tp", type=_positive_int, required=required, metavar="T",
+                   help="tensor-parallel size t (must divide the head count and GPUs per node)")
+    g.add_argument("--pp", type=_positive_int, required=required, metavar="P",
+                   help="pipeline-parallel size p (number of stages)")
+    g.add_argument("--dp", type=_positive_int, required=required, metavar="D",
+                   help="data-parallel size d; t · p · d must equal the number of GPUs")
+    g.add_argument("--micro-batch-size", "--mbs", dest="micro_batch_size", type=_positive_int,
+                   required=required, metavar="b", help="sequences per micro-batch b")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage: 0 plain DP, 1 shards optimizer states, 2 also gradients, "
+                        "3 also parameters")
+    g.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
+                   help="activation recomputation on every layer: none, selective (attention "
+                        "core only, Megatron-3) or full (keep only each layer's input)")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="pipeline schedule (interleaved_1f1b needs --virtual-stages > 1)")
+    g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+                   help="model chunks per pipeline rank for the interleaved schedule")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="Megatron-3 sequence parallelism in the non-tensor-parallel regions")
+
+
+def _add_megatron(group, extra: str = "") -> None:
+    """``--megatron FLAGS`` (alias ``--hand-layout``), repeatable."""
+    group.add_argument("--megatron", "--hand-layout", dest="megatron", action="append",
+                       default=[], metavar="FLAGS",
+                       help="a hand-written layout priced with the same cost model and shown "
+                            "beside the plan, e.g. \"tp=8,pp=16,dp=8,mbs=1,recompute=full\"; "
+                            "repeat for several" + extra)
+
+
+def _add_common(group, json_help: str) -> None:
+    """``--json`` and ``--debug``, on every verb."""
+    group.add_argument("--json", action="store_true", help=json_help)
+    group.add_argument("--debug", action="store_true",
+                       help="show the traceback of an error instead of one line")
+
+
+def _add_output_args(parser: argparse.ArgumentParser, *, search: bool) -> None:
+    """Output flags of ``plan`` (search=True) and ``evaluate``."""
+    g = parser.add_argument_group("output")
+    _add_common(g, "print the plan as JSON on stdout (Plan.to_json, readable by `autopar "
+                   "report`); messages go to stderr and no progress is drawn")
+    g.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
+                   help="also save the plan as JSON to FILE (read it back with `autopar report`)")
+    g.add_argument("--report", type=Path, default=None, metavar="DIR",
+                   help="write DIR/report.md, a self-contained DIR/report.html and PNG charts: "
+                        "the plan, its predicted time and memory, why it was chosen, hand "
+                        "layouts side by side")
+    if search:
+        g.add_argument("--no-whatif", dest="whatif", action="store_false",
+                       help="with --report, skip the what-ifs (they re-run the search three "
+                            "times: twice the nodes, H100 nodes, twice the global batch)")
+        _add_megatron(g, ". With --report and no --megatron, GPT-3 175B on DGX A100 is "
+                         "compared with the published Megatron-LM layout")
+
+
+def _verb(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand with its description, examples and exit codes."""
+    return sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          help=help_text, description=_wrap(DESCRIPTIONS[name]),
+                          epilog=_epilog(name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autopar`` argument parser with its five verbs."""
+    parser = argparse.ArgumentParser(
+        prog="autopar", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrap(DESCRIPTIONS["autopar"]),
+        epilog=f"examples (`autopar VERB --help` for more):\n{OVERVIEW_EXAMPLES}\n\n"
+               f"{EXIT_CODES_HELP}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+
+    plan = _verb(sub, "plan", "search for the fastest layout that fits")
+    _add_problem_args(plan)
+    _add_layout_args(plan, required=False)
+    _add_output_args(plan, search=True)
+
+    evaluate = _verb(sub, "evaluate", "price one fixed layout")
+    _add_problem_args(evaluate)
+    _add_layout_args(evaluate, required=True)
+    _add_output_args(evaluate, search=False)
+
+    cmp = _verb(sub, "compare", "the auto plan beside hand layouts, and where they differ")
+    _add_problem_args(cmp)
+    g = cmp.add_argument_group("hand layouts and output")
+    _add_megatron(g, " (default: the published Megatron-LM layout where one is known)")
+    _add_common(g, "print the comparison as JSON on stdout; no progress is drawn")
+
+    report = _verb(sub, "report", "write the report of a saved plan, without solving")
+    report.add_argument("plan_file", type=Path, metavar="PLAN.json", help="the saved plan")
+    g = report.add_argument_group("output")
+    g.add_argument("--out", "--report", dest="out", type=Path, required=True, metavar="DIR",
+                   help="directory for report.md, report.html and the PNG charts")
+    _add_megatron(g, " (rebuilds the model from the plan's model name on the meta device "
+                     "and the cluster from the plan)")
+    _add_common(g, "print the written files and the plan's headline numbers as JSON")
+
+    cal = _verb(sub, "calibrate", "measure this machine's CPU profile")
+    g = cal.add_argument_group("measurement and output")
+    g.add_argument("--processes", type=_positive_int, default=4, metavar="N",
+                   help="local processes to measure collectives across, at least 2 (default: 4)")
+    g.add_argument("--out", type=Path, default=Path("local-cpu-calibrated.json"),
+                   metavar="FILE", help="where to write the measured cluster JSON "
+                   "(default: local-cpu-calibrated.json)")
+    _add_common(g, "print the measured profile as JSON on stdout")
+    add_verify_parser(sub)
+    return parser
