@@ -91,7 +91,8 @@ class CostTables:
     (transition not offered); f_s[u], f_bytes[u]: Megatron-f all-reduce (backward) when a
     consumer makes u's gradient partial, f_rs_s[u] the reduce-scatter that replaces it when
     u arrives sharded (:func:`f_cost`); p2p_s: one activation send between stages, fwd+bwd;
-    loss_s / loss_bytes: cross-entropy time and saved bytes on the last stage.
+    vocab_loss_bytes: payload of the vocabulary-parallel cross-entropy's three all-reduces
+    per micro-batch. The cross-entropy itself is priced as the output node (:func:`_loss_cost`).
     """
 
     config: Config
@@ -102,8 +103,7 @@ class CostTables:
     f_rs_s: dict[str, float]
     p2p_s: float
     p2p_bytes: float
-    loss_s: float
-    loss_bytes: float
+    vocab_loss_bytes: float
     full_ckpt_bytes: float
     model_flops_per_seq: float
     layer_fwd_flops_per_seq: float
@@ -166,6 +166,22 @@ def _param_numel(info, strat: Strategy) -> float:
         return sum(n if name.endswith("bias") else n / strat.param_divisor
                    for name, n in sizes.items())
     return info.param_numel / strat.param_divisor
+
+
+def _loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: Cluster,
+               tp_link) -> StrategyCost:
+    """Cross-entropy on the last stage, as the output node's cost, for ``logits`` elements
+    (b·s·V) of ``tokens`` (b·s) per micro-batch: memory-bound passes over fp32 logits and
+    their saved softmax (LOSS_BYTES_PER_LOGIT each). "vocab_parallel" (Megatron's
+    vocab-parallel cross-entropy, Shoeybi et al. 2019 section 3) works on this rank's V/t
+    columns and all-reduces three (b, s) fp32 tensors over TP in forward (the row max, the
+    target logit and the sum of exponentials); "replicate" needs the whole logits."""
+    div = tp if strat.name == "vocab_parallel" else 1
+    fwd = compute.memory_bound_time_s(LOSS_BYTES_PER_LOGIT * logits / div, cluster.device)
+    comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
+    return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0,
+                        saved_bytes=LOSS_BYTES_PER_LOGIT * logits / div, core_saved_bytes=0.0,
+                        core_fwd_s=0.0)
 
 
 def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
@@ -231,14 +247,17 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
     p2p_bytes = cfg.activation_bytes * boundary
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    logits = nodes[out.args[0].name].numel * b  # (b, s, V) fed to the loss
+    logits_node = nodes[out.args[0].name]
+    logits = logits_node.numel * b  # (b, s, V) fed to the loss
+    tokens = logits / logits_node.shape[-1]
+    vocab_loss_bytes = 3 * LOSS_BYTES_PER_LOGIT * tokens  # max, target logit, sum of exp
+    node_tab[out.name] = [_loss_cost(s, logits, tokens, tp, cluster, tp_link)
+                          for s in strategies[out.name]]
     matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,
         p2p_s=2.0 * comm.p2p_time_s(p2p_bytes, pp_link) if cfg.pp > 1 else 0.0,
-        p2p_bytes=p2p_bytes,
-        loss_s=compute.memory_bound_time_s(3 * LOSS_BYTES_PER_LOGIT * logits, cluster.device),
-        loss_bytes=LOSS_BYTES_PER_LOGIT * logits,
+        p2p_bytes=p2p_bytes, vocab_loss_bytes=vocab_loss_bytes,
         full_ckpt_bytes=cfg.activation_bytes * boundary,
         model_flops_per_seq=3.0 * matmul, layer_fwd_flops_per_seq=layer_matmul)

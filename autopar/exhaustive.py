@@ -236,8 +236,8 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     first, last = i == 0, i == p - 1
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
-    t += first * pre["time_s"] + last * (post["time_s"] + tables.loss_s)
-    bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * (post["bwd_s"] + 2 * tables.loss_s / 3)
+    t += first * pre["time_s"] + last * post["time_s"]
+    bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * post["bwd_s"]
     pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
     inflight = math.ceil(in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
@@ -245,13 +245,13 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     if rounding == "predict":
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
-        extra = lay["act_bytes"] + last * (post["act_bytes"] + tables.loss_bytes)
+        extra = lay["act_bytes"] + last * post["act_bytes"]
         mem = params * bytes_per_param(zero, d, cfg.dtype) + inflight * act + extra
         return t, params, bwd, mem, mem <= memory_bytes
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
-    extra = lay["act_kib"] + last * (post["act_kib"] + int(tables.loss_bytes / KIB))
+    extra = lay["act_kib"] + last * post["act_kib"]
     mem_d = round(bytes_per_param(zero, d, cfg.dtype) * d) * units + d * (inflight * act + extra)
     return t, params, bwd, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
 

@@ -16,6 +16,7 @@ Passes run in a fixed order, each reading only the plan:
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable, Iterable
 
 import torch
@@ -27,7 +28,8 @@ from .rewrite.dropout import apply_dropout_rng
 from .rewrite.pipeline import annotate_stages, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
-from .runtime.engine import ParallelModule
+from .runtime.collectives import vocab_parallel_cross_entropy
+from .runtime.engine import ParallelModule, token_cross_entropy
 from .runtime.mesh import ParallelGroups, validate_degrees
 from .runtime.rng import seed_rank
 from .runtime.support import check_executable
@@ -172,6 +174,7 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
         optimizer_factory=optimizer, tied_parameter_names=tied_names if plan.pp > 1 else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
+        loss_fn=_loss_fn(traced, plan, groups),
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
     return module
 
@@ -188,3 +191,14 @@ def _boundary_shard_dims(traced, plan: Plan, stage: int) -> tuple[int | None, in
         return int(placement[1:]) if placement.startswith("S") else None
     lo, hi = plan.stage_layers[stage]
     return (dim(lo - 1) if stage > 0 else None, dim(hi - 1) if stage < plan.pp - 1 else None)
+
+
+def _loss_fn(traced, plan: Plan, groups: ParallelGroups):
+    """The last stage's per-micro-batch loss: token cross-entropy of the whole logits, or
+    the vocabulary-parallel one when the plan keeps the logits split (b, s, V/t)."""
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    if not plan.placements[out.name].startswith("vocab_parallel:"):
+        return token_cross_entropy
+    local_vocab = traced.nodes[out.args[0].name].shape[-1] // plan.tp
+    return functools.partial(vocab_parallel_cross_entropy, group=groups.tp_group,
+                             vocab_start=groups.tp_rank * local_vocab)

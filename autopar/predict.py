@@ -77,6 +77,8 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                     out[f"{phase}tp_{kind}"] += edge.nbytes
                 elif kind == "all_gather":  # payload: this rank's shard
                     out[f"{phase}tp_all_gather"] += edge.nbytes / tp
+    if tp > 1 and any(strategies[n][choice[n]].name == "vocab_parallel" for n in names):
+        out["fwd_tp_all_reduce"] += tables.vocab_loss_bytes  # vocab-parallel cross-entropy
     for u, placement in partial:  # Megatron f: one backward collective per tensor
         kind, f_s = f_cost(tables, u, placement)
         out["tp_bwd_s"] += f_s
@@ -113,9 +115,7 @@ def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
             if sec == "pre":
                 act += s["act_bytes"]
             else:
-                held += s["act_bytes"] + tables.loss_bytes
-                total["fwd_s"] += tables.loss_s / 3
-                total["bwd_s"] += 2 * tables.loss_s / 3
+                held += s["act_bytes"]  # the head and the loss, once (the output node)
     if p == 1:  # the tied weight is one tensor when both ends share a stage
         total["params"] -= _tied_numel(traced, tables, choice)
     return total, rec_s, act, held, working

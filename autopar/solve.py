@@ -310,7 +310,7 @@ class StageModel:
             act_total = self._var(f"act_stage[{i}]", act, L * act_ub * 4 + self._ub("pre", "act"))
             extra = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
-                extra = extra + self._expr("post", "act") + int(self.c.loss_bytes / KIB)
+                extra = extra + self._expr("post", "act")
             # everything times d, in KiB (parameter units of 1024 make state bytes KiB)
             mem_d = state_d_kib + d * (int(math.ceil(inflight)) * act_total + extra)
             self.m.Add(mem_d <= self.cluster.device.memory_bytes // KIB * d).WithName(f"memory[stage {i}]")
@@ -324,7 +324,7 @@ class StageModel:
         fb = self._var("fwd_bwd_layer", fl + bl, self._ub("layer", "fwd") + self._ub("layer", "bwd"))
         p2p = int(math.ceil(self.c.p2p_s * self.ns))
         t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
-            self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + int(self.c.loss_s * self.ns) + 1
+            self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + 1
         self.stage_t, self.stage_bwd = [], []
         for i in range(cfg.pp):
             bwd = self._prod(f"bwd_layers[{i}]", self.n[i], bl, t_ub)
@@ -337,7 +337,7 @@ class StageModel:
             if i == 0:
                 t += self._expr("pre", "fwd") + self._expr("pre", "bwd")
             if i == cfg.pp - 1:
-                t += self._expr("post", "fwd") + self._expr("post", "bwd") + int(self.c.loss_s * self.ns)
+                t += self._expr("post", "fwd") + self._expr("post", "bwd")
             self.stage_t.append(self._var(f"stage_time[{i}]", t, t_ub))
         tmax = self.m.NewIntVar(0, t_ub + p2p, "t_max")
         for t in self.stage_t:

@@ -46,7 +46,7 @@ class Strategy:
     """One tensor-parallel option of a node.
 
     name: "replicate" | "column" | "row" | "vocab" | "heads" | "sharded" | "shape_S<d>" (x.size()
-        of a tensor sharded along d).
+        of a tensor sharded along d) | "vocab_parallel" (the loss on vocabulary-split logits).
     inputs: required placement of each tensor input (in ``node.all_input_nodes`` order
         restricted to tensor inputs; see :func:`tensor_inputs`).
     output: placement of the output.
@@ -117,8 +117,12 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
                  for d in range(len(in_shape)) if in_shape[d] % tp == 0]
     if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm"):
         return base
-    if kind == "output":
-        return [Strategy("replicate", ("R",) * len(ins), "R")]
+    if kind == "output":  # the loss reads the logits: whole, or vocabulary-parallel
+        base = [Strategy("replicate", ("R",) * len(ins), "R")]
+        logits = nodes[ins[0].name].shape if len(ins) == 1 else None
+        if logits and len(logits) == 3 and logits[-1] % tp == 0:
+            base.append(Strategy("vocab_parallel", ("S2",), "S2", tp, 1, (False,)))
+        return base
     if kind == "linear":
         mod = gm.get_submodule(node.target)
         last = _shard(-1, len(shape))
@@ -267,7 +271,8 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
             chosen = on_sequence[0]
         else:
             same = [s for s in strategies[node.name]  # pass-through: keep what arrives
-                    if s.inputs == arriving and (s.name in ("replicate", "sharded", "heads")
+                    if s.inputs == arriving and (s.name in ("replicate", "sharded", "heads",
+                                                            "vocab_parallel")
                                                  or s.name.startswith("shape"))]
             chosen = same[-1] if same else options["replicate"]
         completed = seq if sequence_parallel else "R"  # where a partial sum is completed

@@ -260,6 +260,53 @@ class GatherToPartialGradTP(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.counter), None, None, None
 
 
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of vocabulary-split logits without gathering them (Megatron-LM's
+    ``vocab_parallel_cross_entropy``, Shoeybi et al. 2019 section 3).
+
+    ``VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start)``: logits (b, s,
+    V/t), this rank's columns [vocab_start, vocab_start + V/t) of the (b, s, V) logits;
+    targets (b, s) int64 in [0, V) -> per-token loss (b, s) float32, the same on every rank.
+    Forward all-reduces three (b, s) fp32 tensors over ``group`` (max, target logit, sum of
+    exponentials); backward needs no communication: softmax - one-hot on this rank's columns.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group,
+                vocab_start: int) -> torch.Tensor:
+        x = logits.float()
+        row_max = x.max(dim=-1).values  # (b, s)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x = x - row_max.unsqueeze(-1)
+        n = x.shape[-1]
+        outside = (targets < vocab_start) | (targets >= vocab_start + n)  # (b, s)
+        local = (targets - vocab_start).masked_fill(outside, 0)
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)
+        exp = x.exp()  # (b, s, V/t)
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.logits_dtype = logits.dtype
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, local, outside = ctx.saved_tensors
+        g = softmax.clone()
+        inside = (~outside).to(g.dtype)
+        g.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1))  # - one-hot
+        return (g * grad.unsqueeze(-1)).to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, group: Group,
+                                 vocab_start: int) -> torch.Tensor:
+    """Mean token cross-entropy of vocabulary-split logits (b, s, V/t); see
+    :class:`VocabParallelCrossEntropy`. Returns a float32 scalar."""
+    return VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start).mean()
+
+
 class _TPModule(nn.Module):
     """Holds the process group as a plain attribute (not a buffer) and an optional counter."""
 
