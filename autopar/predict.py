@@ -197,7 +197,8 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     if p > 1:
         comm["pp_p2p"] = (int(i < p - 1) + int(i > 0)) * m * tables.p2p_bytes
     param_b, grad_b, _ = state_bytes(cfg.dtype)
-    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b))
+    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
+                               _fsdp_units(traced, strategies, decision, cfg)))
     if p > 1 and i in (0, p - 1):
         comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
     if i == p - 1 and cfg.dp > 1:
@@ -207,19 +208,70 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
             + mem["optimizer_states"], "saved_activation_bytes": saved}
 
 
-def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int) -> dict[str, float]:
+def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int,
+                   units: tuple[list[int], int] | None = None) -> dict[str, float]:
     """DP payload bytes per step of :class:`autopar.runtime.zero.DistributedOptimizer` for a
     stage of ``params`` parameters: ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters
     them once (ZeRO-2 after each of the m micro-batches) over a buffer padded to a multiple
-    of d, and all-gathers this rank's 1/d of the updated parameters."""
+    of d, and all-gathers this rank's 1/d of the updated parameters.
+
+    ZeRO-3 (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, FSDP2) needs ``units``
+    from :func:`_fsdp_units`: (S_l per layer unit, S_root), the elements one rank
+    all-gathers per unit. Per micro-batch every layer unit is all-gathered twice (forward,
+    and backward after its reshard), the root once (kept through backward), and every
+    unit's padded gradient (d * S_u elements) reduce-scattered once:
+    all-gather = m * param_b * (2 * sum(S_l) + S_root), reduce-scatter =
+    m * grad_b * d * (sum(S_l) + S_root)."""
     d = cfg.dp
     if d == 1:
         return {}
+    if zero == 3:
+        layers, root = units
+        m = cfg.num_micro_batches
+        return {"dp_all_gather": m * param_b * (2 * sum(layers) + root),
+                "dp_reduce_scatter": m * grad_b * d * (sum(layers) + root)}
     if zero == 0:
         return {"dp_all_reduce": grad_b * params}
     padded = math.ceil(round(params) / d) * d
     times = cfg.num_micro_batches if zero == 2 else 1
     return {"dp_reduce_scatter": times * grad_b * padded, "dp_all_gather": param_b * padded / d}
+
+
+def _fsdp_units(traced: TracedModel, strategies: NodeStrategies, decision, cfg
+                ) -> tuple[list[int], int] | None:
+    """ZeRO-3 only (else None): elements one DP rank all-gathers for each FSDP2 unit of a
+    pp == 1 stage, as :mod:`autopar.runtime.fsdp` groups them: one unit per layer, the root
+    holding the pre and post sections (the tied weight once). Each parameter is sharded
+    by FSDP2 along dim 0, padded to a multiple of d: its shard is ceil(dim0/d) * numel/dim0
+    elements of its TP-local shape (column/vocab split dim 0 by t, row splits the weight's
+    dim 1 and keeps the bias whole, as ``rewrite.tensor_parallel`` does)."""
+    if decision.zero_stage != 3:
+        return None
+    d, t = cfg.dp, cfg.tp
+    seen: set[tuple[str, int | None]] = set()
+
+    def shard_numel(names: list[str]) -> int:
+        total = 0
+        for name in names:
+            info, strat = traced.nodes[name], strategies[name][decision.strategy[name]]
+            for pname in info.params:
+                shape = list(traced.gm.get_parameter(pname).shape)
+                dim = None
+                if (strat.name, info.kind) in (("column", "linear"), ("vocab", "embedding")):
+                    dim = 0
+                elif (strat.name, info.kind) == ("row", "linear") and not pname.endswith("bias"):
+                    dim = 1
+                if (pname, dim) in seen:  # a tied parameter is one tensor
+                    continue
+                seen.add((pname, dim))
+                if dim is not None:
+                    shape[dim] //= t
+                rows = shape[0] if shape else 1
+                total += -(-rows // d) * math.prod(shape[1:])
+        return total
+
+    layers = [shard_numel(names) for names in traced.layers]
+    return layers, shard_numel(traced.pre + traced.post)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:
