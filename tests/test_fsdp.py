@@ -4,7 +4,8 @@ The matrix (test_matrix.py) runs ZeRO-3 on the test GPT, whose dimensions all di
 here the vocabulary (65 rows), the position table (17 rows) and the width (30) do not
 divide d = 2 or 4 everywhere, so FSDP2 pads dim 0 of those parameters, and the predicted
 all-gather / reduce-scatter bytes must still be exact. Also: units are per layer, the
-gathered parameters are not counted as saved activations, and pp > 1 is refused.
+gathered parameters are not counted as saved activations, ``autopar verify`` reads the
+sharded (DTensor) gradients, and pp > 1 is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.fsdp import FullyShardedOptimizer, layer_units
 from autopar.runtime.support import RUNTIME_SUPPORT
 from autopar.trace import trace_model
+from autopar.verify import verify
 from dist_utils import run_distributed
 from test_parallelize import _cluster, _optimizer, _rel
 
@@ -73,8 +75,10 @@ def _worker(rank: int, world: int, plans: list[str]):
         losses = [pm.train_step(idx, tgt) for idx, tgt in _batches()]
         units = {id(fully_shard.state(m)) for m in pm.stage_module.modules()
                  if isinstance(m, FSDPModule)}
+        report = verify(_odd_model(), plan, raise_on_failure=False)  # DTensor gradients
         out.append({"losses": losses, "stats": pm.last_step_stats(), "units": len(units),
-                    "predicted": plan.predicted.stage_stats[0], "state": pm.full_state_dict()})
+                    "predicted": plan.predicted.stage_stats[0], "state": pm.full_state_dict(),
+                    "verified": report.to_dict()})
     return out
 
 
@@ -90,6 +94,7 @@ def test_zero3_pads_uneven_parameters_and_predicts_exact_bytes():
                 assert nbytes == predicted["comm_bytes"][kind], (kind, measured, predicted)
             assert measured["comm_bytes"]["dp_all_gather"] > 0
             assert r["units"] == ODD.n_layer + 1  # one per layer + the root
+            assert r["verified"]["ok"], r["verified"]
             for got, want in zip(r["losses"], ref_losses):
                 assert abs(got - want) / abs(want) < 1e-5, (r["losses"], ref_losses)
             for key, want in ref_state.items():
