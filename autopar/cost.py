@@ -136,8 +136,11 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     """Seconds of DP communication per parameter per step: a ring all-reduce of the
     gradients (ZeRO-1: reduce-scatter + all-gather, the same bytes); ZeRO-2 reduce-scatters
     after each of the m micro-batches, as DeepSpeed's stage 2 and our runtime do
-    ((m + 1)/2 all-reduces); ZeRO-3 adds a parameter all-gather in forward and backward
-    (1.5x, ZeRO paper section 7.2)."""
+    ((m + 1)/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`) all-gathers the
+    parameters in forward and again in backward and reduce-scatters the gradients in every
+    micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per micro-batch, 1.5·m per step,
+    the counts ``predict._dp_comm_bytes`` predicts in bytes (there the root unit, kept
+    gathered through backward, saves one all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
         return 0.0
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
@@ -148,7 +151,9 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     per_param = comm.all_reduce_time_s(DP_BUCKET_BYTES, cfg.dp, link) / bucket_params
     if zero_stage == 2:
         return per_param * (cfg.num_micro_batches + 1) / 2
-    return per_param * (1.5 if zero_stage == 3 else 1.0)
+    if zero_stage == 3:
+        return per_param * 1.5 * cfg.num_micro_batches
+    return per_param
 
 
 def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:

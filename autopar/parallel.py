@@ -30,6 +30,7 @@ from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from .runtime.collectives import vocab_parallel_cross_entropy
 from .runtime.engine import ParallelModule, token_cross_entropy
+from .runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
 from .runtime.mesh import ParallelGroups, validate_degrees
 from .runtime.rng import seed_rank
 from .runtime.support import check_executable
@@ -59,7 +60,7 @@ class ParallelizedModel(ParallelModule):
         local: dict[str, torch.Tensor] = {}
         params = dict(self.stage_module.named_parameters())
         for name, spec in sorted(self.shards.items()):
-            t = params[name].detach()
+            t = full_tensor(params[name].detach())  # ZeRO-3: all-gathered over DP
             if spec.dim is not None and g.tp > 1:
                 parts = [torch.empty_like(t) for _ in range(g.tp)]
                 dist.all_gather(parts, t.contiguous(), group=g.tp_group)
@@ -152,7 +153,10 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) -> ParallelizedModel:
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
-    local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
+    # ZeRO-3: the (sharded) parameters stay fp32 master weights; FSDP2 casts them to the
+    # plan's dtype when it gathers them (runtime.fsdp), so the activations are bf16 as well
+    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
+    local_model = copy.deepcopy(model).to(torch.float32 if zero3 else PARAM_DTYPES[plan.dtype])
     traced = trace_model(local_model, plan.seq_len)
     annotate_stages(traced, plan.stage_layers)
     tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,

@@ -208,10 +208,14 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
         names = [n for l in range(lo, hi) for n in traced.layers[l]]
         names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])
-        times = m if decision.zero_stage == 2 else 1
-        comm["tp_all_reduce"] += times * grad_b * _partial_grad_param_numel(
-            traced, strategies, decision.strategy, names)
-    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b))
+        sizes = _partial_grad_param_sizes(traced, strategies, decision.strategy, names)
+        if decision.zero_stage == 3:  # once per step, on the fp32 DP shards FSDP2 keeps
+            comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
+        else:  # ZeRO-2 frees the gradients after each micro-batch
+            times = m if decision.zero_stage == 2 else 1
+            comm["tp_all_reduce"] += times * grad_b * sum(sizes)
+    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
+                               _fsdp_units(traced, strategies, decision, cfg)))
     if p > 1 and i in (0, p - 1):
         comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
     if i == p - 1 and cfg.dp > 1:
@@ -227,38 +231,89 @@ def _shards(traced, strategies, decision, layer: int, tp: int) -> int:
     return tp if strategies[name][decision.strategy[name]].output.startswith("S") else 1
 
 
-def _partial_grad_param_numel(traced, strategies, choice, names: list[str]) -> float:
-    """Elements of replicated parameters that ``names`` use on sequence shards, whose
+def _partial_grad_param_sizes(traced, strategies, choice, names: list[str]) -> list[int]:
+    """Elements of each replicated parameter that ``names`` use on sequence shards, whose
     gradients the runtime all-reduces over TP: LayerNorm on a shard, and the bias of a row
     Linear whose partial output is reduce-scattered (``TPRewrite.partial_grad_params``)."""
     graph = {n.name: n for n in traced.gm.graph.nodes}
-    total = 0.0
+    sizes: list[int] = []
     for name in names:
         info, strat = traced.nodes[name], strategies[name][choice[name]]
+        params = info.extra.get("param_sizes", {})
         if strat.name == "sharded":
-            total += info.param_numel
+            sizes += [int(n) for n in params.values()]
         elif strat.output == "P":
-            bias = sum(n for key, n in info.extra.get("param_sizes", {}).items() if key.endswith("bias"))
             to_shard = any(strategies[u.name][choice[u.name]].inputs[j].startswith("S")
                            for u in graph[name].users
                            for j, src in enumerate(tensor_inputs(u, traced.nodes)) if src.name == name)
-            total += bias if to_shard else 0.0
-    return total
+            sizes += [int(n) for key, n in params.items() if key.endswith("bias") and to_shard]
+    return sizes
 
 
-def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int) -> dict[str, float]:
+def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int,
+                   units: tuple[list[int], int] | None = None) -> dict[str, float]:
     """DP payload bytes per step of :class:`autopar.runtime.zero.DistributedOptimizer` for a
     stage of ``params`` parameters: ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters
     them once (ZeRO-2 after each of the m micro-batches) over a buffer padded to a multiple
-    of d, and all-gathers this rank's 1/d of the updated parameters."""
+    of d, and all-gathers this rank's 1/d of the updated parameters.
+
+    ZeRO-3 (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, FSDP2) needs ``units``
+    from :func:`_fsdp_units`: (S_l per layer unit, S_root), the elements one rank
+    all-gathers per unit. Per micro-batch every layer unit is all-gathered twice (forward,
+    and backward after its reshard), the root once (kept through backward), and every
+    unit's padded gradient (d * S_u elements) reduce-scattered once:
+    all-gather = m * param_b * (2 * sum(S_l) + S_root), reduce-scatter =
+    m * grad_b * d * (sum(S_l) + S_root)."""
     d = cfg.dp
     if d == 1:
         return {}
+    if zero == 3:
+        layers, root = units
+        m = cfg.num_micro_batches
+        return {"dp_all_gather": m * param_b * (2 * sum(layers) + root),
+                "dp_reduce_scatter": m * grad_b * d * (sum(layers) + root)}
     if zero == 0:
         return {"dp_all_reduce": grad_b * params}
     padded = math.ceil(round(params) / d) * d
     times = cfg.num_micro_batches if zero == 2 else 1
     return {"dp_reduce_scatter": times * grad_b * padded, "dp_all_gather": param_b * padded / d}
+
+
+def _fsdp_units(traced: TracedModel, strategies: NodeStrategies, decision, cfg
+                ) -> tuple[list[int], int] | None:
+    """ZeRO-3 only (else None): elements one DP rank all-gathers for each FSDP2 unit of a
+    pp == 1 stage, as :mod:`autopar.runtime.fsdp` groups them: one unit per layer, the root
+    holding the pre and post sections (the tied weight once). Each parameter is sharded
+    by FSDP2 along dim 0, padded to a multiple of d: its shard is ceil(dim0/d) * numel/dim0
+    elements of its TP-local shape (column/vocab split dim 0 by t, row splits the weight's
+    dim 1 and keeps the bias whole, as ``rewrite.tensor_parallel`` does)."""
+    if decision.zero_stage != 3:
+        return None
+    d, t = cfg.dp, cfg.tp
+    seen: set[tuple[str, int | None]] = set()
+
+    def shard_numel(names: list[str]) -> int:
+        total = 0
+        for name in names:
+            info, strat = traced.nodes[name], strategies[name][decision.strategy[name]]
+            for pname in info.params:
+                shape = list(traced.gm.get_parameter(pname).shape)
+                dim = None
+                if (strat.name, info.kind) in (("column", "linear"), ("vocab", "embedding")):
+                    dim = 0
+                elif (strat.name, info.kind) == ("row", "linear") and not pname.endswith("bias"):
+                    dim = 1
+                if (pname, dim) in seen:  # a tied parameter is one tensor
+                    continue
+                seen.add((pname, dim))
+                if dim is not None:
+                    shape[dim] //= t
+                rows = shape[0] if shape else 1
+                total += -(-rows // d) * math.prod(shape[1:])
+        return total
+
+    layers = [shard_numel(names) for names in traced.layers]
+    return layers, shard_numel(traced.pre + traced.post)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from .plan import Plan
 from .runtime.engine import token_cross_entropy
+from .runtime.fsdp import full_tensor
 from .verify_report import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
@@ -120,7 +121,7 @@ def _gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, 
     params = dict(pm.stage_module.named_parameters())
     local: dict[str, torch.Tensor] = {}
     for name, spec in sorted(pm.shards.items()):
-        t = pick(params[name]).detach()
+        t = full_tensor(pick(params[name]).detach())  # ZeRO-3: all-gathered over DP
         if spec.dim is not None and g.tp > 1:
             parts = [torch.empty_like(t) for _ in range(g.tp)]
             dist.all_gather(parts, t.contiguous(), group=g.tp_group)
@@ -149,7 +150,8 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     (tied embedding summed over stages, averaged over DP). A parameter without a gradient
     gives zeros. Collective over the whole world: every rank must call it.
     Under ZeRO-1/2 each rank keeps only its slice of the averaged gradient; the slices are
-    all-gathered over DP first (``DistributedOptimizer.synchronize_gradients``).
+    all-gathered over DP first (``DistributedOptimizer.synchronize_gradients``); ZeRO-3
+    gradients are DTensors, made whole over DP by ``runtime.fsdp.full_tensor``.
     """
     pm.dp_optimizer.synchronize_gradients()
     return _gather_full(pm, _grad_or_zeros)
@@ -181,7 +183,8 @@ def _local_drift(pm, reference: dict[str, torch.Tensor],
         ref = reference[key]
         if spec.dim is not None and g.tp > 1:
             ref = ref.chunk(g.tp, dim=spec.dim)[g.tp_rank]
-        diff = (pick(params[name]).detach().cpu().float() - ref.float()).abs().max().item()
+        local = full_tensor(pick(params[name]).detach())  # ZeRO-3: whole over DP
+        diff = (local.cpu().float() - ref.float()).abs().max().item()
         mine[key] = max(mine.get(key, 0.0), diff)
     gathered: list = [None] * g.world_size
     dist.all_gather_object(gathered, mine)

@@ -16,7 +16,10 @@ its TP collectives inside) and implements one training step:
 4. DP and the optimizer (:class:`autopar.runtime.zero.DistributedOptimizer`): gradients
    averaged over ``groups.dp_group`` by all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2;
    ZeRO-2 after every micro-batch), the optimizer steps (the owned slice, fp32 master
-   weights under bf16), parameters all-gathered back (ZeRO-1/2).
+   weights under bf16), parameters all-gathered back (ZeRO-1/2). ZeRO-3
+   (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, pp == 1): FSDP2 shards the
+   stage over the DP mesh, gathers each layer's parameters around its forward and
+   backward and reduce-scatters its gradient per micro-batch.
 5. The returned loss is the mean over all micro-batches and replicas, the same float on
    every rank.
 
@@ -40,6 +43,7 @@ from torch import nn
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
+from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
@@ -85,14 +89,17 @@ class ParallelModule(nn.Module):
         hidden_size: h, the width of the activation between stages.
         schedule: "1f1b" or "gpipe" (ignored when pp == 1).
         optimizer_factory: builds an element-wise optimizer (SGD, Adam, AdamW, ...) from a
-            list of tensors; it is given this rank's flat (slice of the) master weights.
+            list of tensors; it is given this rank's flat (slice of the) master weights
+            (ZeRO-3: the stage's FSDP2-sharded DTensor parameters).
         tied_parameter_names: names (in stage_module.named_parameters()) of the tied
             embedding shard on the first and last stage; summed over the embedding group.
         activation_dtype: dtype of the activations sent between stages (the parameters').
         loss_fn: per-micro-batch mean loss (logits (b, s, V), targets (b, s)) -> scalar.
-        zero_stage: 0, 1 or 2 over the DP group (2 only with pp == 1).
+        zero_stage: 0, 1, 2 or 3 over the DP group (2 and 3 only with pp == 1). ZeRO-3
+            needs fp32 parameters (the sharded master weights); with activation_dtype
+            bf16 FSDP2 computes in bf16 (mixed precision).
         master_dtype: the optimizer's weights; float32 with bf16 parameters is mixed
-            precision (None: the parameters' dtype).
+            precision (None: the parameters' dtype). Unused by ZeRO-3.
         partial_grad_parameter_names: replicated parameters used on sequence shards
             (LayerNorm under sequence parallelism): their gradients are summed over the TP
             group after backward (per micro-batch under ZeRO-2).
@@ -101,7 +108,7 @@ class ParallelModule(nn.Module):
 
     Raises:
         ValueError: a size is not a positive int, 1F1B with m < p, a tied name is
-            missing on the first/last stage, or ZeRO-2 with pp > 1.
+            missing on the first/last stage, or ZeRO-2/3 with pp > 1.
         NotImplementedError: schedule "interleaved_1f1b" or any other unknown schedule.
     """
 
@@ -128,10 +135,11 @@ class ParallelModule(nn.Module):
         _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
                         seq_len=seq_len, hidden_size=hidden_size)
         _check_schedule(schedule, groups.pp, num_micro_batches)
-        if zero_stage == 2 and groups.pp > 1:
-            raise ValueError("ZeRO-2 reduce-scatters after every micro-batch, which the pipeline "
-                             "schedule does not expose (as in DeepSpeed, ZeRO-2 is not combined "
-                             "with pipeline parallelism); use zero_stage=1 with pp > 1")
+        if zero_stage >= 2 and groups.pp > 1:
+            raise ValueError(f"ZeRO-{zero_stage} reduces gradients after every micro-batch, "
+                             "which the pipeline schedule does not expose (as in DeepSpeed, "
+                             "ZeRO-2/3 are not combined with pipeline parallelism); use "
+                             "zero_stage=1 with pp > 1")
         self.stage_module = stage_module
         self.groups = groups
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
@@ -139,11 +147,17 @@ class ParallelModule(nn.Module):
         self.loss_fn = loss_fn
         self._stats: dict = {}
         self.tied_parameters = self._find_tied(tied_parameter_names)
-        params = dict(stage_module.named_parameters())
+        if zero_stage == FULLY_SHARDED_STAGE:
+            self.dp_optimizer = FullyShardedOptimizer(
+                stage_module, optimizer_factory,
+                dp_mesh=groups.device_mesh["dp"] if groups.device_mesh is not None else None,
+                param_dtype=activation_dtype)
+        else:
+            self.dp_optimizer = DistributedOptimizer(
+                stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
+                zero_stage=zero_stage, master_dtype=master_dtype)
+        params = dict(stage_module.named_parameters())  # after FSDP2 swapped them in
         self.partial_grad_parameters = [params[n] for n in partial_grad_parameter_names]
-        self.dp_optimizer = DistributedOptimizer(
-            stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
-            zero_stage=zero_stage, master_dtype=master_dtype)
         self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
@@ -208,7 +222,7 @@ class ParallelModule(nn.Module):
         self.dp_optimizer.zero_grad()  # grads stay readable until the next step
         start = time.perf_counter()
         with CommMeter(self.groups.axis_names()) as meter:
-            with SavedActivationTracker(self.stage_module.parameters()) as saved:
+            with SavedActivationTracker(self.stage_module) as saved:
                 if self.runner is None:
                     loss = self._accumulate(local_idx, local_targets)
                 else:
@@ -230,8 +244,9 @@ class ParallelModule(nn.Module):
         if self.groups.tp == 1:
             return
         for p in self.partial_grad_parameters:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.tp_group)
+            if p.grad is not None:  # ZeRO-3: this rank's DP shard (sums commute)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.groups.tp_group)
 
     def _sync_tied_grads(self) -> None:
         """Sum the tied embedding's partial gradients over the first and last stage."""

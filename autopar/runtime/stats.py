@@ -19,11 +19,18 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..plan import COMM_KINDS
 
 __all__ = ["SavedActivationTracker", "CommMeter", "model_state_bytes"]
+
+
+def _storages(params: Iterable[nn.Parameter]) -> set[int]:
+    """Data pointers of the parameters' storages (a DTensor's: its local shard's)."""
+    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in params}
 
 
 class _Saved:
@@ -41,12 +48,15 @@ class _Saved:
 class SavedActivationTracker:
     """Peak bytes of activations saved for backward while the context is active.
 
-    params: the parameters whose storages are not activations.
+    params: the parameters whose storages are not activations; or a module, whose
+        parameters are read at every save, because FSDP2 (ZeRO-3) registers the gathered
+        parameters on the modules only while they run.
     Attributes after use: ``peak_bytes`` (int), ``current_bytes`` (int).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
-        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, params: Iterable[nn.Parameter] | nn.Module) -> None:
+        self.module = params if isinstance(params, nn.Module) else None
+        self.exclude = set() if self.module is not None else _storages(params)
         self.live: dict[int, list[int]] = {}  # storage ptr -> [references, bytes]
         self.current_bytes = self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -54,7 +64,8 @@ class SavedActivationTracker:
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.exclude or t.device.type == "meta":
+        exclude = self.exclude if self.module is None else _storages(self.module.parameters())
+        if key in exclude or t.device.type == "meta":
             return t
         entry = self.live.get(key)
         if entry is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .fsdp import FULLY_SHARDED_STAGE
 from .zero import EXECUTED_ZERO_STAGES
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable"]
@@ -25,16 +26,17 @@ class RuntimeSupport:
     """
 
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
-    zero_stages: tuple[int, ...] = EXECUTED_ZERO_STAGES
+    zero_stages: tuple[int, ...] = (*EXECUTED_ZERO_STAGES, FULLY_SHARDED_STAGE)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] = (1,)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
 
     def zero_stages_for(self, pp: int) -> tuple[int, ...]:
-        """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 reduce-scatters after
-        every micro-batch, which needs the micro-batch loop (pp == 1), as in DeepSpeed."""
-        return tuple(z for z in self.zero_stages if not (z == 2 and pp > 1))
+        """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 (DistributedOptimizer)
+        and ZeRO-3 (FSDP2) reduce-scatter after every micro-batch, which needs the engine's
+        micro-batch loop (pp == 1); as in DeepSpeed, neither is combined with pipelining."""
+        return tuple(z for z in self.zero_stages if not (z >= 2 and pp > 1))
 
 
 RUNTIME_SUPPORT = RuntimeSupport()

@@ -16,7 +16,8 @@ section 5) over one contiguous buffer per pipeline stage:
   backward and only this rank's slice is accumulated, so gradients are 1/d too (as
   DeepSpeed's stage 2 does; it costs a reduce-scatter per micro-batch, and like DeepSpeed
   it is not combined with pipeline parallelism: the pipeline schedule owns the
-  micro-batch loop). ZeRO-3 (sharded parameters) is not executed.
+  micro-batch loop). ZeRO-3 (sharded parameters) runs through FSDP2 instead:
+  :class:`autopar.runtime.fsdp.FullyShardedOptimizer`, same interface.
 * Mixed precision (``master_dtype`` float32 with bf16 parameters): the model computes,
   stores and communicates parameters and gradients in bf16; the optimizer keeps fp32
   master weights (and its states) for the slice it owns and rounds them into the bf16
@@ -62,8 +63,8 @@ class DistributedOptimizer:
                  dp_group, zero_stage: int = 0, master_dtype: torch.dtype | None = None) -> None:
         if zero_stage not in EXECUTED_ZERO_STAGES:
             raise ValueError(f"zero_stage={zero_stage!r} is not executed (supported: "
-                             f"{EXECUTED_ZERO_STAGES}); ZeRO-3 shards parameters, plan "
-                             "with zero_stage <= 2")
+                             f"{EXECUTED_ZERO_STAGES}); ZeRO-3 shards parameters: use "
+                             "autopar.runtime.fsdp.FullyShardedOptimizer")
         self.params = [p for p in params if p.requires_grad]
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
