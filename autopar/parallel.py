@@ -8,8 +8,9 @@ Passes run in a fixed order, each reading only the plan:
 3b. dropout RNG (``rewrite.dropout``): dropouts on TP-sharded tensors fork the per-rank
    tensor-parallel stream of the program's ``runtime.rng`` tracker;
 4. recompute (``rewrite.recompute``): checkpoint whole layers or the attention core;
-5. pipeline split (``rewrite.pipeline``): keep this rank's stage;
-6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe, DP averaging,
+5. pipeline split (``rewrite.pipeline``): cut into the plan's pp·v chunks, keep this
+   rank's (chunk c on rank c % pp; v > 1: an nn.ModuleList of v chunks);
+6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe/interleaved, DP averaging,
    tied-embedding gradient sync, optimizer.
 """
 
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 from .plan import Plan
 from .rewrite.dropout import apply_dropout_rng
-from .rewrite.pipeline import annotate_stages, split_stages
+from .rewrite.pipeline import annotate_stages, rank_chunks, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from .runtime.engine import ParallelModule
@@ -38,7 +39,9 @@ __all__ = ["parallelize", "ParallelizedModel"]
 
 class ParallelizedModel(ParallelModule):
     """This rank's share of the plan: ``train_step(idx, targets) -> global mean loss``,
-    ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``)."""
+    ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``; with
+    interleaved 1F1B an nn.ModuleList of this rank's v chunks, parameter names prefixed
+    by the local chunk index)."""
 
     def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec],
                  tied_aliases: dict[str, str], **kwargs):
@@ -110,7 +113,9 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
     same global batch on every rank and returns the global mean loss.
 
-    Raises ValueError (world size != tp·pp·dp, before any collective), NotImplementedError
+    Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
+    :func:`~autopar.runtime.support.interleaving_problem`, e.g. m % pp != 0: before any
+    collective), NotImplementedError
     (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
@@ -160,7 +165,8 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
                    for l in range(traced.num_layers)]
     apply_recompute(gm, layer_nodes, plan.recompute, tracker=rng)
-    stage = split_stages(gm, gm, plan.pp)[groups.pp_rank]
+    mine = rank_chunks(split_stages(gm, gm, len(plan.stage_layers)), plan.pp, groups.pp_rank)
+    stage = mine[0] if len(mine) == 1 else nn.ModuleList(mine)
     shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]

@@ -16,10 +16,22 @@ from cost_models.pipeline import pipeline_step_time_s
 
 from .cost import CostTables, dp_comm_s_per_param, optimizer_s_per_param, state_bytes
 from .graph import TracedModel, last_saver_index
-from .plan import COMM_KINDS, Prediction
+from .plan import COMM_KINDS, Prediction, rank_layers
 from .strategies import NodeStrategies, tensor_inputs
 
-__all__ = ["section_cost", "predict"]
+__all__ = ["section_cost", "predict", "p2p_sends_per_micro_batch"]
+
+
+def p2p_sends_per_micro_batch(pp: int, virtual_stages: int, rank: int) -> int:
+    """Point-to-point sends of pipeline rank ``rank`` per micro-batch (each a (b, s, h)
+    activation or its gradient). Chunk c runs on rank c % p (``Plan.stage_layers``) and
+    every chunk boundary crosses to the neighbouring rank: the rank sends the forward
+    output of each of its v chunks except the model's last chunk (on rank p-1) and the
+    input gradient of each except chunk 0 (on rank 0): 2v - [rank = 0] - [rank = p-1]
+    (v = 1: one send each way on inner stages, one on the ends). 0 when p = 1."""
+    if pp == 1:
+        return 0
+    return 2 * virtual_stages - int(rank == 0) - int(rank == pp - 1)
 
 
 def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
@@ -80,13 +92,13 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     return out
 
 
-def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
+def _stage(traced, strategies, tables, choice, layers, recompute, i, p):
     """One stage's summed costs, recompute seconds, kept activations per micro-batch in
     flight, activations held once (the last stage's head and loss) and the working set
     of the layer being run (recomputed layers rebuild their activations)."""
     total: dict[str, float] = defaultdict(float)
     rec_s = act = held = working = 0.0
-    for l in range(*bounds):
+    for l in layers:
         layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
         for key, val in layer.items():
             total[key] += val
@@ -129,9 +141,10 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches
     stage_t, mem, parts, stats = [], [], [], []
-    for i, bounds in enumerate(decision.stage_layers):
+    for i in range(p):  # pipeline rank i runs the layers of its v chunks
+        layers = rank_layers(decision.stage_layers, p, i)
         total, rec_s, act, held, working = _stage(traced, strategies, tables, decision.strategy,
-                                                  bounds, decision.recompute, i, p)
+                                                  layers, decision.recompute, i, p)
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
         saved = act * math.ceil(inflight) + held
@@ -148,7 +161,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         st["step_time_s"] = step
     slow = max(range(p), key=lambda i: stage_t[i])
     total, rec_s, params = parts[slow]
-    hop = tables.p2p_s if p > 1 else 0.0
+    hop = tables.p2p_s * cfg.virtual_stages if p > 1 else 0.0  # v boundaries per rank
     breakdown = {
         "compute": m * (total["fwd_s"] + total["bwd_s"]), "recompute": m * rec_s,
         "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hop,
@@ -185,17 +198,15 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     payload bytes per collective kind, model-state bytes, peak saved-activation bytes."""
     cfg = tables.config
     p, m, act_b = cfg.pp, cfg.num_micro_batches, cfg.activation_bytes
-    lo, hi = decision.stage_layers[i]
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
     comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
-    for l in range(lo, hi):  # full recompute runs the layer's forward collectives again
+    for l in rank_layers(decision.stage_layers, p, i):  # full recompute: forward comm again
         if decision.recompute[l] == "full":
             layer = section_cost(traced, strategies, tables, decision.strategy, traced.layers[l])
             comm["tp_all_reduce"] += m * layer["rec_fwd_tp_all_reduce"]
             comm["tp_all_gather"] += m * layer["rec_fwd_tp_all_gather"]
-    if p > 1:
-        comm["pp_p2p"] = (int(i < p - 1) + int(i > 0)) * m * tables.p2p_bytes
+    comm["pp_p2p"] = p2p_sends_per_micro_batch(p, cfg.virtual_stages, i) * m * tables.p2p_bytes
     param_b, grad_b, _ = state_bytes(cfg.dtype)
     comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b))
     if p > 1 and i in (0, p - 1):
