@@ -240,8 +240,8 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * (post["bwd_s"] + 2 * tables.loss_s / 3)
     pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
-    inflight = math.ceil(in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
-                                                 cfg.virtual_stages))
+    inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
+                                       cfg.virtual_stages)  # interleaved: fractional
     if rounding == "predict":
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
@@ -252,8 +252,10 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
     extra = lay["act_kib"] + last * (post["act_kib"] + int(tables.loss_bytes / KIB))
-    mem_d = round(bytes_per_param(zero, d, cfg.dtype) * d) * units + d * (inflight * act + extra)
-    return t, params, bwd, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
+    v = cfg.virtual_stages  # times d·v, exact integers as in StageModel.add_memory
+    mem_dv = v * round(bytes_per_param(zero, d, cfg.dtype) * d) * units \
+        + d * (round(inflight * v) * act + v * extra)
+    return t, params, bwd, mem_dv / (d * v) * KIB, mem_dv <= memory_bytes // KIB * d * v
 
 
 def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,

@@ -147,7 +147,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
                                                   layers, decision.recompute, i, p)
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
-        saved = act * math.ceil(inflight) + held
+        saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
         mem.append(_memory(total["params"], saved + working, decision.zero_stage, cfg))
         parts.append((total, rec_s, total["params"]))
         stats.append(_stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved))

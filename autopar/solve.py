@@ -324,9 +324,12 @@ class StageModel:
             extra = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
                 extra = extra + self._expr("post", "act") + int(self.c.loss_bytes / KIB)
-            # everything times d, in KiB (parameter units of 1024 make state bytes KiB)
-            mem_d = state_d_kib + d * (int(math.ceil(inflight)) * act_total + extra)
-            self.m.Add(mem_d <= self.cluster.device.memory_bytes // KIB * d).WithName(f"memory[stage {i}]")
+            # everything times d·v, in KiB (parameter units of 1024 make state bytes KiB);
+            # inflight·v is an integer: chunk forwards in flight (v = 1: micro-batches)
+            v = cfg.virtual_stages
+            mem_dv = v * state_d_kib + d * (round(inflight * v) * act_total + v * extra)
+            self.m.Add(mem_dv <= self.cluster.device.memory_bytes // KIB * d * v).WithName(
+                f"memory[stage {i}]")
 
     def add_objective(self) -> None:
         cfg, L = self.cfg, self.t.num_layers
