@@ -33,6 +33,8 @@ def plan_table(plan: Plan) -> str:
     counts = [last - first for first, last in plan.stage_layers]
     stages = (f"{len(counts)} × {counts[0]} layers" if len(set(counts)) == 1
               else " + ".join(map(str, counts)) + " layers")
+    if plan.virtual_stages > 1:  # stage_layers lists pp·v chunks, chunk c on rank c % pp
+        stages = f"{plan.pp} × {plan.virtual_stages} chunks of {counts[0]} layers (interleaved)"
     device = plan.cluster.get("device", {}).get("memory_gib")
     peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
     time_parts = sorted(p.time_s_by_kind.items(), key=lambda kv: -kv[1])

@@ -4,7 +4,8 @@ r"""An exhaustive check of the search: the optimum of the same plan space, found
 pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.solve` admits: a TP
 strategy per node of the pre section, the template layer and the post section (resharding
 transitions offered by :func:`~autopar.strategies.reshard_kinds`, replicated layer
-boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even, per stage
+boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even (interleaved
+1F1B: L/p layers per rank, p·v equal chunks), per stage
 the numbers of full and selective recompute layers, and the ZeRO stage. Each plan is priced
 with the formulas of :func:`autopar.predict.predict` (optimizer time included) and must fit
 device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
@@ -45,7 +46,8 @@ from .graph import TracedModel, last_saver_index
 from .plan import Layout, Plan
 from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
 from .search import SearchResult, candidate_configs, validate_layout, zero_choices
-from .solve import KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError, template_map
+from .solve import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
+                    stage_bounds_and_recompute, template_map)
 from .strategies import node_strategies, param_split, tensor_inputs, tied_groups
 from .trace import trace_model
 
@@ -219,8 +221,11 @@ class StagePlan:
     selective: int
 
 
-def stage_splits(num_layers: int, pp: int) -> list[tuple[int, ...]]:
-    """Stage sizes within ``STAGE_SLACK`` of an even split summing to L (as StageModel)."""
+def stage_splits(num_layers: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, ...]]:
+    """Stage sizes within ``STAGE_SLACK`` of an even split summing to L (as StageModel);
+    interleaved (v > 1) only the even split, L/p layers per rank."""
+    if virtual_stages > 1:
+        return [(num_layers // pp,) * pp]
     lo = max(1, num_layers // pp - STAGE_SLACK)
     hi = min(num_layers - pp + 1, -(-num_layers // pp) + STAGE_SLACK)
     return [s for s in itertools.product(range(lo, hi + 1), repeat=pp) if sum(s) == num_layers]
@@ -240,8 +245,8 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * post["bwd_s"]
     pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
-    inflight = math.ceil(in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
-                                                 cfg.virtual_stages))
+    inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
+                                       cfg.virtual_stages)  # interleaved: fractional
     if rounding == "predict":
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
@@ -252,8 +257,10 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
     extra = lay["act_kib"] + last * post["act_kib"]
-    mem_d = round(bytes_per_param(zero, d, cfg.dtype) * d) * units + d * (inflight * act + extra)
-    return t, params, bwd, mem_d / d * KIB, mem_d <= memory_bytes // KIB * d
+    v = cfg.virtual_stages  # times d·v, exact integers as in StageModel.add_memory
+    mem_dv = v * round(bytes_per_param(zero, d, cfg.dtype) * d) * units \
+        + d * (round(inflight * v) * act + v * extra)
+    return t, params, bwd, mem_dv / (d * v) * KIB, mem_dv <= memory_bytes // KIB * d * v
 
 
 def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
@@ -297,7 +304,8 @@ def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
 def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, rounding):
     """((step time, sections, stage plans, zero stage) | None, plans covered) for ``cfg``;
     plans covered counts every (sections, ZeRO, split, per-stage recompute) combination."""
-    groups, splits = tied_groups(traced), stage_splits(traced.num_layers, cfg.pp)
+    groups, splits = tied_groups(traced), stage_splits(traced.num_layers, cfg.pp,
+                                                                  cfg.virtual_stages)
     best, covered = None, 0
     for secs in itertools.product(*options):
         if not _ties_agree(*secs, groups=groups):
@@ -339,12 +347,9 @@ def config_options(traced, strategies, tables, prune: bool = True):
 def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -> Decision:
     chosen = {**secs[0].choice, **secs[1].choice, **secs[2].choice}
     mapping = template_map(traced)
-    bounds, recompute, start = [], [], 0
-    for sp in stages:
-        bounds.append([start, start + sp.layers])
-        recompute += ["full"] * sp.full + ["selective"] * sp.selective + \
-            ["none"] * (sp.layers - sp.full - sp.selective)
-        start += sp.layers
+    bounds, recompute = stage_bounds_and_recompute(
+        [sp.layers for sp in stages], [(sp.full, sp.selective) for sp in stages],
+        cfg.virtual_stages)
     return Decision(cfg, {n: chosen[t] for n, t in mapping.items()}, bounds, recompute, zero,
                     step, elapsed)
 

@@ -8,8 +8,9 @@ Passes run in a fixed order, each reading only the plan:
 3b. dropout RNG (``rewrite.dropout``): dropouts on TP-sharded tensors fork the per-rank
    tensor-parallel stream of the program's ``runtime.rng`` tracker;
 4. recompute (``rewrite.recompute``): checkpoint whole layers or the attention core;
-5. pipeline split (``rewrite.pipeline``): keep this rank's stage;
-6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe, DP averaging,
+5. pipeline split (``rewrite.pipeline``): cut into the plan's pp·v chunks, keep this
+   rank's (chunk c on rank c % pp; v > 1: an nn.ModuleList of v chunks);
+6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe/interleaved, DP averaging,
    tied-embedding gradient sync, optimizer.
 """
 
@@ -25,7 +26,7 @@ import torch.nn as nn
 
 from .plan import Plan
 from .rewrite.dropout import apply_dropout_rng
-from .rewrite.pipeline import annotate_stages, split_stages
+from .rewrite.pipeline import annotate_stages, rank_chunks, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from .runtime.collectives import vocab_parallel_cross_entropy
@@ -41,7 +42,9 @@ __all__ = ["parallelize", "ParallelizedModel"]
 
 class ParallelizedModel(ParallelModule):
     """This rank's share of the plan: ``train_step(idx, targets) -> global mean loss``,
-    ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``)."""
+    ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``; with
+    interleaved 1F1B an nn.ModuleList of this rank's v chunks, parameter names prefixed
+    by the local chunk index)."""
 
     def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec],
                  tied_aliases: dict[str, str], **kwargs):
@@ -113,7 +116,9 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
     same global batch on every rank and returns the global mean loss.
 
-    Raises ValueError (world size != tp·pp·dp, before any collective), NotImplementedError
+    Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
+    :func:`~autopar.runtime.support.interleaving_problem`, e.g. m % pp != 0: before any
+    collective), NotImplementedError
     (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
@@ -166,7 +171,8 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
                    for l in range(traced.num_layers)]
     apply_recompute(gm, layer_nodes, plan.recompute, tracker=rng)
-    stage = split_stages(gm, gm, plan.pp)[groups.pp_rank]
+    mine = rank_chunks(split_stages(gm, gm, len(plan.stage_layers)), plan.pp, groups.pp_rank)
+    stage = mine[0] if len(mine) == 1 else nn.ModuleList(mine)
     shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
@@ -183,9 +189,10 @@ def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) 
     return module
 
 
-def _boundary_shard_dims(traced, plan: Plan, stage: int) -> tuple[int | None, int | None]:
-    """The dims along which stage ``stage``'s received and sent activations are split over
-    TP: the placements of the last node of the layer before the cut (None: replicated)."""
+def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:
+    """Per chunk of pipeline rank ``rank`` (chunk c = rank + j·pp), the dims along which the
+    activation it receives and sends is split over TP: the placement of the last node of
+    the layer before each cut (None: replicated)."""
     def dim(layer: int) -> int | None:
         name = traced.layers[layer][-1]
         placement = plan.placements[name].split(":")[1]
@@ -193,8 +200,10 @@ def _boundary_shard_dims(traced, plan: Plan, stage: int) -> tuple[int | None, in
             raise NotImplementedError(f"{name} is a partial sum at a pipeline cut; autopar "
                                       "sends whole or sharded activations between stages")
         return int(placement[1:]) if placement.startswith("S") else None
-    lo, hi = plan.stage_layers[stage]
-    return (dim(lo - 1) if stage > 0 else None, dim(hi - 1) if stage < plan.pp - 1 else None)
+    n = len(plan.stage_layers)
+    return [(dim(plan.stage_layers[c][0] - 1) if c > 0 else None,
+             dim(plan.stage_layers[c][1] - 1) if c < n - 1 else None)
+            for c in range(rank, n, plan.pp)]
 
 
 def _loss_fn(traced, plan: Plan, groups: ParallelGroups):

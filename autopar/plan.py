@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "COMM_KINDS",
-           "PLAN_VERSION"]
+           "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -140,7 +140,12 @@ class Plan:
     virtual_stages, sequence_parallel, dtype: the layout;
     B = dp · micro_batch_size · num_micro_batches.
     recompute: one mode per transformer layer (length L).
-    stage_layers: per pipeline stage, [first_layer, last_layer_exclusive).
+    stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
+        pp·virtual_stages contiguous chunks covering the L layers. Chunk c runs on
+        pipeline rank c % pp (Megatron-LM's round-robin for interleaved 1F1B), so rank r
+        holds chunks r, r + pp, ..., r + (v-1)·pp (:func:`rank_layers`); chunk 0 (the
+        embedding) is on rank 0 and the last chunk (head and loss) on rank pp-1. With
+        v = 1 (GPipe, 1F1B) this is one [first, last) per pipeline stage.
     placements: per traced node name, its tensor-parallel strategy
         ("replicate" | "column" | "row" | "vocab" | "heads" | "sharded" ...).
     predicted: the cost model's :class:`Prediction`.
@@ -222,3 +227,19 @@ class Plan:
                 f"m={self.num_micro_batches} {self.schedule} zero={self.zero_stage} "
                 f"recompute={rec}: step {p.step_time_s:.3f} s, {p.tflops_per_gpu:.1f} TFLOP/s/GPU, "
                 f"MFU {p.mfu:.1%}, peak memory {p.peak_memory_bytes / 2**30:.1f} GiB")
+
+
+def rank_layers(stage_layers: list[list[int]], pp: int, rank: int) -> list[int]:
+    """Layer indices pipeline rank ``rank`` runs: those of chunks rank, rank + pp, ...
+    (see :attr:`Plan.stage_layers`), ascending. v = 1: ``range(*stage_layers[rank])``."""
+    return [l for lo, hi in stage_layers[rank::pp] for l in range(lo, hi)]
+
+
+def equal_chunks(num_layers: int, num_chunks: int) -> list[list[int]]:
+    """``num_chunks`` equal [first, last) chunks of L layers (interleaved 1F1B: pp·v chunks
+    of L/(pp·v) layers, as Megatron-LM requires). ValueError when L % num_chunks != 0."""
+    if num_layers % num_chunks:
+        raise ValueError(f"{num_layers} layers do not split into {num_chunks} equal chunks; "
+                         "choose pp*virtual_stages dividing the layer count")
+    size = num_layers // num_chunks
+    return [[c * size, (c + 1) * size] for c in range(num_chunks)]

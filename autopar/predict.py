@@ -16,10 +16,22 @@ from cost_models.pipeline import pipeline_step_time_s
 
 from .cost import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
 from .graph import TracedModel, last_saver_index
-from .plan import COMM_KINDS, Prediction
+from .plan import COMM_KINDS, Prediction, rank_layers
 from .strategies import NodeStrategies, tensor_inputs
 
-__all__ = ["section_cost", "predict"]
+__all__ = ["section_cost", "predict", "p2p_sends_per_micro_batch"]
+
+
+def p2p_sends_per_micro_batch(pp: int, virtual_stages: int, rank: int) -> int:
+    """Point-to-point sends of pipeline rank ``rank`` per micro-batch (each a (b, s, h)
+    activation or its gradient). Chunk c runs on rank c % p (``Plan.stage_layers``) and
+    every chunk boundary crosses to the neighbouring rank: the rank sends the forward
+    output of each of its v chunks except the model's last chunk (on rank p-1) and the
+    input gradient of each except chunk 0 (on rank 0): 2v - [rank = 0] - [rank = p-1]
+    (v = 1: one send each way on inner stages, one on the ends). 0 when p = 1."""
+    if pp == 1:
+        return 0
+    return 2 * virtual_stages - int(rank == 0) - int(rank == pp - 1)
 
 
 def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
@@ -87,13 +99,13 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     return out
 
 
-def _stage(traced, strategies, tables, choice, bounds, recompute, i, p):
+def _stage(traced, strategies, tables, choice, layers, recompute, i, p):
     """One stage's summed costs, recompute seconds, kept activations per micro-batch in
     flight, activations held once (the last stage's head and loss) and the working set
     of the layer being run (recomputed layers rebuild their activations)."""
     total: dict[str, float] = defaultdict(float)
     rec_s = act = held = working = 0.0
-    for l in range(*bounds):
+    for l in layers:
         layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
         for key, val in layer.items():
             total[key] += val
@@ -134,12 +146,13 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches
     stage_t, mem, parts, stats = [], [], [], []
-    for i, bounds in enumerate(decision.stage_layers):
+    for i in range(p):  # pipeline rank i runs the layers of its v chunks
+        layers = rank_layers(decision.stage_layers, p, i)
         total, rec_s, act, held, working = _stage(traced, strategies, tables, decision.strategy,
-                                                  bounds, decision.recompute, i, p)
+                                                  layers, decision.recompute, i, p)
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
-        saved = act * math.ceil(inflight) + held
+        saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
         mem.append(_memory(total["params"], saved + working, decision.zero_stage, cfg))
         parts.append((total, rec_s, total["params"]))
         stats.append(_stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved))
@@ -153,7 +166,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         st["step_time_s"] = step
     slow = max(range(p), key=lambda i: stage_t[i])
     total, rec_s, params = parts[slow]
-    hop = tables.p2p_s if p > 1 else 0.0
+    hop = tables.p2p_s * cfg.virtual_stages if p > 1 else 0.0  # v boundaries per rank
     breakdown = {
         "compute": m * (total["fwd_s"] + total["bwd_s"]), "recompute": m * rec_s,
         "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hop,
@@ -190,23 +203,26 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     payload bytes per collective kind, model-state bytes, peak saved-activation bytes."""
     cfg = tables.config
     p, m, act_b = cfg.pp, cfg.num_micro_batches, cfg.activation_bytes
-    lo, hi = decision.stage_layers[i]
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
     comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
     comm["tp_reduce_scatter"] = m * (total["tp_reduce_scatter"] + total["fwd_tp_reduce_scatter"])
-    for l in range(lo, hi):  # full recompute runs the layer's forward collectives again
+    for l in rank_layers(decision.stage_layers, p, i):  # full recompute: forward comm again
         if decision.recompute[l] == "full":
             layer = section_cost(traced, strategies, tables, decision.strategy, traced.layers[l])
             for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"):
                 comm[kind] += m * layer[f"rec_fwd_{kind}"]
-    if p > 1:  # activations forward, their gradients backward; sharded cuts send a shard
-        sends = ([hi - 1] if i < p - 1 else []) + ([lo - 1] if i > 0 else [])
-        comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
-                                 for l in sends)
+    # activations forward, their gradients backward, at every chunk cut of this rank;
+    # a cut whose activation is sharded over TP (sequence parallelism) sends the shard
+    n = len(decision.stage_layers)
+    mine = [c for c in range(n) if c % p == i]
+    cuts = [decision.stage_layers[c][1] - 1 for c in mine if c < n - 1] + \
+        [decision.stage_layers[c][0] - 1 for c in mine if c > 0]
+    comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
+                             for l in cuts)
     param_b, grad_b, _ = state_bytes(cfg.dtype)
     if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
-        names = [n for l in range(lo, hi) for n in traced.layers[l]]
+        names = [n for l in rank_layers(decision.stage_layers, p, i) for n in traced.layers[l]]
         names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])
         sizes = _partial_grad_param_sizes(traced, strategies, decision.strategy, names)
         if decision.zero_stage == 3:  # once per step, on the fp32 DP shards FSDP2 keeps

@@ -173,14 +173,18 @@ def _layout_section(plan: Plan) -> list[str]:
 
 
 def _stages_section(plan: Plan) -> list[str]:
-    """One row per pipeline stage: its layers, recompute modes and time per micro-batch."""
+    """One row per pipeline stage: its layers, recompute modes and time per micro-batch
+    (interleaved: one row per model chunk, named with the rank running it; the time is
+    that rank's, all its chunks)."""
     stage_time = plan.predicted.stage_time_s
     rows = []
     for i, (first, last) in enumerate(plan.stage_layers):
         modes = plan.recompute[first:last]
         rec = ", ".join(f"{m} ×{modes.count(m)}" for m in sorted(set(modes))) or "–"
-        t = format_seconds(stage_time[i]) if i < len(stage_time) else "–"
-        rows.append([f"{i}", f"{first}–{last - 1}" if last > first else "–",
+        rank = i % plan.pp
+        t = format_seconds(stage_time[rank]) if rank < len(stage_time) else "–"
+        name = f"{i}" if plan.virtual_stages == 1 else f"chunk {i} (rank {rank})"
+        rows.append([name, f"{first}–{last - 1}" if last > first else "–",
                      f"{last - first}", rec, t])
     lines = ["### Pipeline stages", "",
              "Layers are `[first, last]` inclusive; stage time is forward + backward of one "

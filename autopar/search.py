@@ -17,7 +17,7 @@ from .cost import Config, cost_tables
 from .graph import TracedModel
 from .plan import Layout
 from .predict import predict
-from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
+from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport, interleaving_problem
 from .solve import Decision, InfeasibleError, StageModel, template_map
 from .strategies import node_strategies
 
@@ -73,9 +73,19 @@ def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_s
 
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                       support: RuntimeSupport | None = RUNTIME_SUPPORT) -> list[Config]:
-    """All (tp, pp, dp, mbs, schedule) consistent with ``layout`` and the runtime."""
+    """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
+
+    Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
+    Interleaved configs take each v >= 2 the runtime declares (or the layout's v) that
+    :func:`~autopar.runtime.support.interleaving_problem` accepts (pp > 1, L % (pp·v) == 0,
+    m % pp == 0); every other schedule gets v = 1. ``support`` None (evaluating a hand
+    layout): the layout's schedule and v, checked by the same rule.
+    """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
-    schedules = [layout.schedule] if layout.schedule else ["1f1b"]
+    interleave = support is not None and "interleaved_1f1b" in support.schedules
+    schedules = [layout.schedule] if layout.schedule else \
+        (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
+         ["1f1b"] + ["interleaved_1f1b"] * interleave)
     out = []
     for tp in _divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
@@ -97,18 +107,31 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                         continue
                     if sched != "gpipe" and pp > 1 and m < pp:
                         continue
-                    out.append(Config(tp, pp, dp, mbs, m, sched, layout.virtual_stages or 1,
-                                      layout.dtype or cluster.dtype, cluster.attention,
-                                      bool(layout.sequence_parallel) and tp > 1))
+                    for v in _virtual_stages(sched, layout, support, L, pp, m):
+                        out.append(Config(tp, pp, dp, mbs, m, sched, v,
+                                          layout.dtype or cluster.dtype, cluster.attention,
+                                          bool(layout.sequence_parallel) and tp > 1))
     return out
+
+
+def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,
+                    pp: int, m: int) -> tuple[int, ...]:
+    """The v to try for one (schedule, pp, m): see :func:`candidate_configs`."""
+    if schedule != "interleaved_1f1b":
+        return (1,) if (layout.virtual_stages or 1) == 1 else ()
+    if layout.virtual_stages is not None or support is None:
+        v = layout.virtual_stages or 2
+        return (v,) if interleaving_problem(L, pp, v, m) is None else ()
+    return support.virtual_stages_for(schedule, L, pp, m)
 
 
 def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) -> float:
     """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
     ``layer_s`` (every node at its cheapest strategy, communication free), so
-    (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s."""
+    (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved, the fill and drain
+    shrink by v: (m + (p - 1)/v)·(L/p)·layer_s (``cost_models.pipeline``)."""
     L, p, m = traced.num_layers, cfg.pp, cfg.num_micro_batches
-    return (m + p - 1) * (L / p) * layer_s
+    return (m + (p - 1) / cfg.virtual_stages) * (L / p) * layer_s
 
 
 def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) -> float:

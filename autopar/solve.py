@@ -26,6 +26,15 @@ constraint family has one ``add_*`` method and named constraints so an infeasibl
 model says which family binds. Times are integers in a unit of about 1e-4 of one layer's
 forward+backward (``time_unit_s``), memory integer KiB, parameters integer units of 1024.
 Stage sizes are searched within ±2 layers of an even split (``STAGE_SLACK``).
+
+Interleaved 1F1B (v > 1 virtual stages per rank): the layers are cut into p·v equal chunks
+of L/(p·v), as Megatron-LM requires, chunk c on rank c % p (``Plan.stage_layers``), so
+:math:`n_i = L/p` is fixed and the solver still chooses the TP strategies, the ZeRO stage
+and per rank the recompute counts (a rank's memory sums its v chunks; in-flight
+micro-batches from ``cost_models.memory.in_flight_micro_batches``). The objective is then
+:math:`v \times` the interleaved step time of ``cost_models.pipeline``,
+:math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt})` with
+:math:`T_{max} \ge T_i + v\,c_{p2p}` (integer coefficients; v = 1 is the formula above).
 Ties are broken toward the lower ZeRO stage (1 ns per stage: simpler runtime, equal cost).
 """
 
@@ -41,9 +50,11 @@ from cost_models.memory import in_flight_micro_batches
 from .cost import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_cost,
                    optimizer_s_per_param)
 from .graph import TracedModel, last_saver_index
+from .plan import equal_chunks, rank_layers
 from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
-__all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map"]
+__all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map",
+           "stage_bounds_and_recompute"]
 
 KIB = 1024
 PARAM_UNIT = 1024   # parameters are counted in units of 1024 (rounded up)
@@ -233,6 +244,13 @@ class StageModel:
         lo, hi = max(1, L // p - STAGE_SLACK), min(L - p + 1, -(-L // p) + STAGE_SLACK)
         self.n = [self.m.NewIntVar(lo, hi, f"layers[{i}]") for i in range(p)]
         self.m.Add(sum(self.n) == L).WithName("all_layers_placed")
+        v = cfg.virtual_stages
+        if v > 1:  # interleaved: p·v equal chunks, v of them per rank
+            if L % (p * v):
+                raise ValueError(f"interleaved 1F1B needs the {L} layers divisible by "
+                                 f"pp*v = {p}*{v}; choose another virtual_stages")
+            for i in range(p):
+                self.m.Add(self.n[i] == L // p).WithName("equal_chunks")
         if self.even_stages:  # hand layouts: Megatron splits layers evenly
             for i in range(p):
                 self.m.Add(self.n[i] == L // p + (1 if i < L % p else 0)).WithName("even_stages")
@@ -311,9 +329,12 @@ class StageModel:
             extra = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
                 extra = extra + self._expr("post", "act")
-            # everything times d, in KiB (parameter units of 1024 make state bytes KiB)
-            mem_d = state_d_kib + d * (int(math.ceil(inflight)) * act_total + extra)
-            self.m.Add(mem_d <= self.cluster.device.memory_bytes // KIB * d).WithName(f"memory[stage {i}]")
+            # everything times d·v, in KiB (parameter units of 1024 make state bytes KiB);
+            # inflight·v is an integer: chunk forwards in flight (v = 1: micro-batches)
+            v = cfg.virtual_stages
+            mem_dv = v * state_d_kib + d * (round(inflight * v) * act_total + v * extra)
+            self.m.Add(mem_dv <= self.cluster.device.memory_bytes // KIB * d * v).WithName(
+                f"memory[stage {i}]")
 
     def add_objective(self) -> None:
         cfg, L = self.cfg, self.t.num_layers
@@ -323,6 +344,7 @@ class StageModel:
         rl = self._var("recompute_layer", self._expr("layer", "rec"), self._ub("layer", "rec"))
         fb = self._var("fwd_bwd_layer", fl + bl, self._ub("layer", "fwd") + self._ub("layer", "bwd"))
         p2p = int(math.ceil(self.c.p2p_s * self.ns))
+        v = cfg.virtual_stages  # the objective is v × step time (exact integers)
         t_ub = L * (self._ub("layer", "fwd") * 2 + self._ub("layer", "bwd")) + sum(
             self._ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + 1
         self.stage_t, self.stage_bwd = [], []
@@ -339,9 +361,9 @@ class StageModel:
             if i == cfg.pp - 1:
                 t += self._expr("post", "fwd") + self._expr("post", "bwd")
             self.stage_t.append(self._var(f"stage_time[{i}]", t, t_ub))
-        tmax = self.m.NewIntVar(0, t_ub + p2p, "t_max")
+        tmax = self.m.NewIntVar(0, t_ub + v * p2p, "t_max")
         for t in self.stage_t:
-            self.m.Add(tmax >= t + p2p)
+            self.m.Add(tmax >= t + v * p2p)
         dp_coef = {z: dp_comm_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns
                    for z in self.z}
         opt_coef = {z: optimizer_s_per_param(z, self.cluster, cfg) * PARAM_UNIT * self.ns
@@ -356,13 +378,14 @@ class StageModel:
                        - k * self.stage_bwd[i])
             self.m.Add(topt * k >= sum(round(opt_coef[z] * k) * s for z, s in s_iz.items()))
         ties = sum(z * zb for z, zb in self.z.items())
-        self.objective = (cfg.num_micro_batches - 1) * tmax + sum(self.stage_t) \
-            + (cfg.pp - 1) * p2p + tdp + topt + ties
+        self.objective = (v * cfg.num_micro_batches - 1) * tmax + sum(self.stage_t) \
+            + v * (cfg.pp - 1) * p2p + v * (tdp + topt) + ties
         self.m.Minimize(self.objective)
 
     def add_cutoff(self, step_time_s: float) -> None:
         """Only plans faster than ``step_time_s`` (the best found so far) are of interest."""
-        self.m.Add(self.objective <= int(step_time_s * self.ns)).WithName("beats_incumbent")
+        v = self.cfg.virtual_stages
+        self.m.Add(self.objective <= int(step_time_s * self.ns * v)).WithName("beats_incumbent")
 
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
         solver = cp_model.CpSolver()
@@ -379,12 +402,32 @@ class StageModel:
                   for n, xs in self.x.items() if not n.startswith("f[")}
         strategy = {n: chosen[t] for n, t in mapping.items()}
         n = [solver.Value(v) for v in self.n]
-        bounds, recompute, start = [], [], 0
-        for i, count in enumerate(n):
-            bounds.append([start, start + count])
-            rf, rs = solver.Value(self.rf[i]), solver.Value(self.rs[i])
-            recompute += ["full"] * rf + ["selective"] * rs + ["none"] * (count - rf - rs)
-            start += count
+        counts = [(solver.Value(self.rf[i]), solver.Value(self.rs[i])) for i in range(len(n))]
+        bounds, recompute = stage_bounds_and_recompute(n, counts, self.cfg.virtual_stages)
         zero = next(z for z, zb in self.z.items() if solver.Value(zb))
         return Decision(self.cfg, strategy, bounds, recompute, zero,
-                        solver.ObjectiveValue() / self.ns, solver.WallTime())
+                        solver.ObjectiveValue() / self.ns / self.cfg.virtual_stages,
+                        solver.WallTime())
+
+
+def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],
+                               virtual_stages: int = 1) -> tuple[list[list[int]], list[str]]:
+    """``Plan.stage_layers`` and the per-layer recompute modes from per-rank layer counts
+    and (full, selective) recompute counts. v = 1: contiguous stages, each with its full
+    then selective then plain layers. v > 1: p·v equal chunks (every count L/p), chunk c on
+    rank c % p; rank i's recompute modes fill its layers in ascending order (the cost
+    model prices a rank's layers alike, so the order does not matter)."""
+    p, L = len(layers), sum(layers)
+    if virtual_stages == 1:
+        bounds, start = [], 0
+        for count in layers:
+            bounds.append([start, start + count])
+            start += count
+    else:
+        bounds = equal_chunks(L, p * virtual_stages)
+    recompute = ["none"] * L
+    for i, (rf, rs) in enumerate(counts):
+        mine = rank_layers(bounds, p, i)
+        for l, mode in zip(mine, ["full"] * rf + ["selective"] * rs):
+            recompute[l] = mode
+    return bounds, recompute

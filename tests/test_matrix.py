@@ -2,8 +2,10 @@
 
 The matrix is generated from :data:`autopar.runtime.support.RUNTIME_SUPPORT` (the one
 source of truth the solver's search space also reads): for each (tp, pp, dp) shape at
-world size 4 (and a few at 8), every schedule, ZeRO stage, recompute mode and
-sequence-parallel setting the runtime declares for that shape. Each combination trains a
+world size 4 (and a few at 8), every schedule (interleaved 1F1B with every declared v that
+:meth:`~autopar.runtime.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
+layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stage, recompute mode
+and sequence-parallel setting the runtime declares for that shape. Each combination trains a
 4-layer GPT (dropout 0) for 3 steps on real gloo process groups:
 
 * SGD: losses and every gathered parameter equal the single-process run to 1e-5 relative
@@ -51,13 +53,16 @@ SHAPES_8 = [(2, 2, 2)]
 
 def combinations(tp: int, pp: int, dp: int, support=RUNTIME_SUPPORT) -> list[dict]:
     """Every executable combination for one shape, as Layout keyword dicts (fp32)."""
-    schedules = support.schedules if pp > 1 else ("1f1b",)
+    mbs = 1 if pp > 1 else 2  # pp > 1: m = BATCH / (dp * mbs) >= pp micro-batches for 1F1B
+    m = BATCH // (dp * mbs)
+    # (schedule, v): v = 1 for GPipe/1F1B, interleaved with each v the solver's rule allows
+    schedules = [(s, v) for s in (support.schedules if pp > 1 else ("1f1b",))
+                 for v in support.virtual_stages_for(s, CONFIG.n_layer, pp, m)]
     zeros = support.zero_stages_for(pp) if dp > 1 else (0,)
     sps = support.sequence_parallel if tp > 1 else (False,)
-    mbs = 1 if pp > 1 else 2  # pp > 1: m = BATCH / (dp * mbs) >= pp micro-batches for 1F1B
-    return [dict(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, schedule=s, zero_stage=z,
-                 recompute=r, sequence_parallel=sp, dtype="fp32")
-            for s, z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
+    return [dict(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, schedule=s, virtual_stages=v,
+                 zero_stage=z, recompute=r, sequence_parallel=sp, dtype="fp32")
+            for (s, v), z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
 
 
 DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
@@ -194,7 +199,8 @@ def test_matrix_covers_the_runtime_support():
     for field, values in (("schedule", RUNTIME_SUPPORT.schedules),
                           ("zero_stage", RUNTIME_SUPPORT.zero_stages),
                           ("recompute", RUNTIME_SUPPORT.recompute),
-                          ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel)):
+                          ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel),
+                          ("virtual_stages", RUNTIME_SUPPORT.virtual_stages)):
         assert {c[field] for c in seen} == set(values), field
 
 

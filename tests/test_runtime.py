@@ -283,8 +283,12 @@ def test_unsupported_schedules_raise() -> None:
     groups = ParallelGroups(1, 2, 1, 0, 2, 0, 0, 0, None, None, None, None)  # never used for comm
     kwargs = dict(micro_batch_size=1, num_micro_batches=2, seq_len=S, hidden_size=H,
                   optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR))
-    with pytest.raises(NotImplementedError, match="interleaved 1F1B"):
+    with pytest.raises(ValueError, match="ModuleList of v >= 2 chunks"):
         ParallelModule(nn.Linear(H, H), groups, schedule="interleaved_1f1b", **kwargs)
+    chunks = nn.ModuleList([nn.Linear(H, H), nn.Linear(H, H)])
+    with pytest.raises(ValueError, match="m=3; choose m in multiples of 2"):
+        ParallelModule(chunks, groups, schedule="interleaved_1f1b",
+                       **{**kwargs, "num_micro_batches": 3})
     with pytest.raises(NotImplementedError, match="zero_bubble"):
         ParallelModule(nn.Linear(H, H), groups, schedule="zero_bubble", **kwargs)
     with pytest.raises(ValueError, match="m=1 < p=2"):

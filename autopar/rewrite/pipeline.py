@@ -1,5 +1,8 @@
 """Rewrite pass 3: cut the graph into pipeline stages (contiguous layers).
 
+A "stage" here is a model chunk of ``Plan.stage_layers``: pp of them (GPipe, 1F1B) or pp·v
+(interleaved 1F1B, chunk c on pipeline rank c % pp, :func:`rank_chunks`).
+
 Every node carries ``meta["autopar_stage"]`` (set from the plan's stage boundaries before
 the TP pass; nodes inserted by later passes inherit it from the node they follow), and
 ``torch.fx.passes.split_module`` turns the graph into one GraphModule per stage. A stage
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["annotate_stages", "split_stages"]
+__all__ = ["annotate_stages", "split_stages", "rank_chunks"]
 
 
 def annotate_stages(traced, stage_layers: list[list[int]]) -> None:
@@ -29,7 +32,8 @@ def annotate_stages(traced, stage_layers: list[list[int]]) -> None:
 
 
 def split_stages(gm: fx.GraphModule, root, pp: int) -> list[fx.GraphModule]:
-    """Split ``gm`` into ``pp`` stage GraphModules (index = pipeline rank).
+    """Split ``gm`` into ``pp`` stage GraphModules (index = stage, i.e. chunk, index; pass
+    pp·v for interleaved plans).
 
     Raises NotImplementedError when a stage would take or return more than one tensor.
     """
@@ -49,3 +53,9 @@ def split_stages(gm: fx.GraphModule, root, pp: int) -> list[fx.GraphModule]:
                 "sends exactly one tensor between stages, so layers must read only the "
                 "previous layer's output (compute masks/positions inside the layer)")
     return stages
+
+
+def rank_chunks(stages: list, pp: int, rank: int) -> list:
+    """The chunks pipeline rank ``rank`` runs: stages[rank], stages[rank + pp], ... (the
+    round-robin of interleaved 1F1B; one stage when len(stages) == pp)."""
+    return stages[rank::pp]

@@ -7,9 +7,9 @@ its TP collectives inside) and implements one training step:
    slice of B/d rows, cut into m micro-batches of b rows.
 2. Forward/backward of the stage over the m micro-batches. pp == 1: plain gradient
    accumulation, each micro-batch loss scaled by 1/m. pp > 1: the pipeline schedule
-   (GPipe or 1F1B) of :mod:`autopar.runtime.schedule`; the last stage computes a
-   per-micro-batch mean loss and the gradients are divided by m, so either way the
-   gradient is that of the mean loss over the DP-local batch.
+   (GPipe, 1F1B or interleaved 1F1B over v chunks) of :mod:`autopar.runtime.schedule`;
+   the last stage computes a per-micro-batch mean loss and the gradients are divided by
+   m, so either way the gradient is that of the mean loss over the DP-local batch.
 3. Tied embedding: the first and last stage each hold a copy of the (shard of the)
    word embedding and get a partial gradient; they are summed over
    ``groups.embedding_group`` (pp > 1).
@@ -46,7 +46,7 @@ from autopar.runtime.stats import CommMeter, SavedActivationTracker
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,12 +60,14 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_schedule(schedule: str, pp: int, num_micro_batches: int) -> None:
-    if schedule == "interleaved_1f1b":
-        raise NotImplementedError(
-            "interleaved 1F1B (v virtual stages per rank) is not implemented yet; "
-            "use schedule='1f1b' or 'gpipe'"
-        )
+def _check_schedule(schedule: str, pp: int, num_micro_batches: int, num_chunks: int = 1) -> None:
+    if (num_chunks > 1) != (schedule == "interleaved_1f1b"):
+        raise ValueError(f"schedule {schedule!r} with {num_chunks} model chunks on this rank: "
+                         "pass an nn.ModuleList of v >= 2 chunks exactly for 'interleaved_1f1b'")
+    if schedule == "interleaved_1f1b" and (pp < 2 or num_micro_batches % pp):
+        raise ValueError(
+            f"interleaved 1F1B needs pp > 1 and num_micro_batches divisible by pp, got "
+            f"pp={pp}, m={num_micro_batches}; choose m in multiples of {pp} or schedule='1f1b'")
     if schedule not in SCHEDULES:
         raise NotImplementedError(f"pipeline schedule {schedule!r} is not supported; use one of {SCHEDULES}")
     if schedule == "1f1b" and pp > 1 and num_micro_batches < pp:
@@ -81,13 +83,16 @@ class ParallelModule(nn.Module):
     Args:
         stage_module: this rank's pipeline stage. Input: first stage idx (b, s) int64,
             other stages (b, s, hidden_size) of activation_dtype. Output: (b, s,
-            hidden_size) of activation_dtype, the last stage logits (b, s, V).
+            hidden_size) of activation_dtype, the last stage logits (b, s, V). For
+            interleaved 1F1B an ``nn.ModuleList`` of this rank's v chunks, local order
+            (chunk j is global chunk pp_rank + j·pp, see ``Plan.stage_layers``), each
+            such a stage; ``chunks`` lists them (``[stage_module]`` otherwise).
         groups: this rank's process groups.
         micro_batch_size: b, rows per micro-batch.
         num_micro_batches: m, micro-batches per step and DP replica.
         seq_len: s.
         hidden_size: h, the width of the activation between stages.
-        schedule: "1f1b" or "gpipe" (ignored when pp == 1).
+        schedule: "1f1b", "gpipe" (ignored when pp == 1) or "interleaved_1f1b".
         optimizer_factory: builds an element-wise optimizer (SGD, Adam, AdamW, ...) from a
             list of tensors; it is given this rank's flat (slice of the) master weights
             (ZeRO-3: the stage's FSDP2-sharded DTensor parameters).
@@ -103,13 +108,14 @@ class ParallelModule(nn.Module):
         partial_grad_parameter_names: replicated parameters used on sequence shards
             (LayerNorm under sequence parallelism): their gradients are summed over the TP
             group after backward (per micro-batch under ZeRO-2).
-        boundary_shard_dims: the dim along which the activation this stage receives /
+        boundary_shard_dims: per chunk, the dims along which the activation it receives /
             sends is split over TP (None: whole), see StageShapes.
 
     Raises:
-        ValueError: a size is not a positive int, 1F1B with m < p, a tied name is
+        ValueError: a size is not a positive int, 1F1B with m < p, interleaved 1F1B with
+            pp == 1 or m % p != 0 or without a ModuleList of >= 2 chunks, a tied name is
             missing on the first/last stage, or ZeRO-2/3 with pp > 1.
-        NotImplementedError: schedule "interleaved_1f1b" or any other unknown schedule.
+        NotImplementedError: an unknown schedule.
     """
 
     def __init__(
@@ -129,18 +135,20 @@ class ParallelModule(nn.Module):
         zero_stage: int = 0,
         master_dtype: torch.dtype | None = None,
         partial_grad_parameter_names: Sequence[str] = (),
-        boundary_shard_dims: tuple[int | None, int | None] = (None, None),
+        boundary_shard_dims: Sequence[tuple[int | None, int | None]] = ((None, None),),
     ) -> None:
         super().__init__()
         _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
                         seq_len=seq_len, hidden_size=hidden_size)
-        _check_schedule(schedule, groups.pp, num_micro_batches)
+        chunks = list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
+        _check_schedule(schedule, groups.pp, num_micro_batches, len(chunks))
         if zero_stage >= 2 and groups.pp > 1:
             raise ValueError(f"ZeRO-{zero_stage} reduces gradients after every micro-batch, "
                              "which the pipeline schedule does not expose (as in DeepSpeed, "
                              "ZeRO-2/3 are not combined with pipeline parallelism); use "
                              "zero_stage=1 with pp > 1")
         self.stage_module = stage_module
+        self.chunks = chunks
         self.groups = groups
         self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
         self.seq_len, self.hidden_size, self.schedule = seq_len, hidden_size, schedule
@@ -161,9 +169,9 @@ class ParallelModule(nn.Module):
         self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
-            shapes = StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype,
-                                 *boundary_shard_dims, tp=groups.tp)
-            self.runner = PipelineRunner(stage_module, groups, shapes, num_micro_batches,
+            shapes = [StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype,
+                                  *dims, tp=groups.tp) for dims in boundary_shard_dims]
+            self.runner = PipelineRunner(chunks, groups, shapes, num_micro_batches,
                                          schedule, loss_fn)
 
     def _find_tied(self, names: Sequence[str]) -> list[nn.Parameter]:
@@ -179,7 +187,10 @@ class ParallelModule(nn.Module):
         return [params[n] for n in names if n in params]
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        """Run the stage module alone (no pipeline, no gradient sync)."""
+        """Run the stage module alone (no pipeline, no gradient sync; v = 1 only)."""
+        if len(self.chunks) > 1:
+            raise NotImplementedError("this rank holds several interleaved chunks that do not "
+                                      "run back to back; call pm.chunks[j](x) for one of them")
         return self.stage_module(*args)
 
     def _local_batch(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

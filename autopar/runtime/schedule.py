@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B) for one stage, on ``torch.distributed.pipelining``.
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) on ``torch.distributed.pipelining``.
 
 Why the library and not a hand-written schedule: its ``ScheduleGPipe`` and
 ``Schedule1F1B`` ran on gloo with ``group=pp_group`` a sub-group (pp=2 with dp=2)
@@ -23,17 +23,25 @@ How it is used:
   divides the accumulated gradients by m once at the end of the step, so the
   gradient is that of the mean loss over the m micro-batches.
 * Stage i is pipeline rank i of ``pp_group`` (ranks ordered by pp_rank).
+* Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): this rank runs v model chunks
+  of the p·v-chunk model, chunk c on pipeline rank c % p; each chunk is a
+  ``PipelineStage`` with ``stage_index`` c and ``num_stages`` p·v, and the library's
+  ``ScheduleInterleaved1F1B`` orders them (depth first; it needs m a multiple of
+  max(1, m // p), autopar asks m % p == 0 as Megatron-LM does, see
+  :func:`autopar.runtime.support.interleaving_problem`). Every chunk boundary is a
+  point-to-point send, also between two chunks of neighbouring ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B)
 
 from autopar.runtime.mesh import ParallelGroups
 
@@ -80,43 +88,56 @@ def _stage_device(module: nn.Module) -> torch.device:
 
 
 class PipelineRunner:
-    """Runs this rank's stage under a GPipe or 1F1B schedule over ``groups.pp_group``.
+    """Runs this rank's chunks under a GPipe, 1F1B or interleaved 1F1B schedule over
+    ``groups.pp_group``.
 
     Args:
-        stage_module: the stage (see ParallelModule for its inputs and outputs).
+        chunks: this rank's model chunks, local order (chunk j is global chunk
+            pp_rank + j·pp); one for GPipe/1F1B, v for interleaved 1F1B (see
+            ParallelModule for their inputs and outputs).
         groups: this rank's process groups (pp > 1).
-        shapes: the boundary shapes.
+        shapes: the boundary shapes, one per chunk.
         num_micro_batches: m.
-        schedule: "gpipe" or "1f1b" (validated by the caller).
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b" (validated by the caller).
         loss_fn: per-micro-batch mean loss (logits, targets) -> scalar, used on the last stage.
     """
 
     def __init__(
         self,
-        stage_module: nn.Module,
+        chunks: Sequence[nn.Module],
         groups: ParallelGroups,
-        shapes: StageShapes,
+        shapes: Sequence[StageShapes],
         num_micro_batches: int,
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
-        b, s = shapes.micro_batch_size, shapes.seq_len
-        dtype = shapes.activation_dtype
-        act_in = torch.empty(shapes.activation_shape(shapes.input_shard_dim), dtype=dtype,
-                             device="meta", requires_grad=True)
-        act_out = torch.empty(shapes.activation_shape(shapes.output_shard_dim), dtype=dtype,
-                              device="meta", requires_grad=True)
+        if len(shapes) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks but {len(shapes)} boundary shapes")
+        b, s = shapes[0].micro_batch_size, shapes[0].seq_len
         first_input = torch.empty(b, s, dtype=torch.long, device="meta")
-        stage = PipelineStage(
-            stage_module, groups.pp_rank, groups.pp, _stage_device(stage_module),
-            input_args=first_input if groups.is_first_stage else act_in,
-            output_args=act_out,  # on the last stage a stand-in, see the module docstring
-            group=groups.pp_group,
-        )
-        schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        num_stages = groups.pp * len(chunks)
+        stages = []
+        for j, (chunk, shape) in enumerate(zip(chunks, shapes)):
+            index = groups.pp_rank + j * groups.pp  # round-robin: chunk c on rank c % pp
+            act_in = torch.empty(shape.activation_shape(shape.input_shard_dim),
+                                 dtype=shape.activation_dtype, device="meta", requires_grad=True)
+            act_out = torch.empty(shape.activation_shape(shape.output_shard_dim),
+                                  dtype=shape.activation_dtype, device="meta", requires_grad=True)
+            stages.append(PipelineStage(
+                chunk, index, num_stages, _stage_device(chunk),
+                input_args=first_input if index == 0 else act_in,
+                output_args=act_out,  # on the last stage a stand-in, see the module docstring
+                group=groups.pp_group,
+            ))
         self.groups, self.shapes = groups, shapes
         self.num_micro_batches = num_micro_batches
-        self._schedule = schedule_cls(stage, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        if schedule == "interleaved_1f1b":
+            self._schedule = ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn,
+                                                     scale_grads=True)
+        else:
+            schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self._schedule = schedule_cls(stages[0], num_micro_batches, loss_fn=loss_fn,
+                                          scale_grads=True)
 
     def run(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of m micro-batches; gradients accumulate in the stage's parameters.
