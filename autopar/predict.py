@@ -19,19 +19,7 @@ from .graph import TracedModel, last_saver_index
 from .plan import COMM_KINDS, Prediction, rank_layers
 from .strategies import NodeStrategies, tensor_inputs
 
-__all__ = ["section_cost", "predict", "p2p_sends_per_micro_batch"]
-
-
-def p2p_sends_per_micro_batch(pp: int, virtual_stages: int, rank: int) -> int:
-    """Point-to-point sends of pipeline rank ``rank`` per micro-batch (each a (b, s, h)
-    activation or its gradient). Chunk c runs on rank c % p (``Plan.stage_layers``) and
-    every chunk boundary crosses to the neighbouring rank: the rank sends the forward
-    output of each of its v chunks except the model's last chunk (on rank p-1) and the
-    input gradient of each except chunk 0 (on rank 0): 2v - [rank = 0] - [rank = p-1]
-    (v = 1: one send each way on inner stages, one on the ends). 0 when p = 1."""
-    if pp == 1:
-        return 0
-    return 2 * virtual_stages - int(rank == 0) - int(rank == pp - 1)
+__all__ = ["section_cost", "predict"]
 
 
 def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
