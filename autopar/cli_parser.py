@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 from autopar.cli_verify import add_verify_parser
-from autopar.plan import RECOMPUTE_MODES, SCHEDULES
+from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
 from cost_models.hardware import PRESET_NAMES
 
 __all__ = ["build_parser", "EXIT_CODES_HELP"]
@@ -166,6 +166,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None
                    help="model chunks per pipeline rank for the interleaved schedule")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="Megatron-3 sequence parallelism in the non-tensor-parallel regions")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="training precision: bf16 (bf16 compute, fp32 master weights) or fp32 "
+                        "(default: the cluster's)")
 
 
 def _add_megatron(group, extra: str = "") -> None:

@@ -167,12 +167,13 @@ def _dropout_model() -> GPT:
 
 
 def _dropout_worker(rank: int, world: int, plans: list[str]):
-    """Each plan trains 2 steps with dropout 0.1 twice with seed 0 and once with seed 1."""
+    """Each plan trains 2 steps with dropout 0.1 twice with seed 0; the first plan also once
+    with seed 1."""
     results = []
-    for text in plans:
+    for k, text in enumerate(plans):
         plan = autopar.Plan.from_json(text)
         runs = []
-        for seed in (0, 0, 1):
+        for seed in (0, 0, 1) if k == 0 else (0, 0):
             pm = autopar.parallelize(_dropout_model(), plan=plan, optimizer=_optimizer("sgd"),
                                      seed=seed)
             runs.append([pm.train_step(idx, tgt) for idx, tgt in _batches(2)])
@@ -187,10 +188,11 @@ def test_world4_dropout_is_reproducible_from_the_seed(shape):
     plans = [_plan_json(4, layout, DROPOUT_CONFIG) for layout in combinations(*shape)]
     per_rank = run_distributed(_dropout_worker, 4, plans, timeout_s=900)
     for rank, results in enumerate(per_rank):
-        for layout, (first, again, other) in results:
-            assert first == again, (layout, rank, first, again)
-            assert all(a != b for a, b in zip(first, other)), (layout, rank, first, other)
-            assert first == per_rank[0][results.index((layout, [first, again, other]))][1][0]
+        for k, (layout, runs) in enumerate(results):
+            assert runs[0] == runs[1], (layout, rank, runs)
+            assert runs[0] == per_rank[0][k][1][0], (layout, rank)  # the same on every rank
+            if len(runs) == 3:
+                assert all(a != b for a, b in zip(runs[0], runs[2])), (layout, rank, runs)
 
 
 def test_matrix_covers_the_runtime_support():
