@@ -4,7 +4,8 @@ screen (``benchmarks/screenshot_report.py``).
 The two charts draw with colours no other chart uses (``TIMELINE_COLOURS``,
 ``MEMORY_COLOURS``; checked below on the chart PNGs), so counting those colours' pixels in
 the screenshot tells whether each chart is visible. Chromium is required, not optional:
-``.ci/run`` installs it; without it this test fails and names the install command.
+``bash tests/install_chromium.sh`` (the first step of README's test command and of .ci/run)
+installs it; without it this test fails and names the install command.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def screenshot_png(tmp_path_factory) -> Path:
     try:
         shot.find_chromium()
     except FileNotFoundError as exc:  # fail, never skip: CI must render the report
-        pytest.fail(f"{exc}. .ci/run installs it before the tests.")
+        pytest.fail(f"{exc}. Run: bash tests/install_chromium.sh")
     return shot.screenshot(REPORT / "report.html", tmp_path_factory.mktemp("shot") / "r.png",
                            width=WIDTH, height=HEIGHT)
 
