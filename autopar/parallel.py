@@ -59,25 +59,33 @@ class ParallelizedModel(ParallelModule):
         Collective over the whole world: every rank must call it. Tied parameters appear
         under every original name (e.g. ``lm_head.weight`` and ``transformer.wte.weight``).
         """
-        g = self.groups
-        local: dict[str, torch.Tensor] = {}
-        params = dict(self.stage_module.named_parameters())
-        for name, spec in sorted(self.shards.items()):
-            t = full_tensor(params[name].detach())  # ZeRO-3: all-gathered over DP
-            if spec.dim is not None and g.tp > 1:
-                parts = [torch.empty_like(t) for _ in range(g.tp)]
-                dist.all_gather(parts, t.contiguous(), group=g.tp_group)
-                t = torch.cat(parts, dim=spec.dim)
-            local[spec.key] = t.cpu().clone()
-        gathered: list = [None] * g.world_size
-        dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
-        full: dict[str, torch.Tensor] = {}
-        for part in gathered:
-            full.update(part)
-        for alias, canonical in self.tied_aliases.items():
-            if canonical in full:
-                full[alias] = full[canonical]
-        return full
+        return gather_full(self, lambda p: p)
+
+
+def gather_full(pm: ParallelizedModel, pick: Callable[[nn.Parameter], torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """``pick(p)`` of every local parameter (the parameter, its gradient, ...), all-gathered
+    over DP (ZeRO-3's DTensor shards) and TP (split dims), collected from every stage, on
+    the CPU under the original keys, tied aliases included. Collective over the world."""
+    g = pm.groups
+    local: dict[str, torch.Tensor] = {}
+    params = dict(pm.stage_module.named_parameters())
+    for name, spec in sorted(pm.shards.items()):
+        t = full_tensor(pick(params[name]).detach())  # ZeRO-3: all-gathered over DP
+        if spec.dim is not None and g.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(g.tp)]
+            dist.all_gather(parts, t.contiguous(), group=g.tp_group)
+            t = torch.cat(parts, dim=spec.dim)
+        local[spec.key] = t.cpu().clone()
+    gathered: list = [None] * g.world_size
+    dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
+    full: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        full.update(part)
+    for alias, canonical in pm.tied_aliases.items():
+        if canonical in full:
+            full[alias] = full[canonical]
+    return full
 
 
 def _agree(plan: Plan, groups_world: int) -> None:

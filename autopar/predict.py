@@ -190,7 +190,7 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
     """What stage i's ranks should measure in one step (``last_step_stats`` keys):
     payload bytes per collective kind, model-state bytes, peak saved-activation bytes."""
     cfg = tables.config
-    p, m, act_b = cfg.pp, cfg.num_micro_batches, cfg.activation_bytes
+    p, m = cfg.pp, cfg.num_micro_batches
     comm = dict.fromkeys(COMM_KINDS, 0.0)
     comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
     comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])

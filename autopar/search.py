@@ -11,8 +11,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from cost_models import compute
-
 from .cost import Config, cost_tables
 from .graph import TracedModel
 from .plan import Layout

@@ -53,7 +53,7 @@ from .graph import TracedModel, last_saver_index
 from .plan import equal_chunks, rank_layers
 from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
 
-__all__ = ["InfeasibleError", "Decision", "StageModel", "solve_config", "template_map",
+__all__ = ["InfeasibleError", "Decision", "StageModel", "template_map",
            "stage_bounds_and_recompute"]
 
 KIB = 1024
@@ -301,7 +301,7 @@ class StageModel:
     def add_memory(self) -> None:
         cfg = self.cfg
         L, p, d = self.t.num_layers, cfg.pp, cfg.dp
-        act_ub, core_ub = self._ub("layer", "act"), self._ub("layer", "core_act")
+        act_ub = self._ub("layer", "act")
         a_layer = self._var("act_layer", self._expr("layer", "act"), act_ub)
         a_sel = self._var("act_layer_selective", self._expr("layer", "act") - self._expr("layer", "core_act"), act_ub)
         ckpt = int(math.ceil(self.c.full_ckpt_bytes / KIB))

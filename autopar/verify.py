@@ -114,30 +114,6 @@ def default_batches(model: nn.Module, plan: Plan, steps: int, seed: int = 0) -> 
 
 
 # ------------------------------------------------------------------ gathering
-def _gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``pick(p)`` of every local parameter, unsharded over TP and collected from every
-    stage, under the original keys (tied aliases included). Collective over the world."""
-    g = pm.groups
-    params = dict(pm.stage_module.named_parameters())
-    local: dict[str, torch.Tensor] = {}
-    for name, spec in sorted(pm.shards.items()):
-        t = full_tensor(pick(params[name]).detach())  # ZeRO-3: all-gathered over DP
-        if spec.dim is not None and g.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(g.tp)]
-            dist.all_gather(parts, t.contiguous(), group=g.tp_group)
-            t = torch.cat(parts, dim=spec.dim)
-        local[spec.key] = t.cpu().clone()
-    gathered: list = [None] * g.world_size
-    dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
-    full: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        full.update(part)
-    for alias, canonical in pm.tied_aliases.items():
-        if canonical in full:
-            full[alias] = full[canonical]
-    return full
-
-
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
@@ -154,7 +130,9 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     gradients are DTensors, made whole over DP by ``runtime.fsdp.full_tensor``.
     """
     pm.dp_optimizer.synchronize_gradients()
-    return _gather_full(pm, _grad_or_zeros)
+    from .parallel import gather_full
+
+    return gather_full(pm, _grad_or_zeros)
 
 
 def _stages_of(pm) -> dict[str, list[int]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import sysconfig
 import time

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.models import GPT, GPTConfig, preset
+from autopar.models import GPT, preset
 from autopar.search import solve_one
 from autopar.solve import template_map
 from autopar.trace import trace_model

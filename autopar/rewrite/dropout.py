@@ -24,7 +24,6 @@ In ``print(gm.code)`` a forked dropout reads ``tp_rng_<node> = self.tp_rng_<node
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
