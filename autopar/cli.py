@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `autopar plan ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
     except Exception as exc:  # noqa: BLE001 - mapped to an exit code and one line
         code, prefix = _exit_code(exc)
         if args.debug:
