@@ -127,12 +127,17 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
     :func:`~autopar.runtime.support.interleaving_problem`, e.g. m % pp != 0: before any
     collective), NotImplementedError
-    (a plan feature the runtime cannot run), RuntimeError (ranks disagree on the plan),
+    (a plan feature the runtime cannot run, or a backend other than gloo), RuntimeError (ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
                            "(run under torchrun and call dist.init_process_group first)")
+    if dist.get_backend() != "gloo":
+        raise NotImplementedError(
+            f"the autopar runtime keeps each stage on the CPU, which the {dist.get_backend()!r} "
+            "backend cannot carry; initialise the process group with backend='gloo' (placing "
+            "stages on cuda:LOCAL_RANK for NCCL is not implemented yet)")
     world = dist.get_world_size()
     if plan is not None:
         validate_degrees(plan.tp, plan.pp, plan.dp, world)

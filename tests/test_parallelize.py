@@ -172,3 +172,24 @@ def test_world_size_2_matches_single_process():
 
 def test_world_size_4_matches_single_process():
     _check(run_distributed(_worker, 4, WORLD4, timeout_s=400))
+
+
+def _nccl_backend(rank: int, world: int) -> str:
+    """A process group whose backend is not gloo gets a clear error before any collective
+    (simulated: NCCL needs GPUs, which this machine has none of)."""
+    import torch.distributed as dist
+
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        autopar.parallelize(_model(), plan=_plan(world, *WORLD2[0]), optimizer=_optimizer("sgd"))
+    except NotImplementedError as exc:
+        return str(exc)
+    finally:
+        dist.get_backend = real
+    return "no error"
+
+
+def test_a_backend_other_than_gloo_is_a_clear_error():
+    messages = run_distributed(_nccl_backend, 2, timeout_s=120)
+    assert all("backend='gloo'" in m and "'nccl'" in m for m in messages), messages
