@@ -52,7 +52,7 @@ def add_verify_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     p.add_argument("--tolerance", type=float, default=None, metavar="REL",
                    help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
-                        "for fp32 plans, 2e-2 for bf16)")
+                        "for fp32 plans; bf16: 2e-2, gradients 5e-2)")
     p.add_argument("--max-processes", type=int, default=8, metavar="N",
                    help="refuse plans needing more local processes than this (default 8)")
     p.add_argument("--timeout", type=float, default=600, metavar="S",

@@ -56,7 +56,9 @@ class Tolerances:
         if dtype == "fp32":
             return cls()
         if dtype == "bf16":
-            return cls(loss=2e-2, grad=2e-2, param=2e-2, floor=1e-2)
+            # bf16 rounds every product and sum to 8 significant bits; a gradient summed
+            # over b·s tokens differs from fp32 by a few percent of its largest entry
+            return cls(loss=2e-2, grad=5e-2, param=2e-2, floor=1e-2)
         raise ValueError(f"no default tolerances for dtype {dtype!r}; pass tolerances=Tolerances(...)")
 
 

@@ -111,7 +111,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group, counter: CommCounte
                          f"make that size a multiple of {t}")
     front = x.movedim(dim, 0).contiguous()  # (t*n, ...), rank-major chunks
     out = front.new_empty((front.shape[0] // t, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
     _record(counter, "tp_reduce_scatter", front)
     return out.movedim(0, dim).contiguous()
 

@@ -135,13 +135,13 @@ class DistributedOptimizer:
         else:
             flat = self.buffer.new_zeros(self.padded_numel)
             own = self._grad_shard if self._grad_shard is not None else flat[self.lo:self.hi].clone()
-        dist.all_gather_into_tensor(flat, own.contiguous(), group=self.group)
+        dist.all_gather_single(flat, own.contiguous(), group=self.group)
         self._bind_grads(flat)
 
     def _reduce_scatter(self, flat: torch.Tensor) -> torch.Tensor:
         """Average of the d ranks' flat gradients on this rank's slice: (padded/d,)."""
         out = flat.new_empty(self.hi - self.lo)
-        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
+        dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group)
         return out.div_(self.d)
 
     def micro_batch_done(self) -> None:
@@ -179,7 +179,7 @@ class DistributedOptimizer:
             self.buffer[self.lo:self.hi].copy_(self.master.detach())
         if self.zero_stage >= 1:
             own = self.buffer[self.lo:self.hi].clone()
-            dist.all_gather_into_tensor(self.buffer, own, group=self.group)
+            dist.all_gather_single(self.buffer, own, group=self.group)
 
     def state_bytes(self) -> int:
         """Bytes held for the model between steps on this rank: parameters (the buffer),
