@@ -48,7 +48,8 @@ from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
 from .search import SearchResult, candidate_configs, validate_layout, zero_choices
 from .solve import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
                     stage_bounds_and_recompute, template_map)
-from .strategies import node_strategies, param_split, tensor_inputs, tied_groups
+from .strategies import (gathers_for_partial_grad, node_strategies, param_split, partial_grad_input,
+                         tensor_inputs, tied_groups)
 from .trace import trace_model
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
@@ -127,16 +128,13 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
         if edge is None:
             return None, None
         f_now, placed = used.get(u, (False, ()))
-        partial_grad = bool(sv.partial_grad_inputs and sv.partial_grad_inputs[j])
-        # a gather for a partial-gradient consumer is its own (it reduce-scatters backward)
-        fused = partial_grad and strategies[u][ku].output.startswith("S") and sv.inputs[j] == "R"
-        target = (sv.inputs[j], fused)
+        target = (sv.inputs[j], gathers_for_partial_grad(sv, j, strategies[u][ku].output))
         if (edge.fwd_kind or edge.bwd_kind) and target not in done and target not in placed:
             d[0] += edge.fwd_s + edge.bwd_s
             d[1] += edge.fwd_s if src_rerun[u] else 0.0
             d[11] += edge.bwd_s
             placed += (target,)
-        if sv.partial_grad_inputs and sv.partial_grad_inputs[j] and not flag and not f_now:
+        if partial_grad_input(sv, j) and not flag and not f_now:
             f_s = f_cost(tables, u, strategies[u][ku].output)[1]
             d[0] += f_s
             d[11] += f_s

@@ -29,6 +29,7 @@ from .rewrite.dropout import apply_dropout_rng
 from .rewrite.pipeline import annotate_stages, rank_chunks, split_stages
 from .rewrite.recompute import apply_recompute
 from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
+from .strategies import output_placement
 from .runtime.collectives import vocab_parallel_cross_entropy
 from .runtime.engine import ParallelModule, token_cross_entropy
 from .runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
@@ -208,7 +209,7 @@ def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None
     the layer before each cut (None: replicated)."""
     def dim(layer: int) -> int | None:
         name = traced.layers[layer][-1]
-        placement = plan.placements[name].split(":")[1]
+        placement = output_placement(plan.placements[name])
         if placement == "P":
             raise NotImplementedError(f"{name} is a partial sum at a pipeline cut; autopar "
                                       "sends whole or sharded activations between stages")

@@ -17,7 +17,7 @@ from cost_models.pipeline import pipeline_step_time_s
 from .cost import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
 from .graph import TracedModel, last_saver_index
 from .plan import COMM_KINDS, Prediction, rank_layers
-from .strategies import NodeStrategies, tensor_inputs
+from .strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 
 __all__ = ["section_cost", "predict"]
 
@@ -57,11 +57,9 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                 raise ValueError(f"plan reshards {src.name} -> {node.name} in a way autopar "
                                  "does not offer; the placements are inconsistent")
             src_placement = strategies[src.name][choice[src.name]].output
-            partial_grad = bool(strat.partial_grad_inputs and strat.partial_grad_inputs[j])
-            if partial_grad:
+            if partial_grad_input(strat, j):
                 partial.add((src.name, src_placement))
-            # a gather for a partial-gradient consumer is its own (it reduce-scatters backward)
-            fused = partial_grad and src_placement.startswith("S") and strat.inputs[j] == "R"
+            fused = gathers_for_partial_grad(strat, j, src_placement)
             if (src.name, strat.inputs[j], fused) in done or not (edge.fwd_kind or edge.bwd_kind):
                 continue
             done.add((src.name, strat.inputs[j], fused))

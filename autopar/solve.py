@@ -51,7 +51,8 @@ from .cost import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_c
                    optimizer_s_per_param)
 from .graph import TracedModel, last_saver_index
 from .plan import equal_chunks, rank_layers
-from .strategies import NodeStrategies, param_split, tensor_inputs, tied_groups
+from .strategies import (NodeStrategies, gathers_for_partial_grad, param_split, partial_grad_input,
+                         tensor_inputs, tied_groups)
 
 __all__ = ["InfeasibleError", "Decision", "StageModel", "template_map",
            "stage_bounds_and_recompute"]
@@ -184,7 +185,7 @@ class StageModel:
                 if cost is None:
                     self.m.AddBoolOr([xu.Not(), xv.Not()]).WithName(f"reshard_offered[{u}->{v}]")
                     continue
-                if sv.partial_grad_inputs and sv.partial_grad_inputs[j]:
+                if partial_grad_input(sv, j):
                     kind, f_s = f_cost(self.c, u, su.output)  # all-reduce, or reduce-scatter
                     fkey = f"f[{u},{kind}]"
                     if fkey not in self.x:
@@ -192,9 +193,7 @@ class StageModel:
                         sec["bwd"].append((f_s * self.ns, self.x[fkey][0]))
                     self.m.Add(self.x[fkey][0] >= xu + xv - 1)
                 if cost.fwd_s or cost.bwd_s:
-                    # a gather for a partial-gradient consumer reduce-scatters backward: its own
-                    fused = bool(sv.partial_grad_inputs and sv.partial_grad_inputs[j]
-                                 and su.output.startswith("S") and sv.inputs[j] == "R")
+                    fused = gathers_for_partial_grad(sv, j, su.output)
                     rkey = (u, ku, sv.inputs[j], section, fused)
                     if rkey not in self.reshard:
                         r = self.m.NewBoolVar(f"reshard[{u},{ku}->{sv.inputs[j]}]")

@@ -186,6 +186,29 @@ def strategy_key(strategy: Strategy) -> str:
     return f"{strategy.name}:{strategy.output}"
 
 
+def output_placement(key: str) -> str:
+    """The output placement of a plan's strategy key ``"<name>:<placement>"`` ("R", "S<d>",
+    "P"): the inverse of :func:`strategy_key`. Raises ValueError for anything else."""
+    name, sep, placement = key.rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"{key!r} is not a strategy key '<name>:<placement>'")
+    return placement
+
+
+def partial_grad_input(strategy: Strategy, j: int) -> bool:
+    """Does ``strategy`` make the gradient of its input j a partial sum (Megatron's f)?"""
+    return bool(strategy.partial_grad_inputs and strategy.partial_grad_inputs[j])
+
+
+def gathers_for_partial_grad(strategy: Strategy, j: int, src_placement: str) -> bool:
+    """Is input j all-gathered from a shard for a consumer with a partial input gradient?
+    That gather is one collective with f (all-gather forward, reduce-scatter backward:
+    :class:`~autopar.runtime.collectives.GatherToPartialGradTP`), so it is not shared with
+    plain gathers of the same tensor; the solver, the predictor and the rewriter agree."""
+    return (partial_grad_input(strategy, j) and src_placement.startswith("S")
+            and strategy.inputs[j] == "R")
+
+
 def param_split(strategy: Strategy) -> str:
     """How a strategy splits its module's weight: "none" | "rows" (dim 0) | "cols" (dim 1).
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.rewrite.pipeline import annotate_stages
-from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng, output_placement
+from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
+from autopar.strategies import output_placement
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker, rank_seeds, seed_rank
 from autopar.strategies import megatron_placements

@@ -29,9 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..runtime.rng import TENSOR_PARALLEL, RNGStatesTracker
-from ..strategies import is_sharded
+from ..strategies import is_sharded, output_placement
 
-__all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng", "output_placement"]
+__all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng"]
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
 _DROPOUT_ARGS = ("p", "training", "inplace")  # after input
@@ -82,14 +82,6 @@ class ForkedRNG(nn.Module):
     def forward(self, *args):
         with self.tracker.fork(self.stream):
             return self.body(*args)
-
-
-def output_placement(strategy_key: str) -> str:
-    """The output placement of a plan's strategy key ``"<name>:<placement>"`` ("R", "S<d>", "P")."""
-    name, sep, placement = strategy_key.rpartition(":")
-    if not sep or not name:
-        raise ValueError(f"{strategy_key!r} is not a strategy key '<name>:<placement>'")
-    return placement
 
 
 def _const_kwargs(node: fx.Node, n_tensors: int, names: tuple[str, ...]) -> dict:

@@ -35,7 +35,8 @@ import torch.nn as nn
 
 from ..runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
                                    TPReduceScatter, TPScatter, VocabParallelEmbedding)
-from ..strategies import Strategy, node_strategies, strategy_key
+from ..strategies import (Strategy, gathers_for_partial_grad, node_strategies, partial_grad_input,
+                          strategy_key)
 
 __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
 
@@ -133,15 +134,13 @@ class _Rewriter:
         new.meta.update(_owner_meta(owner))
         return new
 
-    def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node, partial_grad: bool = False
-                 ) -> tuple[fx.Node, bool]:
-        """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer).
-        Returns (node, whether Megatron's f is already included: a sharded tensor gathered
-        for a consumer with a partial input gradient reduce-scatters that gradient)."""
+    def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node, fused: bool = False) -> fx.Node:
+        """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer);
+        ``fused``: the gather also carries Megatron's f (reduce-scatters the partial input
+        gradient, :func:`~autopar.strategies.gathers_for_partial_grad`)."""
         have = self.placement[src]
         if have == dst:
-            return src, False
-        fused = partial_grad and have.startswith("S") and dst == "R"
+            return src
         key = (src, dst, _owner_key(consumer), fused)
         if key not in self.resharded:
             if have == "P":
@@ -155,7 +154,7 @@ class _Rewriter:
                 self.resharded[key] = self._insert_after(src, "tp_scatter", mod, src, consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
-        return self.resharded[key], fused
+        return self.resharded[key]
 
     def _complete_partial(self, src: fx.Node, dst: str, consumer: fx.Node) -> fx.Node:
         """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
@@ -197,9 +196,9 @@ class _Rewriter:
             strat = self.choice[node.name]
             ins = self._tensor_inputs(node)
             for j, src in enumerate(ins):
-                partial_grad = bool(strat.partial_grad_inputs and strat.partial_grad_inputs[j])
-                new_src, fused = self._reshard(src, strat.inputs[j], node, partial_grad)
-                if partial_grad and not fused:
+                fused = gathers_for_partial_grad(strat, j, self.placement[src])
+                new_src = self._reshard(src, strat.inputs[j], node, fused)
+                if partial_grad_input(strat, j) and not fused:
                     new_src = self._copy_to_tp(new_src, node)
                 if new_src is not src:
                     node.replace_input_with(src, new_src)
