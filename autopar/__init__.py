@@ -6,18 +6,18 @@ Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluste
 
 from cost_models.hardware import Cluster
 
-from . import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
-from .api import evaluate, evaluate_plan, load_model, plan
-from .plan import Layout, Plan, Prediction
-from .solve import InfeasibleError
-from .trace import TraceError
+from autopar import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
+from autopar.api import evaluate, evaluate_plan, load_model, plan
+from autopar.plan import Layout, Plan, Prediction
+from autopar.planner.cpsat import InfeasibleError
+from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
            "report", "load_model", "InfeasibleError", "TraceError"]
 
 
 def parallelize(*args, **kwargs):
-    """See :func:`autopar.parallel.parallelize` (imported lazily: it needs torch.distributed)."""
-    from .parallel import parallelize as _parallelize
+    """See :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs torch.distributed)."""
+    from autopar.runtime.parallelize import parallelize as _parallelize
 
     return _parallelize(*args, **kwargs)

@@ -1,5 +1,5 @@
-"""``python -m autopar ...`` runs the command line (see :mod:`autopar.cli`)."""
+"""``python -m autopar ...`` runs the command line (see :mod:`autopar.cli.commands`)."""
 
-from autopar.cli import main
+from autopar.cli.commands import main
 
 raise SystemExit(main())

@@ -8,13 +8,13 @@ from typing import Callable
 
 import torch
 
-from .graph import TracedModel
-from .plan import Layout, Plan
-from .predict import predict
-from .runtime.support import RUNTIME_SUPPORT
-from .search import SearchResult, search
-from .strategies import strategy_key
-from .trace import trace_model
+from autopar.graph.annotate import TracedModel
+from autopar.plan import Layout, Plan
+from autopar.planner.predict import predict
+from autopar.support import RUNTIME_SUPPORT
+from autopar.planner.search import SearchResult, search
+from autopar.planner.strategies import strategy_key
+from autopar.graph.capture import trace_model
 
 __all__ = ["plan", "evaluate", "evaluate_plan", "load_model", "plan_from_search"]
 
@@ -24,7 +24,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, str]:
 
     Raises ValueError for an unknown preset or a factory that cannot be imported.
     """
-    from .models import GPT, PRESETS
+    from autopar.models import GPT, PRESETS
 
     if ":" not in spec:
         if spec not in PRESETS:
@@ -80,7 +80,7 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
         ideally on the meta device. layout: fields to pin (None = free).
     progress: optional ``progress(visited, total, best_step_time_s)`` called as the search
-        visits its configs (see :func:`autopar.search.search`), e.g. to draw a progress bar.
+        visits its configs (see :func:`autopar.planner.search.search`), e.g. to draw a progress bar.
     Raises TraceError (untraceable model), InfeasibleError (nothing fits in memory),
     ValueError (degrees inconsistent with the cluster, heads not divisible by tp, ...).
     """
@@ -118,9 +118,9 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     hand, or to price a saved plan on other hardware. Returns the plan with a new
     ``predicted``. Raises ValueError when a placement does not exist for this model/tp.
     """
-    from .cost import Config, cost_tables
-    from .solve import Decision
-    from .strategies import node_strategies
+    from autopar.planner.cost_tables import Config, cost_tables
+    from autopar.planner.cpsat import Decision
+    from autopar.planner.strategies import node_strategies
 
     traced = trace_model(model, plan.seq_len)
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,

@@ -4,7 +4,7 @@
 
 For each case (a small GPT on a cluster of N <= 64, some with device memory shrunk so that
 recompute, pipelining or ZeRO must be used) prints the wall time of ``autopar``'s search
-(CP-SAT per config, bound-pruned) and of ``autopar.exhaustive`` (every config, every plan),
+(CP-SAT per config, bound-pruned) and of ``autopar.oracle.exhaustive`` (every config, every plan),
 both predicted step times, the gap, and the optimum when memory is checked with predict's
 exact bytes instead of the solver's rounded KiB (a plan the solver's rounding rejects but
 that predict says fits shows up as a negative "rounding" column). Rows whose gap exceeds
@@ -21,12 +21,12 @@ import torch
 
 import autopar
 from autopar.api import plan_from_search
-from autopar.exhaustive import exhaustive_search
+from autopar.oracle.exhaustive import exhaustive_search
 from autopar.models import GPT, GPTConfig
-from autopar.runtime.support import RUNTIME_SUPPORT, RuntimeSupport
-from autopar.search import search
-from autopar.solve import InfeasibleError
-from autopar.trace import trace_model
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.planner.search import search
+from autopar.planner.cpsat import InfeasibleError
+from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
 
 ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))

@@ -2,7 +2,7 @@
 
     python benchmarks/predicted_vs_measured.py
 
-1. calibrates this machine (``autopar.calibrate.calibrate_local(2)``: 1-thread fp32 matmul
+1. calibrates this machine (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32 matmul
    rate, copy bandwidth, gloo all-reduce alpha/beta) and uses it as the cluster;
 2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
@@ -25,10 +25,10 @@ import time
 import torch
 
 import autopar
-from autopar.strategies import megatron_placements
-from autopar.trace import trace_model
+from autopar.planner.strategies import megatron_placements
+from autopar.graph.capture import trace_model
 from autopar.api import evaluate_plan
-from autopar.calibrate import calibrate_local, spawn_local
+from autopar.runtime.calibrate import calibrate_local, spawn_local
 from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster
 

@@ -4,7 +4,7 @@
 
 runs ``chromium --headless --no-sandbox --disable-gpu --screenshot=shot.png
 --window-size=1400,3000 file://.../report.html`` and prints how many pixels of the
-timeline's and the memory chart's colours (``autopar.report_plots.TIMELINE_COLOURS`` and
+timeline's and the memory chart's colours (``autopar.report.plots.TIMELINE_COLOURS`` and
 ``MEMORY_COLOURS``, used by no other chart) the screenshot holds. Exit status 1 when one of
 the two charts is missing from the screenshot. Chromium comes from Debian
 (``apt-get install -y chromium``, about 30 s); nothing is downloaded at run time.
@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 try:
-    from autopar.report_plots import MEMORY_COLOURS, TIMELINE_COLOURS
+    from autopar.report.plots import MEMORY_COLOURS, TIMELINE_COLOURS
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from autopar.report_plots import MEMORY_COLOURS, TIMELINE_COLOURS
+    from autopar.report.plots import MEMORY_COLOURS, TIMELINE_COLOURS
 
 INSTALL_HINT = "apt-get install -y chromium (Debian/Ubuntu; sudo if not root)"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

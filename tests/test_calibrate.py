@@ -1,4 +1,4 @@
-"""autopar.calibrate: the ring fit recovers known numbers; a quick real calibration writes a
+"""autopar.runtime.calibrate: the ring fit recovers known numbers; a quick real calibration writes a
 profile that Cluster.from_json_file loads, with positive, plausible, sourced numbers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from autopar.calibrate import CalibrationSizes, calibrate_local, fit_ring_all_reduce
+from autopar.runtime.calibrate import CalibrationSizes, calibrate_local, fit_ring_all_reduce
 from cost_models import comm
 from cost_models.hardware import Cluster, LinkSpec
 

@@ -19,8 +19,8 @@ import pytest
 
 import autopar
 from autopar import cli
-from autopar.cli_parser import EXAMPLES, build_parser
-from autopar.cli_progress import SearchProgress
+from autopar.cli.parser import EXAMPLES, build_parser
+from autopar.cli.progress import SearchProgress
 from autopar.plan import Plan
 
 TINY = ["--model", "gpt-tiny", "--cluster", "local-cpu", "--nodes", "1",
@@ -57,9 +57,9 @@ def tiny_memory_cluster(tmp_path_factory):
 
 @pytest.fixture
 def fake_calibrate(monkeypatch):
-    """autopar.calibrate replaced by a module whose calibrate_local returns a fixed profile
+    """autopar.runtime.calibrate replaced by a module whose calibrate_local returns a fixed profile
     (the real one measures for tens of seconds; tests/test_calibrate.py covers it)."""
-    fake = types.ModuleType("autopar.calibrate")
+    fake = types.ModuleType("autopar.runtime.calibrate")
 
     def calibrate_local(processes, out_path):
         if processes < 2:
@@ -67,7 +67,7 @@ def fake_calibrate(monkeypatch):
         return {"name": "local-cpu-calibrated", "gpus_per_node": processes}
 
     fake.calibrate_local = calibrate_local
-    monkeypatch.setitem(sys.modules, "autopar.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "autopar.runtime.calibrate", fake)
     return fake
 
 

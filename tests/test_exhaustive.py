@@ -1,4 +1,4 @@
-"""The CP-SAT search against an exhaustive check of the same plan space (autopar.exhaustive).
+"""The CP-SAT search against an exhaustive check of the same plan space (autopar.oracle.exhaustive).
 
 Ladder: (1) the dynamic programme over TP assignments loses no assignment (naive
 enumeration of a small model, each priced by predict.section_cost); (2) the fast stage
@@ -19,17 +19,17 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.cost import cost_tables
-from autopar.exhaustive import (StagePlan, _decision, _r_index, _ties_agree, config_options,
+from autopar.planner.cost_tables import cost_tables
+from autopar.oracle.exhaustive import (StagePlan, _decision, _r_index, _ties_agree, config_options,
                                 exhaustive, exhaustive_search, price, stage_splits)
 from autopar.models import GPT, GPTConfig
-from autopar.predict import predict, section_cost
-from autopar.runtime.support import RuntimeSupport
-from autopar.search import candidate_configs
-from autopar.solve import Decision, template_map
-from autopar.strategies import (node_strategies, param_split, reshard_kinds, tensor_inputs,
+from autopar.planner.predict import predict, section_cost
+from autopar.support import RuntimeSupport
+from autopar.planner.search import candidate_configs
+from autopar.planner.cpsat import Decision, template_map
+from autopar.planner.strategies import (node_strategies, param_split, reshard_kinds, tensor_inputs,
                                 tied_groups)
-from autopar.trace import trace_model
+from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
 
 WITH_ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))
@@ -247,7 +247,7 @@ ZERO_CASES = {
 @pytest.mark.parametrize("name", list(ZERO_CASES))
 def test_cpsat_is_optimal_with_every_zero_stage(name):
     from autopar.api import plan_from_search
-    from autopar.search import search
+    from autopar.planner.search import search
 
     cfg, cluster, batch, seq, support = ZERO_CASES[name]
     model = _meta(cfg)

@@ -18,9 +18,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.fsdp import FullyShardedOptimizer, layer_units
-from autopar.runtime.support import RUNTIME_SUPPORT
-from autopar.trace import trace_model
-from autopar.verify import verify
+from autopar.support import RUNTIME_SUPPORT
+from autopar.graph.capture import trace_model
+from autopar.verify.check import verify
 from dist_utils import run_distributed
 from test_parallelize import _cluster, _optimizer, _rel
 

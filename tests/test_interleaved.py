@@ -18,9 +18,9 @@ import torch
 
 import autopar
 from autopar.models import GPT
-from autopar.runtime.support import check_executable, interleaving_problem
-from autopar.search import candidate_configs
-from autopar.trace import trace_model
+from autopar.support import check_executable, interleaving_problem
+from autopar.planner.search import candidate_configs
+from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
 from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference
 

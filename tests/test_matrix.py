@@ -1,9 +1,9 @@
 """Every combination the solver can emit runs, and equals one process.
 
-The matrix is generated from :data:`autopar.runtime.support.RUNTIME_SUPPORT` (the one
+The matrix is generated from :data:`autopar.support.RUNTIME_SUPPORT` (the one
 source of truth the solver's search space also reads): for each (tp, pp, dp) shape at
 world size 4 (and a few at 8), every schedule (interleaved 1F1B with every declared v that
-:meth:`~autopar.runtime.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
+:meth:`~autopar.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
 layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stage, recompute mode
 and sequence-parallel setting the runtime declares for that shape. Each combination trains a
 4-layer GPT (dropout 0) for 3 steps on real gloo process groups:
@@ -33,11 +33,11 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.support import RUNTIME_SUPPORT
+from autopar.support import RUNTIME_SUPPORT
 from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference, _rel
 from autopar.models import GPT
-from autopar.strategies import megatron_placements
-from autopar.trace import trace_model
+from autopar.planner.strategies import megatron_placements
+from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
 
 # bf16 against the fp32 single-process run: bf16 keeps 8 significant bits (relative
@@ -214,7 +214,7 @@ def test_matrix_covers_the_runtime_support():
 def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, layout):
     """The solver reads RUNTIME_SUPPORT, so its plans (and the alternatives it reports)
     pass the runtime's own check, whatever the model, cluster and pinned fields."""
-    from autopar.runtime.support import check_executable
+    from autopar.support import check_executable
     from autopar.models import preset
 
     with torch.device("meta"):

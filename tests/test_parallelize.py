@@ -14,8 +14,8 @@ import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from autopar.strategies import megatron_placements
-from autopar.trace import trace_model
+from autopar.planner.strategies import megatron_placements
+from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed
 

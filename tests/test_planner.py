@@ -8,9 +8,9 @@ import torch.nn as nn
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.search import solve_one
-from autopar.solve import template_map
-from autopar.trace import trace_model
+from autopar.planner.search import solve_one
+from autopar.planner.cpsat import template_map
+from autopar.graph.capture import trace_model
 
 
 def _meta(name: str) -> nn.Module:
@@ -52,7 +52,7 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
     assert p["transformer_h_0_ln_1"] == "replicate:R"
     assert p["transformer_wte"] == "vocab:P" and p["lm_head"] == "column:S2"
     assert all(p[f"transformer_h_{l}_mlp_c_proj"] == "row:P" for l in range(72))
-    from autopar.strategies import megatron_placements
+    from autopar.planner.strategies import megatron_placements
 
     assert p == megatron_placements(trace_model(_meta("gpt-8.3b"), 1024), 8)
 
@@ -61,8 +61,8 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
 def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     """Korthikanti et al. 2022, Table 2: s·b·h·(34 + 5as/h) bytes per layer at t = 1 and
     s·b·h·(10 + 24/t + 5as/(ht)) with Megatron TP, derived here from the traced graph."""
-    from autopar.cost import Config, cost_tables
-    from autopar.strategies import node_strategies, strategy_key
+    from autopar.planner.cost_tables import Config, cost_tables
+    from autopar.planner.strategies import node_strategies, strategy_key
     from cost_models.memory import transformer_layer_activation_bytes
 
     cluster = autopar.Cluster.dgx_a100(nodes=1)
@@ -122,8 +122,8 @@ def test_objective_equals_independent_prediction():
     cluster = autopar.Cluster.dgx_a100(nodes=2)
     model = _meta("gpt-1.3b")
     traced = trace_model(model, 2048)
-    from autopar.cost import Config
-    from autopar.predict import predict
+    from autopar.planner.cost_tables import Config
+    from autopar.planner.predict import predict
 
     cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8)
     decision, status, tables, strategies = solve_one(

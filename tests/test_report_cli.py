@@ -16,7 +16,7 @@ import pytest
 import autopar
 from autopar import cli
 from autopar.plan import Layout, Plan, Prediction
-from autopar.report import format_bytes, format_seconds, render_markdown, write_report
+from autopar.report.document import format_bytes, format_seconds, render_markdown, write_report
 from cost_models.hardware import Cluster
 
 GIB = 2**30
@@ -322,14 +322,14 @@ def test_cli_calibrate_calls_calibrate_local(monkeypatch, tmp_path, capsys):
     import types
 
     calls = []
-    fake = types.ModuleType("autopar.calibrate")
+    fake = types.ModuleType("autopar.runtime.calibrate")
 
     def calibrate_local(processes, out_path):
         calls.append((processes, out_path))
         return {"matmul_tflops": 0.12, "gloo_bandwidth_gbps": 1.5}
 
     fake.calibrate_local = calibrate_local
-    monkeypatch.setitem(sys.modules, "autopar.calibrate", fake)
+    monkeypatch.setitem(sys.modules, "autopar.runtime.calibrate", fake)
     out = tmp_path / "cpu.json"
     assert cli.main(["calibrate", "--processes", "2", "--out", str(out), "--json"]) == 0
     assert calls == [(2, str(out))]
@@ -347,7 +347,7 @@ def test_cli_calibrate_calls_calibrate_local(monkeypatch, tmp_path, capsys):
 def test_cli_calibrate_without_the_module_is_a_clear_error(monkeypatch, capsys):
     import sys
 
-    monkeypatch.setitem(sys.modules, "autopar.calibrate", None)  # import fails
+    monkeypatch.setitem(sys.modules, "autopar.runtime.calibrate", None)  # import fails
     assert cli.main(["calibrate", "--processes", "2"]) == 2
     err = capsys.readouterr().err
-    assert "autopar.calibrate is not available" in err and "Traceback" not in err
+    assert "autopar.runtime.calibrate is not available" in err and "Traceback" not in err

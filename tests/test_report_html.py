@@ -15,9 +15,9 @@ import torch
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.report import format_seconds, write_report
-from autopar.report_html import markdown_to_html
-from autopar.report_plots import (rank_groups, rank_layout_section, schedule_order,
+from autopar.report.document import format_seconds, write_report
+from autopar.report.html import markdown_to_html
+from autopar.report.plots import (rank_groups, rank_layout_section, schedule_order,
                                   simulate_schedule, write_timeline_chart)
 
 PNG = b"\x89PNG"

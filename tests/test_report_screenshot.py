@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from autopar.report_plots import MEMORY_COLOURS, TIMELINE_COLOURS
+from autopar.report.plots import MEMORY_COLOURS, TIMELINE_COLOURS
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "reports" / "gpt-1.3b-dgx-a100-1"

@@ -23,11 +23,11 @@ import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.rewrite.pipeline import annotate_stages
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
-from autopar.strategies import output_placement
+from autopar.planner.strategies import output_placement
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker, rank_seeds, seed_rank
-from autopar.strategies import megatron_placements
-from autopar.trace import trace_model
+from autopar.planner.strategies import megatron_placements
+from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed
 
@@ -232,7 +232,7 @@ def _worker(rank: int, world: int, plans: dict) -> dict:
     for case in ("tp", "dp", "pp"):
         out[case] = [_train(plans[case], seed, 3)[0] for seed in (1, 1, 2)]
     out["recompute"] = {mode: _train(plans[mode], 1, 2) for mode in ("none", "full", "selective")}
-    with mock.patch("autopar.parallel.apply_recompute", _without_tracker_restore):
+    with mock.patch("autopar.runtime.parallelize.apply_recompute", _without_tracker_restore):
         out["no_restore"] = {mode: _train(plans[mode], 1, 2) for mode in ("full", "selective")}
     return out
 

@@ -1,4 +1,4 @@
-"""Closed forms recovered from the traced graph equal the published ones (autopar.symbolic).
+"""Closed forms recovered from the traced graph equal the published ones (autopar.oracle.symbolic).
 
 Korthikanti et al. 2022 (activation bytes per layer, Table 2) and Narayanan et al. 2021
 eq. (3) / Korthikanti et al. 2022 Appendix A (model FLOPs per step). The ZeRO figures of
@@ -12,12 +12,12 @@ import sympy
 import torch
 
 import autopar
-from autopar import symbolic
-from autopar.cost import Config, cost_tables
+from autopar.oracle import symbolic
+from autopar.planner.cost_tables import Config, cost_tables
 from autopar.models import GPT, GPTConfig, preset
-from autopar.strategies import node_strategies
-from autopar.symbolic import SYMBOLS, closed_form, layer_activation_expr, model_flops_expr
-from autopar.trace import trace_model
+from autopar.planner.strategies import node_strategies
+from autopar.oracle.symbolic import SYMBOLS, closed_form, layer_activation_expr, model_flops_expr
+from autopar.graph.capture import trace_model
 from cost_models.memory import transformer_layer_activation_bytes
 
 b, s, h, a, t, B, L, V = (SYMBOLS[k] for k in "b s h a t B L V".split())
@@ -68,7 +68,7 @@ def test_model_flops_simplify_to_narayanan_eq3_and_korthikanti_appendix_a():
 
 @pytest.mark.parametrize("name, seq_len", [("gpt-1.3b", 2048), ("gpt-8.3b", 1024)])
 def test_traced_flops_equal_eq3_exactly(name, seq_len):
-    """The count autopar.cost uses (3 × forward matmuls + one forward of every layer),
+    """The count autopar.planner.cost_tables uses (3 × forward matmuls + one forward of every layer),
     per sequence, equals eq. (3) with B = 1 exactly (integers below 2**53)."""
     cfg = preset(name)
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""``autopar.verify``: the parallel program against one device, and the ``verify`` verb.
+"""``autopar.verify.check``: the parallel program against one device, and the ``verify`` verb.
 
 Real gloo process groups of 2 ranks: a tensor-parallel (Megatron placements) and a
 pipeline plan of a 2-layer GPT must pass; the same plans with one TP all-reduce removed
@@ -19,14 +19,15 @@ import pytest
 import torch
 
 import autopar
-from autopar import cli, cli_verify
+from autopar import cli
+from autopar.cli import verify as cli_verify
 from autopar.models import GPT, preset
 from autopar.runtime.collectives import TPAllReduce
-from autopar.strategies import megatron_placements
-from autopar.trace import trace_model
-from autopar.verify import (Tolerances, VerificationError, check_plan_matches, disable_dropout,
+from autopar.planner.strategies import megatron_placements
+from autopar.graph.capture import trace_model
+from autopar.verify.check import (Tolerances, VerificationError, check_plan_matches, disable_dropout,
                             verify)
-from autopar.verify_report import ParamDiff, StepLoss, VerifyReport
+from autopar.verify.result import ParamDiff, StepLoss, VerifyReport
 from cost_models.hardware import Cluster
 from dist_utils import run_distributed
 
@@ -85,8 +86,8 @@ def _perturb_one_weight(pm) -> None:
 
 
 def _broken(breaker):
-    """``autopar.parallel.parallelize`` that builds the program, then breaks it."""
-    import autopar.parallel as parallel
+    """``autopar.runtime.parallelize.parallelize`` that builds the program, then breaks it."""
+    import autopar.runtime.parallelize as parallel
 
     original = parallel.parallelize
 
@@ -109,7 +110,7 @@ def _passing(rank: int, world: int, plans: dict) -> dict:
 
 
 def _failing(rank: int, world: int, plans: dict) -> dict:
-    import autopar.parallel as parallel
+    import autopar.runtime.parallelize as parallel
 
     out = {}
     for name, breaker in (("tp2", _drop_first_tp_all_reduce), ("pp2", _perturb_one_weight)):

@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..runtime.rng import RNGStatesTracker
-from .dropout import AttentionCore, ForkedRNG
+from autopar.runtime.rng import RNGStatesTracker
+from autopar.rewrite.dropout import AttentionCore, ForkedRNG
 
 __all__ = ["Checkpointed", "apply_recompute"]
 

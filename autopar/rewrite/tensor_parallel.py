@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
+from autopar.runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
                                    TPReduceScatter, TPScatter, VocabParallelEmbedding)
-from ..strategies import (Strategy, gathers_for_partial_grad, node_strategies, partial_grad_input,
+from autopar.planner.strategies import (Strategy, gathers_for_partial_grad, node_strategies, partial_grad_input,
                           strategy_key)
 
 __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
@@ -137,7 +137,7 @@ class _Rewriter:
     def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node, fused: bool = False) -> fx.Node:
         """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer);
         ``fused``: the gather also carries Megatron's f (reduce-scatters the partial input
-        gradient, :func:`~autopar.strategies.gathers_for_partial_grad`)."""
+        gradient, :func:`~autopar.planner.strategies.gathers_for_partial_grad`)."""
         have = self.placement[src]
         if have == dst:
             return src

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..plan import COMM_KINDS  # the payload kinds predictions and measurements share
+from autopar.plan import COMM_KINDS  # the payload kinds predictions and measurements share
 Group = dist.ProcessGroup | None
 
 

@@ -28,7 +28,7 @@ How it is used:
   ``PipelineStage`` with ``stage_index`` c and ``num_stages`` p·v, and the library's
   ``ScheduleInterleaved1F1B`` orders them (depth first; it needs m a multiple of
   max(1, m // p), autopar asks m % p == 0 as Megatron-LM does, see
-  :func:`autopar.runtime.support.interleaving_problem`). Every chunk boundary is a
+  :func:`autopar.support.interleaving_problem`). Every chunk boundary is a
   point-to-point send, also between two chunks of neighbouring ranks.
 """
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..plan import COMM_KINDS
+from autopar.plan import COMM_KINDS
 
 __all__ = ["SavedActivationTracker", "CommMeter", "model_state_bytes"]
 

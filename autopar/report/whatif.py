@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .plan import Layout, Plan
+from autopar.plan import Layout, Plan
 
 __all__ = ["what_if_plans", "what_if_markdown"]
 
@@ -30,8 +30,8 @@ def what_if_plans(model, cluster, plan: Plan, *, layout: Layout | None = None,
     """
     from cost_models.hardware import Cluster
 
-    from .api import plan as solve
-    from .solve import InfeasibleError
+    from autopar.api import plan as solve
+    from autopar.planner.cpsat import InfeasibleError
 
     cases = {"twice the nodes": (dataclasses.replace(cluster, nodes=2 * cluster.nodes),
                                  plan.global_batch_size),

@@ -12,7 +12,7 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from autopar.cli_verify import add_verify_parser
+from autopar.cli.verify import add_verify_parser
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
 from cost_models.hardware import PRESET_NAMES
 
@@ -96,7 +96,7 @@ DESCRIPTIONS = {
               "report (report.md, a self-contained report.html and PNG charts) without "
               "solving again. --json prints the written files and the plan's headline numbers.",
     "calibrate": "Run small matmuls and gloo all-reduces on local processes and write a "
-                 "cluster JSON usable with --cluster (calls autopar.calibrate.calibrate_local). "
+                 "cluster JSON usable with --cluster (calls autopar.runtime.calibrate.calibrate_local). "
                  "Takes about ten seconds.",
 }
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopar.plan import Plan
-from autopar.report import GIB, MEMORY_KINDS, TIME_KINDS, _ordered, device_memory_bytes
+from autopar.report.document import GIB, MEMORY_KINDS, TIME_KINDS, _ordered, device_memory_bytes
 
 __all__ = ["simulate_schedule", "schedule_order", "write_timeline_chart", "write_memory_chart",
            "write_breakdown_chart", "write_comparison_chart", "write_charts", "rank_groups",

@@ -3,10 +3,10 @@
 argparse turns flags into the plain calls of the library (``autopar.load_model``,
 ``Cluster.from_name``, ``autopar.plan`` / ``autopar.evaluate``, ``report.write_report``);
 nothing here decides anything the library would not. ``compare`` prints the solver's plan
-beside hand-written layouts (views in :mod:`autopar.cli_compare`); ``calibrate`` measures
-the local CPU profile with ``autopar.calibrate.calibrate_local``. The flags and --help
-texts live in :mod:`autopar.cli_parser`; the search's progress line (stderr, on a terminal
-only, never with --json) in :mod:`autopar.cli_progress`. Every verb takes ``--json``:
+beside hand-written layouts (views in :mod:`autopar.cli.compare`); ``calibrate`` measures
+the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``. The flags and --help
+texts live in :mod:`autopar.cli.parser`; the search's progress line (stderr, on a terminal
+only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--json``:
 stdout then holds one JSON document and nothing else.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
@@ -26,13 +26,13 @@ import traceback
 from pathlib import Path
 
 import autopar
-from autopar.cli_verify import run_verify
-from autopar.cli_compare import (compare, comparison_lines, format_compare, plan_table,
+from autopar.cli.verify import run_verify
+from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
-from autopar.cli_parser import build_parser
-from autopar.cli_progress import SearchProgress
+from autopar.cli.parser import build_parser
+from autopar.cli.progress import SearchProgress
 from autopar.plan import Layout, Plan
-from autopar.report import write_report
+from autopar.report.document import write_report
 from cost_models.hardware import Cluster
 
 __all__ = ["main", "build_parser"]
@@ -141,7 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         progress=progress, **batch)
     what_ifs = None
     if args.report and args.whatif:
-        from autopar.report_whatif import what_if_plans
+        from autopar.report.whatif import what_if_plans
 
         what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
                                  progress=progress.relabel if progress else None)
@@ -206,11 +206,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    """``autopar calibrate``: measure the local profile (``autopar.calibrate``)."""
+    """``autopar calibrate``: measure the local profile (``autopar.runtime.calibrate``)."""
     try:
-        from autopar.calibrate import calibrate_local
+        from autopar.runtime.calibrate import calibrate_local
     except ImportError as exc:
-        raise ImportError(f"autopar.calibrate is not available in this installation ({exc})") from exc
+        raise ImportError(f"autopar.runtime.calibrate is not available in this installation ({exc})") from exc
     result = calibrate_local(processes=args.processes, out_path=str(args.out))
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True, default=str))

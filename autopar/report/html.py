@@ -1,6 +1,6 @@
 """The plan report as one self-contained HTML file (``report.html``).
 
-The HTML is converted from the Markdown of :func:`autopar.report.render_markdown`, so the
+The HTML is converted from the Markdown of :func:`autopar.report.document.render_markdown`, so the
 two never disagree. The converter knows only what that report emits: ``#`` headings, pipe
 tables (the rule row sets each column's alignment), paragraphs, ``- `` bullet lists, and
 inline code, bold, italics and images. Images named by a relative path are read from the

@@ -2,11 +2,11 @@
 
 Launches ``tp·pp·dp`` local CPU processes joined in a gloo process group (or, under
 ``torchrun``, uses the processes it was started in), builds the same seeded model on each,
-and runs :func:`autopar.verify.verify`: a few SGD steps of the parallel program and of the
+and runs :func:`autopar.verify.check.verify`: a few SGD steps of the parallel program and of the
 single-device model on the same random batch, compared per step, stage and parameter.
 Rank 0 prints the report (a table, or JSON with ``--json``).
 
-Exit codes (those of :mod:`autopar.cli`, plus one): 0 the program matches · 5 it does not
+Exit codes (those of :mod:`autopar.cli.commands`, plus one): 0 the program matches · 5 it does not
 (:data:`EXIT_VERIFY_FAILED`) · 2 bad input (missing plan file, a model the plan was not
 made for, a plan the runtime cannot execute, more processes than a local run allows) ·
 1 internal error.
@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["add_verify_parser", "run_verify", "build_model", "EXIT_VERIFY_FAILED"]
 
-EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli's (internal, bad input, infeasible, trace)
+EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, bad input, infeasible, trace)
 
 
 def add_verify_parser(subparsers) -> argparse.ArgumentParser:
@@ -85,8 +85,8 @@ def _check_inputs(args: argparse.Namespace):
     """(plan, model spec, tolerances): everything checked before a process is started."""
     import autopar
     from autopar.plan import Plan
-    from autopar.runtime.support import check_executable
-    from autopar.verify import Tolerances, check_plan_matches
+    from autopar.support import check_executable
+    from autopar.verify.check import Tolerances, check_plan_matches
 
     if not args.plan_file.is_file():
         raise ValueError(f"plan file {args.plan_file} does not exist")
@@ -109,7 +109,7 @@ def _check_inputs(args: argparse.Namespace):
 
 def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
     """Run verify on this rank (process group initialised); the outcome as plain data."""
-    from autopar.verify import verify
+    from autopar.verify.check import verify
 
     model = build_model(spec, args.seed)
     report = verify(model, plan, steps=args.steps, seed=args.seed, tolerances=tol,
@@ -204,7 +204,7 @@ def _run_in_torchrun(plan, payload: tuple) -> tuple[dict, bool]:
 def run_verify(args: argparse.Namespace) -> int:
     """``autopar verify``: check inputs, launch, print rank 0's report; the exit code.
 
-    Raises ValueError for bad input (exit 2 in autopar.cli), RuntimeError / TimeoutError
+    Raises ValueError for bad input (exit 2 in autopar.cli.commands), RuntimeError / TimeoutError
     when a process fails (exit 1).
     """
     plan, spec, tol = _check_inputs(args)

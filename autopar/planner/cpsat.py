@@ -1,7 +1,7 @@
 r"""Stage 3: choose the plan with OR-Tools CP-SAT.
 
 The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-batch sizes b
-(:func:`autopar.search.candidate_configs`); for each, one CP-SAT model chooses jointly
+(:func:`autopar.planner.search.candidate_configs`); for each, one CP-SAT model chooses jointly
 
 * a TP strategy per node, :math:`x_{n,k} \in \{0,1\}`, :math:`\sum_k x_{n,k} = 1`; identical
   transformer layers share one template, so the layer's choice is solved once;
@@ -47,11 +47,11 @@ from ortools.sat.python import cp_model
 
 from cost_models.memory import in_flight_micro_batches
 
-from .cost import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_cost,
+from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_cost,
                    optimizer_s_per_param)
-from .graph import TracedModel, last_saver_index
-from .plan import equal_chunks, rank_layers
-from .strategies import (NodeStrategies, gathers_for_partial_grad, param_split, partial_grad_input,
+from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.plan import equal_chunks, rank_layers
+from autopar.planner.strategies import (NodeStrategies, gathers_for_partial_grad, param_split, partial_grad_input,
                          tensor_inputs, tied_groups)
 
 __all__ = ["InfeasibleError", "Decision", "StageModel", "template_map",

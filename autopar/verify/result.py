@@ -1,4 +1,4 @@
-"""What ``autopar.verify`` measured: tolerances, the report, and the error it raises.
+"""What ``autopar.verify.check`` measured: tolerances, the report, and the error it raises.
 
 Every difference is *relative per tensor*: for the parallel value ``a`` and the
 single-device reference ``b`` of one parameter (or its gradient) at one step,

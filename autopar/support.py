@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fsdp import FULLY_SHARDED_STAGE
-from .zero import EXECUTED_ZERO_STAGES
+from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
+from autopar.runtime.zero import EXECUTED_ZERO_STAGES
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem"]
 

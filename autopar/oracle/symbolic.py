@@ -9,10 +9,10 @@ symbol changed at once, else :class:`SymbolicFitError` names the node. The sum o
 layer's nodes is then a sympy expression that ``sympy.simplify`` compares with the paper.
 
 Activation bytes per layer (:func:`layer_activation_expr`) use exactly what the solver
-uses: ``autopar.cost.cost_tables`` of the traced graph, with Megatron's placements found
+uses: ``autopar.planner.cost_tables.cost_tables`` of the traced graph, with Megatron's placements found
 by ``autopar.plan`` itself (``tp=8`` on one DGX A100 node, where tensor parallelism
 pays); a tensor is divided by t when its placement is sharded, and b enters through the
-micro-batch size of :class:`autopar.cost.Config`. Both exponents are fitted, not assumed.
+micro-batch size of :class:`autopar.planner.cost_tables.Config`. Both exponents are fitted, not assumed.
 They reproduce Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4 and Table 2), 16-bit activations and 1-byte dropout
 masks (build the model with dropout > 0, as Megatron does):
@@ -52,10 +52,10 @@ import torch.nn as nn
 
 from cost_models.hardware import Cluster
 
-from .cost import Config, cost_tables
-from .models import GPT, GPTConfig
-from .strategies import node_strategies, strategy_key
-from .trace import trace_model
+from autopar.planner.cost_tables import Config, cost_tables
+from autopar.models import GPT, GPTConfig
+from autopar.planner.strategies import node_strategies, strategy_key
+from autopar.graph.capture import trace_model
 
 __all__ = ["SYMBOLS", "SymbolicFitError", "closed_form", "closed_form_names", "fit_monomials",
            "layer_activation_expr", "model_flops_expr", "megatron_placements",
@@ -197,8 +197,8 @@ def megatron_placements(factory: Callable = GPT, template: GPTConfig | None = No
 
 @functools.lru_cache(maxsize=8)
 def _planned_placements(factory: Callable, template: GPTConfig | None) -> tuple:
-    from .api import plan
-    from .plan import Layout
+    from autopar.api import plan
+    from autopar.plan import Layout
 
     template = template or GPTConfig(1, 4, 32, 51200, 16, dropout=0.1)
     cfg = dataclasses.replace(template, n_layer=1, **_WIDE)
@@ -270,7 +270,7 @@ def model_flops_expr(model: ModelSource = GPT, *, recompute: str = "full",
                      dropout: float = 0.1) -> sympy.Expr:
     """Model FLOPs of one training step in B, s, L, h, V (and a, which must cancel), as
     the cost adapter counts them: B·(3·(L·F_layer + F_other) + [full] L·F_layer) with F the
-    forward matmul FLOPs per sequence (``autopar.cost.cost_tables``; Narayanan et al. 2021,
+    forward matmul FLOPs per sequence (``autopar.planner.cost_tables.cost_tables``; Narayanan et al. 2021,
     section 5.1: backward = 2 × forward, full recompute = one more forward of each layer).
     recompute: "full" | "none" ("selective" counts like "none": its recomputed attention
     core is hardware work, not model FLOPs, as in Korthikanti et al. 2022)."""
@@ -309,7 +309,7 @@ def formulas_markdown() -> str:
              "b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size, "
              "B global batch, L layers, V vocabulary; bytes assume 16-bit activations and "
              "1-byte dropout masks. Checked in `tests/test_symbolic.py` "
-             "(`autopar.symbolic`).", "",
+             "(`autopar.oracle.symbolic`).", "",
              "| quantity | closed form | source | check |", "|---|---|---|---|"]
     for name, (formula, what, source) in _CLOSED_FORMS.items():
         lines.append(f"| {what} | {_pretty(formula)} | {source} | {checks[name]} |")

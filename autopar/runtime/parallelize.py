@@ -24,19 +24,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .plan import Plan
-from .rewrite.dropout import apply_dropout_rng
-from .rewrite.pipeline import annotate_stages, rank_chunks, split_stages
-from .rewrite.recompute import apply_recompute
-from .rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
-from .strategies import output_placement
-from .runtime.collectives import vocab_parallel_cross_entropy
-from .runtime.engine import ParallelModule, token_cross_entropy
-from .runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
-from .runtime.mesh import ParallelGroups, validate_degrees
-from .runtime.rng import seed_rank
-from .runtime.support import check_executable
-from .trace import trace_model
+from autopar.plan import Plan
+from autopar.rewrite.dropout import apply_dropout_rng
+from autopar.rewrite.pipeline import annotate_stages, rank_chunks, split_stages
+from autopar.rewrite.recompute import apply_recompute
+from autopar.rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
+from autopar.planner.strategies import output_placement
+from autopar.runtime.collectives import vocab_parallel_cross_entropy
+from autopar.runtime.engine import ParallelModule, token_cross_entropy
+from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
+from autopar.runtime.mesh import ParallelGroups, validate_degrees
+from autopar.runtime.rng import seed_rank
+from autopar.support import check_executable
+from autopar.graph.capture import trace_model
 
 __all__ = ["parallelize", "ParallelizedModel"]
 
@@ -120,16 +120,16 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     seed: dropout seed, the same on every rank; each rank seeds its default generator
         (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
         (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
-    verify: first run :func:`autopar.verify.verify` (3 SGD steps of a copy against one
+    verify: first run :func:`autopar.verify.check.verify` (3 SGD steps of a copy against one
         device; ``model`` is untouched) and raise its VerificationError on a mismatch.
     Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
     same global batch on every rank and returns the global mean loss.
 
     Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
-    :func:`~autopar.runtime.support.interleaving_problem`, e.g. m % pp != 0: before any
+    :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
     collective), NotImplementedError
     (a plan feature the runtime cannot run, or a backend other than gloo), RuntimeError (ranks disagree on the plan),
-    ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
+    ``autopar.verify.check.VerificationError`` (verify=True and the program is wrong).
     """
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
@@ -151,7 +151,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                              f"{world}; describe the cluster you launched on")
         solved = None
         if dist.get_rank() == 0:
-            from .api import plan as solve_plan
+            from autopar.api import plan as solve_plan
 
             with torch.device("meta"):
                 meta_model = copy.deepcopy(model).to("meta")
@@ -160,7 +160,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         plan = _broadcast_plan(solved)
     _agree(plan, world)
     if verify:
-        from .verify import verify as verify_plan
+        from autopar.verify.check import verify as verify_plan
 
         verify_plan(model, plan)  # on copies, before anything trains the real model
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)

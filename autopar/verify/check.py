@@ -1,4 +1,4 @@
-"""``autopar.verify``: run a plan's program and the single-device model side by side.
+"""``autopar.verify.check``: run a plan's program and the single-device model side by side.
 
 On every rank of an initialised process group (world size tp·pp·dp), :func:`verify`
 
@@ -17,11 +17,11 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
 5. also compares every rank's *local* shard with the matching slice of the reference, so
    a replica that drifted on one TP or DP rank is caught even though the gathered
    tensors come from TP rank 0 / DP rank 0;
-6. returns a :class:`~autopar.verify_report.VerifyReport` (identical on every rank), or
-   raises :class:`~autopar.verify_report.VerificationError` on every rank past tolerance.
+6. returns a :class:`~autopar.verify.result.VerifyReport` (identical on every rank), or
+   raises :class:`~autopar.verify.result.VerificationError` on every rank past tolerance.
 
 The relative measure and the default tolerances are documented in
-:mod:`autopar.verify_report`. The reference loss is the runtime's own per-token
+:mod:`autopar.verify.result`. The reference loss is the runtime's own per-token
 cross-entropy of ``model(idx)``'s logits (``runtime.engine.token_cross_entropy``), so
 both sides compute the same function. Meant for small models: every rank holds the
 reference model and the gathered full tensors.
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .plan import Plan
-from .runtime.engine import token_cross_entropy
-from .runtime.fsdp import full_tensor
-from .verify_report import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
+from autopar.plan import Plan
+from autopar.runtime.engine import token_cross_entropy
+from autopar.runtime.fsdp import full_tensor
+from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
            "Tolerances", "VerifyReport", "VerificationError"]
@@ -71,8 +71,8 @@ def disable_dropout(model: nn.Module) -> list[str]:
 def check_plan_matches(model: nn.Module, plan: Plan) -> None:
     """Raise ValueError unless ``plan`` was made for ``model``: same traced node names
     (hence layers and placements) and, when both are known, the same model config."""
-    from .api import _model_config
-    from .trace import trace_model
+    from autopar.api import _model_config
+    from autopar.graph.capture import trace_model
 
     config = _model_config(model)
     if plan.model_config and config and plan.model_config != config:
@@ -119,7 +119,7 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 
 
 def full_gradients(pm) -> dict[str, torch.Tensor]:
-    """Unsharded gradients of a :class:`~autopar.parallel.ParallelizedModel` under the
+    """Unsharded gradients of a :class:`~autopar.runtime.parallelize.ParallelizedModel` under the
     original model's keys, on every rank (CPU), like ``full_state_dict`` for parameters.
 
     Read after ``train_step``: each ``.grad`` then holds that step's synchronised gradient
@@ -130,7 +130,7 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     gradients are DTensors, made whole over DP by ``runtime.fsdp.full_tensor``.
     """
     pm.dp_optimizer.synchronize_gradients()
-    from .parallel import gather_full
+    from autopar.runtime.parallelize import gather_full
 
     return gather_full(pm, _grad_or_zeros)
 
@@ -236,7 +236,7 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     any collective), the errors of :func:`autopar.parallelize`, and
     :class:`VerificationError` on every rank past tolerance when ``raise_on_failure``.
     """
-    from .parallel import parallelize
+    from autopar.runtime.parallelize import parallelize
 
     _check_inputs(model, plan, steps, batches)
     tolerances = tolerances or Tolerances.for_dtype(plan.dtype)

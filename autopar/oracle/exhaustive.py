@@ -1,13 +1,13 @@
 r"""An exhaustive check of the search: the optimum of the same plan space, found without CP-SAT.
 
-:func:`exhaustive` visits every config of :func:`autopar.search.candidate_configs` (no bound
-pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.solve` admits: a TP
+:func:`exhaustive` visits every config of :func:`autopar.planner.search.candidate_configs` (no bound
+pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.planner.cpsat` admits: a TP
 strategy per node of the pre section, the template layer and the post section (resharding
-transitions offered by :func:`~autopar.strategies.reshard_kinds`, replicated layer
+transitions offered by :func:`~autopar.planner.strategies.reshard_kinds`, replicated layer
 boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even (interleaved
 1F1B: L/p layers per rank, p·v equal chunks), per stage
 the numbers of full and selective recompute layers, and the ZeRO stage. Each plan is priced
-with the formulas of :func:`autopar.predict.predict` (optimizer time included) and must fit
+with the formulas of :func:`autopar.planner.predict.predict` (optimizer time included) and must fit
 device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
 
 Two exact reductions keep this tractable; neither can lose the optimum.
@@ -24,7 +24,7 @@ Two exact reductions keep this tractable; neither can lose the optimum.
   :math:`(r^{full}_i, r^{sel}_i)` of least :math:`T_i` is optimal (all pairs are tried).
 
 ``rounding="predict"`` checks memory with predict's exact bytes; ``rounding="solver"`` with
-the integer KiB / 1024-parameter units of :meth:`autopar.solve.StageModel.add_memory`
+the integer KiB / 1024-parameter units of :meth:`autopar.planner.cpsat.StageModel.add_memory`
 (rounded up per node, the loss bytes rounded down).
 """
 
@@ -40,17 +40,17 @@ from cost_models import compute
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import (OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables,
+from autopar.planner.cost_tables import (OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables,
                    dp_comm_s_per_param, f_cost)
-from .graph import TracedModel, last_saver_index
-from .plan import Layout, Plan
-from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport
-from .search import SearchResult, candidate_configs, validate_layout, zero_choices
-from .solve import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
+from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.plan import Layout, Plan
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.planner.search import SearchResult, candidate_configs, validate_layout, zero_choices
+from autopar.planner.cpsat import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
                     stage_bounds_and_recompute, template_map)
-from .strategies import (gathers_for_partial_grad, node_strategies, param_split, partial_grad_input,
+from autopar.planner.strategies import (gathers_for_partial_grad, node_strategies, param_split, partial_grad_input,
                          tensor_inputs, tied_groups)
-from .trace import trace_model
+from autopar.graph.capture import trace_model
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
            "exhaustive_search", "section_options", "stage_splits", "price"]
@@ -263,7 +263,7 @@ def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding
 
 def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
           rounding: str = "predict") -> tuple[float, list[float], bool]:
-    """Predicted step time (seconds, as :func:`autopar.predict.predict`), memory bytes per
+    """Predicted step time (seconds, as :func:`autopar.planner.predict.predict`), memory bytes per
     stage and whether every stage fits, from the section vectors alone (no graph walk)."""
     per = [_stage(secs, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
            for i, sp in enumerate(stages)]
@@ -390,9 +390,9 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
                support: RuntimeSupport | None = RUNTIME_SUPPORT, rounding: str = "predict",
                model_name: str = "model") -> Plan:
     """The optimal Plan of the search space of :func:`autopar.plan`, by exhaustion; its
-    ``predicted`` comes from :func:`autopar.predict.predict`. Raises InfeasibleError when
+    ``predicted`` comes from :func:`autopar.planner.predict.predict`. Raises InfeasibleError when
     no plan fits in memory."""
-    from .api import plan_from_search
+    from autopar.api import plan_from_search
 
     traced = trace_model(model, seq_len, name=model_name)
     res = exhaustive_search(traced, cluster, global_batch_size, layout, support, rounding)

@@ -11,13 +11,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .cost import Config, cost_tables
-from .graph import TracedModel
-from .plan import Layout
-from .predict import predict
-from .runtime.support import RUNTIME_SUPPORT, RuntimeSupport, interleaving_problem
-from .solve import Decision, InfeasibleError, StageModel, template_map
-from .strategies import node_strategies
+from autopar.planner.cost_tables import Config, cost_tables
+from autopar.graph.annotate import TracedModel
+from autopar.plan import Layout
+from autopar.planner.predict import predict
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, interleaving_problem
+from autopar.planner.cpsat import Decision, InfeasibleError, StageModel, template_map
+from autopar.planner.strategies import node_strategies
 
 __all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
 
@@ -75,7 +75,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
 
     Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
     Interleaved configs take each v >= 2 the runtime declares (or the layout's v) that
-    :func:`~autopar.runtime.support.interleaving_problem` accepts (pp > 1, L % (pp·v) == 0,
+    :func:`~autopar.support.interleaving_problem` accepts (pp > 1, L % (pp·v) == 0,
     m % pp == 0); every other schedule gets v = 1. ``support`` None (evaluating a hand
     layout): the layout's schedule and v, checked by the same rule.
     """
@@ -137,8 +137,8 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
     tp, mbs = cfg.tp, cfg.micro_batch_size
     key = (tp, mbs, cfg.dtype, cfg.sequence_parallel)
     if key not in cache:
-        from .cost import _node_cost
-        from .strategies import node_strategies, tensor_inputs
+        from autopar.planner.cost_tables import _node_cost
+        from autopar.planner.strategies import node_strategies, tensor_inputs
 
         strategies = node_strategies(traced, tp, cfg.sequence_parallel)
         layer = set(traced.layers[0])
@@ -159,7 +159,7 @@ def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> 
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
-    from .cost import bytes_per_param
+    from autopar.planner.cost_tables import bytes_per_param
 
     states = traced.total_params() / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph import NodeInfo, TracedModel
+from autopar.graph.annotate import NodeInfo, TracedModel
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
            "SEQUENCE_DIM"]

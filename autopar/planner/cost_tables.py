@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
-from .graph import ACTIVATION_BYTES, TracedModel
-from .strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
+from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel
+from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "f_cost",
            "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
@@ -112,7 +112,7 @@ class CostTables:
 def f_cost(tables: CostTables, u: str, placement: str) -> tuple[str, float]:
     """(kind, seconds) of Megatron's f on tensor ``u`` produced in ``placement``: an
     all-reduce of the partial gradient, or a reduce-scatter when u arrives sharded
-    (:func:`~autopar.strategies.f_kind`). Payload bytes: ``tables.f_bytes[u]`` either way."""
+    (:func:`~autopar.planner.strategies.f_kind`). Payload bytes: ``tables.f_bytes[u]`` either way."""
     kind = f_kind(placement)
     return kind, (tables.f_rs_s if kind == "reduce_scatter" else tables.f_s).get(u, 0.0)
 

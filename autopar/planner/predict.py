@@ -1,7 +1,7 @@
 """Price a fully decided plan: the :class:`~autopar.plan.Prediction` of a Decision.
 
 Walks the real graph (every layer, not a template) with the same
-:class:`~autopar.cost.CostTables` the solver used, so ``evaluate`` of a hand layout, the
+:class:`~autopar.planner.cost_tables.CostTables` the solver used, so ``evaluate`` of a hand layout, the
 solver's chosen plan and the report agree, and the solver's objective can be checked
 against this independent sum (tests do).
 """
@@ -14,10 +14,10 @@ from collections import defaultdict
 from cost_models.memory import in_flight_micro_batches
 from cost_models.pipeline import pipeline_step_time_s
 
-from .cost import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
-from .graph import TracedModel, last_saver_index
-from .plan import COMM_KINDS, Prediction, rank_layers
-from .strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
+from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
+from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.plan import COMM_KINDS, Prediction, rank_layers
+from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 
 __all__ = ["section_cost", "predict"]
 
@@ -27,7 +27,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     """Sum one micro-batch's costs over ``names`` (one layer, pre or post).
 
     Keys: fwd_s/bwd_s (compute), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
-    full recompute re-runs, see :func:`~autopar.graph.last_saver_index`), act_bytes,
+    full recompute re-runs, see :func:`~autopar.graph.annotate.last_saver_index`), act_bytes,
     core_act_bytes, params, and payload bytes handed to TP collectives: "tp_all_reduce"
     (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward
     ("fwd_" prefix, repeated by full recompute) and backward. A reshard of one tensor into
@@ -120,7 +120,7 @@ def _stage(traced, strategies, tables, choice, layers, recompute, i, p):
 
 
 def _tied_numel(traced, tables, choice) -> float:
-    from .strategies import tied_groups
+    from autopar.planner.strategies import tied_groups
 
     return sum(tables.node[g[-1]][choice[g[-1]]].param_numel for g in tied_groups(traced)
                if g[-1] in traced.post)

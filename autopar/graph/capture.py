@@ -6,7 +6,7 @@ propagates shapes on the ``meta`` device, so a 175B model is planned without all
 its weights. Everything is traced for ONE sequence (b = 1): FLOPs and activation bytes of
 a transformer are linear in b, so the cost adapter scales them by the micro-batch size.
 
-Node annotations (``NodeInfo``) and the layer grouping live in :mod:`autopar.graph`.
+Node annotations (``NodeInfo``) and the layer grouping live in :mod:`autopar.graph.annotate`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from .graph import TracedModel, annotate
+from autopar.graph.annotate import TracedModel, annotate
 
 __all__ = ["TraceError", "trace_model", "symbolic_trace_logits"]
 
@@ -85,7 +85,7 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") ->
     """Trace ``model`` for one sequence of ``seq_len`` tokens and annotate every node.
 
     The model may live on any device; shapes are propagated on a ``meta`` copy (models
-    already on ``meta`` are not copied). Returns a :class:`~autopar.graph.TracedModel`
+    already on ``meta`` are not copied). Returns a :class:`~autopar.graph.annotate.TracedModel`
     with ``gm`` (the logits graph over the ORIGINAL modules, for rewriting) and per-node
     ``NodeInfo`` for one sequence (b = 1).
 

@@ -17,8 +17,8 @@ well on GitHub and in a terminal:
 
 Everything here reads only the :class:`~autopar.plan.Plan`; nothing is re-solved, so a
 saved plan (``Plan.from_json``) can be reported again. Charts (``timeline.png``,
-``memory.png``, ``breakdown.png``, ``comparison.png``; :mod:`autopar.report_plots`) are
-drawn when matplotlib is importable, and ``report.html`` (:mod:`autopar.report_html`) is
+``memory.png``, ``breakdown.png``, ``comparison.png``; :mod:`autopar.report.plots`) are
+drawn when matplotlib is importable, and ``report.html`` (:mod:`autopar.report.html`) is
 the same report, self-contained, with the charts embedded.
 """
 
@@ -341,11 +341,11 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
     title: the top heading (default: the model and cluster).
     memory_chart: relative path of a memory bar chart image to link, if one was drawn.
     charts: chart name ("timeline", "memory", "breakdown", "comparison") -> relative path
-        of the image drawn by :func:`autopar.report_plots.write_charts`.
+        of the image drawn by :func:`autopar.report.plots.write_charts`.
     what_ifs: label -> re-planned Plan (or why none), from
-        :func:`autopar.report_whatif.what_if_plans`, rendered as a "What if" section.
+        :func:`autopar.report.whatif.what_if_plans`, rendered as a "What if" section.
     """
-    from .report_plots import rank_layout_section  # report_plots imports this module
+    from autopar.report.plots import rank_layout_section  # report_plots imports this module
 
     charts = charts or {}
     title = title or f"autopar plan: {plan.model} on {_cluster_line(plan)}"
@@ -360,7 +360,7 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
         lines += _hand_section(plan, hand_layouts)
         lines += _image("auto vs hand step time", charts.get("comparison"))
     if what_ifs:
-        from .report_whatif import what_if_markdown
+        from autopar.report.whatif import what_if_markdown
 
         lines += what_if_markdown(plan, what_ifs).splitlines()
     lines += _formulas_section()
@@ -373,8 +373,8 @@ def _image(alt: str, path: str | None) -> list[str]:
 
 
 def _formulas_section() -> list[str]:
-    """The published closed forms the cost model is checked against (autopar.symbolic)."""
-    from .symbolic import formulas_markdown
+    """The published closed forms the cost model is checked against (autopar.oracle.symbolic)."""
+    from autopar.oracle.symbolic import formulas_markdown
 
     return ["", "## How the cost model is checked", "",
             "Every number above comes from one cost model (`autopar/cost.py` over "
@@ -385,7 +385,7 @@ def _formulas_section() -> list[str]:
 
 def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
     """Stacked bars of memory per stage by kind (PNG); None when matplotlib is missing."""
-    from .report_plots import write_memory_chart as draw  # report_plots imports this module
+    from autopar.report.plots import write_memory_chart as draw  # report_plots imports this module
 
     return draw(plan, path)
 
@@ -397,14 +397,14 @@ def write_report(plan: Plan, out_dir: str | Path, *,
     """Write ``out_dir/report.md`` and ``out_dir/report.html``; return the Markdown path.
 
     what_ifs: label -> re-planned Plan (or why none), from
-    :func:`autopar.report_whatif.what_if_plans`, rendered as a "What if" section.
+    :func:`autopar.report.whatif.what_if_plans`, rendered as a "What if" section.
 
     With ``chart`` (and matplotlib importable) the PNG charts of
-    :mod:`autopar.report_plots` are drawn beside them, linked from the Markdown and
+    :mod:`autopar.report.plots` are drawn beside them, linked from the Markdown and
     embedded as data URIs in the self-contained HTML.
     """
-    from .report_html import write_html
-    from .report_plots import write_charts
+    from autopar.report.html import write_html
+    from autopar.report.plots import write_charts
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
