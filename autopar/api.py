@@ -13,7 +13,6 @@ from autopar.plan import Layout, Plan
 from autopar.planner.predict import predict
 from autopar.support import RUNTIME_SUPPORT
 from autopar.planner.search import SearchResult, search
-from autopar.planner.strategies import strategy_key
 from autopar.graph.capture import trace_model
 
 __all__ = ["plan", "evaluate", "evaluate_plan", "load_model", "plan_from_search"]
@@ -54,7 +53,7 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
     pred = predict(traced, result.strategies, result.tables, cluster, d,
                    global_batch_size=global_batch_size)
     pred = replace(pred, solve_time_s=result.solve_time_s)
-    placements = {name: strategy_key(result.strategies[name][k]) for name, k in d.strategy.items()}
+    placements = {name: result.strategies[name][k].key for name, k in d.strategy.items()}
     feasible = sorted((s for s in result.seen if s["feasible"]), key=lambda s: s["step_time_s"])
     others = feasible[1:6] + [s for s in result.seen if s["feasible"] is False][:3]
     stage_mem = pred.memory_bytes_by_stage
@@ -120,20 +119,15 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     """
     from autopar.planner.cost_tables import Config, cost_tables
     from autopar.planner.cpsat import Decision
-    from autopar.planner.strategies import node_strategies
+    from autopar.planner.strategies import decode_placements, node_strategies
 
     traced = trace_model(model, plan.seq_len)
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
                  plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention,
                  plan.sequence_parallel)
     strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
-    choice = {}
-    for name, options in strategies.items():
-        keys = [strategy_key(s) for s in options]
-        if plan.placements.get(name) not in keys:
-            raise ValueError(f"placement {plan.placements.get(name)!r} of node {name} is not "
-                             f"one of {keys} at tp={plan.tp}")
-        choice[name] = keys.index(plan.placements[name])
+    decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)
+    choice = {name: k for name, (k, _) in decoded.items()}
     decision = Decision(cfg, choice, plan.stage_layers, plan.recompute, plan.zero_stage, 0.0, 0.0)
     tables = cost_tables(traced, strategies, cluster, cfg)
     pred = predict(traced, strategies, tables, cluster, decision,

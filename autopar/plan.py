@@ -146,8 +146,10 @@ class Plan:
         holds chunks r, r + pp, ..., r + (v-1)·pp (:func:`rank_layers`); chunk 0 (the
         embedding) is on rank 0 and the last chunk (head and loss) on rank pp-1. With
         v = 1 (GPipe, 1F1B) this is one [first, last) per pipeline stage.
-    placements: per traced node name, its tensor-parallel strategy
-        ("replicate" | "column" | "row" | "vocab" | "heads" | "sharded" ...).
+    placements: per traced node name, its tensor-parallel strategy key
+        ``"<strategy>:<output placement>"``, e.g. "column:S2", "row:P", "replicate:R"
+        (read and written only by :mod:`autopar.placement`; the strategies are those of
+        :func:`autopar.planner.strategies.node_strategies`).
     predicted: the cost model's :class:`Prediction`.
     alternatives: the best other layouts the search priced (dicts with layout + step time).
     binding: human-readable binding constraints (memory, divisibility ...).

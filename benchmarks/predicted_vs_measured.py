@@ -25,7 +25,7 @@ import time
 import torch
 
 import autopar
-from autopar.planner.strategies import megatron_placements
+from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from autopar.api import evaluate_plan
 from autopar.runtime.calibrate import calibrate_local, spawn_local

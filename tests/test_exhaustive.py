@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import autopar
+from autopar.placement import REPLICATE
 from autopar.planner.cost_tables import cost_tables
 from autopar.oracle.exhaustive import (StagePlan, _decision, _r_index, _ties_agree, config_options,
                                 exhaustive, exhaustive_search, price, stage_splits)
@@ -79,7 +80,7 @@ def _assignments(traced, strategies, names, boundary):
     """Every strategy assignment of ``names`` whose transitions are offered (naive DFS)."""
     graph = {n.name: n for n in traced.gm.graph.nodes}
     ins = {v: [u.name for u in tensor_inputs(graph[v], traced.nodes)] for v in names}
-    out = {boundary: "R"} if boundary else {}
+    out = {boundary: REPLICATE} if boundary else {}
 
     def walk(i, chosen):
         if i == len(names):
@@ -120,7 +121,7 @@ def test_pareto_options_cover_every_tp_assignment():
             assert vec == pytest.approx(o.vec[:7] + o.vec[-1:], rel=1e-12), names
         count = 0
         for choice in _assignments(traced, strategies, names, boundary):
-            if replicated and strategies[names[-1]][choice[names[-1]]].output != "R":
+            if replicated and strategies[names[-1]][choice[names[-1]]].output != REPLICATE:
                 continue
             count += 1
             vec = _vector(traced, strategies, tables, {**r_out, **choice}, names)
@@ -170,9 +171,9 @@ def _brute_force(traced, cluster, batch, support):
         strategies = node_strategies(traced, cfg.tp)
         tables = cost_tables(traced, strategies, cluster, cfg)
         pre = [c for c in _assignments(traced, strategies, traced.pre, None)
-               if strategies[traced.pre[-1]][c[traced.pre[-1]]].output == "R"]
+               if strategies[traced.pre[-1]][c[traced.pre[-1]]].output == REPLICATE]
         layer = [c for c in _assignments(traced, strategies, traced.layers[0], traced.pre[-1])
-                 if strategies[traced.layers[0][-1]][c[traced.layers[0][-1]]].output == "R"]
+                 if strategies[traced.layers[0][-1]][c[traced.layers[0][-1]]].output == REPLICATE]
         post = list(_assignments(traced, strategies, traced.post, traced.layers[-1][-1]))
         for a, b, c in itertools.product(pre, layer, post):
             if len({s for _, s in _split(traced, strategies, {**a, **c})}) > 1:

@@ -36,7 +36,7 @@ import autopar
 from autopar.support import RUNTIME_SUPPORT
 from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference, _rel
 from autopar.models import GPT
-from autopar.planner.strategies import megatron_placements
+from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
 

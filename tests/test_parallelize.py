@@ -14,7 +14,7 @@ import torch
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from autopar.planner.strategies import megatron_placements
+from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed

@@ -52,7 +52,7 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
     assert p["transformer_h_0_ln_1"] == "replicate:R"
     assert p["transformer_wte"] == "vocab:P" and p["lm_head"] == "column:S2"
     assert all(p[f"transformer_h_{l}_mlp_c_proj"] == "row:P" for l in range(72))
-    from autopar.planner.strategies import megatron_placements
+    from autopar.planner.megatron import megatron_placements
 
     assert p == megatron_placements(trace_model(_meta("gpt-8.3b"), 1024), 8)
 

@@ -23,10 +23,10 @@ import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.rewrite.pipeline import annotate_stages
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
-from autopar.planner.strategies import output_placement
+from autopar.placement import parse_strategy_key
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker, rank_seeds, seed_rank
-from autopar.planner.strategies import megatron_placements
+from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster, LinkSpec
 from dist_utils import run_distributed
@@ -129,9 +129,9 @@ def test_dropout_pass_forks_exactly_the_sharded_dropouts():
     tracker = seed_rank(0, tp_rank=0, pp_rank=0)
     forked = apply_dropout_rng(traced.gm, placements, tracker)
     sharded = sorted(n for n, k in placements.items() if "drop" in n or "attention" in n
-                     if output_placement(k).startswith("S"))
+                     if parse_strategy_key(k).output.is_sharded)
     assert sorted(forked) == sharded and len(sharded) == 6, forked
-    assert output_placement(placements["transformer_drop"]) == "R"  # stays on the default stream
+    assert parse_strategy_key(placements["transformer_drop"]).output.is_replicated  # stays on the default stream
     code = traced.gm.code
     assert "self.tp_rng_scaled_dot_product_attention(" in code
     assert "self.tp_rng_transformer_h_1_mlp_dropout(" in code

@@ -49,7 +49,7 @@ def test_derived_bytes_equal_cost_models_closed_form_at_gpt_8_3b():
 
 
 def test_megatron_placements_come_from_the_planner():
-    p = symbolic.megatron_placements(GPT, CONFIG)
+    p = symbolic.planned_placements(GPT, CONFIG)
     assert p["transformer_h_0_attn_c_q"] == "column:S2" and p["transformer_h_0_mlp_c_fc"] == "column:S2"
     assert p["transformer_h_0_attn_c_proj"] == "row:P" and p["transformer_h_0_mlp_c_proj"] == "row:P"
     assert p["scaled_dot_product_attention"] == "heads:S1"

@@ -23,7 +23,7 @@ from autopar import cli
 from autopar.cli import verify as cli_verify
 from autopar.models import GPT, preset
 from autopar.runtime.collectives import TPAllReduce
-from autopar.planner.strategies import megatron_placements
+from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from autopar.verify.check import (Tolerances, VerificationError, check_plan_matches, disable_dropout,
                             verify)

@@ -102,7 +102,7 @@ def _pareto(entries: list) -> list:
 
 
 def _r_index(strategies, name: str) -> int:
-    return next(k for k, s in enumerate(strategies[name]) if s.output == "R")  # replicated
+    return next(k for k, s in enumerate(strategies[name]) if s.output.is_replicated)
 
 
 def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun: bool,
@@ -182,7 +182,7 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
         for (live_t, ties), entries in frontier.items():
             live = {u: rest for u, *rest in live_t}
             for kv, sv in enumerate(strategies[v]):
-                if replicated_out and i == len(names) - 1 and sv.output != "R":
+                if replicated_out and i == len(names) - 1 and not sv.output.is_replicated:
                     continue  # a layer boundary is replicated (StageModel.add_boundaries)
                 delta, used = _node_delta(tables, strategies, v, kv, ins[v], live, rerun[v],
                                           rerun_src, post_tie)
@@ -192,7 +192,7 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
                 for u, (k, f, done) in live.items():
                     if last_use[u] > i:
                         f_now, placed = used.get(u, (False, ()))
-                        nxt[u] = (k, f or f_now, tuple(sorted(done + placed)))
+                        nxt[u] = (k, f or f_now, tuple(sorted(done + placed, key=str)))
                 if last_use.get(v, -1) > i:
                     nxt[v] = (kv, False, ())
                 key = (tuple(sorted((u,) + rest for u, rest in nxt.items())),

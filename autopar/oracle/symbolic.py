@@ -54,11 +54,12 @@ from cost_models.hardware import Cluster
 
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.models import GPT, GPTConfig
-from autopar.planner.strategies import node_strategies, strategy_key
+from autopar.placement import REPLICATE, format_strategy_key
+from autopar.planner.strategies import node_strategies, strategies_by_key
 from autopar.graph.capture import trace_model
 
 __all__ = ["SYMBOLS", "SymbolicFitError", "closed_form", "closed_form_names", "fit_monomials",
-           "layer_activation_expr", "model_flops_expr", "megatron_placements",
+           "layer_activation_expr", "model_flops_expr", "planned_placements",
            "formulas_markdown"]
 
 b, s, h, a, t, B, L, V = sympy.symbols("b s h a t B L V", positive=True)
@@ -188,7 +189,7 @@ def _trace(factory: Callable, template: GPTConfig, sizes: tuple):
     return trace_model(model, sq, name="symbolic")
 
 
-def megatron_placements(factory: Callable = GPT, template: GPTConfig | None = None) -> dict[str, str]:
+def planned_placements(factory: Callable = GPT, template: GPTConfig | None = None) -> dict[str, str]:
     """Per-node strategy keys that ``autopar.plan`` chooses at ``tp=8`` for a
     one-layer model with GPT-8.3B's layer (h = 3072, a = 32, s = 1024) on one DGX A100
     node: Megatron's column→row pattern ("column:S2", "row:P", "heads:S1", ...)."""
@@ -219,12 +220,14 @@ def _layer_bytes(factory, template, placements, point: dict) -> dict[str, float]
                          Config(tp=tp, pp=1, dp=1, micro_batch_size=point["b"],
                                 num_micro_batches=1))
     out: dict[str, float] = {_INPUT: tables.full_ckpt_bytes}
+    replicated = format_strategy_key("replicate", REPLICATE)
     for name in traced.layers[0]:
-        keys = [strategy_key(st) for st in strategies[name]]
-        want = placements.get(name, "replicate:R") if tp > 1 else "replicate:R"
-        if want not in keys:
-            raise SymbolicFitError(f"{name}: placement {want} not offered at tp={tp} ({keys})")
-        cost = tables.node[name][keys.index(want)]
+        want = placements.get(name, replicated) if tp > 1 else replicated
+        try:
+            chosen = strategies_by_key(strategies[name], want, name, tp)
+        except ValueError as exc:
+            raise SymbolicFitError(str(exc)) from exc
+        cost = tables.node[name][strategies[name].index(chosen)]
         out[name] = cost.saved_bytes
         out[name + _CORE] = cost.core_saved_bytes
     return out
@@ -244,7 +247,7 @@ def layer_activation_expr(model: ModelSource = GPT, *, tp_symbolic: bool = True,
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     factory, template = _source(model, dropout)
-    placements = megatron_placements(factory, template)
+    placements = planned_placements(factory, template)
     monomials = fit_monomials(lambda p: _layer_bytes(factory, template, placements, p),
                               _LAYER_BASE, _LAYER_CHECK)
     core = [m for k, m in monomials.items() if k.endswith(_CORE)]

@@ -205,7 +205,7 @@ def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_nume
         fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
     if info.kind not in ("view", "transpose", "input", "output", "nontensor"):
         fwd += dev.op_overhead_s  # dispatch / launch of the op itself
-    sharded = strat.output.startswith("S")
+    sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them)
     core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
     saved = info.saved_bytes_at(act_bytes) * b / (tp if sharded else 1) + core

@@ -149,7 +149,7 @@ class StageModel:
         """Activations crossing layer boundaries (pipeline cuts) are replicated."""
         for name in (self.t.pre[-1], self.t.layers[0][-1]):
             for k, strat in enumerate(self.s[name]):
-                if strat.output != "R":
+                if not strat.output.is_replicated:
                     self.m.Add(self.x[name][k] == 0).WithName(f"boundary_replicated[{name}]")
 
     def add_tied(self) -> None:

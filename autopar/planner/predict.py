@@ -230,7 +230,7 @@ def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved
 def _shards(traced, strategies, decision, layer: int, tp: int) -> int:
     """t when the activation leaving ``layer`` (its last node) is sharded over TP, else 1."""
     name = traced.layers[layer][-1]
-    return tp if strategies[name][decision.strategy[name]].output.startswith("S") else 1
+    return tp if strategies[name][decision.strategy[name]].output.is_sharded else 1
 
 
 def _partial_grad_param_sizes(traced, strategies, choice, names: list[str]) -> list[int]:
@@ -244,8 +244,8 @@ def _partial_grad_param_sizes(traced, strategies, choice, names: list[str]) -> l
         params = info.extra.get("param_sizes", {})
         if strat.name == "sharded":
             sizes += [int(n) for n in params.values()]
-        elif strat.output == "P":
-            to_shard = any(strategies[u.name][choice[u.name]].inputs[j].startswith("S")
+        elif strat.output.is_partial:
+            to_shard = any(strategies[u.name][choice[u.name]].inputs[j].is_sharded
                            for u in graph[name].users
                            for j, src in enumerate(tensor_inputs(u, traced.nodes)) if src.name == name)
             sizes += [int(n) for key, n in params.items() if key.endswith("bias") and to_shard]

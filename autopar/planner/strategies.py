@@ -1,10 +1,7 @@
-"""Stage 2: the tensor-parallel options of every node, and what each edge costs to reshard.
+"""Step 2 of the flow: the tensor-parallel options of every node, and the edge reshards.
 
-A *placement* says how a tensor lives on the t ranks of a TP group:
-
-* ``"R"``   replicated: every rank holds the whole tensor;
-* ``"S<d>"`` sharded: rank r holds the r-th of t equal slices along dim d;
-* ``"P"``   partial: the true tensor is the sum over ranks.
+A :data:`~autopar.placement.Placement` says how a tensor lives on the t ranks of a TP
+group: Replicate (R), Shard(d) (S<d>) or Partial (P); see :mod:`autopar.placement`.
 
 A :class:`Strategy` fixes a node's input and output placements. Linear layers get the
 three Megatron options (Shoeybi et al. 2019, section 3): ``replicate``; ``column`` (weight
@@ -28,12 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
-import torch.nn as nn
 
 from autopar.graph.annotate import NodeInfo, TracedModel
+from autopar.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
+                               format_strategy_key, shape_strategy_name)
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
-           "SEQUENCE_DIM"]
+           "SEQUENCE_DIM", "strategy_key", "strategies_by_key", "decode_placements",
+           "tensor_inputs", "tied_groups", "param_split", "partial_grad_input",
+           "gathers_for_partial_grad"]
 
 SEQUENCE_DIM = 1
 """The sequence dimension of a (b, s, h) activation."""
@@ -57,11 +57,21 @@ class Strategy:
     """
 
     name: str
-    inputs: tuple[str, ...]
-    output: str
+    inputs: tuple[Placement, ...]
+    output: Placement
     compute_divisor: int = 1
     param_divisor: int = 1
     partial_grad_inputs: tuple[bool, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The string a Plan stores for this strategy (:func:`strategy_key`)."""
+        return format_strategy_key(self.name, self.output)
+
+    @property
+    def reads_size(self) -> bool:
+        """``x.size(d)`` of a tensor sharded along d (the rewriter multiplies it by t)."""
+        return StrategyKey(self.name, self.output).reads_size
 
 
 NodeStrategies = dict[str, list[Strategy]]
@@ -72,12 +82,13 @@ def tensor_inputs(node: fx.Node, nodes: dict[str, NodeInfo]) -> list[fx.Node]:
     return [n for n in node.all_input_nodes if nodes[n.name].shape is not None]
 
 
-def _shard(dim: int, ndim: int) -> str:
-    return f"S{dim % ndim}"
+def _shard(dim: int, ndim: int) -> Shard:
+    return Shard(dim % ndim)
 
 
 def _replicate(n_inputs: int) -> Strategy:
-    return Strategy("replicate", ("R",) * n_inputs, "R", partial_grad_inputs=(False,) * n_inputs)
+    return Strategy("replicate", (REPLICATE,) * n_inputs, REPLICATE,
+                    partial_grad_inputs=(False,) * n_inputs)
 
 
 def _view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
@@ -108,46 +119,47 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
     kind, shape = info.kind, info.shape
     if (tp > 1 and sequence_parallel and kind == "layernorm" and len(ins) == 1 and shape
             and len(shape) == 3 and shape[SEQUENCE_DIM] % tp == 0):
-        seq = f"S{SEQUENCE_DIM}"  # per-token normalisation: runs on sequence shards
+        seq = Shard(SEQUENCE_DIM)  # per-token normalisation: runs on sequence shards
         return base + [Strategy("sharded", (seq,), seq, tp, 1, (False,))]
     if (tp > 1 and kind == "nontensor" and node.target == "size" and len(ins) == 1
             and nodes[ins[0].name].shape):  # x.size(d) reads any shard (d sharded: * t)
         in_shape = nodes[ins[0].name].shape
-        base += [Strategy(f"shape_S{d}", (f"S{d}",), "R", 1, 1, (False,))  # unique keys
+        base += [Strategy(shape_strategy_name(d), (Shard(d),), REPLICATE, 1, 1, (False,))
                  for d in range(len(in_shape)) if in_shape[d] % tp == 0]
     if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm"):
         return base
     if kind == "output":  # the loss reads the logits: whole, or vocabulary-parallel
-        base = [Strategy("replicate", ("R",) * len(ins), "R")]
+        base = [Strategy("replicate", (REPLICATE,) * len(ins), REPLICATE)]
         logits = nodes[ins[0].name].shape if len(ins) == 1 else None
         if logits and len(logits) == 3 and logits[-1] % tp == 0:
-            base.append(Strategy("vocab_parallel", ("S2",), "S2", tp, 1, (False,)))
+            base.append(Strategy("vocab_parallel", (Shard(2),), Shard(2), tp, 1, (False,)))
         return base
     if kind == "linear":
         mod = gm.get_submodule(node.target)
         last = _shard(-1, len(shape))
         if mod.out_features % tp == 0:
-            base.append(Strategy("column", ("R",), last, tp, tp, (True,)))
+            base.append(Strategy("column", (REPLICATE,), last, tp, tp, (True,)))
         if mod.in_features % tp == 0:
-            base.append(Strategy("row", (last,), "P", tp, tp, (False,)))
+            base.append(Strategy("row", (last,), PARTIAL, tp, tp, (False,)))
         return base
     if kind == "embedding":
         if gm.get_submodule(node.target).num_embeddings % tp == 0:
-            base.append(Strategy("vocab", ("R",), "P", 1, tp, (False,)))
+            base.append(Strategy("vocab", (REPLICATE,), PARTIAL, 1, tp, (False,)))
         return base
     if kind == "sdpa":
         if len(shape) == 4 and shape[1] % tp == 0 and len(ins) == 3 and not node.kwargs.get("attn_mask"):
-            base.append(Strategy("heads", ("S1",) * 3, "S1", tp, 1, (False,) * 3))
+            base.append(Strategy("heads", (Shard(1),) * 3, Shard(1), tp, 1, (False,) * 3))
         return base
     shardable = [d for d in range(len(shape)) if shape[d] % tp == 0]
     if kind in _PASS_THROUGH and len(ins) == 1:
-        base += [Strategy("sharded", (f"S{d}",), f"S{d}", tp, 1, (False,)) for d in shardable]
+        base += [Strategy("sharded", (Shard(d),), Shard(d), tp, 1, (False,)) for d in shardable]
     elif kind == "add" and len(ins) == 2 and all(nodes[n.name].shape == shape for n in ins):
-        base += [Strategy("sharded", (f"S{d}",) * 2, f"S{d}", tp, 1, (False,) * 2) for d in shardable]
+        base += [Strategy("sharded", (Shard(d),) * 2, Shard(d), tp, 1, (False,) * 2)
+                 for d in shardable]
     elif kind == "transpose" and node.target == "transpose" and len(ins) == 1:
         a, b = (d % len(shape) for d in node.args[1:3])
         swap = {a: b, b: a}
-        base += [Strategy("sharded", (f"S{swap.get(d, d)}",), f"S{d}", 1, 1, (False,))
+        base += [Strategy("sharded", (Shard(swap.get(d, d)),), Shard(d), 1, 1, (False,))
                  for d in shardable]
     elif kind == "view" and len(ins) == 1:
         base += _view_strategies(node, nodes[ins[0].name].shape, shape, tp)
@@ -164,7 +176,7 @@ def _view_strategies(node: fx.Node, in_shape, out_shape, tp: int) -> list[Strate
     for d_in, d_out in _view_map(tuple(in_shape), tuple(out_shape)).items():
         inferred = d_out < len(size_args) and size_args[d_out] == -1
         if inferred and in_shape[d_in] % tp == 0 and out_shape[d_out] % tp == 0:
-            out.append(Strategy("sharded", (f"S{d_in}",), f"S{d_out}", 1, 1, (False,)))
+            out.append(Strategy("sharded", (Shard(d_in),), Shard(d_out), 1, 1, (False,)))
     return out
 
 
@@ -182,17 +194,43 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
 
 
 def strategy_key(strategy: Strategy) -> str:
-    """The name a Plan stores for a strategy: ``"<name>:<output placement>"`` (unique per node)."""
-    return f"{strategy.name}:{strategy.output}"
+    """The string a Plan stores for a strategy: ``"<name>:<output placement>"`` (unique per
+    node; :func:`autopar.placement.format_strategy_key`)."""
+    return strategy.key
 
 
-def output_placement(key: str) -> str:
-    """The output placement of a plan's strategy key ``"<name>:<placement>"`` ("R", "S<d>",
-    "P"): the inverse of :func:`strategy_key`. Raises ValueError for anything else."""
-    name, sep, placement = key.rpartition(":")
-    if not sep or not name:
-        raise ValueError(f"{key!r} is not a strategy key '<name>:<placement>'")
-    return placement
+def strategies_by_key(options: list[Strategy], key: str, node: str, tp: int) -> Strategy:
+    """The strategy of ``options`` (one node's, from :func:`node_strategies`) that a plan's
+    ``key`` names. The one key -> Strategy lookup: evaluate_plan, the TP rewriter and the
+    symbolic oracle all decode plans through :func:`decode_placements`.
+
+    Raises ValueError naming the node and the valid keys when ``key`` is not among them.
+    """
+    for strategy in options:
+        if strategy.key == key:
+            return strategy
+    raise ValueError(f"placement {key!r} of node {node} is not valid at tp={tp}; valid: "
+                     f"{sorted(s.key for s in options)}")
+
+
+def decode_placements(traced: TracedModel, placements: dict[str, str], tp: int,
+                      sequence_parallel: bool = False) -> dict[str, tuple[int, Strategy]]:
+    """Per node of ``traced``, (index into its :func:`node_strategies`, Strategy) for the
+    plan's strategy keys ``placements``.
+
+    Raises ValueError when a node has no placement (a plan made for another model) or a
+    key is not valid at ``tp`` (see :func:`strategies_by_key`).
+    """
+    strategies = node_strategies(traced, tp, sequence_parallel)
+    missing = [name for name in strategies if name not in placements]
+    if missing:
+        raise ValueError(f"plan has no placement for nodes {missing[:5]}: it was made for a "
+                         "different model; re-plan for this model")
+    out = {}
+    for name, options in strategies.items():
+        chosen = strategies_by_key(options, placements[name], name, tp)
+        out[name] = (options.index(chosen), chosen)
+    return out
 
 
 def partial_grad_input(strategy: Strategy, j: int) -> bool:
@@ -200,13 +238,13 @@ def partial_grad_input(strategy: Strategy, j: int) -> bool:
     return bool(strategy.partial_grad_inputs and strategy.partial_grad_inputs[j])
 
 
-def gathers_for_partial_grad(strategy: Strategy, j: int, src_placement: str) -> bool:
+def gathers_for_partial_grad(strategy: Strategy, j: int, src_placement: Placement) -> bool:
     """Is input j all-gathered from a shard for a consumer with a partial input gradient?
     That gather is one collective with f (all-gather forward, reduce-scatter backward:
     :class:`~autopar.runtime.collectives.GatherToPartialGradTP`), so it is not shared with
     plain gathers of the same tensor; the solver, the predictor and the rewriter agree."""
-    return (partial_grad_input(strategy, j) and src_placement.startswith("S")
-            and strategy.inputs[j] == "R")
+    return (partial_grad_input(strategy, j) and src_placement.is_sharded
+            and strategy.inputs[j].is_replicated)
 
 
 def param_split(strategy: Strategy) -> str:
@@ -228,90 +266,27 @@ def tied_groups(traced: TracedModel) -> list[list[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
-def reshard_kinds(src: str, dst: str, sequence_parallel: bool = False
+def reshard_kinds(src: Placement, dst: Placement, sequence_parallel: bool = False
                   ) -> tuple[str | None, str | None] | None:
     """Collectives that turn placement ``src`` into ``dst`` as (forward, backward) kinds
     ("all_reduce" | "all_gather" | "reduce_scatter" | None); None when the transition is
     not offered (P -> S only with ``sequence_parallel``)."""
     if src == dst:
         return (None, None)
-    if src == "P" and dst == "R":
+    if src.is_partial and dst.is_replicated:
         return ("all_reduce", None)
-    if src == "P" and dst.startswith("S"):
+    if src.is_partial and dst.is_sharded:
         return ("reduce_scatter", "all_gather") if sequence_parallel else None
-    if src.startswith("S") and dst == "R":
+    if src.is_sharded and dst.is_replicated:
         return ("all_gather", None)
-    if src == "R" and dst.startswith("S"):
+    if src.is_replicated and dst.is_sharded:
         return (None, "all_gather")
     return None
 
 
-def f_kind(placement: str) -> str:
+def f_kind(placement: Placement) -> str:
     """The backward collective of Megatron's f on a tensor produced in ``placement``: an
     all-reduce of the partial gradient, or, when the tensor arrives sharded (and is
     all-gathered for the consumer), a reduce-scatter straight into the shard
     (:class:`~autopar.runtime.collectives.GatherToPartialGradTP`)."""
-    return "reduce_scatter" if placement.startswith("S") else "all_reduce"
-
-
-def is_sharded(placement: str) -> bool:
-    return placement.startswith("S")
-
-
-def module_is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
-    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
-
-
-def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
-    """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
-    placements: a Linear reading a hidden-dim shard is row-split; a Linear whose output
-    feeds attention or GELU (through reshapes), or that shares the token embedding's weight,
-    is column-split; the tied embedding is vocabulary-split; attention runs on whole heads;
-    every other op keeps the placement its inputs arrive in (replicated when none fits).
-    ``sequence_parallel`` (Korthikanti et al. 2022, Fig. 5): LayerNorm, dropout and residual
-    adds of (b, s, h) activations run on sequence shards, so row-parallel outputs are
-    reduce-scattered and column-parallel inputs all-gathered.
-    """
-    strategies = node_strategies(traced, tp, sequence_parallel)
-    nodes, placement, out = traced.nodes, {}, {}
-    tied = {n for group in tied_groups(traced) for n in group}
-    seq = f"S{SEQUENCE_DIM}"
-    for node in traced.gm.graph.nodes:
-        options = {s.name: s for s in strategies[node.name]}
-        ins = tensor_inputs(node, nodes)
-        arriving = tuple(placement.get(n.name, "R") for n in ins)
-        kind, shape = nodes[node.name].kind, nodes[node.name].shape
-        hidden = _shard(-1, len(nodes[ins[0].name].shape)) if ins and nodes[ins[0].name].shape else None
-        on_sequence = [s for s in strategies[node.name] if s.name == "sharded" and s.output == seq]
-        if kind == "linear" and arriving and arriving[0] == hidden and "row" in options:
-            chosen = options["row"]
-        elif kind == "linear" and "column" in options and (node.name in tied or _feeds_core(node, nodes)):
-            chosen = options["column"]
-        elif kind == "embedding" and node.name in tied and "vocab" in options:
-            chosen = options["vocab"]
-        elif (sequence_parallel and kind in ("layernorm", "dropout", "add") and on_sequence
-              and shape is not None and len(shape) == 3):
-            chosen = on_sequence[0]
-        else:
-            same = [s for s in strategies[node.name]  # pass-through: keep what arrives
-                    if s.inputs == arriving and (s.name in ("replicate", "sharded", "heads",
-                                                            "vocab_parallel")
-                                                 or s.name.startswith("shape"))]
-            chosen = same[-1] if same else options["replicate"]
-        completed = seq if sequence_parallel else "R"  # where a partial sum is completed
-        placement[node.name] = completed if chosen.output == "P" else chosen.output
-        out[node.name] = strategy_key(chosen)
-    return out
-
-
-def _feeds_core(node: fx.Node, nodes: dict[str, NodeInfo]) -> bool:
-    """Does ``node``'s output reach attention or GELU through reshapes only?"""
-    frontier = list(node.users)
-    while frontier:
-        user = frontier.pop()
-        kind = nodes[user.name].kind if user.name in nodes else "other"
-        if kind in ("sdpa", "gelu"):
-            return True
-        if kind in ("view", "transpose", "contiguous"):
-            frontier.extend(user.users)
-    return False
+    return "reduce_scatter" if placement.is_sharded else "all_reduce"

@@ -8,7 +8,7 @@ running the sharded dropouts inside ``get_cuda_rng_tracker().fork()`` (Shoeybi e
 2019, section 3; Korthikanti et al. 2022, section 4.2.2); see :mod:`autopar.runtime.rng`.
 
 This pass reads each dropout node's placement from the plan (the output placement of
-its strategy key ``"<name>:<placement>"``, see :func:`autopar.planner.strategies.strategy_key`)
+its strategy key ``"<name>:<placement>"``, see :mod:`autopar.placement`)
 and wraps every dropout on a sharded tensor in a :class:`ForkedRNG` module that runs it
 inside ``tracker.fork("tensor-parallel")``. Dropouts on replicated tensors stay as they
 are, on the default stream, which is seeded identically across the TP group. The ops:
@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker
-from autopar.planner.strategies import is_sharded, output_placement
+from autopar.placement import parse_strategy_key
 
 __all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng"]
 
@@ -124,7 +124,7 @@ def apply_dropout_rng(gm: fx.GraphModule, placements: dict[str, str],
     """
     forked = []
     for node in list(gm.graph.nodes):
-        if node.name not in placements or not is_sharded(output_placement(placements[node.name])):
+        if node.name not in placements or not parse_strategy_key(placements[node.name]).output.is_sharded:
             continue
         found = _dropout_body(gm, node)
         if found is None:

@@ -35,8 +35,9 @@ import torch.nn as nn
 
 from autopar.runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
                                    TPReduceScatter, TPScatter, VocabParallelEmbedding)
-from autopar.planner.strategies import (Strategy, gathers_for_partial_grad, node_strategies, partial_grad_input,
-                          strategy_key)
+from autopar.placement import Placement
+from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
+                                        partial_grad_input)
 
 __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
 
@@ -96,19 +97,10 @@ class _Rewriter:
                  sequence_parallel: bool = False):
         self.traced, self.gm = traced, traced.gm
         self.tp, self.rank, self.group, self.counter = tp, tp_rank, group, counter
-        strategies = node_strategies(traced, tp, sequence_parallel)
-        missing = [n.name for n in self.gm.graph.nodes if n.name not in placements]
-        if missing:
-            raise ValueError(f"plan has no placement for nodes {missing[:5]}: it was made for a "
-                             "different model; re-plan for this model")
-        self.choice: dict[str, Strategy] = {}
-        for node in self.gm.graph.nodes:
-            by_key = {strategy_key(s): s for s in strategies[node.name]}
-            if placements[node.name] not in by_key:
-                raise ValueError(f"placement {placements[node.name]!r} of node {node.name} is "
-                                 f"not valid at tp={tp}; valid: {sorted(by_key)}")
-            self.choice[node.name] = by_key[placements[node.name]]
-        self.placement: dict[fx.Node, str] = {}
+        self.choice: dict[str, Strategy] = {
+            name: strategy for name, (_, strategy)
+            in decode_placements(traced, placements, tp, sequence_parallel).items()}
+        self.placement: dict[fx.Node, Placement] = {}
         self.resharded: dict[tuple[fx.Node, str], fx.Node] = {}
         self.f_nodes: dict[fx.Node, fx.Node] = {}
         self.partial_bias: dict[fx.Node, nn.Parameter | None] = {}  # P outputs -> their bias
@@ -134,7 +126,7 @@ class _Rewriter:
         new.meta.update(_owner_meta(owner))
         return new
 
-    def _reshard(self, src: fx.Node, dst: str, consumer: fx.Node, fused: bool = False) -> fx.Node:
+    def _reshard(self, src: fx.Node, dst: Placement, consumer: fx.Node, fused: bool = False) -> fx.Node:
         """``src`` in placement ``dst`` for ``consumer`` (shared by consumers of one layer);
         ``fused``: the gather also carries Megatron's f (reduce-scatters the partial input
         gradient, :func:`~autopar.planner.strategies.gathers_for_partial_grad`)."""
@@ -143,39 +135,39 @@ class _Rewriter:
             return src
         key = (src, dst, _owner_key(consumer), fused)
         if key not in self.resharded:
-            if have == "P":
+            if have.is_partial:
                 self.resharded[key] = self._complete_partial(src, dst, consumer)
-            elif dst == "R" and have.startswith("S"):
+            elif dst.is_replicated and have.is_sharded:
                 cls = TPGatherToPartialGrad if fused else TPAllGather
-                mod = cls(self.group, int(have[1:]), self.counter)
+                mod = cls(self.group, have.dim, self.counter)
                 self.resharded[key] = self._insert_after(src, "tp_all_gather", mod, src, consumer)
-            elif have == "R" and dst.startswith("S"):
-                mod = TPScatter(self.group, int(dst[1:]), self.counter)
+            elif have.is_replicated and dst.is_sharded:
+                mod = TPScatter(self.group, dst.dim, self.counter)
                 self.resharded[key] = self._insert_after(src, "tp_scatter", mod, src, consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
         return self.resharded[key]
 
-    def _complete_partial(self, src: fx.Node, dst: str, consumer: fx.Node) -> fx.Node:
+    def _complete_partial(self, src: fx.Node, dst: Placement, consumer: fx.Node) -> fx.Node:
         """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
         ḡ), then the row Linear's bias if it has one."""
-        if dst == "R":
+        if dst.is_replicated:
             mod, prefix = TPAllReduce(self.group, self.counter), "tp_g_all_reduce"
         else:
-            mod, prefix = TPReduceScatter(self.group, int(dst[1:]), self.counter), "tp_g_reduce_scatter"
+            mod, prefix = TPReduceScatter(self.group, dst.dim, self.counter), "tp_g_reduce_scatter"
         out = self._insert_after(src, prefix, mod, src, consumer)
         bias = self.partial_bias.get(src)
         if bias is None:
             return out
         paths = self.bias_paths.setdefault(id(bias), set())
-        paths.add("R" if dst == "R" else "S")
+        paths.add(dst.is_sharded)
         if len(paths) > 1:
             raise NotImplementedError(
                 f"the bias of {src.name} would be added on a replicated and on a sharded path; "
                 "its gradient could not be completed by one all-reduce. Give the consumers of "
                 f"{src.name} one placement (e.g. megatron_placements(..., sequence_parallel=True))")
         start, size = 0, None
-        dim = int(dst[1:]) if dst != "R" else None
+        dim = dst.dim
         ndim = len(self.traced.nodes[src.name].shape)
         if dim is not None and dim == ndim - 1:  # sharded along the bias's own dim
             size = bias.shape[0] // self.tp
@@ -205,7 +197,7 @@ class _Rewriter:
             self.placement[node] = strat.output
             if node.op == "call_module":
                 self._replace_module(node, strat)
-            elif strat.name.startswith("shape"):
+            elif strat.reads_size:
                 self._scale_size(node, strat)
         self._record_replicated()
         self.gm.graph.lint()
@@ -236,7 +228,7 @@ class _Rewriter:
 
     def _scale_size(self, node: fx.Node, strat: Strategy) -> None:
         """``x.size(d)`` of x sharded along d is the local size: multiply it by t."""
-        dim = int(strat.inputs[0][1:])
+        dim = strat.inputs[0].dim
         args = list(node.args[1:]) + list(node.kwargs.values())
         if len(args) != 1 or not isinstance(args[0], int):
             raise NotImplementedError(f"{node.name}: size() of a sharded tensor needs one int dim")

@@ -29,7 +29,7 @@ from autopar.rewrite.dropout import apply_dropout_rng
 from autopar.rewrite.pipeline import annotate_stages, rank_chunks, split_stages
 from autopar.rewrite.recompute import apply_recompute
 from autopar.rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
-from autopar.planner.strategies import output_placement
+from autopar.placement import parse_strategy_key
 from autopar.runtime.collectives import vocab_parallel_cross_entropy
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
@@ -209,11 +209,11 @@ def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None
     the layer before each cut (None: replicated)."""
     def dim(layer: int) -> int | None:
         name = traced.layers[layer][-1]
-        placement = output_placement(plan.placements[name])
-        if placement == "P":
+        placement = parse_strategy_key(plan.placements[name]).output
+        if placement.is_partial:
             raise NotImplementedError(f"{name} is a partial sum at a pipeline cut; autopar "
                                       "sends whole or sharded activations between stages")
-        return int(placement[1:]) if placement.startswith("S") else None
+        return placement.dim
     n = len(plan.stage_layers)
     return [(dim(plan.stage_layers[c][0] - 1) if c > 0 else None,
              dim(plan.stage_layers[c][1] - 1) if c < n - 1 else None)
@@ -224,7 +224,7 @@ def _loss_fn(traced, plan: Plan, groups: ParallelGroups):
     """The last stage's per-micro-batch loss: token cross-entropy of the whole logits, or
     the vocabulary-parallel one when the plan keeps the logits split (b, s, V/t)."""
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    if not plan.placements[out.name].startswith("vocab_parallel:"):
+    if parse_strategy_key(plan.placements[out.name]).name != "vocab_parallel":
         return token_cross_entropy
     local_vocab = traced.nodes[out.args[0].name].shape[-1] // plan.tp
     return functools.partial(vocab_parallel_cross_entropy, group=groups.tp_group,
