@@ -26,13 +26,14 @@ import traceback
 from pathlib import Path
 
 import autopar
+from autopar.api import what_if_plans
 from autopar.cli.verify import run_verify
 from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
 from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.plan import Layout, Plan
-from autopar.report.document import write_report
+from autopar.report import write_report
 from cost_models.hardware import Cluster
 
 __all__ = ["main", "build_parser"]
@@ -141,8 +142,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         progress=progress, **batch)
     what_ifs = None
     if args.report and args.whatif:
-        from autopar.report.whatif import what_if_plans
-
         what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
                                  progress=progress.relabel if progress else None)
     _emit(plan, args, hand, what_ifs)
