@@ -19,6 +19,7 @@ import pytest
 
 import autopar
 from autopar import cli
+from autopar.cli import commands
 from autopar.cli.parser import EXAMPLES, build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.plan import Plan
@@ -164,7 +165,7 @@ def test_internal_error_exits_1(verb, saved_plan, fake_calibrate, monkeypatch, t
             "report": ["report", str(saved_plan), "--out", str(tmp_path)],
             "calibrate": ["calibrate", "--processes", "2", "--out", str(tmp_path / "c.json")]}
     target = {"plan": (autopar, "plan"), "evaluate": (autopar, "evaluate"),
-              "compare": (autopar, "plan"), "report": (cli, "write_report"),
+              "compare": (autopar, "plan"), "report": (commands, "write_report"),
               "calibrate": (fake_calibrate, "calibrate_local")}[verb]
     monkeypatch.setattr(*target, _raise_runtime_error)
     assert cli.main(argv[verb]) == 1

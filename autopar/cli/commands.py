@@ -1,18 +1,21 @@
-"""Command line: ``autopar plan``, ``evaluate``, ``report``, ``compare`` and ``calibrate``.
+"""Command line, six verbs: ``autopar plan``, ``evaluate``, ``compare``, ``report``,
+``calibrate`` and ``verify``.
 
 argparse turns flags into the plain calls of the library (``autopar.load_model``,
 ``Cluster.from_name``, ``autopar.plan`` / ``autopar.evaluate``, ``report.write_report``);
 nothing here decides anything the library would not. ``compare`` prints the solver's plan
 beside hand-written layouts (views in :mod:`autopar.cli.compare`); ``calibrate`` measures
-the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``. The flags and --help
+the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``; ``verify`` runs a
+saved plan on local processes against one device (:mod:`autopar.cli.verify`). The flags and --help
 texts live in :mod:`autopar.cli.parser`; the search's progress line (stderr, on a terminal
 only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--json``:
 stdout then holds one JSON document and nothing else.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
 a divisibility rule) · 3 no layout fits (``autopar.InfeasibleError``) · 4 the model cannot
-be traced (``autopar.TraceError``) · 1 anything else (a bug: please report it). Errors
-print one line on stderr; ``--debug`` shows the traceback instead.
+be traced (``autopar.TraceError``) · 5 ``verify``: the program does not match one device ·
+1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
+shows the traceback instead.
 """
 
 from __future__ import annotations

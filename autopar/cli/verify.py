@@ -4,7 +4,8 @@ Launches ``tp·pp·dp`` local CPU processes joined in a gloo process group (or, 
 ``torchrun``, uses the processes it was started in), builds the same seeded model on each,
 and runs :func:`autopar.verify.check.verify`: a few SGD steps of the parallel program and of the
 single-device model on the same random batch, compared per step, stage and parameter.
-Rank 0 prints the report (a table, or JSON with ``--json``).
+Rank 0 prints the report (a table, or JSON with ``--json``). The flags are
+:mod:`autopar.cli.parser`'s.
 
 Exit codes (those of :mod:`autopar.cli.commands`, plus one): 0 the program matches · 5 it does not
 (:data:`EXIT_VERIFY_FAILED`) · 2 bad input (missing plan file, a model the plan was not
@@ -29,37 +30,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_verify_parser", "run_verify", "build_model", "EXIT_VERIFY_FAILED"]
+__all__ = ["run_verify", "build_model", "EXIT_VERIFY_FAILED"]
 
 EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, bad input, infeasible, trace)
-
-
-def add_verify_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``verify`` subcommand on ``autopar``'s subparsers."""
-    p = subparsers.add_parser(
-        "verify", formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="run a saved plan's program on local processes and compare it with one device",
-        description="Run STEPS training steps of the plan's parallel program on tp*pp*dp local "
-                    "gloo CPU processes and of the single-device model on the same random batch, "
-                    "and report the largest loss, gradient and parameter differences per stage "
-                    "and per parameter.\n\nexit codes: 0 match, 5 mismatch past tolerance, "
-                    "2 bad input, 1 internal error.")
-    p.add_argument("plan_file", type=Path, metavar="PLAN.json", help="a plan saved by `autopar plan -o`")
-    p.add_argument("--model", default=None, metavar="SPEC",
-                   help="preset name (gpt-tiny ...) or module:factory; default: the plan's model")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    p.add_argument("--tolerance", type=float, default=None, metavar="REL",
-                   help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
-                        "for fp32 plans; bf16: 2e-2, gradients 5e-2)")
-    p.add_argument("--max-processes", type=int, default=8, metavar="N",
-                   help="refuse plans needing more local processes than this (default 8)")
-    p.add_argument("--timeout", type=float, default=600, metavar="S",
-                   help="seconds before the local processes are killed (default 600)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    return p
 
 
 def build_model(spec: str, seed: int) -> torch.nn.Module:
