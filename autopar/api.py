@@ -4,7 +4,6 @@ a hand-written layout), ``evaluate_plan`` (re-price a saved plan's decisions) an
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 from typing import Callable
 
@@ -13,6 +12,7 @@ import torch
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import TracedModel
+from autopar.models import model_config
 from autopar.plan import Layout, Plan
 from autopar.planner.cpsat import InfeasibleError
 from autopar.planner.predict import predict
@@ -21,34 +21,7 @@ from autopar.planner.search import SearchResult, search
 from autopar.planner.strategies import strategy_key
 from autopar.graph.capture import trace_model
 
-__all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "load_model", "plan_from_search"]
-
-
-def load_model(spec: str) -> tuple[torch.nn.Module, str]:
-    """Build a model on the meta device from a preset name or ``module:factory``.
-
-    Raises ValueError for an unknown preset or a factory that cannot be imported.
-    """
-    from autopar.models import GPT, PRESETS
-
-    if ":" not in spec:
-        if spec not in PRESETS:
-            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
-                             "or module:factory")
-        with torch.device("meta"):
-            return GPT(PRESETS[spec]), spec
-    module_name, _, factory = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), factory)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
-    with torch.device("meta"):
-        return fn(), spec
-
-
-def _model_config(model) -> dict:
-    cfg = getattr(model, "config", None)
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+__all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_search"]
 
 
 def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
@@ -66,7 +39,7 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
     worst = max(range(len(stage_mem)), key=lambda i: sum(stage_mem[i].values()))
     binding = [f"memory[stage {worst}]: {pred.peak_memory_bytes / 2**30:.1f} GiB of "
                f"{cluster.device.memory_gib:.0f} GiB per GPU"]
-    return Plan(model=model_name, model_config=_model_config(model), cluster=cluster.to_dict(),
+    return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
                 global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
                 dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
                 num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,

@@ -63,10 +63,6 @@ def load_cluster(name: str, nodes: int | None) -> Cluster:
 def _load_problem(args: argparse.Namespace):
     """(model on meta, model name, cluster, seq_len) from the problem flags."""
     cluster = load_cluster(args.cluster, args.nodes)  # before the model: cheap checks first
-    if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
-        # `--model pkg.module:factory` finds modules under the current directory, as
-        # `python -m autopar` does (the `autopar` console script starts elsewhere)
-        sys.path.insert(0, os.getcwd())
     model, name = autopar.load_model(args.model)
     seq_len = args.seq_len or getattr(getattr(model, "config", None), "block_size", None)
     if seq_len is None:

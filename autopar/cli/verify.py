@@ -16,7 +16,6 @@ made for, a plan the runtime cannot execute, more processes than a local run all
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -30,28 +29,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["run_verify", "build_model", "EXIT_VERIFY_FAILED"]
+__all__ = ["run_verify", "EXIT_VERIFY_FAILED"]
 
 EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, bad input, infeasible, trace)
-
-
-def build_model(spec: str, seed: int) -> torch.nn.Module:
-    """The materialised model of a preset name or ``module:factory``, seeded with ``seed``
-    (the same weights on every rank). Raises ValueError like :func:`autopar.load_model`."""
-    from autopar.models import GPT, PRESETS
-
-    torch.manual_seed(seed)
-    if ":" not in spec:
-        if spec not in PRESETS:
-            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
-                             "or module:factory")
-        return GPT(PRESETS[spec])
-    module_name, _, factory = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), factory)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
-    return fn()
 
 
 def _check_inputs(args: argparse.Namespace):
@@ -82,9 +62,10 @@ def _check_inputs(args: argparse.Namespace):
 
 def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
     """Run verify on this rank (process group initialised); the outcome as plain data."""
+    from autopar.models import load_model
     from autopar.verify.check import verify
 
-    model = build_model(spec, args.seed)
+    model, _ = load_model(spec, device="cpu", seed=args.seed)  # the same weights on every rank
     report = verify(model, plan, steps=args.steps, seed=args.seed, tolerances=tol,
                     optimizer=lambda params: torch.optim.SGD(params, lr=args.lr),
                     raise_on_failure=False)
