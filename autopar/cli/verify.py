@@ -25,7 +25,6 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
