@@ -7,7 +7,8 @@ Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluste
 from cost_models.hardware import Cluster
 
 from autopar import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
-from autopar.api import evaluate, evaluate_plan, load_model, plan
+from autopar.api import evaluate, evaluate_plan, plan
+from autopar.models import load_model
 from autopar.plan import Layout, Plan, Prediction
 from autopar.planner.cpsat import InfeasibleError
 from autopar.graph.capture import TraceError

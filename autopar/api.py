@@ -1,48 +1,26 @@
-"""The public face: ``plan``, ``evaluate``, ``parallelize`` and ``load_model``."""
+"""The planning entry points: ``plan`` (search for the fastest layout), ``evaluate`` (price
+a hand-written layout), ``evaluate_plan`` (re-price a saved plan's decisions) and
+``what_if_plans`` (re-plan on changed inputs for the report)."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from cost_models.hardware import Cluster
+
 from autopar.graph.annotate import TracedModel
+from autopar.models import model_config
 from autopar.plan import Layout, Plan
+from autopar.planner.cpsat import InfeasibleError
 from autopar.planner.predict import predict
 from autopar.support import RUNTIME_SUPPORT
 from autopar.planner.search import SearchResult, search
 from autopar.graph.capture import trace_model
 
-__all__ = ["plan", "evaluate", "evaluate_plan", "load_model", "plan_from_search"]
-
-
-def load_model(spec: str) -> tuple[torch.nn.Module, str]:
-    """Build a model on the meta device from a preset name or ``module:factory``.
-
-    Raises ValueError for an unknown preset or a factory that cannot be imported.
-    """
-    from autopar.models import GPT, PRESETS
-
-    if ":" not in spec:
-        if spec not in PRESETS:
-            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
-                             "or module:factory")
-        with torch.device("meta"):
-            return GPT(PRESETS[spec]), spec
-    module_name, _, factory = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), factory)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
-    with torch.device("meta"):
-        return fn(), spec
-
-
-def _model_config(model) -> dict:
-    cfg = getattr(model, "config", None)
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+__all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_search"]
 
 
 def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
@@ -60,7 +38,7 @@ def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, 
     worst = max(range(len(stage_mem)), key=lambda i: sum(stage_mem[i].values()))
     binding = [f"memory[stage {worst}]: {pred.peak_memory_bytes / 2**30:.1f} GiB of "
                f"{cluster.device.memory_gib:.0f} GiB per GPU"]
-    return Plan(model=model_name, model_config=_model_config(model), cluster=cluster.to_dict(),
+    return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
                 global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
                 dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
                 num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
@@ -133,3 +111,34 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=plan.global_batch_size)
     return replace(plan, predicted=pred)
+
+
+def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layout | None = None,
+                  progress: Callable[[str], Callable | None] | None = None
+                  ) -> dict[str, Plan | str]:
+    """Re-plan ``model`` for three changed inputs, for the report's "What if" section
+    (:func:`autopar.report.whatif.what_if_markdown`): twice the nodes, twice the global
+    batch and, on an A100 cluster, DGX H100 nodes of the same count. Three more searches,
+    each about as long as the one that found ``chosen`` (seconds to a minute for big models).
+
+    layout: the fields the user pinned, kept pinned in every what-if (a pin that no longer
+        fits, e.g. dp with twice the nodes, makes that what-if a "no plan: ..." string).
+    progress: ``progress(label)`` returns the :func:`plan` progress callback for the
+        what-if named ``label`` (or None for no display).
+    Returns label -> Plan, or the reason there is none (InfeasibleError or ValueError text).
+    """
+    cases = {"twice the nodes": (replace(cluster, nodes=2 * cluster.nodes),
+                                 chosen.global_batch_size),
+             "twice the global batch": (cluster, 2 * chosen.global_batch_size)}
+    if "A100" in cluster.device.name:
+        cases["H100 nodes instead of A100"] = (Cluster.dgx_h100(nodes=cluster.nodes),
+                                               chosen.global_batch_size)
+    out: dict[str, Plan | str] = {}
+    for label, (new_cluster, batch) in cases.items():
+        try:
+            out[label] = plan(model, new_cluster, global_batch_size=batch,
+                              seq_len=chosen.seq_len, layout=layout, model_name=chosen.model,
+                              progress=progress(f"what if {label}") if progress else None)
+        except (InfeasibleError, ValueError) as exc:
+            out[label] = f"no plan: {exc}"
+    return out

@@ -11,18 +11,25 @@ worth copying into a user's model:
 
 Module names follow nanoGPT / GPT-2 (``transformer.wte``, ``transformer.h.0.attn.c_proj``,
 ``transformer.h.0.mlp.c_fc`` ...). ``lm_head`` shares its weight with ``transformer.wte``.
+
+:func:`load_model` is the one way a model is named outside Python code (the CLI's
+``--model``, a saved plan's ``model``): a preset of :data:`PRESETS` or ``module:factory``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "preset", "pad_vocab_size"]
+__all__ = ["GPTConfig", "GPT", "PRESETS", "preset", "load_model", "model_config",
+           "pad_vocab_size"]
 
 
 def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
@@ -87,12 +94,20 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def _model_spec_error(cause: str) -> ValueError:
+    """The one error for a model name that cannot be loaded: the cause, then the fix."""
+    return ValueError(f"{cause}; name a preset ({', '.join(sorted(PRESETS))}) or "
+                      "'module:factory', a function returning an nn.Module, whose module is "
+                      "imported from the current directory or sys.path "
+                      "(e.g. mypkg.models:build_gpt)")
+
+
 def preset(name: str) -> GPTConfig:
     """Return the named preset config; ValueError lists the valid names."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise _model_spec_error(f"unknown model preset {name!r}") from None
 
 
 class CausalSelfAttention(nn.Module):
@@ -191,3 +206,54 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+
+def load_model(spec: str, *, device: str | torch.device | None = "meta",
+               seed: int | None = None) -> tuple[nn.Module, str]:
+    """Build the model named by ``spec``; returns ``(model, spec)``.
+
+    spec: a preset name (:data:`PRESETS`, built as :class:`GPT`) or ``module:factory``, a
+        function of no arguments returning an ``nn.Module``. The module is imported from
+        ``sys.path`` with the current directory on it (as ``python -m`` does; the
+        ``autopar`` console script starts elsewhere), so ``--model mypkg.models:build_gpt``
+        works from the directory holding ``mypkg``.
+    device: where parameters are created: ``"meta"`` (default) gives shapes only, for
+        planning a model of any size without allocating it; ``"cpu"`` materialises it (as
+        ``autopar verify`` does); None uses torch's current default device.
+    seed: ``torch.manual_seed(seed)`` before building, so every process that builds the
+        same spec with the same seed holds the same initial weights.
+    Raises ValueError naming the cause (unknown preset, module or factory not importable)
+    and the fix.
+    """
+    if ":" in spec:
+        build = _import_factory(spec)
+    elif spec in PRESETS:
+        def build() -> nn.Module:
+            return GPT(PRESETS[spec])
+    else:
+        raise _model_spec_error(f"unknown model {spec!r}")
+    if seed is not None:
+        torch.manual_seed(seed)
+    if device is None:
+        return build(), spec
+    with torch.device(device):
+        return build(), spec
+
+
+def _import_factory(spec: str):
+    """The function named by ``module:factory`` (the current directory on sys.path)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module_name, _, factory = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), factory)
+    except (ImportError, AttributeError) as exc:
+        raise _model_spec_error(f"cannot load model factory {spec!r} ({exc})") from exc
+
+
+def model_config(model: nn.Module) -> dict:
+    """The model's shape as a plain dict (``model.config.to_dict()``: a :class:`GPTConfig`
+    or a Hugging Face config), or ``{}`` when it has none. Recorded in a Plan
+    (``Plan.model_config``) so a plan applied to another model is refused."""
+    cfg = getattr(model, "config", None)
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}

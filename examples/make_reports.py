@@ -20,7 +20,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import autopar
-from autopar.report.whatif import what_if_plans
+from autopar.api import what_if_plans
 
 ROOT = Path(__file__).resolve().parents[1] / "reports"
 
@@ -42,7 +42,7 @@ def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, h
     plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
     megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
                                 global_batch_size=batch, seq_len=seq, model_name=name)
-    path = autopar.report.document.write_report(
+    path = autopar.report.write_report(
         plan, Path(out_root) / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
         title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}",
         what_ifs=what_if_plans(model, cluster, plan))

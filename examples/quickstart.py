@@ -36,7 +36,7 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the re
     import autopar
 from autopar import Cluster, Layout
 from autopar.models import GPT, PRESETS
-from autopar.report.document import format_seconds
+from autopar.report.format import format_seconds
 from make_reports import CASES, write_example  # examples/make_reports.py, beside this file
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ import pytest
 
 import autopar
 from autopar import cli
+from autopar.cli import commands
 from autopar.cli.parser import EXAMPLES, build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.plan import Plan
@@ -164,7 +165,7 @@ def test_internal_error_exits_1(verb, saved_plan, fake_calibrate, monkeypatch, t
             "report": ["report", str(saved_plan), "--out", str(tmp_path)],
             "calibrate": ["calibrate", "--processes", "2", "--out", str(tmp_path / "c.json")]}
     target = {"plan": (autopar, "plan"), "evaluate": (autopar, "evaluate"),
-              "compare": (autopar, "plan"), "report": (cli, "write_report"),
+              "compare": (autopar, "plan"), "report": (commands, "write_report"),
               "calibrate": (fake_calibrate, "calibrate_local")}[verb]
     monkeypatch.setattr(*target, _raise_runtime_error)
     assert cli.main(argv[verb]) == 1
@@ -276,3 +277,29 @@ def test_saved_plan_of_the_training_example_is_what_every_rank_loads(tmp_path, m
     with pytest.raises(ValueError, match="plans B=16, s=64 on 4 ranks, but this run has B=8"):
         train_gpt.load_or_solve(train_gpt.parse_args(["--plan", str(path), "--batch-size", "8"]),
                                 cluster, rank=0)
+
+
+# ------------------------------------------------------------- one model loader
+def test_one_model_loader_for_presets_and_factories():
+    """autopar.load_model is the loader of `--model` (plan, evaluate, compare, report) and of
+    verify's seeded build; one error text names the cause and the fix."""
+    import torch
+
+    from autopar.models import load_model, preset
+
+    assert autopar.load_model is load_model
+    model, name = load_model("gpt-tiny")
+    assert name == "gpt-tiny" and all(p.is_meta for p in model.parameters())
+    a, _ = load_model("gpt-tiny", device="cpu", seed=3)
+    b, _ = load_model("gpt-tiny", device="cpu", seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    model, name = load_model("tests_factory:tiny_gpt")  # tests/ is on sys.path under pytest
+    assert name == "tests_factory:tiny_gpt" and all(p.is_meta for p in model.parameters())
+    for spec, cause in [("gpt-nope", "unknown model 'gpt-nope'"),
+                        ("no_such_module:build", "cannot load model factory 'no_such_module:build'")]:
+        with pytest.raises(ValueError, match=cause) as info:
+            load_model(spec)
+        assert "gpt-tiny" in str(info.value) and "module:factory" in str(info.value)
+        assert "current directory" in str(info.value)
+    with pytest.raises(ValueError, match="unknown model preset 'nope'.*module:factory"):
+        preset("nope")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from autopar.report.document import format_bytes, format_seconds, format_tflops
+from autopar.report.format import format_bytes, format_seconds, format_tflops
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,8 @@ import pytest
 import autopar
 from autopar import cli
 from autopar.plan import Layout, Plan, Prediction
-from autopar.report.document import format_bytes, format_seconds, render_markdown, write_report
+from autopar.report import render_markdown, write_report
+from autopar.report.format import format_bytes, format_seconds
 from cost_models.hardware import Cluster
 
 GIB = 2**30
@@ -102,6 +103,28 @@ def test_unit_formatting():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**20) == "3 MiB"
     assert format_bytes(71.25 * GIB) == "71.2 GiB"
+
+
+def test_report_imports_no_planner_no_sympy_no_privates():
+    """The report reads only the Plan: no module of autopar/report imports the planner,
+    the oracle, the public API (which plans) or sympy, nor another module's private name."""
+    import ast
+    from pathlib import Path
+
+    import autopar.report
+
+    forbidden = ("autopar.api", "autopar.planner", "autopar.oracle", "sympy")
+    for path in sorted(Path(autopar.report.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                assert not any(a.name.startswith("_") for a in node.names), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad = [n for n in names if n.startswith(forbidden)]
+            assert not bad, f"{path.name} imports {bad}"
 
 
 # ------------------------------------------------------------------------------ cli

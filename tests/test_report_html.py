@@ -15,10 +15,11 @@ import torch
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.report.document import format_seconds, write_report
+from autopar.report import write_report
+from autopar.report.format import format_seconds
 from autopar.report.html import markdown_to_html
-from autopar.report.plots import (rank_groups, rank_layout_section, schedule_order,
-                                  simulate_schedule, write_timeline_chart)
+from autopar.report.plots import schedule_order, simulate_schedule, write_timeline_chart
+from autopar.report.ranks import rank_groups, rank_layout_section
 
 PNG = b"\x89PNG"
 

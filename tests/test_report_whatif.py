@@ -4,7 +4,8 @@ import torch
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.report.whatif import what_if_markdown, what_if_plans
+from autopar.api import what_if_plans
+from autopar.report.whatif import what_if_markdown
 
 
 def test_what_if_section_replans_and_reports(tmp_path):
@@ -18,5 +19,5 @@ def test_what_if_section_replans_and_reports(tmp_path):
     assert what_ifs["twice the global batch"].global_batch_size == 8
     section = what_if_markdown(plan, what_ifs)
     assert "## What if" in section and "twice the nodes" in section
-    path = autopar.report.document.write_report(plan, tmp_path, chart=False, what_ifs=what_ifs)
+    path = autopar.report.write_report(plan, tmp_path, chart=False, what_ifs=what_ifs)
     assert "## What if" in path.read_text() and "What if" in (tmp_path / "report.html").read_text()

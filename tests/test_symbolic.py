@@ -120,3 +120,12 @@ def test_formulas_markdown_lists_formulas_with_sources():
     assert "96·B·s·L·h²·(1 + s/(6·h) + V/(16·L·h))" in text and "Narayanan et al. 2021" in text
     assert "120 / 31.4 / 16.6 / 1.9 GB" in text
     assert text.count("\n| ") == len(symbolic.closed_form_names()) + 2  # header + ZeRO row
+
+
+def test_report_formula_table_equals_the_oracle():
+    """The report's static table (it imports no sympy) is exactly what the oracle prints;
+    after changing a closed form, paste ``symbolic.formulas_markdown()`` into
+    autopar/report/formulas.py."""
+    from autopar.report.formulas import FORMULAS_MARKDOWN
+
+    assert symbolic.formulas_markdown() == FORMULAS_MARKDOWN

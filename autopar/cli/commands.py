@@ -1,18 +1,21 @@
-"""Command line: ``autopar plan``, ``evaluate``, ``report``, ``compare`` and ``calibrate``.
+"""Command line, six verbs: ``autopar plan``, ``evaluate``, ``compare``, ``report``,
+``calibrate`` and ``verify``.
 
 argparse turns flags into the plain calls of the library (``autopar.load_model``,
 ``Cluster.from_name``, ``autopar.plan`` / ``autopar.evaluate``, ``report.write_report``);
 nothing here decides anything the library would not. ``compare`` prints the solver's plan
 beside hand-written layouts (views in :mod:`autopar.cli.compare`); ``calibrate`` measures
-the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``. The flags and --help
+the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``; ``verify`` runs a
+saved plan on local processes against one device (:mod:`autopar.cli.verify`). The flags and --help
 texts live in :mod:`autopar.cli.parser`; the search's progress line (stderr, on a terminal
 only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--json``:
 stdout then holds one JSON document and nothing else.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
 a divisibility rule) · 3 no layout fits (``autopar.InfeasibleError``) · 4 the model cannot
-be traced (``autopar.TraceError``) · 1 anything else (a bug: please report it). Errors
-print one line on stderr; ``--debug`` shows the traceback instead.
+be traced (``autopar.TraceError``) · 5 ``verify``: the program does not match one device ·
+1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
+shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import traceback
 from pathlib import Path
 
 import autopar
+from autopar.api import what_if_plans
 from autopar.cli.verify import run_verify
 from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
 from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.plan import Layout, Plan
-from autopar.report.document import write_report
+from autopar.report import write_report
 from cost_models.hardware import Cluster
 
 __all__ = ["main", "build_parser"]
@@ -59,10 +63,6 @@ def load_cluster(name: str, nodes: int | None) -> Cluster:
 def _load_problem(args: argparse.Namespace):
     """(model on meta, model name, cluster, seq_len) from the problem flags."""
     cluster = load_cluster(args.cluster, args.nodes)  # before the model: cheap checks first
-    if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
-        # `--model pkg.module:factory` finds modules under the current directory, as
-        # `python -m autopar` does (the `autopar` console script starts elsewhere)
-        sys.path.insert(0, os.getcwd())
     model, name = autopar.load_model(args.model)
     seq_len = args.seq_len or getattr(getattr(model, "config", None), "block_size", None)
     if seq_len is None:
@@ -141,8 +141,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         progress=progress, **batch)
     what_ifs = None
     if args.report and args.whatif:
-        from autopar.report.whatif import what_if_plans
-
         what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
                                  progress=progress.relabel if progress else None)
     _emit(plan, args, hand, what_ifs)

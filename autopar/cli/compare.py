@@ -17,13 +17,12 @@ import re
 from pathlib import Path
 
 from autopar.plan import Plan
-from autopar.report.document import (TIME_KINDS, format_bytes, format_seconds, format_tflops,
-                            plan_flags)
+from autopar.report.format import (GIB, TIME_KINDS, format_bytes, format_seconds,
+                                   format_tflops, plan_flags)
 
 __all__ = ["plan_table", "comparison_lines", "plan_metrics", "compare", "format_compare",
            "profile_lines", "report_summary"]
 
-GIB = 2**30
 _EPS_S = 1e-9
 
 

@@ -1,4 +1,5 @@
-"""The ``autopar`` argument parser: every verb, its flags and its --help text.
+"""The ``autopar`` argument parser: the six verbs (plan, evaluate, compare, report,
+calibrate, verify), their flags and their --help texts.
 
 Flag names are shared across verbs: ``--model``, ``--cluster``, ``--nodes``,
 ``--global-batch-size``, ``--seq-len`` (what to train, and where) on ``plan``,
@@ -12,7 +13,6 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from autopar.cli.verify import add_verify_parser
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
 from cost_models.hardware import PRESET_NAMES
 
@@ -62,6 +62,11 @@ EXAMPLES = {
   autopar calibrate --processes 2 --out local-cpu-calibrated.json
   autopar plan --model gpt-tiny --cluster local-cpu-calibrated.json \\
       --global-batch-size 8""",
+    "verify": """\
+  # a 2-way tensor-parallel plan of a tiny GPT, checked against one device on 2 processes
+  autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 -o plan.json
+  autopar verify plan.json --steps 3
+  autopar verify plan.json --model mypkg.models:tiny_gpt --tolerance 1e-4 --json""",
 }
 
 OVERVIEW_EXAMPLES = """\
@@ -72,13 +77,15 @@ OVERVIEW_EXAMPLES = """\
   autopar compare --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
       --global-batch-size 1536 --seq-len 2048 --megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"
   autopar report plan.json --out reports/again
-  autopar calibrate --processes 2 --out local-cpu-calibrated.json"""
+  autopar calibrate --processes 2 --out local-cpu-calibrated.json
+  autopar verify plan.json --steps 3"""
 
 DESCRIPTIONS = {
     "autopar": "Plan tensor, pipeline and data parallel training of a GPT on a GPU cluster, "
                "price hand-written layouts with the same cost model, and explain the choice "
-               "in a Markdown + HTML report. Every verb takes --json (machine-readable "
-               "stdout) and --debug (tracebacks).",
+               "in a Markdown + HTML report, and check a plan's program against one device. "
+               "Six verbs: plan, evaluate, compare, report, calibrate, verify. Every verb "
+               "takes --json (machine-readable stdout) and --debug (tracebacks).",
     "plan": "Search the layouts (t, p, d, b, m, schedule, ZeRO, recompute per layer) that fit "
             "the cluster's memory and print the fastest, as predicted by the cost model. "
             "Layout flags fix decisions; the solver chooses the rest. On a terminal a "
@@ -98,6 +105,11 @@ DESCRIPTIONS = {
     "calibrate": "Run small matmuls and gloo all-reduces on local processes and write a "
                  "cluster JSON usable with --cluster (calls autopar.runtime.calibrate.calibrate_local). "
                  "Takes about ten seconds.",
+    "verify": "Run STEPS training steps of a saved plan's parallel program on tp*pp*dp local "
+              "gloo CPU processes (or the processes torchrun started) and of the "
+              "single-device model on the same random batch, and report the largest loss, "
+              "gradient and parameter differences per stage and per parameter. Exit code 5 "
+              "when they differ past the tolerance.",
 }
 
 
@@ -214,7 +226,7 @@ def _verb(sub, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``autopar`` argument parser with its five verbs."""
+    """The ``autopar`` argument parser with its six verbs."""
     parser = argparse.ArgumentParser(
         prog="autopar", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_wrap(DESCRIPTIONS["autopar"]),
@@ -255,5 +267,29 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="FILE", help="where to write the measured cluster JSON "
                    "(default: local-cpu-calibrated.json)")
     _add_common(g, "print the measured profile as JSON on stdout")
-    add_verify_parser(sub)
+
+    verify = _verb(sub, "verify", "run a saved plan on local processes and compare it "
+                                  "with one device")
+    _add_verify_args(verify)
     return parser
+
+
+def _add_verify_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``verify`` (run by :func:`autopar.cli.verify.run_verify`)."""
+    parser.add_argument("plan_file", type=Path, metavar="PLAN.json",
+                        help="a plan saved by `autopar plan -o`")
+    g = parser.add_argument_group("model, steps and tolerance")
+    g.add_argument("--model", default=None, metavar="SPEC",
+                   help="preset name (gpt-tiny ...) or module:factory; default: the plan's model")
+    g.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
+    g.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
+    g.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    g.add_argument("--tolerance", type=float, default=None, metavar="REL",
+                   help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
+                        "for fp32 plans; bf16: 2e-2, gradients 5e-2)")
+    g = parser.add_argument_group("processes and output")
+    g.add_argument("--max-processes", type=int, default=8, metavar="N",
+                   help="refuse plans needing more local processes than this (default 8)")
+    g.add_argument("--timeout", type=float, default=600, metavar="S",
+                   help="seconds before the local processes are killed (default 600)")
+    _add_common(g, "print the report as JSON")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from autopar.report.document import format_seconds
+from autopar.report.format import format_seconds
 
 __all__ = ["SearchProgress"]
 

@@ -4,7 +4,8 @@ Launches ``tp·pp·dp`` local CPU processes joined in a gloo process group (or, 
 ``torchrun``, uses the processes it was started in), builds the same seeded model on each,
 and runs :func:`autopar.verify.check.verify`: a few SGD steps of the parallel program and of the
 single-device model on the same random batch, compared per step, stage and parameter.
-Rank 0 prints the report (a table, or JSON with ``--json``).
+Rank 0 prints the report (a table, or JSON with ``--json``). The flags are
+:mod:`autopar.cli.parser`'s.
 
 Exit codes (those of :mod:`autopar.cli.commands`, plus one): 0 the program matches · 5 it does not
 (:data:`EXIT_VERIFY_FAILED`) · 2 bad input (missing plan file, a model the plan was not
@@ -15,7 +16,6 @@ made for, a plan the runtime cannot execute, more processes than a local run all
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -25,60 +25,12 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
-__all__ = ["add_verify_parser", "run_verify", "build_model", "EXIT_VERIFY_FAILED"]
+__all__ = ["run_verify", "EXIT_VERIFY_FAILED"]
 
 EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, bad input, infeasible, trace)
-
-
-def add_verify_parser(subparsers) -> argparse.ArgumentParser:
-    """Register the ``verify`` subcommand on ``autopar``'s subparsers."""
-    p = subparsers.add_parser(
-        "verify", formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="run a saved plan's program on local processes and compare it with one device",
-        description="Run STEPS training steps of the plan's parallel program on tp*pp*dp local "
-                    "gloo CPU processes and of the single-device model on the same random batch, "
-                    "and report the largest loss, gradient and parameter differences per stage "
-                    "and per parameter.\n\nexit codes: 0 match, 5 mismatch past tolerance, "
-                    "2 bad input, 1 internal error.")
-    p.add_argument("plan_file", type=Path, metavar="PLAN.json", help="a plan saved by `autopar plan -o`")
-    p.add_argument("--model", default=None, metavar="SPEC",
-                   help="preset name (gpt-tiny ...) or module:factory; default: the plan's model")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    p.add_argument("--tolerance", type=float, default=None, metavar="REL",
-                   help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
-                        "for fp32 plans; bf16: 2e-2, gradients 5e-2)")
-    p.add_argument("--max-processes", type=int, default=8, metavar="N",
-                   help="refuse plans needing more local processes than this (default 8)")
-    p.add_argument("--timeout", type=float, default=600, metavar="S",
-                   help="seconds before the local processes are killed (default 600)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    return p
-
-
-def build_model(spec: str, seed: int) -> torch.nn.Module:
-    """The materialised model of a preset name or ``module:factory``, seeded with ``seed``
-    (the same weights on every rank). Raises ValueError like :func:`autopar.load_model`."""
-    from autopar.models import GPT, PRESETS
-
-    torch.manual_seed(seed)
-    if ":" not in spec:
-        if spec not in PRESETS:
-            raise ValueError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}) "
-                             "or module:factory")
-        return GPT(PRESETS[spec])
-    module_name, _, factory = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), factory)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load model factory {spec!r}: {exc}") from exc
-    return fn()
 
 
 def _check_inputs(args: argparse.Namespace):
@@ -109,9 +61,10 @@ def _check_inputs(args: argparse.Namespace):
 
 def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
     """Run verify on this rank (process group initialised); the outcome as plain data."""
+    from autopar.models import load_model
     from autopar.verify.check import verify
 
-    model = build_model(spec, args.seed)
+    model, _ = load_model(spec, device="cpu", seed=args.seed)  # the same weights on every rank
     report = verify(model, plan, steps=args.steps, seed=args.seed, tolerances=tol,
                     optimizer=lambda params: torch.optim.SGD(params, lr=args.lr),
                     raise_on_failure=False)

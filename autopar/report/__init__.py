@@ -1,4 +1,13 @@
-"""The plan report (Markdown, HTML, charts). Reads only the :class:`~autopar.plan.Plan`."""
+"""The plan report (Markdown, HTML, charts). Reads only the :class:`~autopar.plan.Plan`.
+
+In flow order: :mod:`~autopar.report.format` (numbers with units, display order of kinds),
+:mod:`~autopar.report.formulas` (the published closed forms, as data),
+:mod:`~autopar.report.sections`, :mod:`~autopar.report.ranks` and
+:mod:`~autopar.report.whatif` (Markdown sections), :mod:`~autopar.report.plots` (PNG
+charts), :mod:`~autopar.report.html` (the self-contained page) and
+:mod:`~autopar.report.document` (``render_markdown``, ``write_report``: the whole report).
+Nothing here imports the planner or sympy.
+"""
 
 from autopar.report.document import render_markdown, write_report
 

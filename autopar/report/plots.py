@@ -6,8 +6,6 @@
 - ``memory.png``: memory per GPU per stage by kind, against the device memory line.
 - ``breakdown.png``: the step time split by kind (``Prediction.time_s_by_kind``).
 - ``comparison.png``: step time of the auto plan beside hand-written layouts.
-- the rank map (a Markdown table, no picture): which global ranks and nodes form each
-  tensor-, pipeline- and data-parallel group.
 
 The cost model gives one number per stage, ``Prediction.stage_time_s[i]``: forward +
 backward of one micro-batch. The timeline splits it 1 : 2 (backward = 2 × forward: the
@@ -23,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopar.plan import Plan
-from autopar.report.document import GIB, MEMORY_KINDS, TIME_KINDS, _ordered, device_memory_bytes
+from autopar.report.format import GIB, MEMORY_KINDS, TIME_KINDS, device_memory_bytes, ordered
 
 __all__ = ["simulate_schedule", "schedule_order", "write_timeline_chart", "write_memory_chart",
-           "write_breakdown_chart", "write_comparison_chart", "write_charts", "rank_groups",
-           "rank_layout_section", "MAX_DRAWN_MICRO", "TIMELINE_COLOURS", "MEMORY_COLOURS"]
+           "write_breakdown_chart", "write_comparison_chart", "write_charts", "MAX_DRAWN_MICRO",
+           "TIMELINE_COLOURS", "MEMORY_COLOURS"]
 
 MAX_DRAWN_MICRO = 16  # the timeline draws at most this many micro-batches
 BACKWARD_OVER_FORWARD = 2.0  # backward = 2 x forward (see the module docstring)
@@ -163,7 +161,7 @@ def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:
     if plt is None:
         return None
     stages = plan.predicted.memory_bytes_by_stage
-    kinds = _ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
+    kinds = ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
     largest = max((sum(stage.values()) for stage in stages), default=0.0)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(stages) + 3), 3.2), dpi=100)
@@ -189,7 +187,7 @@ def write_breakdown_chart(plan: Plan, path: str | Path) -> Path | None:
     plt, by_kind = _pyplot(), plan.predicted.time_s_by_kind
     if plt is None or not by_kind:
         return None
-    kinds = [k for k in _ordered(by_kind, TIME_KINDS) if by_kind[k] > 0]
+    kinds = [k for k in ordered(by_kind, TIME_KINDS) if by_kind[k] > 0]
     unit, scale = _time_unit(max(sum(by_kind.values()), plan.predicted.step_time_s))
     fig, ax = plt.subplots(figsize=(8.0, 1.9), dpi=100)
     left = 0.0
@@ -239,55 +237,3 @@ def write_charts(plan: Plan, out_dir: str | Path,
                                              out_dir / "comparison.png"),
     }
     return {name: path.name for name, path in drawn.items() if path is not None}
-
-
-# ------------------------------------------------------------------ rank map
-def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Global ranks of every TP, PP and DP group in Megatron-LM's order.
-
-    ``rank = tp_rank + t · (dp_rank + d · pp_rank)``: tensor-parallel peers are adjacent
-    ranks (so they share a node when t divides the GPUs per node), then data-parallel
-    replicas, then pipeline stages.
-    """
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
-
-    return {
-        "TP": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "PP": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "DP": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-    }
-
-
-def _short_list(values: list[int], limit: int = 16) -> str:
-    """``0, 1, 2, 3`` or ``0, 8, ..., 504 (64 in all)`` for long lists."""
-    if len(values) <= limit:
-        return ", ".join(map(str, values))
-    head = ", ".join(map(str, values[:limit // 2]))
-    return f"{head}, …, {values[-1]} ({len(values)} in all)"
-
-
-def rank_layout_section(plan: Plan, max_ranks: int = 64, shown: int = 4) -> list[str]:
-    """Markdown: which global ranks (and nodes) form each TP, PP and DP group.
-
-    Plans of more than ``max_ranks`` GPUs list the first ``shown`` groups of each kind and
-    the number of groups.
-    """
-    per_node = int(plan.cluster.get("gpus_per_node") or plan.num_gpus)
-    rows = []
-    for kind, groups in rank_groups(plan.tp, plan.pp, plan.dp).items():
-        limit = len(groups) if plan.num_gpus <= max_ranks else shown
-        for g, ranks in enumerate(groups[:limit]):
-            nodes = sorted({r // per_node for r in ranks})
-            rows.append([kind, f"{g}", _short_list(ranks), _short_list(nodes, 8)])
-        if limit < len(groups):
-            rows.append([kind, "…", f"{len(groups) - limit} more groups "
-                         f"({len(groups)} {kind} groups in all)", ""])
-    lines = ["## Rank layout", "",
-             f"Global rank = tp_rank + t·(dp_rank + d·pp_rank) (Megatron-LM order); node = "
-             f"rank // {per_node} GPUs per node. {plan.pp * plan.dp} TP groups of {plan.tp}, "
-             f"{plan.tp * plan.dp} PP groups of {plan.pp}, {plan.tp * plan.pp} DP groups of "
-             f"{plan.dp}.", ""]
-    header = ["group", "index", "global ranks", "nodes"]
-    return lines + ["| " + " | ".join(header) + " |", "| :--- | ---: | :--- | :--- |"] + \
-        ["| " + " | ".join(row) + " |" for row in rows] + [""]

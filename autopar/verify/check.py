@@ -71,10 +71,10 @@ def disable_dropout(model: nn.Module) -> list[str]:
 def check_plan_matches(model: nn.Module, plan: Plan) -> None:
     """Raise ValueError unless ``plan`` was made for ``model``: same traced node names
     (hence layers and placements) and, when both are known, the same model config."""
-    from autopar.api import _model_config
+    from autopar.models import model_config
     from autopar.graph.capture import trace_model
 
-    config = _model_config(model)
+    config = model_config(model)
     if plan.model_config and config and plan.model_config != config:
         diff = {k: (plan.model_config.get(k), config.get(k))
                 for k in sorted(set(plan.model_config) | set(config))

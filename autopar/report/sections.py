@@ -1,0 +1,241 @@
+"""The sections of the plan report, each a list of Markdown lines read off the Plan.
+
+In report order: the chosen layout and its pipeline stages, the prediction (step time,
+TFLOP/s per GPU, MFU/HFU, peak memory), memory per GPU per stage by kind, step time by
+kind, communication bytes per GPU, why this plan (binding constraints, the alternatives
+the search priced), hand-written layouts priced by the same cost model, and the published
+closed forms the cost model reproduces. The rank map is :mod:`autopar.report.ranks`, the
+what-ifs :mod:`autopar.report.whatif`; :mod:`autopar.report.document` puts them together.
+Nothing here solves or prices anything.
+"""
+
+from __future__ import annotations
+
+from autopar.plan import Plan
+from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
+                                   device_memory_bytes, format_bytes, format_gib, format_layout,
+                                   format_seconds, format_tflops, ordered, plan_flags)
+from autopar.report.formulas import FORMULAS_MARKDOWN
+
+__all__ = ["layout_section", "prediction_section", "memory_section", "time_section",
+           "comm_section", "why_section", "hand_section", "formulas_section", "image"]
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """Markdown table; ``align`` holds one of 'l'/'r' per column (default: first l, rest r)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _recompute_summary(modes: list[str]) -> str:
+    """``full on layers 0–95 (96/96)`` or one run per contiguous range of a mode."""
+    if not modes:
+        return "no transformer layers"
+    if len(set(modes)) == 1:
+        return f"{modes[0]} on all {len(modes)} layers"
+    runs: list[tuple[str, int, int]] = []
+    for i, mode in enumerate(modes):
+        if runs and runs[-1][0] == mode and runs[-1][2] == i - 1:
+            runs[-1] = (mode, runs[-1][1], i)
+        else:
+            runs.append((mode, i, i))
+    parts = [f"{m} on layers {a}–{b}" if a != b else f"{m} on layer {a}" for m, a, b in runs]
+    counts = ", ".join(f"{m}: {modes.count(m)}/{len(modes)}" for m in sorted(set(modes)))
+    return "; ".join(parts) + f" ({counts})"
+
+
+def layout_section(plan: Plan) -> list[str]:
+    """The chosen layout as a table, then the pipeline stages."""
+    rows = [
+        ["model", f"`{plan.model}`"],
+        ["cluster", cluster_line(plan)],
+        ["GPUs N = t·p·d", f"{plan.num_gpus}"],
+        ["global batch B / sequence length s", f"{plan.global_batch_size} / {plan.seq_len}"],
+        ["tensor parallel t", f"{plan.tp}" + (" + sequence parallel" * plan.sequence_parallel)],
+        ["pipeline parallel p", f"{plan.pp}"],
+        ["data parallel d", f"{plan.dp}"],
+        ["micro-batch size b", f"{plan.micro_batch_size}"],
+        ["micro-batches per step m", f"{plan.num_micro_batches}"],
+        ["pipeline schedule", f"{plan.schedule}" + (f" (v={plan.virtual_stages})"
+                                                    if plan.virtual_stages > 1 else "")],
+        ["ZeRO stage", f"{plan.zero_stage}"],
+        ["activation recompute", _recompute_summary(plan.recompute)],
+    ]
+    lines = ["## Chosen plan", "", f"`{plan.summary()}`", ""]
+    lines += _table(["setting", "value"], rows, "ll")
+    return lines + _stages_section(plan)
+
+
+def _stages_section(plan: Plan) -> list[str]:
+    """One row per pipeline stage: its layers, recompute modes and time per micro-batch
+    (interleaved: one row per model chunk, named with the rank running it; the time is
+    that rank's, all its chunks)."""
+    stage_time = plan.predicted.stage_time_s
+    rows = []
+    for i, (first, last) in enumerate(plan.stage_layers):
+        modes = plan.recompute[first:last]
+        rec = ", ".join(f"{m} ×{modes.count(m)}" for m in sorted(set(modes))) or "–"
+        rank = i % plan.pp
+        t = format_seconds(stage_time[rank]) if rank < len(stage_time) else "–"
+        name = f"{i}" if plan.virtual_stages == 1 else f"chunk {i} (rank {rank})"
+        rows.append([name, f"{first}–{last - 1}" if last > first else "–",
+                     f"{last - first}", rec, t])
+    lines = ["### Pipeline stages", "",
+             "Layers are `[first, last]` inclusive; stage time is forward + backward of one "
+             "micro-batch.", ""]
+    return lines + _table(["stage", "layers", "count", "recompute", "stage time"], rows, "lrrlr")
+
+
+def prediction_section(plan: Plan) -> list[str]:
+    """Step time, TFLOP/s, MFU/HFU, peak memory against the device, solver time."""
+    p, device = plan.predicted, device_memory_bytes(plan)
+    peak = format_bytes(p.peak_memory_bytes)
+    if device:
+        peak += f" of {format_bytes(device)} ({p.peak_memory_bytes / device:.0%} of device memory)"
+    rows = [
+        ["step time", format_seconds(p.step_time_s)],
+        ["throughput per GPU", f"{format_tflops(p.tflops_per_gpu)} TFLOP/s"],
+        ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
+        ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
+        ["peak memory per GPU", peak],
+        ["solver time", format_seconds(p.solve_time_s)],
+    ]
+    return ["## Prediction", ""] + _table(["quantity", "value"], rows, "lr")
+
+
+def time_section(plan: Plan) -> list[str]:
+    """Seconds and share of the step by kind (compute, recompute, communication ...)."""
+    p = plan.predicted
+    kinds = ordered(p.time_s_by_kind, TIME_KINDS)
+    rows = [[k, format_seconds(p.time_s_by_kind[k]),
+             f"{p.time_s_by_kind[k] / p.step_time_s:.1%}" if p.step_time_s else "–",
+             TIME_KIND_NOTES.get(k, "")] for k in kinds]
+    lines = ["## Where the step time goes", ""]
+    lines += _table(["kind", "time", "% of step", "what"], rows, "lrrl")
+    total = sum(p.time_s_by_kind.values())
+    if p.step_time_s and abs(total - p.step_time_s) > 0.005 * p.step_time_s:
+        why = ("some of it overlaps" if total > p.step_time_s
+               else "the rest is not attributed to a kind")
+        lines += [f"The parts add up to {format_seconds(total)} against a step time of "
+                  f"{format_seconds(p.step_time_s)} ({why}).", ""]
+    return lines
+
+
+def memory_section(plan: Plan, chart: str | None) -> list[str]:
+    """GiB per GPU for each stage by kind (parameters, gradients, optimizer, activations)."""
+    stages = plan.predicted.memory_bytes_by_stage
+    kinds = ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
+    device = device_memory_bytes(plan)
+    largest = max((sum(stage.values()) for stage in stages), default=0.0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    rows = []
+    for i, stage in enumerate(stages):
+        total = sum(stage.values())
+        row = [f"{i}"] + [f"{stage.get(k, 0.0) / scale:.2f}" for k in kinds]
+        row.append(f"{total / scale:.2f}")
+        rows.append(row + ([f"{total / device:.0%}"] if device else []))
+    header = ["stage"] + kinds + ["total"] + (["% of device"] if device else [])
+    lines = [f"## Memory per GPU by pipeline stage ({unit})", ""]
+    if device:
+        lines += [f"Device memory: {device / GIB:.0f} GiB.", ""]
+    lines += _table(header, rows)
+    return lines + ([f"![memory per stage]({chart})", ""] if chart else [])
+
+
+def comm_section(plan: Plan) -> list[str]:
+    """Bytes per GPU per step by kind of communication."""
+    by_kind = plan.predicted.comm_bytes_by_kind
+    rows = [[k, format_bytes(by_kind[k])] for k in ordered(by_kind, ())]
+    if len(rows) > 1:
+        rows.append(["**total**", format_bytes(sum(by_kind.values()))])
+    lines = ["## Communication per GPU per step", "", "Payload bytes each GPU sends per step.", ""]
+    return lines + (_table(["kind", "bytes"], rows) if rows else ["No communication.", ""])
+
+
+def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
+    """One alternative layout: its step time against the chosen one, and why it lost."""
+    step, feasible = alt.get("step_time_s"), alt.get("feasible", True)
+    priced = isinstance(step, (int, float)) and step > 0
+    ratio = f"{step / chosen_s:.2f}×" if priced and chosen_s else "–"
+    peak = alt.get("peak_memory_bytes")
+    if feasible is None:  # not priced, e.g. pruned by a lower bound
+        outcome = alt.get("reason") or "not priced"
+    elif not feasible:
+        reason = alt.get("reason") or "does not fit"
+        outcome = reason if reason.startswith("infeasible") else f"infeasible: {reason}"
+    elif alt.get("reason") not in (None, "", "slower"):  # a specific reason from the search
+        outcome = alt["reason"]
+    elif priced and chosen_s and step > chosen_s * 1.0005:
+        outcome = f"{step / chosen_s - 1:.1%} slower"
+    else:
+        outcome = "ties the chosen plan (tie broken by the search order)"
+    return [format_layout(alt.get("layout", {})), format_seconds(step) if priced else "–", ratio,
+            format_tflops(alt["tflops_per_gpu"]) if alt.get("tflops_per_gpu") else "–",
+            format_bytes(peak) if peak else "–", outcome]
+
+
+def why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
+    """Binding constraints and the best alternatives the search priced."""
+    lines = ["## Why this plan", "", "### Binding constraints", ""]
+    lines += [f"- {b}" for b in plan.binding] or ["- none reported: the fastest layout fits."]
+    lines += [""]
+    rank = {True: 0, None: 1, False: 2}  # feasible, not priced, infeasible
+    alts = sorted(plan.alternatives, key=lambda a: (rank.get(a.get("feasible", True), 2),
+                                                   a.get("step_time_s") or float("inf")))
+    lines += ["### Best alternatives the search priced", ""]
+    if not alts:
+        return lines + ["The plan records no alternatives.", ""]
+    rows = [_alternative_row(a, plan.predicted.step_time_s) for a in alts[:max_alternatives]]
+    lines += [f"{len(rows)} of {len(alts)} shown, fastest feasible first; *vs chosen* is the "
+              "alternative's step time over the chosen plan's.", ""]
+    return lines + _table(["layout", "step time", "vs chosen", "TFLOP/s/GPU", "peak memory",
+                           "outcome"], rows, "lrrrrl")
+
+
+def _hand_row(name: str, hand: Plan | str, auto: Plan, device: float | None) -> list[str]:
+    """One row of the hand-layout table (a Plan, or the reason it could not be priced)."""
+    if not isinstance(hand, Plan):  # could not be priced: the reason is in the last column
+        return [name, "–", "–", "–", "–", "–", "–", str(hand)]
+    p = hand.predicted
+    fits = "yes" if device is None or p.peak_memory_bytes <= device else "**no**"
+    return [name, f"`{plan_flags(hand)}`", format_seconds(p.step_time_s),
+            format_tflops(p.tflops_per_gpu), f"{p.mfu:.1%}", format_gib(p.peak_memory_bytes),
+            f"{auto.predicted.step_time_s / p.step_time_s:.2f}" if p.step_time_s else "–", fits]
+
+
+def hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
+    """Hand-written layouts priced by the same cost model, beside the auto plan."""
+    device = device_memory_bytes(plan)
+    rows = [_hand_row("**autopar (this plan)**", plan, plan, device)]
+    rows += [_hand_row(name, hand, plan, device) for name, hand in hand_layouts.items()]
+    lines = ["## Hand-written layouts priced by the same cost model", "",
+             "*auto/hand* is the auto plan's step time over the hand layout's: below 1 the "
+             "auto plan is faster.", ""]
+    lines += _table(["layout", "flags", "step time", "TFLOP/s/GPU", "MFU", "peak memory (GiB)",
+                     "auto/hand", "fits in memory"], rows, "llrrrrrl")
+    for name, hand in hand_layouts.items():
+        if isinstance(hand, Plan) and hand.predicted.step_time_s:
+            speedup = hand.predicted.step_time_s / plan.predicted.step_time_s
+            word = "faster" if speedup >= 1 else "slower"
+            lines.append(f"- against {name}: the auto plan is {max(speedup, 1 / speedup):.2f}× "
+                         f"{word} ({format_seconds(plan.predicted.step_time_s)} vs "
+                         f"{format_seconds(hand.predicted.step_time_s)} per step).")
+    return lines + [""]
+
+
+def formulas_section() -> list[str]:
+    """The published closed forms the cost model is checked against: the static table of
+    :mod:`autopar.report.formulas` (equal to ``autopar.oracle.symbolic.formulas_markdown()``)."""
+    return ["", "## How the cost model is checked", "",
+            "Every number above comes from one cost model (`autopar/cost.py` over "
+            "`cost_models/`); these are the published formulas it reproduces, and "
+            "`reports/published_vs_predicted.md` compares it with published Megatron-LM runs.",
+            ""] + FORMULAS_MARKDOWN.splitlines()
+
+
+def image(alt: str, path: str | None) -> list[str]:
+    """A Markdown image paragraph, or nothing when the chart was not drawn."""
+    return [f"![{alt}]({path})", ""] if path else []
