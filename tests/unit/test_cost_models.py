@@ -17,7 +17,7 @@ import cost_models as cm
 from cost_models import Cluster, DeviceSpec, LinkSpec
 
 GB = 1e9
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- package

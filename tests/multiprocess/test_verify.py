@@ -31,7 +31,7 @@ from autopar.verify.result import ParamDiff, StepLoss, VerifyReport
 from cost_models.hardware import Cluster
 from dist_utils import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = preset("gpt-tiny")  # 2 layers, 4 heads, h = 32, V = 64, s = 16
 BATCH, SEQ = 8, 16
 PERTURBED = "transformer.h.1.mlp.c_fc.weight"  # on pipeline stage 1 of the pp=2 plan
