@@ -1,0 +1,36 @@
+"""autopar.runtime.calibrate on real processes: a quick calibration spawns 2 gloo ranks and
+writes a profile that Cluster.from_json_file loads, with positive, plausible, sourced numbers
+(the ring fit alone: tests/unit/test_calibrate.py)."""
+
+from __future__ import annotations
+
+import json
+
+from autopar.runtime.calibrate import CalibrationSizes, calibrate_local
+from cost_models import comm
+from cost_models.hardware import Cluster
+
+
+QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=8 * 2**20,
+                         all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
+                         timeout_s=60)
+
+
+def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
+    path = tmp_path / "local.json"
+    profile = calibrate_local(2, str(path), sizes=QUICK)
+    assert json.loads(path.read_text())["name"] == profile["name"]
+    cluster = Cluster.from_json_file(path)
+    dev, link = cluster.device, cluster.intra_node
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.dtype) == (1, 2, "fp32")
+    assert 1e-4 < dev.peak_tflops < 50  # one CPU thread: ~1 GFLOP/s .. tens of TFLOP/s
+    assert dev.matmul_efficiency == 1.0
+    assert 0.1 < dev.memory_gib < 1e5 and 0.1 < dev.memory_bandwidth_gbps < 1e4
+    assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
+    for source in (dev.source, link.source):
+        assert "measured on" in source and "by autopar calibrate" in source
+    # the fitted ring reproduces the measured all-reduce times: the median ratio is within
+    # a factor of 4 (single points on 2 shared cores can be far off; the fit is least squares)
+    n, times = 2, profile["notes"]["all_reduce_s_by_bytes"]
+    ratios = sorted(comm.all_reduce_time_s(b, n, link) / s for b, s in times.items())
+    assert 0.25 < ratios[len(ratios) // 2] < 4, (times, ratios)
