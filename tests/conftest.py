@@ -63,5 +63,5 @@ def _compare_golden(path: Path, text: str) -> None:
 @pytest.fixture
 def golden(request) -> Callable[[str, str], None]:
     """``golden(name, text)``: ``text`` must equal golden/<name> beside the test file."""
-    folder = Path(request.node.fspath).parent / "golden"
+    folder = Path(request.path).parent / "golden"
     return lambda name, text: _compare_golden(folder / name, text)
