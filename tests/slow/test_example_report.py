@@ -16,7 +16,7 @@ from PIL import Image
 
 from autopar.report.format import format_bytes, format_seconds, format_tflops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["# gpt-1.3b on 1 DGX A100 node", "## Chosen plan", "### Pipeline stages",
             "## Prediction", "## Memory per GPU by pipeline stage", "## Where the step time goes",

@@ -27,18 +27,19 @@ combination is reproducible from its seed (bitwise equal losses over two runs).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
 
 import autopar
 from autopar.support import RUNTIME_SUPPORT
-from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference, _rel
 from autopar.models import GPT
 from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
+from helpers import BATCH, CONFIG, SEQ, SHAPES_4, SHAPES_8, STEPS, combinations
+from helpers import batches as _batches, fast_cluster as _cluster, optimizer as _optimizer
+from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 
 # bf16 against the fp32 single-process run: bf16 keeps 8 significant bits (relative
 # rounding 2^-9 = 2e-3 per operation), so: losses 1e-2, SGD parameters 2e-2 relative.
@@ -46,24 +47,6 @@ from dist_utils import run_distributed
 # true gradient is ~0 (the key bias: softmax is invariant to it) move by ~lr on rounding
 # noise; AdamW under bf16 is therefore checked on losses only.
 BF16_TOLERANCE = {"loss": 1e-2, "sgd_param": 2e-2}
-
-SHAPES_4 = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
-SHAPES_8 = [(2, 2, 2)]
-
-
-def combinations(tp: int, pp: int, dp: int, support=RUNTIME_SUPPORT) -> list[dict]:
-    """Every executable combination for one shape, as Layout keyword dicts (fp32)."""
-    mbs = 1 if pp > 1 else 2  # pp > 1: m = BATCH / (dp * mbs) >= pp micro-batches for 1F1B
-    m = BATCH // (dp * mbs)
-    # (schedule, v): v = 1 for GPipe/1F1B, interleaved with each v the solver's rule allows
-    schedules = [(s, v) for s in (support.schedules if pp > 1 else ("1f1b",))
-                 for v in support.virtual_stages_for(s, CONFIG.n_layer, pp, m)]
-    zeros = support.zero_stages_for(pp) if dp > 1 else (0,)
-    sps = support.sequence_parallel if tp > 1 else (False,)
-    return [dict(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, schedule=s, virtual_stages=v,
-                 zero_stage=z, recompute=r, sequence_parallel=sp, dtype="fp32")
-            for (s, v), z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
-
 
 DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
 
@@ -193,38 +176,3 @@ def test_world4_dropout_is_reproducible_from_the_seed(shape):
             assert runs[0] == per_rank[0][k][1][0], (layout, rank)  # the same on every rank
             if len(runs) == 3:
                 assert all(a != b for a, b in zip(runs[0], runs[2])), (layout, rank, runs)
-
-
-def test_matrix_covers_the_runtime_support():
-    """The matrix is the runtime's declared space: every declared value appears."""
-    seen = [c for shape in SHAPES_4 for c in combinations(*shape)]
-    for field, values in (("schedule", RUNTIME_SUPPORT.schedules),
-                          ("zero_stage", RUNTIME_SUPPORT.zero_stages),
-                          ("recompute", RUNTIME_SUPPORT.recompute),
-                          ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel),
-                          ("virtual_stages", RUNTIME_SUPPORT.virtual_stages)):
-        assert {c[field] for c in seen} == set(values), field
-
-
-@pytest.mark.parametrize("model_name,nodes,batch,layout", [
-    ("gpt-1.3b", 1, 512, {}),
-    ("gpt-1.3b", 2, 512, {"pp": 2}),
-    ("gpt-1.3b", 1, 64, {"tp": 2, "sequence_parallel": True, "dtype": "bf16"}),
-])
-def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, layout):
-    """The solver reads RUNTIME_SUPPORT, so its plans (and the alternatives it reports)
-    pass the runtime's own check, whatever the model, cluster and pinned fields."""
-    from autopar.support import check_executable
-    from autopar.models import preset
-
-    with torch.device("meta"):
-        meta = GPT(preset(model_name))
-    plan = autopar.plan(meta, autopar.Cluster.dgx_a100(nodes), global_batch_size=batch,
-                        seq_len=2048, layout=autopar.Layout(**layout))
-    check_executable(plan)
-    for field, value in layout.items():
-        assert getattr(plan, field) == value, (field, plan.layout())
-    for alt in plan.alternatives:
-        cfg = alt["layout"]
-        if cfg.get("schedule") is not None:
-            assert cfg["schedule"] in RUNTIME_SUPPORT.schedules, alt

@@ -4,8 +4,8 @@
   and r + pp (rank 0: layers 0 and 2 plus the embedding, rank 1: layers 1 and 3 plus the
   head), visible in the parameter names each rank holds, and training equals one process.
 * A plan whose m is not a multiple of pp is a ValueError naming the fix, raised before any
-  collective (so the other ranks do not hang).
-* The search offers interleaving only where the shared rule allows it.
+  collective (so the other ranks do not hang); the rules without processes:
+  tests/unit/test_interleaved_rules.py.
 """
 
 from __future__ import annotations
@@ -13,26 +13,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import pytest
-import torch
-
 import autopar
-from autopar.models import GPT
-from autopar.support import check_executable, interleaving_problem
-from autopar.planner.search import candidate_configs
-from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
-from test_parallelize import BATCH, CONFIG, SEQ, STEPS, _batches, _cluster, _model, _optimizer, _reference
-
-LAYOUT = dict(tp=1, pp=2, dp=1, micro_batch_size=1, schedule="interleaved_1f1b", virtual_stages=2,
-              recompute="none", dtype="fp32")
-
-
-def _plan(world: int = 2, **layout) -> autopar.Plan:
-    with torch.device("meta"):
-        meta = GPT(CONFIG)
-    return autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ,
-                        layout=autopar.Layout(**{**LAYOUT, **layout}))
+from helpers import CONFIG, SEQ, STEPS
+from helpers import batches as _batches, interleaved_plan as _plan, optimizer as _optimizer
+from helpers import reference as _reference, seeded_gpt as _model
 
 
 def _chunks_worker(rank: int, world: int, plan_json: str) -> dict:
@@ -71,32 +56,3 @@ def test_each_rank_runs_chunks_round_robin_and_matches_one_process():
         assert r["losses"] == results[0]["losses"]
         for got, ref in zip(r["losses"], want):
             assert abs(got - ref) / abs(ref) < 1e-5, (r["losses"], want)
-
-
-def test_invalid_interleaved_plans_are_clear_errors_without_processes():
-    plan = _plan()
-    check_executable(plan)
-    with pytest.raises(ValueError, match=r"m=3, pp=2; choose m in multiples of 2"):
-        check_executable(dataclasses.replace(plan, num_micro_batches=3))
-    with pytest.raises(ValueError, match=r"needs schedule 'interleaved_1f1b'"):
-        check_executable(dataclasses.replace(plan, schedule="1f1b"))
-    with pytest.raises(ValueError, match=r"4 entries but pp\*v = 2\*1 = 2"):
-        check_executable(dataclasses.replace(plan, virtual_stages=1))
-    assert "not divisible by 8" in interleaving_problem(4, 4, 2, 8)
-    assert "pp > 1" in interleaving_problem(4, 1, 2, 8)
-
-
-def test_search_offers_interleaving_only_where_valid():
-    with torch.device("meta"):
-        traced = trace_model(GPT(CONFIG), SEQ)
-    configs = candidate_configs(traced, _cluster(4), BATCH, autopar.Layout())
-    interleaved = [c for c in configs if c.schedule == "interleaved_1f1b"]
-    assert interleaved, "pp=2 with 4 layers and m % 2 == 0 should be offered"
-    for c in configs:
-        if c.schedule == "interleaved_1f1b":
-            assert interleaving_problem(CONFIG.n_layer, c.pp, c.virtual_stages,
-                                        c.num_micro_batches) is None, c
-            assert c.pp > 1 and c.virtual_stages == 2 and CONFIG.n_layer % (2 * c.pp) == 0
-        else:
-            assert c.virtual_stages == 1, c
-    assert not any(c.pp == 4 for c in interleaved)  # 8 chunks of a 4-layer model

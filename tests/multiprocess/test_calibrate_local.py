@@ -1,37 +1,19 @@
-"""autopar.runtime.calibrate: the ring fit recovers known numbers; a quick real calibration writes a
-profile that Cluster.from_json_file loads, with positive, plausible, sourced numbers."""
+"""autopar.runtime.calibrate on real processes: a quick calibration spawns 2 gloo ranks and
+writes a profile that Cluster.from_json_file loads, with positive, plausible, sourced numbers
+(the ring fit alone: tests/unit/test_calibrate.py)."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
-from autopar.runtime.calibrate import CalibrationSizes, calibrate_local, fit_ring_all_reduce
+from autopar.runtime.calibrate import CalibrationSizes, calibrate_local
 from cost_models import comm
-from cost_models.hardware import Cluster, LinkSpec
+from cost_models.hardware import Cluster
+
 
 QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=8 * 2**20,
                          all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
                          timeout_s=60)
-
-
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_ring_fit_recovers_alpha_and_bandwidth(n):
-    link = LinkSpec(name="synthetic", bandwidth_gbps=3.0, latency_s=4e-5, source="test")
-    times = {m: comm.all_reduce_time_s(m, n, link) for m in (4, 1024, 2**16, 2**20, 2**24)}
-    alpha, bandwidth = fit_ring_all_reduce(times, n)
-    assert alpha == pytest.approx(4e-5, rel=1e-9)
-    assert bandwidth == pytest.approx(3e9, rel=1e-9)
-
-
-def test_ring_fit_and_calibrate_reject_bad_input():
-    with pytest.raises(ValueError, match="2 ranks"):
-        fit_ring_all_reduce({4: 1e-4, 8: 1e-4}, 1)
-    with pytest.raises(ValueError, match="grow with message size"):
-        fit_ring_all_reduce({4: 2e-3, 2**20: 1e-4}, 2)
-    with pytest.raises(ValueError, match="processes >= 2"):
-        calibrate_local(1)
 
 
 def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):

@@ -260,7 +260,7 @@ def test_saved_plan_of_the_training_example_is_what_every_rank_loads(tmp_path, m
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)  # module:factory resolves from the current directory
     path = tmp_path / "plan.json"
     assert cli.main(["plan", "--model", "examples.train_gpt:gpt_stdlib_bytes", "--cluster",

@@ -10,21 +10,16 @@ sharded (DTensor) gradients, and pp > 1 is refused.
 
 from __future__ import annotations
 
-import pytest
 import torch
-from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import autopar
-from autopar.models import GPT, GPTConfig
-from autopar.runtime.fsdp import FullyShardedOptimizer, layer_units
-from autopar.support import RUNTIME_SUPPORT
-from autopar.graph.capture import trace_model
+from autopar.models import GPT
 from autopar.verify.check import verify
 from dist_utils import run_distributed
-from test_parallelize import _cluster, _optimizer, _rel
+from helpers import ODD
+from helpers import fast_cluster as _cluster, optimizer as _optimizer, rel as _rel
 
-ODD = GPTConfig(n_layer=2, n_head=3, n_embd=30, vocab_size=65, block_size=17)
 BATCH, SEQ, STEPS = 8, 16, 2
 
 
@@ -102,24 +97,3 @@ def test_zero3_pads_uneven_parameters_and_predicts_exact_bytes():
     saved = per_rank[0][0]["stats"]["saved_activation_bytes"]  # recompute none
     expected = per_rank[0][0]["predicted"]["saved_activation_bytes"]
     assert abs(saved / expected - 1) < 0.10, (saved, expected)
-
-
-def test_layer_units_group_rewritten_modules_by_layer():
-    traced = trace_model(_odd_model(), SEQ)
-    from autopar.rewrite.pipeline import annotate_stages
-
-    annotate_stages(traced, [[0, ODD.n_layer]])
-    units, rest = layer_units(traced.gm)
-    assert len(units) == ODD.n_layer
-    names = {id(m): n for n, m in traced.gm.named_modules()}
-    assert all(names[id(m)].startswith(f"transformer.h.{l}.") for l, u in enumerate(units) for m in u)
-    assert {names[id(m)] for m in rest} == {"transformer.wte", "transformer.wpe",
-                                            "transformer.ln_f", "lm_head"}
-
-
-def test_zero3_needs_fp32_master_weights_and_pp1():
-    with pytest.raises(ValueError, match="keep the model in float32"):
-        FullyShardedOptimizer(torch.fx.symbolic_trace(nn.Linear(2, 2).bfloat16()),
-                              torch.optim.SGD, dp_mesh=None)
-    assert 3 in RUNTIME_SUPPORT.zero_stages_for(1)
-    assert 3 not in RUNTIME_SUPPORT.zero_stages_for(2)

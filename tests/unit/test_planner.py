@@ -18,17 +18,6 @@ def _meta(name: str) -> nn.Module:
         return GPT(preset(name))
 
 
-@pytest.fixture(scope="module")
-def gpt3_plan():
-    cluster = autopar.Cluster.dgx_a100(nodes=128)
-    model = _meta("gpt3-175b")
-    auto = autopar.plan(model, cluster, global_batch_size=1536, seq_len=2048)
-    hand = autopar.evaluate(model, cluster, autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1,
-                                                           recompute="full"),
-                            global_batch_size=1536, seq_len=2048)
-    return auto, hand
-
-
 def test_small_model_gets_plain_data_parallelism():
     plan = autopar.plan(_meta("gpt-tiny"), autopar.Cluster.local_cpu(processes=4),
                         global_batch_size=8, seq_len=16)
@@ -77,15 +66,6 @@ def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     assert saved == transformer_layer_activation_bytes(1024, 1, 3072, 32, tp=tp)
 
 
-def test_gpt3_175b_plan_fits_and_beats_megatron(gpt3_plan):
-    auto, hand = gpt3_plan
-    assert auto.tp * auto.pp * auto.dp == 1024
-    assert auto.predicted.peak_memory_bytes <= 80 * 2**30
-    assert auto.predicted.step_time_s <= hand.predicted.step_time_s
-    assert sum(hi - lo for lo, hi in auto.stage_layers) == 96
-    assert len(auto.recompute) == 96
-
-
 @pytest.fixture(scope="module")
 def gpt13_auto():
     cluster = autopar.Cluster.dgx_a100(nodes=2)
@@ -101,21 +81,6 @@ def test_auto_plan_never_slower_than_a_hand_layout(gpt13_auto, hand):
     manual = autopar.evaluate(model, cluster, autopar.Layout.parse(hand), global_batch_size=64,
                               seq_len=2048)
     assert auto.predicted.step_time_s <= manual.predicted.step_time_s * (1 + 1e-6), hand
-
-
-def test_megatron_gpt3_layout_predicted_near_published(gpt3_plan):
-    """Narayanan et al. 2021, Table 1: ~140 TFLOP/s per A100 for TP 8, PP 16, DP 8."""
-    _, hand = gpt3_plan
-    assert (hand.tp, hand.pp, hand.dp, hand.micro_batch_size) == (8, 16, 8, 1)
-    assert set(hand.recompute) == {"full"}
-    assert abs(hand.predicted.tflops_per_gpu - 140) / 140 < 0.25
-
-
-def test_plan_json_round_trip_is_exact(gpt3_plan):
-    auto, _ = gpt3_plan
-    again = autopar.Plan.from_json(auto.to_json())
-    assert again == auto
-    assert again.to_json() == auto.to_json()
 
 
 def test_objective_equals_independent_prediction():

@@ -19,7 +19,7 @@ from PIL import Image
 
 from autopar.report.plots import MEMORY_COLOURS, TIMELINE_COLOURS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "reports" / "gpt-1.3b-dgx-a100-1"
 WIDTH, HEIGHT = 1400, 3000
 

@@ -8,19 +8,18 @@ relative per tensor; AdamW losses 1e-5, parameters 1e-3).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 import autopar
-from autopar.models import GPT, GPTConfig
+from autopar.models import GPT
 from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
-from cost_models.hardware import Cluster, LinkSpec
+from cost_models.hardware import Cluster
 from dist_utils import run_distributed
-
-CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=64, block_size=16)
-BATCH, SEQ, STEPS = 8, 16, 3
+from helpers import BATCH, CONFIG, SEQ, STEPS
+from helpers import batches as _batches, fast_cluster as _cluster, optimizer as _optimizer
+from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 
 # (tp, pp, dp, micro_batch_size, recompute, placements): "solver" lets CP-SAT choose the TP
 # placements on a cluster where communication is nearly free (so it shards aggressively and
@@ -29,14 +28,6 @@ WORLD2 = [(2, 1, 1, 2, "none", "solver"), (2, 1, 1, 4, "none", "megatron"),
           (1, 2, 1, 2, "none", "solver"), (1, 1, 2, 2, "selective", "solver")]
 WORLD4 = [(2, 2, 1, 2, "full", "megatron"), (2, 2, 1, 2, "none", "solver"),
           (2, 1, 2, 2, "selective", "megatron"), (1, 2, 2, 2, "none", "solver")]
-
-
-def _cluster(world: int) -> Cluster:
-    a100 = Cluster.dgx_a100(1)
-    fast = LinkSpec(name="ideal", bandwidth_gbps=1e6, latency_s=1e-12,
-                    source="test: communication nearly free, so TP pays off on a tiny model")
-    return Cluster(device=a100.device, gpus_per_node=world, nodes=1, intra_node=fast,
-                   inter_node=fast, name="test", dtype="fp32", attention="flash")
 
 
 def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
@@ -49,43 +40,6 @@ def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
         plan = dataclasses.replace(plan, placements=placements)
         plan = autopar.evaluate_plan(meta, _cluster(world), plan)
     return plan
-
-
-def _batches(steps: int):
-    g = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
-             torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(steps)]
-
-
-def _optimizer(name: str):
-    if name == "sgd":
-        return functools.partial(torch.optim.SGD, lr=0.5)
-    return functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-
-
-def _model() -> GPT:
-    """The test GPT, seeded; biases random too (zero biases would leave the key bias,
-    whose gradient is exactly zero, at rounding noise that no relative test can compare)."""
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.02)
-    return model
-
-
-def _reference(opt: str):
-    model = _model()
-    optim = _optimizer(opt)(model.parameters())
-    losses = []
-    for idx, tgt in _batches(STEPS):
-        _, loss = model(idx, tgt)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _worker(rank: int, world: int, cases):
@@ -145,10 +99,6 @@ def test_plan_none_solves_on_rank0_and_broadcasts():
     assert len({digest for digest, _ in results}) == 1
     want = _reference("sgd")[0][0]
     assert all(abs(loss - want) / want < 1e-5 for _, loss in results), (results, want)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def _check(results) -> None:

@@ -1,0 +1,52 @@
+"""GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), planned in one process on meta tensors:
+the plan fits and beats Megatron's published layout, that layout is predicted near the
+published throughput, and the 175B plan round-trips through JSON exactly. Slow tier: the
+search over 1024 GPUs takes tens of seconds (the other planner tests: tests/unit/test_planner.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import GPT, preset
+
+
+def _meta(name: str) -> GPT:
+    with torch.device("meta"):
+        return GPT(preset(name))
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    cluster = autopar.Cluster.dgx_a100(nodes=128)
+    model = _meta("gpt3-175b")
+    auto = autopar.plan(model, cluster, global_batch_size=1536, seq_len=2048)
+    hand = autopar.evaluate(model, cluster, autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1,
+                                                           recompute="full"),
+                            global_batch_size=1536, seq_len=2048)
+    return auto, hand
+
+
+def test_gpt3_175b_plan_fits_and_beats_megatron(gpt3_plan):
+    auto, hand = gpt3_plan
+    assert auto.tp * auto.pp * auto.dp == 1024
+    assert auto.predicted.peak_memory_bytes <= 80 * 2**30
+    assert auto.predicted.step_time_s <= hand.predicted.step_time_s
+    assert sum(hi - lo for lo, hi in auto.stage_layers) == 96
+    assert len(auto.recompute) == 96
+
+
+def test_megatron_gpt3_layout_predicted_near_published(gpt3_plan):
+    """Narayanan et al. 2021, Table 1: ~140 TFLOP/s per A100 for TP 8, PP 16, DP 8."""
+    _, hand = gpt3_plan
+    assert (hand.tp, hand.pp, hand.dp, hand.micro_batch_size) == (8, 16, 8, 1)
+    assert set(hand.recompute) == {"full"}
+    assert abs(hand.predicted.tflops_per_gpu - 140) / 140 < 0.25
+
+
+def test_plan_json_round_trip_is_exact(gpt3_plan):
+    auto, _ = gpt3_plan
+    again = autopar.Plan.from_json(auto.to_json())
+    assert again == auto
+    assert again.to_json() == auto.to_json()

@@ -1,0 +1,48 @@
+"""The technique matrix's space, without processes: the matrix (helpers.combinations, run by
+tests/multiprocess/test_matrix.py) covers every value autopar.support.RUNTIME_SUPPORT declares,
+and every plan the solver emits passes the runtime's own executability check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.models import GPT
+from autopar.support import RUNTIME_SUPPORT
+from helpers import SHAPES_4, combinations
+
+
+def test_matrix_covers_the_runtime_support():
+    """The matrix is the runtime's declared space: every declared value appears."""
+    seen = [c for shape in SHAPES_4 for c in combinations(*shape)]
+    for field, values in (("schedule", RUNTIME_SUPPORT.schedules),
+                          ("zero_stage", RUNTIME_SUPPORT.zero_stages),
+                          ("recompute", RUNTIME_SUPPORT.recompute),
+                          ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel),
+                          ("virtual_stages", RUNTIME_SUPPORT.virtual_stages)):
+        assert {c[field] for c in seen} == set(values), field
+
+
+@pytest.mark.parametrize("model_name,nodes,batch,layout", [
+    ("gpt-1.3b", 1, 512, {}),
+    ("gpt-1.3b", 2, 512, {"pp": 2}),
+    ("gpt-1.3b", 1, 64, {"tp": 2, "sequence_parallel": True, "dtype": "bf16"}),
+])
+def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, layout):
+    """The solver reads RUNTIME_SUPPORT, so its plans (and the alternatives it reports)
+    pass the runtime's own check, whatever the model, cluster and pinned fields."""
+    from autopar.support import check_executable
+    from autopar.models import preset
+
+    with torch.device("meta"):
+        meta = GPT(preset(model_name))
+    plan = autopar.plan(meta, autopar.Cluster.dgx_a100(nodes), global_batch_size=batch,
+                        seq_len=2048, layout=autopar.Layout(**layout))
+    check_executable(plan)
+    for field, value in layout.items():
+        assert getattr(plan, field) == value, (field, plan.layout())
+    for alt in plan.alternatives:
+        cfg = alt["layout"]
+        if cfg.get("schedule") is not None:
+            assert cfg["schedule"] in RUNTIME_SUPPORT.schedules, alt
