@@ -113,8 +113,6 @@ def plan_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: the report's formulas section imports "
-                   "autopar.oracle.symbolic (sympy, planner.cost_tables) - being fixed")
 def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
     code = (f"import autopar.report\nfrom autopar.plan import Plan\n"
             f"plan = Plan.from_json(open({str(plan_file)!r}).read())\n"

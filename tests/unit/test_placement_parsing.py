@@ -4,7 +4,7 @@ DESIGN.md: ``Placement = Replicate | Shard(dim) | Partial`` and the strategy key
 ("column:S2") live in autopar/placement.py, "the only code that reads or writes" them.
 This test greps the rest of autopar/ for the string forms that code used to take apart by
 hand ("S2"[1:], == "R", f"S{d}", key.rpartition(":"), ...) and lists every hit as
-file:line. xfail(strict=True) until the placement module lands (issue 9).
+file:line.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def test_the_patterns_find_what_they_are_meant_to(tmp_path):
     assert [h.split(":")[1] for h in hits] == ["1", "2", "3", "4", "5", "6", "7"], hits
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: autopar/placement.py (Placement, strategy keys) "
-                   "not landed yet; planner, rewrite and runtime still parse strings - being fixed")
 def test_no_placement_string_parsing_outside_placement_module():
     hits = placement_string_hits()
     assert hits == [], (f"{len(hits)} places parse placement strings outside autopar/placement.py "
