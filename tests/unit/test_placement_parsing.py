@@ -20,8 +20,8 @@ OWNER = REPO / "autopar" / "placement.py"
 FORBIDDEN = {
     "startswith('S') on a placement": re.compile(r"""startswith\(\s*["']S["']\s*\)"""),
     "int(p[1:]): the dim of a shard": re.compile(r"""int\([\w.\[\]]+\[1:\]\)"""),
-    '== "P": a partial placement': re.compile(r"""==\s*["']P["']"""),
-    '== "R": a replicated placement': re.compile(r"""==\s*["']R["']"""),
+    '== "P": a partial placement': re.compile(r"""[!=]=\s*["']P["']"""),
+    '== "R": a replicated placement': re.compile(r"""[!=]=\s*["']R["']"""),
     'f"S{...}": building a shard': re.compile(r"""["']S\{"""),
     'rpartition(":") on a strategy key': re.compile(r"""rpartition\(\s*["']:["']\s*\)"""),
     'startswith("vocab_parallel:") on a key': re.compile(r"""startswith\(\s*["']vocab_parallel:["']\s*\)"""),
@@ -45,9 +45,9 @@ def test_the_patterns_find_what_they_are_meant_to(tmp_path):
     (tmp_path / "bad.py").write_text(
         'a = p.startswith("S")\nb = int(placement[1:])\nc = x == "P"\nd = y == \'R\'\n'
         'e = f"S{d}"\nf = key.rpartition(":")\ng = k.startswith("vocab_parallel:")\n'
-        'h = shape[1:]  # not a placement\n# "R" == x only in a comment\n')
+        'h = shape[1:]  # not a placement\n# "R" == x only in a comment\ni = z != "R"\n')
     hits = placement_string_hits(tmp_path)
-    assert [h.split(":")[1] for h in hits] == ["1", "2", "3", "4", "5", "6", "7"], hits
+    assert [h.split(":")[1] for h in hits] == ["1", "2", "3", "4", "5", "6", "7", "10"], hits
 
 
 def test_no_placement_string_parsing_outside_placement_module():
