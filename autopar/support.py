@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
-from autopar.runtime.zero import EXECUTED_ZERO_STAGES
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem",
+           "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem"]
+# Defined here, not in the runtime, so that planning loads no torch.distributed code
+# (autopar.runtime.zero and autopar.runtime.fsdp import them from here).
+EXECUTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+"""ZeRO stages :class:`autopar.runtime.zero.DistributedOptimizer` executes (0: plain DP)."""
+FULLY_SHARDED_STAGE = 3
+"""The ZeRO stage :class:`autopar.runtime.fsdp.FullyShardedOptimizer` (FSDP2) executes."""
 
 
 def interleaving_problem(num_layers: int, pp: int, virtual_stages: int,
