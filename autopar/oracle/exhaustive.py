@@ -43,7 +43,7 @@ from cost_models.pipeline import pipeline_step_time_s
 from autopar.planner.cost_tables import (OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables,
                    dp_comm_s_per_param, f_cost)
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.plan import Layout, Plan
+from autopar.plan import RECOMPUTE_MODES, Layout, Plan
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.planner.search import SearchResult, candidate_configs, validate_layout, zero_choices
 from autopar.planner.cpsat import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
@@ -362,7 +362,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     start, layout = time.perf_counter(), layout or Layout()
     validate_layout(traced, cluster, layout, global_batch_size)
     modes = (layout.recompute,) if layout.recompute else \
-        (support.recompute if support else ("none", "selective", "full"))
+        (support.recompute if support else RECOMPUTE_MODES)
     cache: dict = {}
     best, seen, priced = None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):

@@ -50,7 +50,8 @@ from cost_models.memory import in_flight_micro_batches
 from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param, f_cost,
                    optimizer_s_per_param)
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.plan import equal_chunks, rank_layers
+from autopar.plan import RECOMPUTE_MODES, equal_chunks, rank_layers
+from autopar.support import pipeline_problem
 from autopar.planner.strategies import (NodeStrategies, gathers_for_partial_grad, param_split, partial_grad_input,
                          tensor_inputs, tied_groups)
 
@@ -107,7 +108,7 @@ class StageModel:
     """CP-SAT model of one Config; build with the ``add_*`` methods, then :meth:`solve`."""
 
     def __init__(self, traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
-                 cluster, *, zero_stages=(0,), recompute_modes=("none", "selective", "full"),
+                 cluster, *, zero_stages=(0,), recompute_modes=RECOMPUTE_MODES,
                  fixed_recompute: str | None = None, even_stages: bool = False) -> None:
         self.t, self.s, self.c, self.cluster = traced, strategies, tables, cluster
         self.cfg = tables.config
@@ -244,10 +245,10 @@ class StageModel:
         self.n = [self.m.NewIntVar(lo, hi, f"layers[{i}]") for i in range(p)]
         self.m.Add(sum(self.n) == L).WithName("all_layers_placed")
         v = cfg.virtual_stages
+        problem = pipeline_problem(cfg.schedule, p, cfg.num_micro_batches, L, v)
+        if problem:
+            raise ValueError(problem)
         if v > 1:  # interleaved: p·v equal chunks, v of them per rank
-            if L % (p * v):
-                raise ValueError(f"interleaved 1F1B needs the {L} layers divisible by "
-                                 f"pp*v = {p}*{v}; choose another virtual_stages")
             for i in range(p):
                 self.m.Add(self.n[i] == L // p).WithName("equal_chunks")
         if self.even_stages:  # hand layouts: Megatron splits layers evenly

@@ -15,7 +15,9 @@ from autopar.planner.cost_tables import Config, cost_tables
 from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout
 from autopar.planner.predict import predict
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, interleaving_problem
+from autopar import support as support_rules
+from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 from autopar.planner.cpsat import Decision, InfeasibleError, StageModel, template_map
 from autopar.planner.strategies import node_strategies
 
@@ -28,11 +30,9 @@ MAX_MICRO_BATCH_SIZE = 8
 CUTOFF_SLACK = 0.01
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _heads(traced: TracedModel) -> int | None:
+    """Attention heads a of the traced model (dim 1 of its attention's output), None if it
+    has no attention node."""
     for n in traced.layers[0] if traced.layers else []:
         info = traced.nodes[n]
         if info.kind == "sdpa":
@@ -41,32 +41,12 @@ def _heads(traced: TracedModel) -> int | None:
 
 
 def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
-    """One validator for parallel degrees; messages say what to change (ValueError)."""
-    n = cluster.num_gpus
-    heads, L = _heads(traced), traced.num_layers
-    if layout.tp is not None:
-        if heads is not None and heads % layout.tp:
-            ok = [t for t in _divisors(heads) if t <= cluster.gpus_per_node]
-            raise ValueError(f"{heads} attention heads are not divisible by tp={layout.tp}; "
-                             f"choose tp in {ok}")
-    if layout.pp is not None and layout.pp > L:
-        raise ValueError(f"pp={layout.pp} exceeds the model's {L} layers; choose pp <= {L}")
-    fixed = [v for v in (layout.tp, layout.pp, layout.dp) if v is not None]
-    prod = 1
-    for v in fixed:
-        prod *= v
-    if len(fixed) == 3 and prod != n:
-        raise ValueError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {prod} but the "
-                         f"cluster has {n} GPUs; make the product equal {n}")
-    if n % prod:
-        raise ValueError(f"the fixed degrees multiply to {prod}, which does not divide the "
-                         f"{n} GPUs of the cluster")
-    if layout.dp is not None and layout.micro_batch_size is not None and \
-            global_batch_size % (layout.dp * layout.micro_batch_size):
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
-                         f"dp*micro_batch_size = {layout.dp}*{layout.micro_batch_size}")
-    if layout.dp is not None and global_batch_size % layout.dp:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp={layout.dp}")
+    """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
+    saying what to change)."""
+    support_rules.validate_layout(layout, num_gpus=cluster.num_gpus,
+                                  gpus_per_node=cluster.gpus_per_node, heads=_heads(traced),
+                                  num_layers=traced.num_layers,
+                                  global_batch_size=global_batch_size)
 
 
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
@@ -74,10 +54,11 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
 
     Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
-    Interleaved configs take each v >= 2 the runtime declares (or the layout's v) that
-    :func:`~autopar.support.interleaving_problem` accepts (pp > 1, L % (pp·v) == 0,
-    m % pp == 0); every other schedule gets v = 1. ``support`` None (evaluating a hand
-    layout): the layout's schedule and v, checked by the same rule.
+    Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
+    other schedule gets v = 1; a (schedule, p, m, v) is kept when
+    :func:`~autopar.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
+    pp > 1, L % (pp·v) == 0, m % pp == 0). ``support`` None (evaluating a hand layout): the
+    layout's schedule and v, checked by the same rule.
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
     interleave = support is not None and "interleaved_1f1b" in support.schedules
@@ -85,17 +66,17 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
         (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
          ["1f1b"] + ["interleaved_1f1b"] * interleave)
     out = []
-    for tp in _divisors(n):
+    for tp in divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
             continue
-        for pp in _divisors(n // tp):
+        for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
                 continue
             if global_batch_size % dp:
                 continue
             per_replica = global_batch_size // dp
-            for mbs in _divisors(per_replica):
+            for mbs in divisors(per_replica):
                 if layout.micro_batch_size not in (None, mbs) or (
                         layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
                     continue
@@ -103,9 +84,9 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 for sched in schedules:
                     if support and sched not in support.schedules:
                         continue
-                    if sched != "gpipe" and pp > 1 and m < pp:
-                        continue
                     for v in _virtual_stages(sched, layout, support, L, pp, m):
+                        if pipeline_problem(sched, pp, m, L, v):
+                            continue
                         out.append(Config(tp, pp, dp, mbs, m, sched, v,
                                           layout.dtype or cluster.dtype, cluster.attention,
                                           bool(layout.sequence_parallel) and tp > 1))
@@ -118,8 +99,7 @@ def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | Non
     if schedule != "interleaved_1f1b":
         return (1,) if (layout.virtual_stages or 1) == 1 else ()
     if layout.virtual_stages is not None or support is None:
-        v = layout.virtual_stages or 2
-        return (v,) if interleaving_problem(L, pp, v, m) is None else ()
+        return (layout.virtual_stages or 2,)
     return support.virtual_stages_for(schedule, L, pp, m)
 
 
@@ -184,7 +164,7 @@ def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tup
     ``pp`` stages (support None: every stage the cost model prices, for evaluation)."""
     if layout.zero_stage is not None:
         return (layout.zero_stage,)
-    return support.zero_stages_for(pp) if support else (0, 1, 2, 3)
+    return support.zero_stages_for(pp) if support else ZERO_STAGES
 
 
 def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
@@ -196,7 +176,7 @@ def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layo
     strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
     tables = cost_tables(traced, strategies, cluster, cfg)
     zero = zero_choices(layout, support, cfg.pp)
-    modes = support.recompute if support else ("none", "selective", "full")
+    modes = support.recompute if support else RECOMPUTE_MODES
     model = StageModel(traced, strategies, tables, cluster, zero_stages=zero,
                        recompute_modes=modes, fixed_recompute=layout.recompute,
                        even_stages=even_stages)
