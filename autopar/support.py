@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, ZERO_STAGES, Layout
+from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem",
            "pipeline_problem", "validate_degrees", "validate_layout", "divisors",

@@ -68,7 +68,7 @@ def _cpsat(traced, model, cluster, batch, seq, support):
     except InfeasibleError:
         return None, time.perf_counter() - start
     plan = plan_from_search(traced, model, cluster, result, global_batch_size=batch, seq_len=seq,
-                            model_name="gpt", layout=autopar.Layout())
+                            model_name="gpt")
     return plan, time.perf_counter() - start
 
 

@@ -11,15 +11,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.cost_tables import Config, bytes_per_param, cost_tables, node_cost
 from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout
 from autopar.planner.predict import predict
 from autopar import support as support_rules
 from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
-from autopar.planner.cpsat import Decision, InfeasibleError, StageModel, template_map
-from autopar.planner.strategies import node_strategies
+from autopar.planner.cpsat import ConfigModel, template_map
+from autopar.planner.decision import Decision, InfeasibleError
+from autopar.planner.strategies import node_strategies, tensor_inputs
 
 __all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
 
@@ -103,7 +104,7 @@ def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | Non
     return support.virtual_stages_for(schedule, L, pp, m)
 
 
-def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) -> float:
+def _lower_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
     """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
     ``layer_s`` (every node at its cheapest strategy, communication free), so
     (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved, the fill and drain
@@ -117,9 +118,6 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
     tp, mbs = cfg.tp, cfg.micro_batch_size
     key = (tp, mbs, cfg.dtype, cfg.sequence_parallel)
     if key not in cache:
-        from autopar.planner.cost_tables import _node_cost
-        from autopar.planner.strategies import node_strategies, tensor_inputs
-
         strategies = node_strategies(traced, tp, cfg.sequence_parallel)
         layer = set(traced.layers[0])
         total = 0.0
@@ -129,7 +127,7 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
             info = traced.nodes[node.name]
             in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
             total += min(c.fwd_s + c.bwd_s for c in (
-                _node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
+                node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
                 for st in strategies[node.name]))
         cache[key] = total
     return cache[key]
@@ -139,8 +137,6 @@ def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> 
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
-    from autopar.planner.cost_tables import bytes_per_param
-
     states = traced.total_params() / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
@@ -167,19 +163,23 @@ def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tup
     return support.zero_stages_for(pp) if support else ZERO_STAGES
 
 
-def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
-              support: RuntimeSupport | None, mapping, time_limit_s: float = 1.0,
-              even_stages: bool = False, cutoff_s: float | None = None):
-    """Solve one Config; returns (Decision | None, status name, tables, strategies)."""
+def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
+              mapping, time_limit_s: float = 1.0, even_stages: bool = False,
+              cutoff_s: float | None = None):
+    """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
+    ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
+    seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`.
+    Returns (Decision | None, CP-SAT status name, tables, strategies): None unless the
+    status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not proven optimal)."""
     from ortools.sat.python import cp_model
 
     strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
     tables = cost_tables(traced, strategies, cluster, cfg)
     zero = zero_choices(layout, support, cfg.pp)
     modes = support.recompute if support else RECOMPUTE_MODES
-    model = StageModel(traced, strategies, tables, cluster, zero_stages=zero,
-                       recompute_modes=modes, fixed_recompute=layout.recompute,
-                       even_stages=even_stages)
+    model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
+                        recompute_modes=modes, fixed_recompute=layout.recompute,
+                        even_stages=even_stages)
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
         model.add_cutoff(cutoff_s)
@@ -211,10 +211,10 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
     cache: dict = {}
-    bound = {c: _lower_bound_s(traced, cluster, c, _min_layer_time_s(traced, cluster, c, cache))
+    bound = {c: _lower_bound_s(traced, c, _min_layer_time_s(traced, cluster, c, cache))
              for c in configs}
     configs.sort(key=bound.get)
-    best, best_t, best_tab, seen = None, float("inf"), None, []
+    best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
     for cfg in configs:
         if progress is not None:
             progress(len(seen), len(configs), best_t if best is not None else None)
@@ -232,15 +232,13 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                                    f"{cluster.device.memory_gib:.0f} GiB"})
             continue
         decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            traced, cluster, cfg, layout, support, mapping,
             even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK))
+        statuses[cfg] = status
         if decision is None:
-            beaten = best_t < float("inf")
-            seen.append({"layout": asdict(cfg), "step_time_s": None,
-                         "feasible": None if beaten else False,
-                         "reason": f"cannot beat the best plan ({best_t:.3f} s) within memory "
-                                   f"(CP-SAT {status})" if beaten else
-                                   f"no strategy fits device memory (CP-SAT {status})"})
+            feasible, reason = _unsolved(status, best_t)
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": feasible,
+                         "reason": reason})
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
@@ -256,7 +254,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                             seen, even_stages)
     elapsed = time.perf_counter() - start
     if best is None:
-        raise InfeasibleError(_infeasible_message(cluster, seen))
+        raise InfeasibleError(_infeasible_message(cluster, seen, statuses))
     return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
 
 
@@ -267,10 +265,11 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
     for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
         cfg = Config(**entry["layout"])
         decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            traced, cluster, cfg, layout, support, mapping,
             even_stages=even_stages)
         if decision is None:
-            entry.update(feasible=False, reason=f"no strategy fits device memory (CP-SAT {status})")
+            feasible, reason = _unsolved(status, float("inf"))
+            entry.update(feasible=feasible, reason=reason)
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
@@ -279,11 +278,41 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
                      peak_memory_bytes=pred.peak_memory_bytes, reason="slower")
 
 
-def _infeasible_message(cluster, seen: list[dict]) -> str:
+def _unsolved(status: str, best_t: float) -> tuple[bool | None, str]:
+    """(feasible, reason) of a config CP-SAT returned no plan for: with a cutoff
+    (``best_t`` finite) INFEASIBLE means it cannot beat the best plan; without one only the
+    memory rows can fail (:mod:`autopar.planner.cpsat`). Any other status means CP-SAT
+    stopped at its time limit: not proven infeasible (feasible None), never "does not fit"."""
+    if status == "INFEASIBLE" and best_t < float("inf"):
+        return None, (f"cannot beat the best plan ({best_t:.3f} s) within memory "
+                      f"(CP-SAT {status})")
+    if status == "INFEASIBLE":
+        return False, ("no plan fits device memory (CP-SAT INFEASIBLE: memory[stage i] "
+                       "fails on some stage for every choice)")
+    return None, (f"CP-SAT stopped at its time limit without a plan (status {status}): "
+                  "not proven infeasible")
+
+
+def _infeasible_message(cluster, seen: list[dict], statuses: dict) -> str:
+    """Why no plan was found, per mesh shape: pruned by the memory lower bound, INFEASIBLE
+    for CP-SAT, or stopped at CP-SAT's time limit (then the message says so)."""
     bounds = [s["min_memory_bytes"] for s in seen if "min_memory_bytes" in s]
     need = (f"the most memory-frugal mesh shape needs at least {min(bounds) / 2**30:.2f} GiB per "
             "GPU" if bounds else "every mesh shape exceeds it once activations are counted")
+    found = []
+    if bounds:
+        found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
+                     f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
+                     f"{cluster.device.memory_gib:.1f} GiB)")
+    infeasible = sum(1 for s in statuses.values() if s == "INFEASIBLE")
+    if infeasible:
+        found.append(f"{infeasible} INFEASIBLE for CP-SAT (memory[stage i] fails on some "
+                     "pipeline stage for every strategy, split, recompute and ZeRO choice)")
+    stopped = len(statuses) - infeasible
+    if stopped:
+        found.append(f"{stopped} stopped at CP-SAT's time limit without a plan (not proven "
+                     "infeasible: a longer solve may find one)")
     return (f"no plan fits in {cluster.device.memory_gib:.1f} GiB per GPU "
-            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}; binding constraint: "
-            f"memory[stage 0] in all {len(seen)} mesh shapes. Use more GPUs, GPUs with more "
-            "memory, a smaller global batch or micro-batch, or allow ZeRO / recompute")
+            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}. Of the {len(seen)} "
+            f"mesh shapes: {'; '.join(found)}. Use more GPUs, GPUs with more memory, a "
+            "smaller global batch or micro-batch, or allow ZeRO / recompute")
