@@ -5,10 +5,10 @@ pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.planner.c
 strategy per node of the pre section, the template layer and the post section (resharding
 transitions offered by :func:`~autopar.planner.strategies.reshard_kinds`, replicated layer
 boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even (interleaved
-1F1B: L/p layers per rank, p·v equal chunks), per stage
-the numbers of full and selective recompute layers, and the ZeRO stage. Each plan is priced
-with the formulas of :func:`autopar.planner.predict.predict` (optimizer time included) and must fit
-device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
+1F1B: L/p layers per rank, p·v equal chunks), per stage the numbers of full and selective
+recompute layers, and the ZeRO stage. Each plan is priced with predict's section sums and the
+per-step arithmetic of :mod:`autopar.planner.step` (as :func:`autopar.planner.predict.predict`)
+and must fit device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
 
 Two exact reductions keep this tractable; neither can lose the optimum.
 
@@ -44,7 +44,7 @@ from autopar.plan import RECOMPUTE_MODES, Layout, Plan
 from autopar.planner.cost_tables import Config, cost_tables, f_cost
 from autopar.planner.cpsat_terms import template_map
 from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
-                                      stage_bounds_and_recompute, stage_size_range)
+                                      stage_bounds_and_recompute, stage_splits)
 from autopar.planner.search import candidate_configs, validate_layout, zero_choices
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
                                   model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
@@ -224,16 +224,6 @@ class StagePlan:
     selective: int
 
 
-def stage_splits(num_layers: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, ...]]:
-    """Stage sizes within ``STAGE_SLACK`` of an even split summing to L
-    (:func:`~autopar.planner.decision.stage_size_range`, as the CP-SAT model); interleaved
-    (v > 1) only the even split, L/p layers per rank."""
-    if virtual_stages > 1:
-        return [(num_layers // pp,) * pp]
-    lo, hi = stage_size_range(num_layers, pp)
-    return [s for s in itertools.product(range(lo, hi + 1), repeat=pp) if sum(s) == num_layers]
-
-
 def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
            memory_bytes: int):
     """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm: what
@@ -297,8 +287,8 @@ def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, memory_bytes
 def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, rounding):
     """((step time, sections, stage plans, zero stage) | None, plans covered) for ``cfg``;
     plans covered counts every (sections, ZeRO, split, per-stage recompute) combination."""
-    groups, splits = tied_groups(traced), stage_splits(traced.num_layers, cfg.pp,
-                                                                  cfg.virtual_stages)
+    groups = tied_groups(traced)
+    splits = stage_splits(traced.num_layers, cfg.pp, cfg.virtual_stages)
     best, covered = None, 0
     for sections in itertools.product(*options):
         if not ties_agree(*sections, groups=groups):
@@ -331,9 +321,10 @@ class ExhaustiveResult:
 
 
 def config_options(traced, strategies, tables, prune: bool = True):
-    """(pre, layer, post) Pareto options of one config's TP assignments."""
+    """(pre, layer, post) Pareto options of one config's TP assignments (each section given
+    as names, the boundary node feeding it, and whether its output must be replicated)."""
     sections = ((traced.pre, None, True), (traced.layers[0], traced.pre[-1], True),
-                (traced.post, traced.layers[-1][-1], False))  # (names, boundary, R output)
+                (traced.post, traced.layers[-1][-1], False))
     return tuple(section_options(traced, strategies, tables, *s, prune) for s in sections)
 
 
@@ -350,10 +341,10 @@ def decision_of(traced, cfg, sections, stages: list[StagePlan], zero, step, elap
 
 
 def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
-                      layout: Layout | None = None,
-                      support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      layout: Layout | None = None, support: RuntimeSupport | None = RUNTIME_SUPPORT,
                       rounding: str = "predict") -> ExhaustiveResult:
-    """The fastest plan over every config and every plan of each (see the module docstring)."""
+    """The fastest plan over every config and every plan of each (see the module docstring).
+    Raises ValueError for an unknown ``rounding`` or a layout :func:`validate_layout` rejects."""
     if rounding not in ("predict", "solver"):
         raise ValueError(f"rounding must be 'predict' or 'solver', got {rounding!r}")
     start, layout = time.perf_counter(), layout or Layout()
@@ -365,12 +356,12 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
         strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # what node and edge costs depend on
+        # node and edge costs depend on these only
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
-        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key],
-                                    zero_choices(layout, support, cfg.pp), modes,
-                                    rounding)
+        zeros = zero_choices(layout, support, cfg.pp)
+        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zeros, modes, rounding)
         priced += n
         seen.append({"layout": cfg, "step_time_s": found[0] if found else None})
         if found and (best is None or found[0] < best[0][0] * (1 - 1e-12)):

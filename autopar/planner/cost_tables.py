@@ -139,7 +139,7 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     ((m + 1)/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`) all-gathers the
     parameters in forward and again in backward and reduce-scatters the gradients in every
     micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per micro-batch, 1.5·m per step,
-    the counts ``predict._dp_comm_bytes`` predicts in bytes (there the root unit, kept
+    the counts :func:`autopar.planner.comm_bytes.dp_comm_bytes` predicts in bytes (there the root unit, kept
     gathered through backward, saves one all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
         return 0.0
@@ -222,7 +222,9 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
                 cfg: Config) -> CostTables:
-    """Price every node strategy and every edge transition for ``cfg`` on ``cluster``."""
+    """Price every node strategy and every edge transition for ``cfg`` on ``cluster``:
+    seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
+    :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point)."""
     b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
     tp_link = comm.group_link(cluster, tp, 1)
     node_tab: dict[str, list[StrategyCost]] = {}

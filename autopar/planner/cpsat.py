@@ -56,7 +56,8 @@ from ortools.sat.python import cp_model
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param
-from autopar.planner.cpsat_terms import SectionTerms, precision_scale, template_map
+from autopar.planner.cpsat_terms import (SectionTerms, int_var, precision_scale, product_var,
+                                         solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scaled_memory,
@@ -69,10 +70,8 @@ __all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map"]
 
 
 class ConfigModel:
-    """The CP-SAT model of one Config (all its pipeline ranks); :meth:`build` adds every
-    constraint family, :meth:`solve` runs CP-SAT, :meth:`decision` reads the plan back.
-
-    Decision variables: ``choice[node][k]`` (x, strategy k of a pre/template/post node, and
+    """The CP-SAT model of one Config (all its pipeline ranks): :meth:`build`, :meth:`solve`,
+    :meth:`decision` (the plan read back). Decision variables: ``choice[node][k]`` (x, strategy k of a pre/template/post node, and
     ``choice["f[u,kind]"]`` Megatron's f), ``reshard[...]`` (e, one per resharded tensor,
     target placement and section), ``layers_on_rank[i]`` (n_i), ``recompute_full[i]`` /
     ``recompute_selective[i]`` (r_i), ``zero[z]`` (the ZeRO one-hot).
@@ -197,19 +196,6 @@ class ConfigModel:
                     self.model.Add(self.reshard[rkey] >= xu + xv - 1).WithName(
                         f"reshard[{u},{ku}->{sv.inputs[j]}]")
 
-    # -- integer helpers -------------------------------------------------------------------
-    def _var(self, name: str, expr, ub: int):
-        """An integer variable ``name`` in [0, ub] equal to ``expr`` (constraint ``name``)."""
-        var = self.model.NewIntVar(0, ub, name)
-        self.model.Add(var == expr).WithName(name)
-        return var
-
-    def _prod(self, name: str, a, b, ub: int):
-        """An integer variable ``name`` in [0, ub] equal to a·b (exact multiplication)."""
-        var = self.model.NewIntVar(0, ub, name)
-        self.model.AddMultiplicationEquality(var, [a, b]).WithName(name)
-        return var
-
     # -- stages, recompute, ZeRO ----------------------------------------------------------
     def add_stages(self) -> None:
         r"""``all_layers_placed``: :math:`\sum_i n_i = L` with :math:`n_i` within
@@ -263,29 +249,20 @@ class ConfigModel:
     def _rank_params(self, i: int):
         r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=p-1] P_{post}`,
         less the tied weight once when p == 1; returns (variable, upper bound)."""
-        terms, p, L = self.terms, self.cfg.pp, self.traced.num_layers
-        pl = self._var("params_layer", terms.expr("layer", "param"), terms.upper_bound("layer", "param"))
-        prod = self._prod(f"params_layers[{i}]", self.layers_on_rank[i], pl,
-                          L * terms.upper_bound("layer", "param"))
+        terms, p, L, model = self.terms, self.cfg.pp, self.traced.num_layers, self.model
+        layer_ub = terms.upper_bound("layer", "param")
+        pl = int_var(model, "params_layer", terms.expr("layer", "param"), layer_ub)
+        prod = product_var(model, f"params_layers[{i}]", self.layers_on_rank[i], pl, L * layer_ub)
         extra = 0
         if i == 0:
             extra += terms.expr("pre", "param")
         if i == p - 1:
             extra += terms.expr("post", "param")
             if counts_tied_weight_once(p):  # a tied weight counted in pre and post is one tensor
-                extra -= self._tied_param_expr()
+                extra -= tied_param_units(self.traced, self.tables, self.choice)
         total_ub = L * terms.upper_bound("layer", "param") + terms.upper_bound("pre", "param") \
             + terms.upper_bound("post", "param")
-        return self._var(f"params[{i}]", prod + extra, total_ub), total_ub
-
-    def _tied_param_expr(self):
-        expr = 0
-        for group in tied_groups(self.traced):
-            last = group[-1]
-            if self.section_of.get(last) == "post":
-                for k, cost in enumerate(self.tables.node[last]):
-                    expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * self.choice[last][k]
-        return expr
+        return int_var(model, f"params[{i}]", prod + extra, total_ub), total_ub
 
     def add_memory(self) -> None:
         r"""``memory[stage i]`` for every pipeline rank i, in KiB times d·v
@@ -301,8 +278,8 @@ class ConfigModel:
         cfg, terms, model = self.cfg, self.terms, self.model
         L, p = self.traced.num_layers, cfg.pp
         act_ub = terms.upper_bound("layer", "act")
-        a_layer = self._var("act_layer", terms.expr("layer", "act"), act_ub)
-        a_sel = self._var("act_layer_selective",
+        a_layer = int_var(model, "act_layer", terms.expr("layer", "act"), act_ub)
+        a_sel = int_var(model, "act_layer_selective",
                           terms.expr("layer", "act") - terms.expr("layer", "core_act"), act_ub)
         ckpt = int(math.ceil(self.tables.full_ckpt_bytes / KIB))
         limit = scaled_memory_limit(self.cluster.device.memory_bytes, cfg)
@@ -317,14 +294,14 @@ class ConfigModel:
                 s_iz[z] = s
             self.params_if_zero.append(s_iz)
             state_kib_d = sum(state_kib_times_d(z, cfg) * s for z, s in s_iz.items())
-            keep = self._var(f"layers_no_recompute[{i}]", self.layers_on_rank[i]
-                             - self.recompute_full[i] - self.recompute_selective[i], L)
-            act = (self._prod(f"act_kept[{i}]", keep, a_layer, L * act_ub)
-                   + self._prod(f"act_sel[{i}]", self.recompute_selective[i], a_sel, L * act_ub)
-                   + ckpt * self.recompute_full[i])
+            rf, rs = self.recompute_full[i], self.recompute_selective[i]
+            keep = int_var(model, f"layers_no_recompute[{i}]", self.layers_on_rank[i] - rf - rs, L)
+            act = (product_var(model, f"act_kept[{i}]", keep, a_layer, L * act_ub)
+                   + product_var(model, f"act_sel[{i}]", rs, a_sel, L * act_ub) + ckpt * rf)
             if i == 0:
                 act += terms.expr("pre", "act")
-            act_total = self._var(f"act_stage[{i}]", act, L * act_ub * 4 + terms.upper_bound("pre", "act"))
+            act_total = int_var(model, f"act_stage[{i}]", act,
+                                L * act_ub * 4 + terms.upper_bound("pre", "act"))
             working = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
                 working = working + terms.expr("post", "act")
@@ -342,11 +319,11 @@ class ConfigModel:
         ZeRO stage to break ties toward the lower stage."""
         cfg, L, terms, model = self.cfg, self.traced.num_layers, self.terms, self.model
         ub = terms.upper_bound
-        fl = self._var("fwd_layer", terms.expr("layer", "fwd"), ub("layer", "fwd"))
-        bl = self._var("bwd_layer", terms.expr("layer", "bwd"), ub("layer", "bwd"))
-        cl = self._var("core_layer", terms.expr("layer", "core"), ub("layer", "core"))
-        rl = self._var("recompute_layer", terms.expr("layer", "rec"), ub("layer", "rec"))
-        fb = self._var("fwd_bwd_layer", fl + bl, ub("layer", "fwd") + ub("layer", "bwd"))
+        fl = int_var(model, "fwd_layer", terms.expr("layer", "fwd"), ub("layer", "fwd"))
+        bl = int_var(model, "bwd_layer", terms.expr("layer", "bwd"), ub("layer", "bwd"))
+        cl = int_var(model, "core_layer", terms.expr("layer", "core"), ub("layer", "core"))
+        rl = int_var(model, "recompute_layer", terms.expr("layer", "rec"), ub("layer", "rec"))
+        fb = int_var(model, "fwd_bwd_layer", fl + bl, ub("layer", "fwd") + ub("layer", "bwd"))
         p2p = int(math.ceil(self.tables.p2p_s * self.units_per_second))
         v = cfg.virtual_stages  # the objective is v × step time (exact integers)
         t_ub = L * (ub("layer", "fwd") * 2 + ub("layer", "bwd")) + sum(
@@ -354,18 +331,18 @@ class ConfigModel:
         self.rank_time, self.rank_bwd = [], []
         n, rf, rs = self.layers_on_rank, self.recompute_full, self.recompute_selective
         for i in range(cfg.pp):
-            bwd = self._prod(f"bwd_layers[{i}]", n[i], bl, t_ub)
+            bwd = product_var(model, f"bwd_layers[{i}]", n[i], bl, t_ub)
             bwd += terms.expr("pre", "bwd") if i == 0 else 0
             bwd += terms.expr("post", "bwd") if i == cfg.pp - 1 else 0
             self.rank_bwd.append(bwd)
-            t = (self._prod(f"t_layers[{i}]", n[i], fb, t_ub)
-                 + self._prod(f"t_full[{i}]", rf[i], rl, t_ub)
-                 + self._prod(f"t_sel[{i}]", rs[i], cl, t_ub))
+            t = (product_var(model, f"t_layers[{i}]", n[i], fb, t_ub)
+                 + product_var(model, f"t_full[{i}]", rf[i], rl, t_ub)
+                 + product_var(model, f"t_sel[{i}]", rs[i], cl, t_ub))
             if i == 0:
                 t += terms.expr("pre", "fwd") + terms.expr("pre", "bwd")
             if i == cfg.pp - 1:
                 t += terms.expr("post", "fwd") + terms.expr("post", "bwd")
-            self.rank_time.append(self._var(f"stage_time[{i}]", t, t_ub))
+            self.rank_time.append(int_var(model, f"stage_time[{i}]", t, t_ub))
         tmax = model.NewIntVar(0, t_ub + v * p2p, "t_max")
         for i, t in enumerate(self.rank_time):
             model.Add(tmax >= t + v * p2p).WithName(f"t_max[{i}]")
@@ -377,11 +354,9 @@ class ConfigModel:
 
     def _add_dp_and_optimizer(self):
         """The exposed-DP and optimizer rows of :meth:`add_objective`; returns (T_dp, T_opt)."""
-        ups = self.units_per_second
-        dp_coef = {z: dp_comm_s_per_param(z, self.cluster, self.cfg) * PARAM_UNIT * ups
-                   for z in self.zero}
-        opt_coef = {z: optimizer_s_per_param(z, self.cluster, self.cfg) * PARAM_UNIT * ups
-                    for z in self.zero}
+        ups, cluster, cfg = self.units_per_second, self.cluster, self.cfg
+        dp_coef = {z: dp_comm_s_per_param(z, cluster, cfg) * PARAM_UNIT * ups for z in self.zero}
+        opt_coef = {z: optimizer_s_per_param(z, cluster, cfg) * PARAM_UNIT * ups for z in self.zero}
         k = precision_scale(list(dp_coef.values()) + list(opt_coef.values()))
         limit = 10**17 // k  # keep tdp·k far from int64 overflow (CP-SAT rejects such models)
         tdp = self.model.NewIntVar(0, limit, "t_dp")
@@ -403,16 +378,8 @@ class ConfigModel:
 
     # -- solve and read back --------------------------------------------------------------
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
-        """Run CP-SAT deterministically (one worker, ``max_time_s`` of deterministic time);
-        returns (status, solver). Raises RuntimeError for an invalid model (a bug)."""
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1
-        solver.parameters.max_deterministic_time = max_time_s
-        solver.parameters.linearization_level = 2
-        status = solver.Solve(self.model)
-        if status == cp_model.MODEL_INVALID:
-            raise RuntimeError(f"autopar built an invalid CP-SAT model: {self.model.Validate()}")
-        return status, solver
+        """:func:`~autopar.planner.cpsat_terms.solve_deterministic` on this model."""
+        return solve_deterministic(self.model, max_time_s)
 
     def decision(self, solver: cp_model.CpSolver, mapping: dict[str, str]) -> Decision:
         """The solved plan as a Decision over the full graph (``mapping``: node -> the

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import math
 
-from autopar.graph.annotate import TracedModel
+from ortools.sat.python import cp_model
 
-__all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale"]
+from autopar.graph.annotate import TracedModel
+from autopar.planner.step import PARAM_UNIT
+from autopar.planner.strategies import tied_groups
+
+__all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
+           "product_var", "tied_param_units", "solve_deterministic"]
 
 SECTIONS = ("pre", "layer", "post")
 TIME_KEYS = ("fwd", "bwd", "core", "rec")
@@ -66,3 +71,43 @@ def precision_scale(coefs: list[float], digits: int = 4) -> int:
     significant digits when multiplied by K and rounded (at most 1e6)."""
     small = min((c for c in coefs if c > 0), default=1.0)
     return int(min(1e6, max(1.0, 10 ** math.ceil(math.log10(10 ** digits / small)))))
+
+
+def int_var(model: cp_model.CpModel, name: str, expr, ub: int):
+    """An integer variable ``name`` in [0, ub] equal to ``expr`` (constraint ``name``)."""
+    var = model.NewIntVar(0, ub, name)
+    model.Add(var == expr).WithName(name)
+    return var
+
+
+def product_var(model: cp_model.CpModel, name: str, a, b, ub: int):
+    """An integer variable ``name`` in [0, ub] equal to a·b (exact multiplication)."""
+    var = model.NewIntVar(0, ub, name)
+    model.AddMultiplicationEquality(var, [a, b]).WithName(name)
+    return var
+
+
+def tied_param_units(traced: TracedModel, tables, choice: dict[str, list]) -> object:
+    """Parameter units (rounded up) of the tied weights the post section shares with the
+    pre section, as a linear expression of the post nodes' strategy booleans ``choice``."""
+    expr = 0
+    for group in tied_groups(traced):
+        last = group[-1]
+        if last in traced.post:
+            for k, cost in enumerate(tables.node[last]):
+                expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * choice[last][k]
+    return expr
+
+
+def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int, cp_model.CpSolver]:
+    """Run CP-SAT with one worker and ``max_time_s`` of deterministic time (repeatable run to
+    run; ``linearization_level=2`` for these assignment-shaped models); returns (status,
+    solver). Raises RuntimeError for an invalid model (an autopar bug)."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = max_time_s
+    solver.parameters.linearization_level = 2
+    status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"autopar built an invalid CP-SAT model: {model.Validate()}")
+    return status, solver

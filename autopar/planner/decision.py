@@ -9,6 +9,7 @@ within :data:`STAGE_SLACK` layers of an even split (:func:`stage_size_range`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from autopar.graph.annotate import TracedModel
@@ -17,7 +18,7 @@ from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.predict import predict
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 
-__all__ = ["Decision", "InfeasibleError", "STAGE_SLACK", "stage_size_range",
+__all__ = ["Decision", "InfeasibleError", "STAGE_SLACK", "stage_size_range", "stage_splits",
            "stage_bounds_and_recompute", "plan_from_decision", "decision_from_plan",
            "model_config", "peak_memory_line"]
 
@@ -54,6 +55,16 @@ def stage_size_range(num_layers: int, pp: int) -> tuple[int, int]:
     L/p, at least 1, and leaving at least one layer to each other rank."""
     L, p = num_layers, pp
     return max(1, L // p - STAGE_SLACK), min(L - p + 1, -(-L // p) + STAGE_SLACK)
+
+
+def stage_splits(num_layers: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, ...]]:
+    """Every tuple of per-rank layer counts the plan space holds: each within
+    :func:`stage_size_range`, summing to L (the CP-SAT model's ``layers[i]``); interleaved
+    (v > 1) only the even split, L/p layers per rank."""
+    if virtual_stages > 1:
+        return [(num_layers // pp,) * pp]
+    lo, hi = stage_size_range(num_layers, pp)
+    return [s for s in itertools.product(range(lo, hi + 1), repeat=pp) if sum(s) == num_layers]
 
 
 def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],

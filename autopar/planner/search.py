@@ -194,7 +194,14 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
            support: RuntimeSupport | None = RUNTIME_SUPPORT,
            even_stages: bool = False,
            progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
-    """Branch and bound over configs; raises InfeasibleError when nothing fits.
+    """Branch and bound over the configs of :func:`candidate_configs` for ``traced`` on
+    ``cluster`` with B = ``global_batch_size``: configs in order of a compute lower bound
+    (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
+    CP-SAT with the best step time so far as cutoff, then priced by ``predict``.
+    ``even_stages``: layers split evenly as Megatron does (hand layouts).
+
+    Raises ValueError (:func:`validate_layout`, or no config fits the layout) and
+    InfeasibleError when nothing fits, saying per mesh shape what the search found.
 
     progress: called as ``progress(visited, total, best_step_time_s)`` before each of the
         ``total`` configs (mesh shape and micro-batch size) is solved or pruned, and once
