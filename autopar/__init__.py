@@ -10,7 +10,7 @@ from autopar import report  # autopar.report.write_report(plan, out_dir, hand_la
 from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
 from autopar.plan import Layout, Plan, Prediction
-from autopar.planner.cpsat import InfeasibleError
+from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",

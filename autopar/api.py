@@ -1,6 +1,10 @@
 """The planning entry points: ``plan`` (search for the fastest layout), ``evaluate`` (price
 a hand-written layout), ``evaluate_plan`` (re-price a saved plan's decisions) and
-``what_if_plans`` (re-plan on changed inputs for the report)."""
+``what_if_plans`` (re-plan on changed inputs for the report).
+
+Thin: tracing (:mod:`autopar.graph`), the search (:mod:`autopar.planner.search`) and
+Decision ↔ Plan (:mod:`autopar.planner.decision`) do the work.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,8 @@ import torch
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import TracedModel
-from autopar.models import model_config
 from autopar.plan import Layout, Plan
-from autopar.planner.cpsat import InfeasibleError
+from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
 from autopar.planner.predict import predict
 from autopar.support import RUNTIME_SUPPORT
 from autopar.planner.search import SearchResult, search
@@ -24,29 +27,13 @@ __all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_sear
 
 
 def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
-                     global_batch_size: int, seq_len: int, model_name: str, layout: Layout) -> Plan:
-    """Turn the search's best decision into a Plan (placements, prediction, alternatives)."""
-    d = result.decision
-    cfg = d.config
-    pred = predict(traced, result.strategies, result.tables, cluster, d,
-                   global_batch_size=global_batch_size)
-    pred = replace(pred, solve_time_s=result.solve_time_s)
-    placements = {name: result.strategies[name][k].key for name, k in d.strategy.items()}
-    feasible = sorted((s for s in result.seen if s["feasible"]), key=lambda s: s["step_time_s"])
-    others = feasible[1:6] + [s for s in result.seen if s["feasible"] is False][:3]
-    stage_mem = pred.memory_bytes_by_stage
-    worst = max(range(len(stage_mem)), key=lambda i: sum(stage_mem[i].values()))
-    binding = [f"memory[stage {worst}]: {pred.peak_memory_bytes / 2**30:.1f} GiB of "
-               f"{cluster.device.memory_gib:.0f} GiB per GPU"]
-    return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
-                global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
-                dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
-                num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
-                zero_stage=d.zero_stage, recompute=d.recompute, stage_layers=d.stage_layers,
-                placements=placements, predicted=pred, virtual_stages=cfg.virtual_stages,
-                sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype,
-                alternatives=others,
-                binding=binding)
+                     global_batch_size: int, seq_len: int, model_name: str) -> Plan:
+    """The Plan of the search's best decision (:func:`~autopar.planner.decision.plan_from_decision`
+    with the search's tables, strategies, per-config records and solve time)."""
+    return plan_from_decision(traced, model, cluster, result.decision, result.tables,
+                              result.strategies, global_batch_size=global_batch_size,
+                              seq_len=seq_len, model_name=model_name, seen=result.seen,
+                              solve_time_s=result.solve_time_s)
 
 
 def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: int,
@@ -66,7 +53,7 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT,
                     progress=progress)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
-                            seq_len=seq_len, model_name=model_name, layout=layout)
+                            seq_len=seq_len, model_name=model_name)
 
 
 def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
@@ -86,7 +73,7 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     traced = trace_model(model, seq_len, name=model_name)
     result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
-                            seq_len=seq_len, model_name=model_name, layout=layout)
+                            seq_len=seq_len, model_name=model_name)
 
 
 def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
@@ -95,19 +82,8 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     hand, or to price a saved plan on other hardware. Returns the plan with a new
     ``predicted``. Raises ValueError when a placement does not exist for this model/tp.
     """
-    from autopar.planner.cost_tables import Config, cost_tables
-    from autopar.planner.cpsat import Decision
-    from autopar.planner.strategies import decode_placements, node_strategies
-
     traced = trace_model(model, plan.seq_len)
-    cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
-                 plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention,
-                 plan.sequence_parallel)
-    strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
-    decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)
-    choice = {name: k for name, (k, _) in decoded.items()}
-    decision = Decision(cfg, choice, plan.stage_layers, plan.recompute, plan.zero_stage, 0.0, 0.0)
-    tables = cost_tables(traced, strategies, cluster, cfg)
+    decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=plan.global_batch_size)
     return replace(plan, predicted=pred)

@@ -12,13 +12,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "COMM_KINDS",
-           "PLAN_VERSION", "rank_layers", "equal_chunks"]
+__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
+           "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 1
+# The one definition of these names (the rules over them: autopar.support).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""Pipeline schedules: GPipe, 1F1B (PipeDream-flush), interleaved 1F1B (Narayanan et al. 2021)."""
 RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation per layer: none, selective (the attention core; Korthikanti et
+al. 2022), full (keep only the layer's input)."""
 DTYPES = ("bf16", "fp32")
+"""Training precisions: bf16 mixed precision (fp32 master weights) or fp32."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages the cost model prices (Rajbhandari et al. 2020): 0 is plain DP."""
 # payload kinds of ``last_step_stats()["comm_bytes"]`` and ``Prediction.stage_stats``
 COMM_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_p2p", "dp_all_reduce",
               "dp_reduce_scatter", "dp_all_gather", "other")
@@ -56,8 +63,9 @@ class Layout:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Layout.{name} must be a positive int or None, got {value!r}")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"Layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"Layout.zero_stage must be one of {ZERO_STAGES}, got "
+                             f"{self.zero_stage!r}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
             raise ValueError(
                 f"Layout.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"

@@ -1,18 +1,120 @@
-"""What the runtime executes today: the one source of truth for the solver's search space.
+"""What the runtime executes, and the one definition of the parallel-degree and pipeline rules.
 
-The solver only emits plans inside this space (``autopar.plan``), so ``parallelize`` never
-receives a plan it cannot run; ``autopar.evaluate`` may still price any layout the cost
-model understands (e.g. a published Megatron run with interleaving) for comparison.
+The solver only emits plans inside :data:`RUNTIME_SUPPORT` (``autopar.plan``), so
+``parallelize`` never receives a plan it cannot run; ``autopar.evaluate`` may still price any
+layout the cost model understands (e.g. a published Megatron run with interleaving) for
+comparison. The rules every step of the flow shares live here, each with a message that says
+what to change: :func:`validate_degrees` (t·p·d against the world size),
+:func:`validate_layout` (heads divisible by t, p <= L, the batch split over d),
+:func:`pipeline_problem` (1F1B needs m >= p; interleaved 1F1B needs m % p == 0 and
+L % (p·v) == 0: :func:`interleaving_problem`). The schedule and recompute names are
+:data:`autopar.plan.SCHEDULES` and :data:`autopar.plan.RECOMPUTE_MODES`.
+
+This module imports no torch.distributed code: planning must not load the runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
-from autopar.runtime.zero import EXECUTED_ZERO_STAGES
+from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem"]
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem",
+           "pipeline_problem", "validate_degrees", "validate_layout", "divisors",
+           "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
+
+# Defined here, not in the runtime, so that planning loads no torch.distributed code
+# (autopar.runtime.zero and autopar.runtime.fsdp import them from here).
+EXECUTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+"""ZeRO stages :class:`autopar.runtime.zero.DistributedOptimizer` executes (0: plain DP)."""
+FULLY_SHARDED_STAGE = 3
+"""The ZeRO stage :class:`autopar.runtime.fsdp.FullyShardedOptimizer` (FSDP2) executes."""
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
+    """Check that tp, pp, dp are positive ints whose product is ``world_size``.
+
+    Raises:
+        ValueError: a degree is not a positive int, or tp*pp*dp != world_size (the
+            message says how to launch or which plan to pass instead).
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    n = tp * pp * dp
+    if n != world_size:
+        raise ValueError(
+            f"plan needs tp*pp*dp = N = {tp}*{pp}*{dp} = {n} GPUs but world size is {world_size}; "
+            f"launch torchrun with --nproc-per-node {n} or pass a plan for {world_size} ranks"
+        )
+
+
+def validate_layout(layout: Layout, *, num_gpus: int, gpus_per_node: int, heads: int | None,
+                    num_layers: int, global_batch_size: int) -> None:
+    """The one validator of a (partial) layout's degrees against a model and a cluster,
+    before any search: t divides the a attention ``heads`` (whole heads per rank, Shoeybi et
+    al. 2019 section 3), p <= L, t·p·d = N GPUs, and d (and d·b) divides the global batch.
+
+    Raises ValueError whose message says what to change, e.g. "96 attention heads are not
+    divisible by tp=5; choose tp in [1, 2, 3, 4, 6, 8]".
+    """
+    n, L = num_gpus, num_layers
+    if layout.tp is not None and heads is not None and heads % layout.tp:
+        ok = [t for t in divisors(heads) if t <= gpus_per_node]
+        raise ValueError(f"{heads} attention heads are not divisible by tp={layout.tp}; "
+                         f"choose tp in {ok}")
+    if layout.pp is not None and layout.pp > L:
+        raise ValueError(f"pp={layout.pp} exceeds the model's {L} layers; choose pp <= {L}")
+    fixed = [v for v in (layout.tp, layout.pp, layout.dp) if v is not None]
+    prod = 1
+    for v in fixed:
+        prod *= v
+    if len(fixed) == 3 and prod != n:
+        raise ValueError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {prod} but the "
+                         f"cluster has {n} GPUs; make the product equal {n}")
+    if n % prod:
+        raise ValueError(f"the fixed degrees multiply to {prod}, which does not divide the "
+                         f"{n} GPUs of the cluster; choose degrees whose product divides {n}")
+    if layout.dp is not None and layout.micro_batch_size is not None and \
+            global_batch_size % (layout.dp * layout.micro_batch_size):
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                         f"dp*micro_batch_size = {layout.dp}*{layout.micro_batch_size}; choose "
+                         "a batch that is a multiple of it")
+    if layout.dp is not None and global_batch_size % layout.dp:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                         f"dp={layout.dp}; choose a multiple of {layout.dp}")
+
+
+def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers: int,
+                     virtual_stages: int = 1) -> str | None:
+    """Why ``schedule`` cannot run p = ``pp`` stages over m = ``num_micro_batches``
+    micro-batches of an L = ``num_layers`` layer model with v = ``virtual_stages`` chunks
+    per rank, or None. The one pipeline rule of the solver, the search and the runtime:
+
+    * the schedule is one of :data:`~autopar.plan.SCHEDULES`;
+    * v > 1 only with "interleaved_1f1b";
+    * 1F1B needs m >= p when p > 1 (PipeDream-flush warms up with p - 1 forwards;
+      Narayanan et al. 2021, section 2.2.1);
+    * interleaved 1F1B: :func:`interleaving_problem` (p > 1, v >= 2, L % (p·v) == 0,
+      m % p == 0).
+    """
+    p, m, v = pp, num_micro_batches, virtual_stages
+    if schedule not in SCHEDULES:
+        return f"pipeline schedule {schedule!r} is not one of {SCHEDULES}"
+    if schedule == "interleaved_1f1b":
+        return interleaving_problem(num_layers, p, v, m)
+    if v != 1:
+        return (f"virtual_stages={v} needs schedule 'interleaved_1f1b', got {schedule!r}; "
+                "use virtual_stages=1")
+    if schedule == "1f1b" and p > 1 and m < p:
+        return (f"1F1B needs at least as many micro-batches as stages: m={m} < p={p}; raise "
+                f"num_micro_batches to {p} or use schedule='gpipe'")
+    return None
 
 
 def interleaving_problem(num_layers: int, pp: int, virtual_stages: int,
@@ -55,12 +157,12 @@ class RuntimeSupport:
     parameters, gradients and activations with fp32 master weights).
     """
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+    schedules: tuple[str, ...] = SCHEDULES
     zero_stages: tuple[int, ...] = (*EXECUTED_ZERO_STAGES, FULLY_SHARDED_STAGE)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] = (1, 2)
-    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    dtypes: tuple[str, ...] = DTYPES
 
     def zero_stages_for(self, pp: int) -> tuple[int, ...]:
         """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 (DistributedOptimizer)
@@ -83,8 +185,8 @@ RUNTIME_SUPPORT = RuntimeSupport()
 
 def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
     """Raise NotImplementedError naming the first plan feature the runtime cannot run, or
-    ValueError for an interleaved plan that breaks :func:`interleaving_problem` or whose
-    ``stage_layers`` does not hold pp·v chunks (no collective runs before either)."""
+    ValueError for a plan that breaks :func:`pipeline_problem` or whose ``stage_layers``
+    does not hold pp·v chunks (no collective runs before either)."""
     checks = [
         ("schedule", plan.schedule, support.schedules),
         ("zero_stage", plan.zero_stage, support.zero_stages),
@@ -103,11 +205,7 @@ def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
         raise ValueError(f"plan.stage_layers has {len(plan.stage_layers)} entries but pp*v = "
                          f"{plan.pp}*{plan.virtual_stages} = {chunks} model chunks; re-plan "
                          "with autopar.plan")
-    if plan.virtual_stages > 1 and plan.schedule != "interleaved_1f1b":
-        raise ValueError(f"virtual_stages={plan.virtual_stages} needs schedule "
-                         f"'interleaved_1f1b', got {plan.schedule!r}; use virtual_stages=1")
-    if plan.schedule == "interleaved_1f1b":
-        problem = interleaving_problem(plan.stage_layers[-1][1], plan.pp, plan.virtual_stages,
-                                       plan.num_micro_batches)
-        if problem:
-            raise ValueError(problem)
+    problem = pipeline_problem(plan.schedule, plan.pp, plan.num_micro_batches,
+                               plan.stage_layers[-1][1], plan.virtual_stages)
+    if problem:
+        raise ValueError(problem)

@@ -25,7 +25,7 @@ from autopar.oracle.exhaustive import exhaustive_search
 from autopar.models import GPT, GPTConfig
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.planner.search import search
-from autopar.planner.cpsat import InfeasibleError
+from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
 
@@ -68,7 +68,7 @@ def _cpsat(traced, model, cluster, batch, seq, support):
     except InfeasibleError:
         return None, time.perf_counter() - start
     plan = plan_from_search(traced, model, cluster, result, global_batch_size=batch, seq_len=seq,
-                            model_name="gpt", layout=autopar.Layout())
+                            model_name="gpt")
     return plan, time.perf_counter() - start
 
 

@@ -79,16 +79,6 @@ class NodeInfo:
             return activation_bytes * self.flash_elems
         return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems
 
-    @property
-    def saved_bytes(self) -> float:
-        """16-bit saved bytes (see :meth:`saved_bytes_at`)."""
-        return self.saved_bytes_at()
-
-    @property
-    def core_saved_bytes(self) -> float:
-        """16-bit attention-core bytes (see :meth:`core_bytes_at`)."""
-        return self.core_bytes_at()
-
 
 @dataclass
 class TracedModel:

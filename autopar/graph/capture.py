@@ -1,4 +1,4 @@
-"""Stage 1 of the flow: model -> fx graph annotated with shapes, FLOPs and bytes.
+"""Step 1 of the flow: model -> fx graph annotated with shapes, FLOPs and bytes.
 
 ``trace_model`` runs ``torch.fx.symbolic_trace`` (leaf ``nn`` modules such as Linear and
 LayerNorm stay ``call_module`` nodes, which is what a Megatron-style rewrite wants), then

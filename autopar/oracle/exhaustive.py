@@ -5,10 +5,10 @@ pruning) and, per config, every plan the CP-SAT model of :mod:`autopar.planner.c
 strategy per node of the pre section, the template layer and the post section (resharding
 transitions offered by :func:`~autopar.planner.strategies.reshard_kinds`, replicated layer
 boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even (interleaved
-1F1B: L/p layers per rank, p·v equal chunks), per stage
-the numbers of full and selective recompute layers, and the ZeRO stage. Each plan is priced
-with the formulas of :func:`autopar.planner.predict.predict` (optimizer time included) and must fit
-device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
+1F1B: L/p layers per rank, p·v equal chunks), per stage the numbers of full and selective
+recompute layers, and the ZeRO stage. Each plan is priced with predict's section sums and the
+per-step arithmetic of :mod:`autopar.planner.step` (as :func:`autopar.planner.predict.predict`)
+and must fit device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
 
 Two exact reductions keep this tractable; neither can lose the optimum.
 
@@ -24,7 +24,7 @@ Two exact reductions keep this tractable; neither can lose the optimum.
   :math:`(r^{full}_i, r^{sel}_i)` of least :math:`T_i` is optimal (all pairs are tried).
 
 ``rounding="predict"`` checks memory with predict's exact bytes; ``rounding="solver"`` with
-the integer KiB / 1024-parameter units of :meth:`autopar.planner.cpsat.StageModel.add_memory`
+the integer KiB / 1024-parameter units of :meth:`autopar.planner.cpsat.ConfigModel.add_memory`
 (rounded up per node, the loss bytes rounded down).
 """
 
@@ -36,24 +36,26 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from cost_models import compute
 from cost_models.memory import in_flight_micro_batches
-from cost_models.pipeline import pipeline_step_time_s
 
-from autopar.planner.cost_tables import (OPTIMIZER_BYTES_PER_PARAM, Config, bytes_per_param, cost_tables,
-                   dp_comm_s_per_param, f_cost)
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.plan import Layout, Plan
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
-from autopar.planner.search import SearchResult, candidate_configs, validate_layout, zero_choices
-from autopar.planner.cpsat import (KIB, PARAM_UNIT, STAGE_SLACK, Decision, InfeasibleError,
-                    stage_bounds_and_recompute, template_map)
-from autopar.planner.strategies import (gathers_for_partial_grad, node_strategies, param_split, partial_grad_input,
-                         tensor_inputs, tied_groups)
 from autopar.graph.capture import trace_model
+from autopar.plan import RECOMPUTE_MODES, Layout, Plan
+from autopar.planner.cost_tables import Config, cost_tables, f_cost
+from autopar.planner.cpsat_terms import template_map
+from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
+                                      stage_bounds_and_recompute, stage_splits)
+from autopar.planner.search import candidate_configs, validate_layout, zero_choices
+from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
+                                  model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
+                                  state_kib_times_d, step_time_s)
+from autopar.planner.strategies import (gathers_for_partial_grad, node_strategies, param_split,
+                                        partial_grad_input, tensor_inputs, tied_groups)
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
-           "exhaustive_search", "section_options", "stage_splits", "price"]
+           "exhaustive_search", "section_options", "stage_splits", "price", "replicated_index",
+           "ties_agree", "decision_of", "config_options"]
 
 # One micro-batch through one section (pre, one layer, post), per GPU:
 FIELDS = ("time_s",        # forward + backward compute and TP communication (Megatron f too)
@@ -101,7 +103,8 @@ def _pareto(entries: list) -> list:
     return [e for _, e in kept]
 
 
-def _r_index(strategies, name: str) -> int:
+def replicated_index(strategies, name: str) -> int:
+    """Index of ``name``'s strategy with a replicated output (every node has one)."""
     return next(k for k, s in enumerate(strategies[name]) if s.output.is_replicated)
 
 
@@ -119,7 +122,7 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
     d[7], d[8] = akib, akib - ckib
     d[9] = d[10] = math.ceil(c.param_numel / PARAM_UNIT)
     d[11] = c.bwd_s
-    if tied_post:  # predict / StageModel: one tied tensor when pre and post share a stage
+    if tied_post:  # predict / ConfigModel: one tied tensor when pre and post share a stage
         d[6], d[10] = 0.0, 0
     used: dict = {}  # input -> (f charged here, placements resharded to here)
     for j, u in enumerate(ins):
@@ -174,7 +177,7 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
     """
     ins, last_use, rerun, rerun_src = _start(traced, strategies, names, boundary)
     tied = {n: g for g in tied_groups(traced) for n in g}
-    start = ((boundary, _r_index(strategies, boundary), False, ()),) if boundary else ()
+    start = ((boundary, replicated_index(strategies, boundary), False, ()),) if boundary else ()
     frontier = {(start, ()): [(_ZERO, ())]}
     for i, v in enumerate(names):
         grown: dict = defaultdict(list)
@@ -183,7 +186,7 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
             live = {u: rest for u, *rest in live_t}
             for kv, sv in enumerate(strategies[v]):
                 if replicated_out and i == len(names) - 1 and not sv.output.is_replicated:
-                    continue  # a layer boundary is replicated (StageModel.add_boundaries)
+                    continue  # a layer boundary is replicated (ConfigModel.add_boundaries)
                 delta, used = _node_delta(tables, strategies, v, kv, ins[v], live, rerun[v],
                                           rerun_src, post_tie)
                 if delta is None:
@@ -205,7 +208,9 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
             for (_, ties), entries in frontier.items() for vec, assign in entries]
 
 
-def _ties_agree(*options: SectionOption, groups) -> bool:
+def ties_agree(*options: SectionOption, groups) -> bool:
+    """Do the sections' tied nodes (``groups``: :func:`tied_groups`) split their shared
+    weight the same way (:meth:`~autopar.planner.cpsat.ConfigModel.add_tied`)?"""
     split = dict(t for o in options for t in o.ties)
     return all(len({split[n] for n in g if n in split}) <= 1 for g in groups)
 
@@ -219,71 +224,51 @@ class StagePlan:
     selective: int
 
 
-def stage_splits(num_layers: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, ...]]:
-    """Stage sizes within ``STAGE_SLACK`` of an even split summing to L (as StageModel);
-    interleaved (v > 1) only the even split, L/p layers per rank."""
-    if virtual_stages > 1:
-        return [(num_layers // pp,) * pp]
-    lo = max(1, num_layers // pp - STAGE_SLACK)
-    hi = min(num_layers - pp + 1, -(-num_layers // pp) + STAGE_SLACK)
-    return [s for s in itertools.product(range(lo, hi + 1), repeat=pp) if sum(s) == num_layers]
-
-
-def _stage(secs, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
+def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
            memory_bytes: int):
-    """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm + 2/3
-    of the loss: what bucketed DP reduction hides behind), memory bytes, fits in
-    ``memory_bytes``) of stage ``i``; with solver rounding the bytes are KiB times 1024."""
-    pre, lay, post = secs
-    p, d, n = cfg.pp, cfg.dp, sp.layers
+    """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm: what
+    bucketed DP reduction hides behind), memory bytes, fits in ``memory_bytes``) of
+    pipeline rank ``i``; with solver rounding the bytes are KiB times 1024 and the check is
+    the CP-SAT row (:func:`~autopar.planner.step.scaled_memory`)."""
+    pre, lay, post = sections
+    p, n = cfg.pp, sp.layers
     first, last = i == 0, i == p - 1
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
     t += first * pre["time_s"] + last * post["time_s"]
     bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * post["bwd_s"]
-    pkey, ukey = ("params_p1", "param_units_p1") if p == 1 else ("params", "param_units")
+    once = counts_tied_weight_once(p)
+    pkey, ukey = ("params_p1", "param_units_p1") if once else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
-    inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
-                                       cfg.virtual_stages)  # interleaved: fractional
     if rounding == "predict":
+        inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
+                                           cfg.virtual_stages)  # interleaved: fractional
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
-        extra = lay["act_bytes"] + last * post["act_bytes"]
-        mem = params * bytes_per_param(zero, d, cfg.dtype) + inflight * act + extra
+        states = model_state_bytes_by_kind(params, zero, cfg)
+        mem = sum(states.values()) + (inflight * act + last * post["act_bytes"] + lay["act_bytes"])
         return t, params, bwd, mem, mem <= memory_bytes
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
-    extra = lay["act_kib"] + last * post["act_kib"]
-    v = cfg.virtual_stages  # times d·v, exact integers as in StageModel.add_memory
-    mem_dv = v * round(bytes_per_param(zero, d, cfg.dtype) * d) * units \
-        + d * (round(inflight * v) * act + v * extra)
-    return t, params, bwd, mem_dv / (d * v) * KIB, mem_dv <= memory_bytes // KIB * d * v
+    working = lay["act_kib"] + last * post["act_kib"]
+    mem_dv = scaled_memory(cfg, i, state_kib_times_d(zero, cfg) * units, act, working)
+    return (t, params, bwd, mem_dv / (cfg.dp * cfg.virtual_stages) * KIB,
+            mem_dv <= scaled_memory_limit(memory_bytes, cfg))
 
 
-def price(secs, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
+def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
           rounding: str = "predict") -> tuple[float, list[float], bool]:
-    """Predicted step time (seconds, as :func:`autopar.planner.predict.predict`), memory bytes per
-    stage and whether every stage fits, from the section vectors alone (no graph walk)."""
-    per = [_stage(secs, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
+    """Predicted step time (seconds, as :func:`autopar.planner.predict.predict`), memory
+    bytes per stage and whether every stage fits, from the section vectors alone (no graph
+    walk; the per-step arithmetic is :func:`autopar.planner.step.step_time_s`)."""
+    per = [_stage(sections, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
            for i, sp in enumerate(stages)]
     times, params, bwds, mems, fits = zip(*per)
-    return _step_time(times, params, bwds, tables, cluster, cfg, zero), list(mems), all(fits)
+    return step_time_s(times, params, bwds, tables, cluster, cfg, zero)[0], list(mems), all(fits)
 
 
-def _step_time(times, params, bwds, tables, cluster, cfg: Config, zero: int) -> float:
-    """Pipeline + DP reduction not hidden behind the last backward + optimizer step,
-    seconds (as predict)."""
-    pipe = pipeline_step_time_s(times, cfg.num_micro_batches, cfg.schedule,
-                                cfg.virtual_stages, tables.p2p_s)
-    per_param = dp_comm_s_per_param(zero, cluster, cfg)
-    dp_s = max(max(0.0, per_param * pa - bw) for pa, bw in zip(params, bwds))
-    opt_s = max(compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM * pa / (cfg.dp if zero else 1),
-                                            cluster.device) for pa in params)
-    return pipe + dp_s + opt_s
-
-
-def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
+def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
     """(stage time, parameters, backward seconds, StagePlan, pairs tried) of the feasible
     (full, selective) recompute counts of least stage time; the first four None if none fits."""
     best, tried = (None, None, None, None), 0
@@ -293,7 +278,7 @@ def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
                 continue
             sp = StagePlan(n, rf, rs)
             tried += 1
-            t, pa, bwd, _, ok = _stage(secs, tables, cfg, i, sp, zero, rounding, memory_bytes)
+            t, pa, bwd, _, ok = _stage(sections, tables, cfg, i, sp, zero, rounding, memory_bytes)
             if ok and (best[0] is None or t < best[0]):
                 best = (t, pa, bwd, sp)
     return (*best, tried)
@@ -302,22 +287,22 @@ def _best_stage(secs, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
 def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, rounding):
     """((step time, sections, stage plans, zero stage) | None, plans covered) for ``cfg``;
     plans covered counts every (sections, ZeRO, split, per-stage recompute) combination."""
-    groups, splits = tied_groups(traced), stage_splits(traced.num_layers, cfg.pp,
-                                                                  cfg.virtual_stages)
+    groups = tied_groups(traced)
+    splits = stage_splits(traced.num_layers, cfg.pp, cfg.virtual_stages)
     best, covered = None, 0
-    for secs in itertools.product(*options):
-        if not _ties_agree(*secs, groups=groups):
+    for sections in itertools.product(*options):
+        if not ties_agree(*sections, groups=groups):
             continue
         for zero, split in itertools.product(zero_stages, splits):
-            stages = [_best_stage(secs, tables, cfg, i, n, zero, modes, rounding,
+            stages = [_best_stage(sections, tables, cfg, i, n, zero, modes, rounding,
                                   cluster.device.memory_bytes) for i, n in enumerate(split)]
             covered += math.prod(s[4] for s in stages)
             if any(s[0] is None for s in stages):
                 continue
             times, params, bwds, plans, _ = zip(*stages)
-            step = _step_time(times, params, bwds, tables, cluster, cfg, zero)
+            step = step_time_s(times, params, bwds, tables, cluster, cfg, zero)[0]
             if best is None or step < best[0] * (1 - 1e-12):
-                best = (step, secs, list(plans), zero)
+                best = (step, sections, list(plans), zero)
     return best, covered
 
 
@@ -336,14 +321,17 @@ class ExhaustiveResult:
 
 
 def config_options(traced, strategies, tables, prune: bool = True):
-    """(pre, layer, post) Pareto options of one config's TP assignments."""
+    """(pre, layer, post) Pareto options of one config's TP assignments (each section given
+    as names, the boundary node feeding it, and whether its output must be replicated)."""
     sections = ((traced.pre, None, True), (traced.layers[0], traced.pre[-1], True),
-                (traced.post, traced.layers[-1][-1], False))  # (names, boundary, R output)
+                (traced.post, traced.layers[-1][-1], False))
     return tuple(section_options(traced, strategies, tables, *s, prune) for s in sections)
 
 
-def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -> Decision:
-    chosen = {**secs[0].choice, **secs[1].choice, **secs[2].choice}
+def decision_of(traced, cfg, sections, stages: list[StagePlan], zero, step, elapsed) -> Decision:
+    """The Decision of one priced plan: (pre, layer, post) ``sections`` options on ``cfg``,
+    per-rank ``stages``, ZeRO stage, step time and wall seconds (as the CP-SAT readback)."""
+    chosen = {**sections[0].choice, **sections[1].choice, **sections[2].choice}
     mapping = template_map(traced)
     bounds, recompute = stage_bounds_and_recompute(
         [sp.layers for sp in stages], [(sp.full, sp.selective) for sp in stages],
@@ -353,27 +341,27 @@ def _decision(traced, cfg, secs, stages: list[StagePlan], zero, step, elapsed) -
 
 
 def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
-                      layout: Layout | None = None,
-                      support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      layout: Layout | None = None, support: RuntimeSupport | None = RUNTIME_SUPPORT,
                       rounding: str = "predict") -> ExhaustiveResult:
-    """The fastest plan over every config and every plan of each (see the module docstring)."""
+    """The fastest plan over every config and every plan of each (see the module docstring).
+    Raises ValueError for an unknown ``rounding`` or a layout :func:`validate_layout` rejects."""
     if rounding not in ("predict", "solver"):
         raise ValueError(f"rounding must be 'predict' or 'solver', got {rounding!r}")
     start, layout = time.perf_counter(), layout or Layout()
     validate_layout(traced, cluster, layout, global_batch_size)
     modes = (layout.recompute,) if layout.recompute else \
-        (support.recompute if support else ("none", "selective", "full"))
+        (support.recompute if support else RECOMPUTE_MODES)
     cache: dict = {}
     best, seen, priced = None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
         strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # what node and edge costs depend on
+        # node and edge costs depend on these only
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
-        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key],
-                                    zero_choices(layout, support, cfg.pp), modes,
-                                    rounding)
+        zeros = zero_choices(layout, support, cfg.pp)
+        found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zeros, modes, rounding)
         priced += n
         seen.append({"layout": cfg, "step_time_s": found[0] if found else None})
         if found and (best is None or found[0] < best[0][0] * (1 - 1e-12)):
@@ -381,8 +369,8 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     elapsed = time.perf_counter() - start
     if best is None:
         return ExhaustiveResult(None, math.inf, None, None, seen, priced, elapsed)
-    (step, secs, stages, z), cfg, tables, strategies = best
-    return ExhaustiveResult(_decision(traced, cfg, secs, stages, z, step, elapsed), step,
+    (step, sections, stages, z), cfg, tables, strategies = best
+    return ExhaustiveResult(decision_of(traced, cfg, sections, stages, z, step, elapsed), step,
                             tables, strategies, seen, priced, elapsed)
 
 
@@ -392,8 +380,6 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
     """The optimal Plan of the search space of :func:`autopar.plan`, by exhaustion; its
     ``predicted`` comes from :func:`autopar.planner.predict.predict`. Raises InfeasibleError when
     no plan fits in memory."""
-    from autopar.api import plan_from_search
-
     traced = trace_model(model, seq_len, name=model_name)
     res = exhaustive_search(traced, cluster, global_batch_size, layout, support, rounding)
     if res.decision is None:
@@ -401,6 +387,6 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
                               f"GiB per GPU (exhaustive check, {res.plans_covered} plans covered)")
     seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"], "reason": "",
              "feasible": s["step_time_s"] is not None} for s in res.seen]
-    result = SearchResult(res.decision, res.tables, res.strategies, seen, res.solve_time_s)
-    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
-                            seq_len=seq_len, model_name=model_name, layout=layout or Layout())
+    return plan_from_decision(traced, model, cluster, res.decision, res.tables, res.strategies,
+                              global_batch_size=global_batch_size, seq_len=seq_len,
+                              model_name=model_name, seen=seen, solve_time_s=res.solve_time_s)

@@ -55,6 +55,7 @@ from cost_models.hardware import Cluster
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.models import GPT, GPTConfig
 from autopar.placement import REPLICATE, format_strategy_key
+from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.strategies import node_strategies, strategies_by_key
 from autopar.graph.capture import trace_model
 
@@ -244,8 +245,8 @@ def layer_activation_expr(model: ModelSource = GPT, *, tp_symbolic: bool = True,
         built with ``dropout``. recompute: "none" | "selective" (attention core dropped)
         | "full" (the layer input only). With ``tp_symbolic=False``, t = 1.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     factory, template = _source(model, dropout)
     placements = planned_placements(factory, template)
     monomials = fit_monomials(lambda p: _layer_bytes(factory, template, placements, p),
@@ -277,8 +278,8 @@ def model_flops_expr(model: ModelSource = GPT, *, recompute: str = "full",
     section 5.1: backward = 2 × forward, full recompute = one more forward of each layer).
     recompute: "full" | "none" ("selective" counts like "none": its recomputed attention
     core is hardware work, not model FLOPs, as in Korthikanti et al. 2022)."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     factory, template = _source(model, dropout)
     monomials = fit_monomials(lambda p: _matmul_flops(factory, template, p),
                               _FLOPS_BASE, _FLOPS_CHECK)

@@ -26,7 +26,7 @@ from cost_models.hardware import Cluster
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
-__all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "f_cost",
+__all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
            "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
 
 LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
@@ -139,7 +139,7 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     ((m + 1)/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`) all-gathers the
     parameters in forward and again in backward and reduce-scatters the gradients in every
     micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per micro-batch, 1.5·m per step,
-    the counts ``predict._dp_comm_bytes`` predicts in bytes (there the root unit, kept
+    the counts :func:`autopar.planner.comm_bytes.dp_comm_bytes` predicts in bytes (there the root unit, kept
     gathered through backward, saves one all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
         return 0.0
@@ -189,8 +189,14 @@ def _loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: 
                         core_fwd_s=0.0)
 
 
-def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
-               act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
+def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
+              act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
+    """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
+    (linear, attention) at the calibrated matmul rate, attention's softmax passes over the
+    s×s scores (``attention="math"``) and every other op memory-bound over its ``in_numel``
+    input and output elements of ``act_bytes`` bytes, plus the device's per-op overhead;
+    backward = 2 × forward (Narayanan et al. 2021, section 5.1); saved bytes divided by t
+    when the output is sharded. ``b``: micro-batch size (per-sequence nodes scale by it)."""
     dev = cluster.device
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
@@ -216,7 +222,9 @@ def _node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_nume
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
                 cfg: Config) -> CostTables:
-    """Price every node strategy and every edge transition for ``cfg`` on ``cluster``."""
+    """Price every node strategy and every edge transition for ``cfg`` on ``cluster``:
+    seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
+    :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point)."""
     b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
     tp_link = comm.group_link(cluster, tp, 1)
     node_tab: dict[str, list[StrategyCost]] = {}
@@ -228,7 +236,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
         info = nodes[node.name]
         ins = tensor_inputs(node, nodes)
         in_numel = sum(nodes[n.name].numel for n in ins)
-        node_tab[node.name] = [_node_cost(info, s, b, cluster, tp, in_numel, cfg.activation_bytes,
+        node_tab[node.name] = [node_cost(info, s, b, cluster, tp, in_numel, cfg.activation_bytes,
                                           cfg.attention)
                                for s in strategies[node.name]]
         for j, src in enumerate(ins):

@@ -8,15 +8,16 @@ against this independent sum (tests do).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 from cost_models.memory import in_flight_micro_batches
-from cost_models.pipeline import pipeline_step_time_s
 
-from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param, state_bytes
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.plan import COMM_KINDS, Prediction, rank_layers
+from autopar.plan import Prediction, rank_layers
+from autopar.planner.comm_bytes import stage_stats
+from autopar.planner.cost_tables import CostTables, f_cost
+from autopar.planner.step import (counts_tied_weight_once, model_state_bytes_by_kind, step_time_s,
+                                  tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 
 __all__ = ["section_cost", "predict"]
@@ -85,12 +86,14 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     return out
 
 
-def _stage(traced, strategies, tables, choice, layers, recompute, i, p):
-    """One stage's summed costs, recompute seconds, kept activations per micro-batch in
-    flight, activations held once (the last stage's head and loss) and the working set
-    of the layer being run (recomputed layers rebuild their activations)."""
+def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p):
+    """Pipeline rank i's summed costs, recompute seconds, kept activations per micro-batch
+    in flight, activations held once (the last rank's head and loss), the working set of
+    the layer being run (recomputed layers rebuild their activations) and the section costs
+    of its fully recomputed layers."""
     total: dict[str, float] = defaultdict(float)
     rec_s = act = held = working = 0.0
+    full_layers = []
     for l in layers:
         layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
         for key, val in layer.items():
@@ -99,55 +102,55 @@ def _stage(traced, strategies, tables, choice, layers, recompute, i, p):
         if mode == "full":
             rec_s += layer["rec_fwd_s"]
             act += tables.full_ckpt_bytes
+            full_layers.append(layer)
         elif mode == "selective":
             rec_s += layer["core_fwd_s"]
             act += layer["act_bytes"] - layer["core_act_bytes"]
         else:
             act += layer["act_bytes"]
         working = max(working, layer["act_bytes"])
-    for sec, on in (("pre", i == 0), ("post", i == p - 1)):
+    for section, on in (("pre", i == 0), ("post", i == p - 1)):
         if on:
-            s = section_cost(traced, strategies, tables, choice, getattr(traced, sec))
-            for key, val in s.items():
+            cost = section_cost(traced, strategies, tables, choice, getattr(traced, section))
+            for key, val in cost.items():
                 total[key] += val
-            if sec == "pre":
-                act += s["act_bytes"]
+            if section == "pre":
+                act += cost["act_bytes"]
             else:
-                held += s["act_bytes"]  # the head and the loss, once (the output node)
-    if p == 1:  # the tied weight is one tensor when both ends share a stage
-        total["params"] -= _tied_numel(traced, tables, choice)
-    return total, rec_s, act, held, working
-
-
-def _tied_numel(traced, tables, choice) -> float:
-    from autopar.planner.strategies import tied_groups
-
-    return sum(tables.node[g[-1]][choice[g[-1]]].param_numel for g in tied_groups(traced)
-               if g[-1] in traced.post)
+                held += cost["act_bytes"]  # the head and the loss, once (the output node)
+    if counts_tied_weight_once(p):  # the tied weight is one tensor when both ends share a rank
+        total["params"] -= tied_param_numel(traced, tables, choice)
+    return total, rec_s, act, held, working, full_layers
 
 
 def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables, cluster,
             decision, *, global_batch_size: int) -> Prediction:
-    """Predicted step time, throughput, per-stage memory and per-stage step statistics."""
+    """The :class:`~autopar.plan.Prediction` of ``decision`` (a
+    :class:`~autopar.planner.decision.Decision` on ``tables.config``): step time (s),
+    throughput (TFLOP/s per GPU, MFU, HFU over ``cluster``'s peak), memory per pipeline rank
+    by kind (bytes) and what each rank should measure (:mod:`autopar.planner.comm_bytes`).
+    Per-rank sums come from walking every layer (:func:`section_cost`); the per-step
+    arithmetic is :mod:`autopar.planner.step`'s. Raises ValueError when the decision's
+    placements ask for a transition the strategies do not offer."""
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches
     stage_t, mem, parts, stats = [], [], [], []
     for i in range(p):  # pipeline rank i runs the layers of its v chunks
         layers = rank_layers(decision.stage_layers, p, i)
-        total, rec_s, act, held, working = _stage(traced, strategies, tables, decision.strategy,
-                                                  layers, decision.recompute, i, p)
+        total, rec_s, act, held, working, full_layers = _rank_costs(
+            traced, strategies, tables, decision.strategy, layers, decision.recompute, i, p)
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
-        mem.append(_memory(total["params"], saved + working, decision.zero_stage, cfg))
+        mem.append({**model_state_bytes_by_kind(total["params"], decision.zero_stage, cfg),
+                    "activations": saved + working})
         parts.append((total, rec_s, total["params"]))
-        stats.append(_stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved))
-    pipe = pipeline_step_time_s(stage_t, m, cfg.schedule, cfg.virtual_stages, tables.p2p_s)
-    # bucketed DP reduction overlaps the backward of the stage's last micro-batch
-    dp_s = max(max(0.0, dp_comm_s_per_param(decision.zero_stage, cluster, cfg) * pt[2]
-                   - pt[0]["bwd_s"] - pt[0]["tp_bwd_s"]) for pt in parts)
-    opt_s = max(optimizer_s_per_param(decision.zero_stage, cluster, cfg) * pt[2] for pt in parts)
-    step = pipe + dp_s + opt_s
+        stats.append(stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved,
+                                 full_layers))
+    # bucketed DP reduction overlaps the backward (compute + TP comm) of the last micro-batch
+    step, pipe, dp_s, opt_s = step_time_s(
+        stage_t, [pt[2] for pt in parts], [(pt[0]["bwd_s"], pt[0]["tp_bwd_s"]) for pt in parts],
+        tables, cluster, cfg, decision.zero_stage)
     for st in stats:
         st["step_time_s"] = step
     slow = max(range(p), key=lambda i: stage_t[i])
@@ -171,151 +174,6 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         peak_memory_bytes=max(sum(s.values()) for s in mem), memory_bytes_by_stage=mem,
         time_s_by_kind=breakdown, comm_bytes_by_kind=stats[slow]["comm_bytes"],
         stage_time_s=stage_t, solve_time_s=decision.solve_time_s, stage_stats=stats)
-
-
-def _memory(params: float, activations: float, zero: int, cfg) -> dict[str, float]:
-    """Bytes per GPU by kind; ZeRO shards optimizer states (>=1), gradients (>=2) and
-    parameters (3) over d (Rajbhandari et al. 2020, Fig. 1)."""
-    pb, gb, ob = state_bytes(cfg.dtype)
-    d = cfg.dp
-    return {"parameters": params * pb / (d if zero >= 3 else 1),
-            "gradients": params * gb / (d if zero >= 2 else 1),
-            "optimizer_states": params * ob / (d if zero >= 1 else 1),
-            "activations": activations}
-
-
-def _stage_stats(traced, strategies, tables, decision, i: int, total, mem, saved) -> dict:
-    """What stage i's ranks should measure in one step (``last_step_stats`` keys):
-    payload bytes per collective kind, model-state bytes, peak saved-activation bytes."""
-    cfg = tables.config
-    p, m = cfg.pp, cfg.num_micro_batches
-    comm = dict.fromkeys(COMM_KINDS, 0.0)
-    comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
-    comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
-    comm["tp_reduce_scatter"] = m * (total["tp_reduce_scatter"] + total["fwd_tp_reduce_scatter"])
-    for l in rank_layers(decision.stage_layers, p, i):  # full recompute: forward comm again
-        if decision.recompute[l] == "full":
-            layer = section_cost(traced, strategies, tables, decision.strategy, traced.layers[l])
-            for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"):
-                comm[kind] += m * layer[f"rec_fwd_{kind}"]
-    # activations forward, their gradients backward, at every chunk cut of this rank;
-    # a cut whose activation is sharded over TP (sequence parallelism) sends the shard
-    n = len(decision.stage_layers)
-    mine = [c for c in range(n) if c % p == i]
-    cuts = [decision.stage_layers[c][1] - 1 for c in mine if c < n - 1] + \
-        [decision.stage_layers[c][0] - 1 for c in mine if c > 0]
-    comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
-                             for l in cuts)
-    param_b, grad_b, _ = state_bytes(cfg.dtype)
-    if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
-        names = [n for l in rank_layers(decision.stage_layers, p, i) for n in traced.layers[l]]
-        names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])
-        sizes = _partial_grad_param_sizes(traced, strategies, decision.strategy, names)
-        if decision.zero_stage == 3:  # once per step, on the fp32 DP shards FSDP2 keeps
-            comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
-        else:  # ZeRO-2 frees the gradients after each micro-batch
-            times = m if decision.zero_stage == 2 else 1
-            comm["tp_all_reduce"] += times * grad_b * sum(sizes)
-    comm.update(_dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
-                               _fsdp_units(traced, strategies, decision, cfg)))
-    if p > 1 and i in (0, p - 1):
-        comm["other"] += grad_b * _tied_numel(traced, tables, decision.strategy)
-    if i == p - 1 and cfg.dp > 1:
-        comm["dp_all_reduce"] += 8.0  # the step's mean loss (float64) over DP
-    comm["other"] += 8.0 * (p > 1)  # ... broadcast from the last stage
-    return {"comm_bytes": comm, "model_state_bytes": mem["parameters"] + mem["gradients"]
-            + mem["optimizer_states"], "saved_activation_bytes": saved}
-
-
-def _shards(traced, strategies, decision, layer: int, tp: int) -> int:
-    """t when the activation leaving ``layer`` (its last node) is sharded over TP, else 1."""
-    name = traced.layers[layer][-1]
-    return tp if strategies[name][decision.strategy[name]].output.is_sharded else 1
-
-
-def _partial_grad_param_sizes(traced, strategies, choice, names: list[str]) -> list[int]:
-    """Elements of each replicated parameter that ``names`` use on sequence shards, whose
-    gradients the runtime all-reduces over TP: LayerNorm on a shard, and the bias of a row
-    Linear whose partial output is reduce-scattered (``TPRewrite.partial_grad_params``)."""
-    graph = {n.name: n for n in traced.gm.graph.nodes}
-    sizes: list[int] = []
-    for name in names:
-        info, strat = traced.nodes[name], strategies[name][choice[name]]
-        params = info.extra.get("param_sizes", {})
-        if strat.name == "sharded":
-            sizes += [int(n) for n in params.values()]
-        elif strat.output.is_partial:
-            to_shard = any(strategies[u.name][choice[u.name]].inputs[j].is_sharded
-                           for u in graph[name].users
-                           for j, src in enumerate(tensor_inputs(u, traced.nodes)) if src.name == name)
-            sizes += [int(n) for key, n in params.items() if key.endswith("bias") and to_shard]
-    return sizes
-
-
-def _dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int,
-                   units: tuple[list[int], int] | None = None) -> dict[str, float]:
-    """DP payload bytes per step of :class:`autopar.runtime.zero.DistributedOptimizer` for a
-    stage of ``params`` parameters: ZeRO-0 all-reduces the gradients; ZeRO-1 reduce-scatters
-    them once (ZeRO-2 after each of the m micro-batches) over a buffer padded to a multiple
-    of d, and all-gathers this rank's 1/d of the updated parameters.
-
-    ZeRO-3 (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, FSDP2) needs ``units``
-    from :func:`_fsdp_units`: (S_l per layer unit, S_root), the elements one rank
-    all-gathers per unit. Per micro-batch every layer unit is all-gathered twice (forward,
-    and backward after its reshard), the root once (kept through backward), and every
-    unit's padded gradient (d * S_u elements) reduce-scattered once:
-    all-gather = m * param_b * (2 * sum(S_l) + S_root), reduce-scatter =
-    m * grad_b * d * (sum(S_l) + S_root)."""
-    d = cfg.dp
-    if d == 1:
-        return {}
-    if zero == 3:
-        layers, root = units
-        m = cfg.num_micro_batches
-        return {"dp_all_gather": m * param_b * (2 * sum(layers) + root),
-                "dp_reduce_scatter": m * grad_b * d * (sum(layers) + root)}
-    if zero == 0:
-        return {"dp_all_reduce": grad_b * params}
-    padded = math.ceil(round(params) / d) * d
-    times = cfg.num_micro_batches if zero == 2 else 1
-    return {"dp_reduce_scatter": times * grad_b * padded, "dp_all_gather": param_b * padded / d}
-
-
-def _fsdp_units(traced: TracedModel, strategies: NodeStrategies, decision, cfg
-                ) -> tuple[list[int], int] | None:
-    """ZeRO-3 only (else None): elements one DP rank all-gathers for each FSDP2 unit of a
-    pp == 1 stage, as :mod:`autopar.runtime.fsdp` groups them: one unit per layer, the root
-    holding the pre and post sections (the tied weight once). Each parameter is sharded
-    by FSDP2 along dim 0, padded to a multiple of d: its shard is ceil(dim0/d) * numel/dim0
-    elements of its TP-local shape (column/vocab split dim 0 by t, row splits the weight's
-    dim 1 and keeps the bias whole, as ``rewrite.tensor_parallel`` does)."""
-    if decision.zero_stage != 3:
-        return None
-    d, t = cfg.dp, cfg.tp
-    seen: set[tuple[str, int | None]] = set()
-
-    def shard_numel(names: list[str]) -> int:
-        total = 0
-        for name in names:
-            info, strat = traced.nodes[name], strategies[name][decision.strategy[name]]
-            for pname in info.params:
-                shape = list(traced.gm.get_parameter(pname).shape)
-                dim = None
-                if (strat.name, info.kind) in (("column", "linear"), ("vocab", "embedding")):
-                    dim = 0
-                elif (strat.name, info.kind) == ("row", "linear") and not pname.endswith("bias"):
-                    dim = 1
-                if (pname, dim) in seen:  # a tied parameter is one tensor
-                    continue
-                seen.add((pname, dim))
-                if dim is not None:
-                    shape[dim] //= t
-                rows = shape[0] if shape else 1
-                total += -(-rows // d) * math.prod(shape[1:])
-        return total
-
-    layers = [shard_numel(names) for names in traced.layers]
-    return layers, shard_numel(traced.pre + traced.post)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

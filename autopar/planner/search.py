@@ -11,13 +11,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.cost_tables import Config, bytes_per_param, cost_tables, node_cost
 from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout
 from autopar.planner.predict import predict
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, interleaving_problem
-from autopar.planner.cpsat import Decision, InfeasibleError, StageModel, template_map
-from autopar.planner.strategies import node_strategies
+from autopar import support as support_rules
+from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+from autopar.planner.cpsat import ConfigModel, template_map
+from autopar.planner.decision import Decision, InfeasibleError
+from autopar.planner.strategies import node_strategies, tensor_inputs
 
 __all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
 
@@ -28,11 +31,9 @@ MAX_MICRO_BATCH_SIZE = 8
 CUTOFF_SLACK = 0.01
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def _heads(traced: TracedModel) -> int | None:
+    """Attention heads a of the traced model (dim 1 of its attention's output), None if it
+    has no attention node."""
     for n in traced.layers[0] if traced.layers else []:
         info = traced.nodes[n]
         if info.kind == "sdpa":
@@ -41,32 +42,12 @@ def _heads(traced: TracedModel) -> int | None:
 
 
 def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
-    """One validator for parallel degrees; messages say what to change (ValueError)."""
-    n = cluster.num_gpus
-    heads, L = _heads(traced), traced.num_layers
-    if layout.tp is not None:
-        if heads is not None and heads % layout.tp:
-            ok = [t for t in _divisors(heads) if t <= cluster.gpus_per_node]
-            raise ValueError(f"{heads} attention heads are not divisible by tp={layout.tp}; "
-                             f"choose tp in {ok}")
-    if layout.pp is not None and layout.pp > L:
-        raise ValueError(f"pp={layout.pp} exceeds the model's {L} layers; choose pp <= {L}")
-    fixed = [v for v in (layout.tp, layout.pp, layout.dp) if v is not None]
-    prod = 1
-    for v in fixed:
-        prod *= v
-    if len(fixed) == 3 and prod != n:
-        raise ValueError(f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {prod} but the "
-                         f"cluster has {n} GPUs; make the product equal {n}")
-    if n % prod:
-        raise ValueError(f"the fixed degrees multiply to {prod}, which does not divide the "
-                         f"{n} GPUs of the cluster")
-    if layout.dp is not None and layout.micro_batch_size is not None and \
-            global_batch_size % (layout.dp * layout.micro_batch_size):
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
-                         f"dp*micro_batch_size = {layout.dp}*{layout.micro_batch_size}")
-    if layout.dp is not None and global_batch_size % layout.dp:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by dp={layout.dp}")
+    """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
+    saying what to change)."""
+    support_rules.validate_layout(layout, num_gpus=cluster.num_gpus,
+                                  gpus_per_node=cluster.gpus_per_node, heads=_heads(traced),
+                                  num_layers=traced.num_layers,
+                                  global_batch_size=global_batch_size)
 
 
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
@@ -74,10 +55,11 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
 
     Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
-    Interleaved configs take each v >= 2 the runtime declares (or the layout's v) that
-    :func:`~autopar.support.interleaving_problem` accepts (pp > 1, L % (pp·v) == 0,
-    m % pp == 0); every other schedule gets v = 1. ``support`` None (evaluating a hand
-    layout): the layout's schedule and v, checked by the same rule.
+    Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
+    other schedule gets v = 1; a (schedule, p, m, v) is kept when
+    :func:`~autopar.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
+    pp > 1, L % (pp·v) == 0, m % pp == 0). ``support`` None (evaluating a hand layout): the
+    layout's schedule and v, checked by the same rule.
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
     interleave = support is not None and "interleaved_1f1b" in support.schedules
@@ -85,17 +67,17 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
         (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
          ["1f1b"] + ["interleaved_1f1b"] * interleave)
     out = []
-    for tp in _divisors(n):
+    for tp in divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
             continue
-        for pp in _divisors(n // tp):
+        for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
                 continue
             if global_batch_size % dp:
                 continue
             per_replica = global_batch_size // dp
-            for mbs in _divisors(per_replica):
+            for mbs in divisors(per_replica):
                 if layout.micro_batch_size not in (None, mbs) or (
                         layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
                     continue
@@ -103,9 +85,9 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 for sched in schedules:
                     if support and sched not in support.schedules:
                         continue
-                    if sched != "gpipe" and pp > 1 and m < pp:
-                        continue
                     for v in _virtual_stages(sched, layout, support, L, pp, m):
+                        if pipeline_problem(sched, pp, m, L, v):
+                            continue
                         out.append(Config(tp, pp, dp, mbs, m, sched, v,
                                           layout.dtype or cluster.dtype, cluster.attention,
                                           bool(layout.sequence_parallel) and tp > 1))
@@ -118,12 +100,11 @@ def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | Non
     if schedule != "interleaved_1f1b":
         return (1,) if (layout.virtual_stages or 1) == 1 else ()
     if layout.virtual_stages is not None or support is None:
-        v = layout.virtual_stages or 2
-        return (v,) if interleaving_problem(L, pp, v, m) is None else ()
+        return (layout.virtual_stages or 2,)
     return support.virtual_stages_for(schedule, L, pp, m)
 
 
-def _lower_bound_s(traced: TracedModel, cluster, cfg: Config, layer_s: float) -> float:
+def _lower_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
     """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
     ``layer_s`` (every node at its cheapest strategy, communication free), so
     (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved, the fill and drain
@@ -137,9 +118,6 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
     tp, mbs = cfg.tp, cfg.micro_batch_size
     key = (tp, mbs, cfg.dtype, cfg.sequence_parallel)
     if key not in cache:
-        from autopar.planner.cost_tables import _node_cost
-        from autopar.planner.strategies import node_strategies, tensor_inputs
-
         strategies = node_strategies(traced, tp, cfg.sequence_parallel)
         layer = set(traced.layers[0])
         total = 0.0
@@ -149,7 +127,7 @@ def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) ->
             info = traced.nodes[node.name]
             in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
             total += min(c.fwd_s + c.bwd_s for c in (
-                _node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
+                node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
                 for st in strategies[node.name]))
         cache[key] = total
     return cache[key]
@@ -159,8 +137,6 @@ def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> 
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
-    from autopar.planner.cost_tables import bytes_per_param
-
     states = traced.total_params() / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
@@ -184,22 +160,26 @@ def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tup
     ``pp`` stages (support None: every stage the cost model prices, for evaluation)."""
     if layout.zero_stage is not None:
         return (layout.zero_stage,)
-    return support.zero_stages_for(pp) if support else (0, 1, 2, 3)
+    return support.zero_stages_for(pp) if support else ZERO_STAGES
 
 
-def solve_one(traced, cluster, cfg: Config, global_batch_size: int, layout: Layout,
-              support: RuntimeSupport | None, mapping, time_limit_s: float = 1.0,
-              even_stages: bool = False, cutoff_s: float | None = None):
-    """Solve one Config; returns (Decision | None, status name, tables, strategies)."""
+def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
+              mapping, time_limit_s: float = 1.0, even_stages: bool = False,
+              cutoff_s: float | None = None):
+    """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
+    ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
+    seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`.
+    Returns (Decision | None, CP-SAT status name, tables, strategies): None unless the
+    status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not proven optimal)."""
     from ortools.sat.python import cp_model
 
     strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
     tables = cost_tables(traced, strategies, cluster, cfg)
     zero = zero_choices(layout, support, cfg.pp)
-    modes = support.recompute if support else ("none", "selective", "full")
-    model = StageModel(traced, strategies, tables, cluster, zero_stages=zero,
-                       recompute_modes=modes, fixed_recompute=layout.recompute,
-                       even_stages=even_stages)
+    modes = support.recompute if support else RECOMPUTE_MODES
+    model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
+                        recompute_modes=modes, fixed_recompute=layout.recompute,
+                        even_stages=even_stages)
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
         model.add_cutoff(cutoff_s)
@@ -214,7 +194,14 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
            support: RuntimeSupport | None = RUNTIME_SUPPORT,
            even_stages: bool = False,
            progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
-    """Branch and bound over configs; raises InfeasibleError when nothing fits.
+    """Branch and bound over the configs of :func:`candidate_configs` for ``traced`` on
+    ``cluster`` with B = ``global_batch_size``: configs in order of a compute lower bound
+    (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
+    CP-SAT with the best step time so far as cutoff, then priced by ``predict``.
+    ``even_stages``: layers split evenly as Megatron does (hand layouts).
+
+    Raises ValueError (:func:`validate_layout`, or no config fits the layout) and
+    InfeasibleError when nothing fits, saying per mesh shape what the search found.
 
     progress: called as ``progress(visited, total, best_step_time_s)`` before each of the
         ``total`` configs (mesh shape and micro-batch size) is solved or pruned, and once
@@ -231,10 +218,10 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
     cache: dict = {}
-    bound = {c: _lower_bound_s(traced, cluster, c, _min_layer_time_s(traced, cluster, c, cache))
+    bound = {c: _lower_bound_s(traced, c, _min_layer_time_s(traced, cluster, c, cache))
              for c in configs}
     configs.sort(key=bound.get)
-    best, best_t, best_tab, seen = None, float("inf"), None, []
+    best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
     for cfg in configs:
         if progress is not None:
             progress(len(seen), len(configs), best_t if best is not None else None)
@@ -252,15 +239,13 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                                    f"{cluster.device.memory_gib:.0f} GiB"})
             continue
         decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            traced, cluster, cfg, layout, support, mapping,
             even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK))
+        statuses[cfg] = status
         if decision is None:
-            beaten = best_t < float("inf")
-            seen.append({"layout": asdict(cfg), "step_time_s": None,
-                         "feasible": None if beaten else False,
-                         "reason": f"cannot beat the best plan ({best_t:.3f} s) within memory "
-                                   f"(CP-SAT {status})" if beaten else
-                                   f"no strategy fits device memory (CP-SAT {status})"})
+            feasible, reason = _unsolved(status, best_t)
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": feasible,
+                         "reason": reason})
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
@@ -276,7 +261,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                             seen, even_stages)
     elapsed = time.perf_counter() - start
     if best is None:
-        raise InfeasibleError(_infeasible_message(cluster, seen))
+        raise InfeasibleError(_infeasible_message(cluster, seen, statuses))
     return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
 
 
@@ -287,10 +272,11 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
     for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
         cfg = Config(**entry["layout"])
         decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, global_batch_size, layout, support, mapping,
+            traced, cluster, cfg, layout, support, mapping,
             even_stages=even_stages)
         if decision is None:
-            entry.update(feasible=False, reason=f"no strategy fits device memory (CP-SAT {status})")
+            feasible, reason = _unsolved(status, float("inf"))
+            entry.update(feasible=feasible, reason=reason)
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
@@ -299,11 +285,41 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
                      peak_memory_bytes=pred.peak_memory_bytes, reason="slower")
 
 
-def _infeasible_message(cluster, seen: list[dict]) -> str:
+def _unsolved(status: str, best_t: float) -> tuple[bool | None, str]:
+    """(feasible, reason) of a config CP-SAT returned no plan for: with a cutoff
+    (``best_t`` finite) INFEASIBLE means it cannot beat the best plan; without one only the
+    memory rows can fail (:mod:`autopar.planner.cpsat`). Any other status means CP-SAT
+    stopped at its time limit: not proven infeasible (feasible None), never "does not fit"."""
+    if status == "INFEASIBLE" and best_t < float("inf"):
+        return None, (f"cannot beat the best plan ({best_t:.3f} s) within memory "
+                      f"(CP-SAT {status})")
+    if status == "INFEASIBLE":
+        return False, ("no plan fits device memory (CP-SAT INFEASIBLE: memory[stage i] "
+                       "fails on some stage for every choice)")
+    return None, (f"CP-SAT stopped at its time limit without a plan (status {status}): "
+                  "not proven infeasible")
+
+
+def _infeasible_message(cluster, seen: list[dict], statuses: dict) -> str:
+    """Why no plan was found, per mesh shape: pruned by the memory lower bound, INFEASIBLE
+    for CP-SAT, or stopped at CP-SAT's time limit (then the message says so)."""
     bounds = [s["min_memory_bytes"] for s in seen if "min_memory_bytes" in s]
     need = (f"the most memory-frugal mesh shape needs at least {min(bounds) / 2**30:.2f} GiB per "
             "GPU" if bounds else "every mesh shape exceeds it once activations are counted")
+    found = []
+    if bounds:
+        found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
+                     f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
+                     f"{cluster.device.memory_gib:.1f} GiB)")
+    infeasible = sum(1 for s in statuses.values() if s == "INFEASIBLE")
+    if infeasible:
+        found.append(f"{infeasible} INFEASIBLE for CP-SAT (memory[stage i] fails on some "
+                     "pipeline stage for every strategy, split, recompute and ZeRO choice)")
+    stopped = len(statuses) - infeasible
+    if stopped:
+        found.append(f"{stopped} stopped at CP-SAT's time limit without a plan (not proven "
+                     "infeasible: a longer solve may find one)")
     return (f"no plan fits in {cluster.device.memory_gib:.1f} GiB per GPU "
-            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}; binding constraint: "
-            f"memory[stage 0] in all {len(seen)} mesh shapes. Use more GPUs, GPUs with more "
-            "memory, a smaller global batch or micro-batch, or allow ZeRO / recompute")
+            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}. Of the {len(seen)} "
+            f"mesh shapes: {'; '.join(found)}. Use more GPUs, GPUs with more memory, a "
+            "smaller global batch or micro-batch, or allow ZeRO / recompute")

@@ -51,9 +51,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FullyShardedOptimizer", "FULLY_SHARDED_STAGE", "layer_units", "full_tensor"]
+from autopar.support import FULLY_SHARDED_STAGE
 
-FULLY_SHARDED_STAGE = 3
+__all__ = ["FullyShardedOptimizer", "FULLY_SHARDED_STAGE", "layer_units", "full_tensor"]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

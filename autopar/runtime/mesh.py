@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar import support
+
 
 def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
     """Check that tp, pp, dp are positive ints whose product is ``world_size``.
@@ -24,15 +26,7 @@ def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
         ValueError: a degree is not a positive int, or tp*pp*dp != world_size (the
             message says how to launch or which plan to pass instead).
     """
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    n = tp * pp * dp
-    if n != world_size:
-        raise ValueError(
-            f"plan needs tp*pp*dp = N = {tp}*{pp}*{dp} = {n} GPUs but world size is {world_size}; "
-            f"launch torchrun with --nproc-per-node {n} or pass a plan for {world_size} ranks"
-        )
+    support.validate_degrees(tp, pp, dp, world_size)
 
 
 @dataclass(frozen=True)

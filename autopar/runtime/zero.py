@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistributedOptimizer", "EXECUTED_ZERO_STAGES"]
+from autopar.support import EXECUTED_ZERO_STAGES
 
-EXECUTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+__all__ = ["DistributedOptimizer", "EXECUTED_ZERO_STAGES"]
 
 
 class DistributedOptimizer:

@@ -21,13 +21,15 @@ import torch.nn as nn
 import autopar
 from autopar.placement import REPLICATE
 from autopar.planner.cost_tables import cost_tables
-from autopar.oracle.exhaustive import (StagePlan, _decision, _r_index, _ties_agree, config_options,
-                                exhaustive, exhaustive_search, price, stage_splits)
+from autopar.oracle.exhaustive import (StagePlan, config_options, decision_of, exhaustive,
+                                       exhaustive_search, price, replicated_index, stage_splits,
+                                       ties_agree)
 from autopar.models import GPT, GPTConfig
 from autopar.planner.predict import predict, section_cost
 from autopar.support import RuntimeSupport
 from autopar.planner.search import candidate_configs
-from autopar.planner.cpsat import Decision, template_map
+from autopar.planner.decision import Decision
+from autopar.planner.cpsat_terms import template_map
 from autopar.planner.strategies import (node_strategies, param_split, reshard_kinds, tensor_inputs,
                                 tied_groups)
 from autopar.graph.capture import trace_model
@@ -111,7 +113,7 @@ def test_pareto_options_cover_every_tp_assignment():
     strategies = node_strategies(traced, 2)
     tables = cost_tables(traced, strategies, cluster, cfg)
     boundaries = (traced.pre[-1], traced.layers[-1][-1])
-    r_out = {n: _r_index(strategies, n) for n in boundaries}  # the replicated layer inputs
+    r_out = {n: replicated_index(strategies, n) for n in boundaries}  # the replicated layer inputs
     sections = [(traced.pre, None, True), (traced.layers[0], boundaries[0], True),
                 (traced.post, boundaries[1], False)]
     for (names, boundary, replicated), options in zip(
@@ -151,7 +153,7 @@ def test_fast_pricing_equals_predict_on_random_plans():
         strategies = node_strategies(traced, cfg.tp)
         tables = cost_tables(traced, strategies, cluster, cfg)
         options = config_options(traced, strategies, tables)
-        secs = rng.choice([s for s in itertools.product(*options) if _ties_agree(*s, groups=groups)])
+        secs = rng.choice([s for s in itertools.product(*options) if ties_agree(*s, groups=groups)])
         stages = []
         for n in rng.choice(stage_splits(traced.num_layers, cfg.pp)):
             full = rng.randint(0, n)
@@ -159,7 +161,7 @@ def test_fast_pricing_equals_predict_on_random_plans():
         zero = rng.choice((0, 1, 2, 3))
         step, mem, _ = price(secs, tables, cluster, cfg, stages, zero)
         pred = predict(traced, strategies, tables, cluster,
-                       _decision(traced, cfg, secs, stages, zero, step, 0.0), global_batch_size=16)
+                       decision_of(traced, cfg, secs, stages, zero, step, 0.0), global_batch_size=16)
         assert step == pytest.approx(pred.step_time_s, rel=1e-12)
         assert mem == pytest.approx([sum(m.values()) for m in pred.memory_bytes_by_stage], rel=1e-12)
 
@@ -255,6 +257,6 @@ def test_cpsat_is_optimal_with_every_zero_stage(name):
     traced = trace_model(model, seq)
     result = search(traced, cluster, batch, autopar.Layout(), support)
     auto = plan_from_search(traced, model, cluster, result, global_batch_size=batch, seq_len=seq,
-                            model_name="m", layout=autopar.Layout())
+                            model_name="m")
     best = exhaustive_search(traced, cluster, batch, support=support, rounding="solver")
     assert auto.predicted.step_time_s == pytest.approx(best.step_time_s, rel=1e-3)

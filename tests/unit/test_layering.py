@@ -67,8 +67,6 @@ def test_cost_models_imports_without_torch_or_autopar():
     assert _under(_modules_after("import cost_models"), "torch", "autopar") == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: autopar/support.py imports autopar.runtime.fsdp "
-                   "and runtime.zero, so `import autopar` loads torch.distributed.fsdp - being fixed")
 def test_import_autopar_loads_no_fsdp_or_dtensor():
     loaded = _under(_modules_after("import autopar"), "torch.distributed.fsdp",
                     "torch.distributed.tensor")
@@ -85,8 +83,6 @@ autopar.plan(model, autopar.Cluster.local_cpu(processes=4), global_batch_size=8,
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: autopar/support.py (RUNTIME_SUPPORT, read by the "
-                   "planner) imports autopar.runtime.fsdp and runtime.zero - being fixed")
 def test_planner_loads_no_runtime_rewrite_or_oracle():
     """Planning gpt-tiny end to end loads no runtime, no rewrite, and no oracle (the oracle
     checks the planner and is never imported by plan())."""

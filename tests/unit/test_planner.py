@@ -92,7 +92,7 @@ def test_objective_equals_independent_prediction():
 
     cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8)
     decision, status, tables, strategies = solve_one(
-        traced, cluster, cfg, 32, autopar.Layout(), None, template_map(traced))
+        traced, cluster, cfg, autopar.Layout(), None, template_map(traced))
     pred = predict(traced, strategies, tables, cluster, decision, global_batch_size=32)
     assert status == "OPTIMAL"
     assert decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)

@@ -1,0 +1,113 @@
+"""Integer building blocks of the CP-SAT model (:mod:`autopar.planner.cpsat`).
+
+A section (pre, the template layer, post) collects, per quantity, linear terms
+``(coefficient, boolean variable)``: seconds already scaled to the model's time unit, memory
+in KiB, parameters in units of :data:`~autopar.planner.step.PARAM_UNIT`. :class:`SectionTerms`
+turns them into integer expressions (times rounded to the nearest unit so errors cancel;
+memory and parameters rounded up so a plan that fits really fits) and their upper bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ortools.sat.python import cp_model
+
+from autopar.graph.annotate import TracedModel
+from autopar.planner.step import PARAM_UNIT
+from autopar.planner.strategies import tied_groups
+
+__all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
+           "product_var", "tied_param_units", "solve_deterministic"]
+
+SECTIONS = ("pre", "layer", "post")
+TIME_KEYS = ("fwd", "bwd", "core", "rec")
+"""Per section: forward, backward, selective recompute (attention core forward), full
+recompute (forward up to the last saved tensor); the other keys are memory and parameters:
+"act" (saved activation KiB), "core_act" (the part selective recompute drops), "param"."""
+_KEYS = TIME_KEYS + ("act", "core_act", "param")
+
+
+class SectionTerms:
+    """Linear terms per section and quantity: ``terms[section][key] = [(coef, var), ...]``."""
+
+    def __init__(self) -> None:
+        self.terms = {section: {key: [] for key in _KEYS} for section in SECTIONS}
+
+    def add(self, section: str, key: str, coef: float, var) -> None:
+        """Add ``coef · var`` to ``section``'s quantity ``key``."""
+        self.terms[section][key].append((coef, var))
+
+    def expr(self, section: str, key: str):
+        """Integer expression of a section quantity: times round to the nearest unit,
+        memory and parameters round up."""
+        rnd = round if key in TIME_KEYS else math.ceil
+        return sum(int(rnd(c)) * v for c, v in self.terms[section][key] if c)
+
+    def upper_bound(self, section: str, key: str) -> int:
+        """An upper bound of :meth:`expr` (every term's coefficient rounded up, plus one)."""
+        return int(sum(math.ceil(c) for c, _ in self.terms[section][key])) + 1
+
+
+def template_map(traced: TracedModel) -> dict[str, str]:
+    """Map every node name to the node of the layer template (layer 0) it mirrors.
+
+    Raises NotImplementedError when transformer layers are not identical op sequences.
+    """
+    tmpl = traced.layers[0]
+    mapping = {n: n for n in traced.pre + traced.post + tmpl}
+    for layer in traced.layers[1:]:
+        kinds = [traced.nodes[n].kind for n in layer]
+        if kinds != [traced.nodes[n].kind for n in tmpl]:
+            raise NotImplementedError(
+                f"layers of {traced.layer_prefix} are not identical op sequences; autopar "
+                "solves one template layer and needs every layer to match it")
+        mapping.update(zip(layer, tmpl))
+    return mapping
+
+
+def precision_scale(coefs: list[float], digits: int = 4) -> int:
+    """A power of ten K so that the smallest non-zero coefficient keeps ``digits``
+    significant digits when multiplied by K and rounded (at most 1e6)."""
+    small = min((c for c in coefs if c > 0), default=1.0)
+    return int(min(1e6, max(1.0, 10 ** math.ceil(math.log10(10 ** digits / small)))))
+
+
+def int_var(model: cp_model.CpModel, name: str, expr, ub: int):
+    """An integer variable ``name`` in [0, ub] equal to ``expr`` (constraint ``name``)."""
+    var = model.NewIntVar(0, ub, name)
+    model.Add(var == expr).WithName(name)
+    return var
+
+
+def product_var(model: cp_model.CpModel, name: str, a, b, ub: int):
+    """An integer variable ``name`` in [0, ub] equal to a·b (exact multiplication)."""
+    var = model.NewIntVar(0, ub, name)
+    model.AddMultiplicationEquality(var, [a, b]).WithName(name)
+    return var
+
+
+def tied_param_units(traced: TracedModel, tables, choice: dict[str, list]) -> object:
+    """Parameter units (rounded up) of the tied weights the post section shares with the
+    pre section, as a linear expression of the post nodes' strategy booleans ``choice``."""
+    expr = 0
+    for group in tied_groups(traced):
+        last = group[-1]
+        if last in traced.post:
+            for k, cost in enumerate(tables.node[last]):
+                expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * choice[last][k]
+    return expr
+
+
+def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int, cp_model.CpSolver]:
+    """Run CP-SAT with one worker and ``max_time_s`` of deterministic time (repeatable run to
+    run; ``linearization_level=2`` for these assignment-shaped models); returns (status,
+    solver). Raises RuntimeError for an invalid model (an autopar bug)."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = max_time_s
+    solver.parameters.linearization_level = 2
+    status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"autopar built an invalid CP-SAT model: {model.Validate()}")
+    return status, solver

@@ -1,0 +1,132 @@
+r"""Per pipeline rank → per step: the arithmetic the CP-SAT model, ``predict`` and the
+exhaustive oracle share (each walks the graph its own way, then calls these).
+
+For pipeline rank i holding :math:`P_i` parameters (the tied weight counted once when
+p = 1, :func:`counts_tied_weight_once`), whose last micro-batch's backward takes
+:math:`B_i` seconds, under ZeRO stage z over d data-parallel ranks:
+
+* exposed DP time :math:`T_{dp} = \max_i \max(0,\ \delta_z P_i - B_i)`: bucketed gradient
+  reduction overlaps the last backward and only the rest shows (PyTorch DDP / Megatron),
+  :math:`\delta_z` = :func:`~autopar.planner.cost_tables.dp_comm_s_per_param`;
+* optimizer time :math:`T_{opt} = \max_i \omega_z P_i`,
+  :math:`\omega_z` = :func:`~autopar.planner.cost_tables.optimizer_s_per_param`;
+* step time = pipeline time (``cost_models.pipeline``) + :math:`T_{dp}` + :math:`T_{opt}`;
+* memory of rank i, bytes: model states by kind (Rajbhandari et al. 2020, Fig. 1: ZeRO
+  shards optimizer states from stage 1, gradients from 2, parameters at 3) + activations.
+
+The CP-SAT model needs the same quantities as integers: memory in KiB (:data:`KIB`),
+parameters in units of :data:`PARAM_UNIT`, and the memory row multiplied by d·v so that every
+coefficient is an integer (:func:`scaled_memory`).
+"""
+
+from __future__ import annotations
+
+from cost_models.memory import in_flight_micro_batches
+from cost_models.pipeline import pipeline_step_time_s
+
+from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
+                                         optimizer_s_per_param, state_bytes)
+from autopar.planner.strategies import tied_groups
+
+__all__ = ["KIB", "PARAM_UNIT", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
+           "optimizer_s", "step_time_s", "model_state_bytes_by_kind", "state_kib_times_d",
+           "in_flight_times_v", "scaled_memory", "scaled_memory_limit"]
+
+KIB = 1024
+"""Bytes per memory unit of the CP-SAT model (memory rows are integer KiB)."""
+PARAM_UNIT = 1024
+"""Parameters per unit of the CP-SAT model (counts rounded up), so that parameter units
+times bytes per parameter are KiB."""
+
+
+def counts_tied_weight_once(pp: int) -> bool:
+    """The tied weight (token embedding = lm_head) sits in both the pre and the post
+    section; with p == 1 both are on one rank and it is one tensor, so the rank's parameter
+    count subtracts it once (:func:`tied_param_numel`)."""
+    return pp == 1
+
+
+def tied_param_numel(traced, tables: CostTables, choice: dict[str, int]) -> float:
+    """Parameter elements (per GPU, under the chosen TP strategies ``choice``) of the tied
+    weights the post section shares with the pre section."""
+    return sum(tables.node[g[-1]][choice[g[-1]]].param_numel for g in tied_groups(traced)
+               if g[-1] in traced.post)
+
+
+def exposed_dp_s(zero_stage: int, cluster, cfg: Config, params: list[float],
+                 bwd_s: list[float | tuple[float, ...]]) -> float:
+    """Seconds of DP communication not hidden behind the backward of the last micro-batch,
+    max over pipeline ranks: :math:`\\max_i \\max(0, \\delta_z P_i - B_i)`. ``params``:
+    :math:`P_i` (elements); ``bwd_s``: :math:`B_i`, backward compute + TP communication of
+    one micro-batch on rank i (seconds), or its parts, subtracted one after the other."""
+    per_param = dp_comm_s_per_param(zero_stage, cluster, cfg)
+    return max(max(0.0, _minus(per_param * pa, bw)) for pa, bw in zip(params, bwd_s))
+
+
+def _minus(x: float, parts: float | tuple[float, ...]) -> float:
+    for part in parts if isinstance(parts, tuple) else (parts,):
+        x -= part
+    return x
+
+
+def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float]) -> float:
+    """Seconds of the optimizer step, max over ranks: :math:`\\max_i \\omega_z P_i`."""
+    per_param = optimizer_s_per_param(zero_stage, cluster, cfg)
+    return max(per_param * pa for pa in params)
+
+
+def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
+                tables: CostTables, cluster, cfg: Config, zero_stage: int
+                ) -> tuple[float, float, float, float]:
+    """(step, pipeline, exposed DP, optimizer) seconds of one optimizer step from per-rank
+    forward+backward seconds of one micro-batch ``stage_s``, parameters and backward
+    seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
+    ``cfg``'s schedule, m micro-batches, v chunks and the stage-to-stage send ``p2p_s``."""
+    pipe = pipeline_step_time_s(stage_s, cfg.num_micro_batches, cfg.schedule,
+                                cfg.virtual_stages, tables.p2p_s)
+    dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s)
+    opt_s = optimizer_s(zero_stage, cluster, cfg, params)
+    return pipe + dp_s + opt_s, pipe, dp_s, opt_s
+
+
+def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config) -> dict[str, float]:
+    """Bytes per GPU of parameters, gradients and optimizer states for ``params`` elements:
+    ZeRO shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3) over
+    d (Rajbhandari et al. 2020, Fig. 1); bytes per parameter from
+    :func:`~autopar.planner.cost_tables.state_bytes`."""
+    pb, gb, ob = state_bytes(cfg.dtype)
+    d = cfg.dp
+    return {"parameters": params * pb / (d if zero_stage >= 3 else 1),
+            "gradients": params * gb / (d if zero_stage >= 2 else 1),
+            "optimizer_states": params * ob / (d if zero_stage >= 1 else 1)}
+
+
+def state_kib_times_d(zero_stage: int, cfg: Config) -> int:
+    """Model-state KiB per :data:`PARAM_UNIT` parameters, times d: an exact integer
+    (bf16: 16d, 4d + 12, 2d + 14, 16 for ZeRO 0..3)."""
+    return round(bytes_per_param(zero_stage, cfg.dp, cfg.dtype) * cfg.dp)
+
+
+def in_flight_times_v(cfg: Config, rank: int) -> int:
+    """Micro-batches whose activations rank ``rank`` holds at once, times v: an exact
+    integer, chunk forwards in flight (``cost_models.memory.in_flight_micro_batches``)."""
+    inflight = in_flight_micro_batches(cfg.schedule, cfg.pp, rank, cfg.num_micro_batches,
+                                       cfg.virtual_stages)
+    return round(inflight * cfg.virtual_stages)
+
+
+def scaled_memory(cfg: Config, rank: int, state_kib_d, act_kib, working_kib):
+    """Rank ``rank``'s memory in KiB times d·v, with integer coefficients:
+    :math:`v \\cdot S + d\\,(\\lfloor\\text{inflight}\\cdot v\\rceil \\cdot A + v\\,W)`, where
+    ``state_kib_d`` S is model-state KiB times d (:func:`state_kib_times_d` × parameter
+    units), ``act_kib`` A the activations kept per micro-batch in flight and
+    ``working_kib`` W those held once (the working layer, the head and loss). Works on
+    ints and on CP-SAT linear expressions alike."""
+    v, d = cfg.virtual_stages, cfg.dp
+    return v * state_kib_d + d * (in_flight_times_v(cfg, rank) * act_kib + v * working_kib)
+
+
+def scaled_memory_limit(memory_bytes: int, cfg: Config) -> int:
+    """Device memory ``memory_bytes`` in KiB (rounded down) times d·v: the right-hand side
+    of :func:`scaled_memory` ≤ limit."""
+    return memory_bytes // KIB * cfg.dp * cfg.virtual_stages
