@@ -150,9 +150,6 @@ def _absolute(path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: planner/search.py imports cost_tables._node_cost, "
-                   "report/plots.py imports document._ordered, verify/check.py imports "
-                   "api._model_config - being fixed")
 def test_no_private_name_is_imported_across_autopar_modules():
     hits = []
     for path in _sources():
