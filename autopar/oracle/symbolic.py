@@ -36,7 +36,7 @@ V/(12Lh), not the V/(16Lh) of eq. (3)'s bracket; "72 × that bracket" (DESIGN.md
 ``cost_models.compute.gpt_model_flops(recompute="none")``) undercounts by 1.5·B·s·h·V,
 about 0.1% for GPT-3 175B. The ZeRO model-state figures (7.5B parameters, d = 64: 120 /
 31.4 / 16.6 / 1.9 GB, Rajbhandari et al. 2020, Fig. 1) are checked in
-``tests/test_cost_models.py``.
+``tests/unit/test_cost_models.py``.
 """
 
 from __future__ import annotations
@@ -312,12 +312,12 @@ def formulas_markdown() -> str:
     lines = ["### Closed forms the cost model reproduces", "",
              "b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size, "
              "B global batch, L layers, V vocabulary; bytes assume 16-bit activations and "
-             "1-byte dropout masks. Checked in `tests/test_symbolic.py` "
+             "1-byte dropout masks. Checked in `tests/unit/test_symbolic.py` "
              "(`autopar.oracle.symbolic`).", "",
              "| quantity | closed form | source | check |", "|---|---|---|---|"]
     for name, (formula, what, source) in _CLOSED_FORMS.items():
         lines.append(f"| {what} | {_pretty(formula)} | {source} | {checks[name]} |")
     lines.append("| model states, 7.5B parameters, d = 64 (ZeRO 0/1/2/3) | "
                  "120 / 31.4 / 16.6 / 1.9 GB | Rajbhandari et al. 2020, Fig. 1 | "
-                 "`tests/test_cost_models.py::test_zero_paper_figures` |")
+                 "`tests/unit/test_cost_models.py::test_zero_paper_figures` |")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ model-state bytes under ZeRO), its closed form, its source (Korthikanti et al. 2
 "Reducing Activation Recomputation in Large Transformer Models"; Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters"; Rajbhandari et al. 2020,
 "ZeRO") and the test that checks it. It is checked in rather than computed so the report
-imports neither sympy nor the oracle; ``tests/test_symbolic.py`` asserts the two are equal,
+imports neither sympy nor the oracle; ``tests/unit/test_symbolic.py`` asserts the two are equal,
 so the table cannot drift from the oracle.
 """
 
@@ -15,7 +15,7 @@ __all__ = ["FORMULAS_MARKDOWN"]
 FORMULAS_MARKDOWN = """\
 ### Closed forms the cost model reproduces
 
-b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size, B global batch, L layers, V vocabulary; bytes assume 16-bit activations and 1-byte dropout masks. Checked in `tests/test_symbolic.py` (`autopar.oracle.symbolic`).
+b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size, B global batch, L layers, V vocabulary; bytes assume 16-bit activations and 1-byte dropout masks. Checked in `tests/unit/test_symbolic.py` (`autopar.oracle.symbolic`).
 
 | quantity | closed form | source | check |
 |---|---|---|---|
@@ -28,5 +28,5 @@ b micro-batch, s sequence, h hidden, a heads, t tensor-parallel size, B global b
 | same, tensor + sequence parallel + selective (reference; not priced yet) | 34·s·b·h/t | Korthikanti et al. 2022, Table 2 | not derived: sequence parallelism is not priced yet |
 | model FLOPs per step, full recompute | 96·B·s·L·h²·(1 + s/(6·h) + V/(16·L·h)) | Narayanan et al. 2021, eq. (3) | derived, and equal to the traced count for GPT configs exactly |
 | model FLOPs per step, no recompute (MFU numerator) | 72·B·s·L·h²·(1 + s/(6·h) + V/(12·L·h)) | Korthikanti et al. 2022, Appendix A | derived (72·(eq. 3 bracket) would undercount the logits by 1.5·B·s·h·V) |
-| model states, 7.5B parameters, d = 64 (ZeRO 0/1/2/3) | 120 / 31.4 / 16.6 / 1.9 GB | Rajbhandari et al. 2020, Fig. 1 | `tests/test_cost_models.py::test_zero_paper_figures` |
+| model states, 7.5B parameters, d = 64 (ZeRO 0/1/2/3) | 120 / 31.4 / 16.6 / 1.9 GB | Rajbhandari et al. 2020, Fig. 1 | `tests/unit/test_cost_models.py::test_zero_paper_figures` |
 """

@@ -2,7 +2,7 @@
 
 Why the library and not a hand-written schedule: its ``ScheduleGPipe`` and
 ``Schedule1F1B`` ran on gloo with ``group=pp_group`` a sub-group (pp=2 with dp=2)
-and matched single-process training in tests/test_runtime.py; its 1F1B fuses the
+and matched single-process training in tests/multiprocess/test_runtime.py; its 1F1B fuses the
 sends and receives of the steady state with ``batch_isend_irecv``, which has been
 reported to hang on gloo but did not in those runs. If it ever does, the fix is a
 schedule of plain ``dist.send``/``dist.recv`` on ``pp_group`` here, behind the same
