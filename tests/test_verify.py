@@ -22,7 +22,7 @@ import autopar
 from autopar import cli
 from autopar.cli import verify as cli_verify
 from autopar.models import GPT, preset
-from autopar.runtime.collectives import TPAllReduce
+from autopar.runtime.tp_modules import ReduceFromTPRegion
 from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from autopar.verify.check import (Tolerances, VerificationError, check_plan_matches, disable_dropout,
@@ -70,7 +70,7 @@ def _drop_first_tp_all_reduce(pm) -> None:
     """Break the program: the first TP all-reduce (Megatron's g) becomes the identity."""
     gm = pm.stage_module
     node = next(n for n in gm.graph.nodes if n.op == "call_module"
-                and isinstance(gm.get_submodule(n.target), TPAllReduce))
+                and isinstance(gm.get_submodule(n.target), ReduceFromTPRegion))
     node.replace_all_uses_with(node.args[0])
     gm.graph.erase_node(node)
     gm.recompile()

@@ -30,7 +30,7 @@ from autopar.rewrite.pipeline import annotate_stages, rank_chunks, split_stages
 from autopar.rewrite.recompute import apply_recompute
 from autopar.rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from autopar.placement import parse_strategy_key
-from autopar.runtime.collectives import vocab_parallel_cross_entropy
+from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
 from autopar.runtime.mesh import ParallelGroups, validate_degrees

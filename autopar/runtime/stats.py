@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.plan import COMM_KINDS
 
-__all__ = ["SavedActivationTracker", "CommMeter", "model_state_bytes"]
+__all__ = ["SavedActivationTracker", "CommMeter"]
 
 
 def _storages(params: Iterable[nn.Parameter]) -> set[int]:
@@ -95,16 +95,6 @@ class SavedActivationTracker:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-
-
-def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, their gradients and the optimizer's state tensors on this rank."""
-    params = list(module.parameters())
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    for state in optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return total
 
 
 # c10d dispatcher op -> (collective, the argument whose bytes are this rank's payload)
