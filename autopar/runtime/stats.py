@@ -18,11 +18,10 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.plan import COMM_KINDS
+from autopar.runtime.compat import TorchDispatchMode, op_schema, unbox_process_group
 
 __all__ = ["SavedActivationTracker", "CommMeter"]
 
@@ -138,12 +137,12 @@ class CommMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        if schema.name.startswith("c10d::"):
-            op = _C10D_OPS.get(schema.name[len("c10d::"):])
+        name, arg_names = op_schema(func)
+        if name.startswith("c10d::"):
+            op = _C10D_OPS.get(name[len("c10d::"):])
             if op is not None:
-                values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-                group = dist.ProcessGroup.unbox(values["process_group"])
+                values = dict(zip(arg_names, args)) | kwargs
+                group = unbox_process_group(values["process_group"])
                 axis = self.axes.get(group.group_name, "other")
                 kind = f"{axis}_{op[0]}"
                 self.bytes[kind if kind in COMM_KINDS else "other"] += _nbytes(values[op[1]])

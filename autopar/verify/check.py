@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.plan import Plan
+from autopar.runtime.compat import DropoutBase
 from autopar.runtime.engine import token_cross_entropy
 from autopar.runtime.fsdp import full_tensor
 from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
@@ -58,7 +59,7 @@ def disable_dropout(model: nn.Module) -> list[str]:
     """
     changed = []
     for mod_name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, DropoutBase) and module.p > 0:
             module.p = 0.0
             changed.append(f"{mod_name}.p")
         for attr, value in list(vars(module).items()):
