@@ -106,9 +106,9 @@ def test_zero3_pads_uneven_parameters_and_predicts_exact_bytes():
 
 def test_layer_units_group_rewritten_modules_by_layer():
     traced = trace_model(_odd_model(), SEQ)
-    from autopar.rewrite.pipeline import annotate_stages
+    from autopar.rewrite.pipeline import annotate_chunks
 
-    annotate_stages(traced, [[0, ODD.n_layer]])
+    annotate_chunks(traced, [[0, ODD.n_layer]])
     units, rest = layer_units(traced.gm)
     assert len(units) == ODD.n_layer
     names = {id(m): n for n, m in traced.gm.named_modules()}

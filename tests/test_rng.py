@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.models import GPT, GPTConfig
-from autopar.rewrite.pipeline import annotate_stages
+from autopar.rewrite.pipeline import annotate_chunks
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
 from autopar.placement import parse_strategy_key
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
@@ -119,7 +119,7 @@ def _sp_like_placements(traced) -> dict[str, str]:
 
 def _traced(model: GPT | None = None):
     traced = trace_model(model if model is not None else _model(), SEQ)
-    annotate_stages(traced, [(0, CONFIG.n_layer)])
+    annotate_chunks(traced, [(0, CONFIG.n_layer)])
     return traced
 
 
@@ -232,7 +232,7 @@ def _worker(rank: int, world: int, plans: dict) -> dict:
     for case in ("tp", "dp", "pp"):
         out[case] = [_train(plans[case], seed, 3)[0] for seed in (1, 1, 2)]
     out["recompute"] = {mode: _train(plans[mode], 1, 2) for mode in ("none", "full", "selective")}
-    with mock.patch("autopar.runtime.parallelize.apply_recompute", _without_tracker_restore):
+    with mock.patch("autopar.rewrite.apply_recompute", _without_tracker_restore):
         out["no_restore"] = {mode: _train(plans[mode], 1, 2) for mode in ("full", "selective")}
     return out
 

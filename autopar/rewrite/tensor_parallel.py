@@ -1,4 +1,4 @@
-"""Rewrite pass 1 of :func:`autopar.rewrite.apply_plan`: tensor parallelism on the fx graph, for one TP rank.
+"""Rewrite pass 1 of :func:`autopar.rewrite.apply_plan`: tensor parallelism for one TP rank.
 
 Reads only the plan's per-node placements. For every node, in graph order:
 
@@ -39,6 +39,7 @@ from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
                                         ReduceScatterToTPRegion, ScatterToTPRegion, TPOperator)
 from autopar.runtime.vocab_parallel import VocabParallelEmbedding
 from autopar.placement import Placement
+from autopar.rewrite.pipeline import CHUNK, LAYER
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
                                         partial_grad_input)
 
@@ -82,12 +83,13 @@ class BiasAdd(nn.Module):
 
 
 def _owner_meta(node: fx.Node) -> dict:
-    """The pipeline stage / layer annotations a node inserted for ``node`` inherits."""
+    """The model chunk / layer annotations a node inserted for ``node`` inherits."""
     return {k: v for k, v in node.meta.items() if k.startswith("autopar")}
 
 
 def _owner_key(node: fx.Node) -> tuple:
-    return (node.meta.get("autopar_stage"), node.meta.get("autopar_layer"))
+    """(chunk, layer) of ``node``: inserted collectives are shared within one of these."""
+    return (node.meta.get(CHUNK), node.meta.get(LAYER))
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
