@@ -64,10 +64,10 @@ class ParallelizedModel(ParallelModule):
         return gather_full(self, lambda p: p)
 
 
-def _agree(plan: Plan, groups_world: int) -> None:
+def _agree(plan: Plan, world: int) -> None:
     """Every rank must hold the same plan: compare a digest before any other collective."""
     digest = plan.decision_digest()
-    digests: list = [None] * groups_world
+    digests: list = [None] * world
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError("ranks hold different plans (digests "
