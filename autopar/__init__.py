@@ -17,8 +17,40 @@ __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evalu
            "report", "load_model", "InfeasibleError", "TraceError"]
 
 
-def parallelize(*args, **kwargs):
-    """See :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs torch.distributed)."""
-    from autopar.runtime.parallelize import parallelize as _parallelize
+def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,
+                seq_len=None, seed=0, verify=False):
+    """Build this rank's parallel training program (call inside ``torchrun``/an initialised
+    gloo process group, on every rank). The recipe is
+    :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs
+    torch.distributed).
 
-    return _parallelize(*args, **kwargs)
+    model: the single-device model (materialised; it is copied, not modified).
+    cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
+        global_batch_size and seq_len are required).
+    optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
+    seed: dropout seed, the same on every rank; each rank seeds its default generator
+        (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
+        (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
+    verify: first run :func:`autopar.verify.check.verify` on the agreed plan (3 SGD steps
+        of a copy against one device; ``model`` is untouched) and raise its
+        VerificationError on a mismatch.
+    Returns a :class:`~autopar.runtime.parallelize.ParallelizedModel`;
+    ``train_step(idx (B, s), targets (B, s))`` takes the same global batch on every rank
+    and returns the global mean loss.
+
+    Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
+    :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
+    collective), NotImplementedError (a plan feature the runtime cannot run, or a backend
+    other than gloo), RuntimeError (no process group, or ranks disagree on the plan),
+    ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
+    """
+    from autopar.runtime import parallelize as runtime
+
+    if verify:
+        from autopar.verify.check import verify as verify_plan
+
+        plan = runtime.agreed_plan(model, cluster, plan, global_batch_size=global_batch_size,
+                                   seq_len=seq_len)
+        verify_plan(model, plan)  # on copies, before anything trains the real model
+    return runtime.parallelize(model, cluster, plan, optimizer=optimizer,
+                               global_batch_size=global_batch_size, seq_len=seq_len, seed=seed)

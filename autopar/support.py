@@ -90,7 +90,7 @@ def validate_layout(layout: Layout, *, num_gpus: int, gpus_per_node: int, heads:
                          f"dp={layout.dp}; choose a multiple of {layout.dp}")
 
 
-def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers: int,
+def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers: int | None,
                      virtual_stages: int = 1) -> str | None:
     """Why ``schedule`` cannot run p = ``pp`` stages over m = ``num_micro_batches``
     micro-batches of an L = ``num_layers`` layer model with v = ``virtual_stages`` chunks
@@ -102,6 +102,8 @@ def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers:
       Narayanan et al. 2021, section 2.2.1);
     * interleaved 1F1B: :func:`interleaving_problem` (p > 1, v >= 2, L % (p·v) == 0,
       m % p == 0).
+
+    num_layers None skips the layer-count rule (the runtime, whose chunks are already cut).
     """
     p, m, v = pp, num_micro_batches, virtual_stages
     if schedule not in SCHEDULES:
@@ -117,7 +119,7 @@ def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers:
     return None
 
 
-def interleaving_problem(num_layers: int, pp: int, virtual_stages: int,
+def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
                          num_micro_batches: int) -> str | None:
     """Why interleaved 1F1B with v = ``virtual_stages`` chunks per rank cannot run, or None.
 
@@ -134,7 +136,7 @@ def interleaving_problem(num_layers: int, pp: int, virtual_stages: int,
     if v < 2:
         return (f"interleaved 1F1B needs virtual_stages >= 2, got v={v} (v=1 is plain "
                 "1F1B: use schedule='1f1b')")
-    if L % (p * v):
+    if L is not None and L % (p * v):
         ok = [k for k in range(2, L // p + 1) if L % (p * k) == 0]
         return (f"interleaved 1F1B cuts the {L} layers into pp*v = {p}*{v} equal chunks, but "
                 f"{L} is not divisible by {p * v}; choose virtual_stages in {ok or '(none)'} "

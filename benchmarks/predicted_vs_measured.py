@@ -28,7 +28,8 @@ import autopar
 from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from autopar.api import evaluate_plan
-from autopar.runtime.calibrate import calibrate_local, spawn_local
+from autopar.runtime.calibrate import calibrate_local
+from autopar.runtime.launch import launch
 from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster
 
@@ -102,7 +103,7 @@ def main() -> None:
     bf16 = {n: evaluate_plan(_meta(), cluster, dataclasses.replace(p, dtype="bf16"))
             for n, p in plans.items()}
     load = os.getloadavg()[0]
-    measured = spawn_local(_measure, 2, plans, timeout_s=600)[0]
+    measured = launch(_measure, 2, plans, timeout_s=600, pg_timeout_s=600)[0]
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
           f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} steps after "

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 try:
     import autopar
@@ -37,6 +33,7 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the re
 from autopar import Cluster, Layout
 from autopar.models import GPT, PRESETS
 from autopar.report.format import format_seconds
+from autopar.runtime.launch import launch
 from make_reports import CASES, write_example  # examples/make_reports.py, beside this file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,32 +96,20 @@ def tiny_plan():
                         layout=layout, model_name="gpt-tiny")
 
 
-def worker(rank: int, port: int, plan, data: list, reference: list[float]) -> None:
-    """One rank: join gloo, parallelize the same-seed model by ``plan``, train, print (rank 0)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
-    try:
-        torch.manual_seed(SEED)
-        model = GPT(TINY)  # identical weights on every rank; parallelize keeps this rank's shard
-        parallel = autopar.parallelize(
-            model, Cluster.local_cpu(processes=WORLD_SIZE), plan,
-            optimizer=functools.partial(torch.optim.SGD, lr=LR),
-            global_batch_size=BATCH, seq_len=TINY.block_size)
-        for step, (idx, targets) in enumerate(data):
-            loss = parallel.train_step(idx, targets)  # the same float on every rank
-            if rank == 0:
-                print(f"  step {step}: loss {loss:.6f} on 4 ranks, {reference[step]:.6f} in one "
-                      f"process (diff {abs(loss - reference[step]):.1e})", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def worker(rank: int, world_size: int, plan, data: list, reference: list[float]) -> None:
+    """One rank (in a gloo process group that ``launch`` set up): parallelize the same-seed
+    model by ``plan``, train, print (rank 0)."""
+    torch.manual_seed(SEED)
+    model = GPT(TINY)  # identical weights on every rank; parallelize keeps this rank's shard
+    parallel = autopar.parallelize(
+        model, Cluster.local_cpu(processes=world_size), plan,
+        optimizer=functools.partial(torch.optim.SGD, lr=LR),
+        global_batch_size=BATCH, seq_len=TINY.block_size)
+    for step, (idx, targets) in enumerate(data):
+        loss = parallel.train_step(idx, targets)  # the same float on every rank
+        if rank == 0:
+            print(f"  step {step}: loss {loss:.6f} on {world_size} ranks, {reference[step]:.6f} "
+                  f"in one process (diff {abs(loss - reference[step]):.1e})", flush=True)
 
 
 def train_tiny_gpt() -> None:
@@ -133,7 +118,8 @@ def train_tiny_gpt() -> None:
     print(f"plan for 4 CPU ranks: {plan.summary()}")
     data = batches(STEPS, BATCH, TINY.block_size, TINY.vocab_size)
     reference = reference_losses(data)
-    mp.spawn(worker, args=(free_port(), plan, data, reference), nprocs=WORLD_SIZE, join=True)
+    # 4 gloo processes on 127.0.0.1; a failing rank raises here with its traceback
+    launch(worker, WORLD_SIZE, plan, data, reference, timeout_s=600)
 
 
 def main() -> None:

@@ -17,14 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import sys
-import time
-import traceback
-from datetime import timedelta
 
 import torch
 
@@ -72,68 +66,22 @@ def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
             "message": "" if report.ok else report.failure_message()}
 
 
-def _child(rank: int, world: int, port: int, payload: tuple, out) -> None:
-    """One spawned rank: init gloo, verify, rank 0 sends the outcome (others send "done")."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=timedelta(seconds=120))
-        result = _verify_here(*payload)
-        out.put((rank, True, result if rank == 0 else None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        out.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    out.close()
-    out.join_thread()
-    os._exit(0)  # skip torch's slow interpreter teardown in the child
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _verify_rank(rank: int, world: int, payload: tuple) -> dict | None:
+    """One launched rank: verify; rank 0 returns the outcome (the others None)."""
+    result = _verify_here(*payload)
+    return result if rank == 0 else None
 
 
 def _spawn(world: int, payload: tuple, timeout_s: float) -> dict:
-    """Run ``_verify_here`` on ``world`` spawned local processes; rank 0's outcome.
+    """Run ``_verify_here`` on ``world`` local processes (:func:`autopar.runtime.launch.launch`,
+    gloo process group timeout 120 s); rank 0's outcome.
 
     Raises RuntimeError naming the first rank that failed (its traceback in the message
     after the first line), or TimeoutError past ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, payload, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, done, result = time.monotonic() + timeout_s, set(), None
-    try:
-        while len(done) < world:
-            try:
-                rank, ok, data = out.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"verify did not finish within {timeout_s:.0f} s "
-                                       f"(ranks {sorted(set(range(world)) - done)} still running)")
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed: {data}")
-            done.add(rank)
-            result = data if rank == 0 else result
-    finally:
-        for p in procs:
-            if p.is_alive() and len(done) < world:
-                p.kill()
-            p.join(timeout=10)
-    return result
+    from autopar.runtime.launch import launch
+
+    return launch(_verify_rank, world, payload, timeout_s=timeout_s, pg_timeout_s=120)[0]
 
 
 def _under_torchrun() -> bool:

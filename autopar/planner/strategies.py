@@ -241,7 +241,7 @@ def partial_grad_input(strategy: Strategy, j: int) -> bool:
 def gathers_for_partial_grad(strategy: Strategy, j: int, src_placement: Placement) -> bool:
     """Is input j all-gathered from a shard for a consumer with a partial input gradient?
     That gather is one collective with f (all-gather forward, reduce-scatter backward:
-    :class:`~autopar.runtime.collectives.GatherToPartialGradTP`), so it is not shared with
+    :class:`~autopar.runtime.tp_modules.GatherToTPRegionWithPartialGrad`), so it is not shared with
     plain gathers of the same tensor; the solver, the predictor and the rewriter agree."""
     return (partial_grad_input(strategy, j) and src_placement.is_sharded
             and strategy.inputs[j].is_replicated)
@@ -288,5 +288,5 @@ def f_kind(placement: Placement) -> str:
     """The backward collective of Megatron's f on a tensor produced in ``placement``: an
     all-reduce of the partial gradient, or, when the tensor arrives sharded (and is
     all-gathered for the consumer), a reduce-scatter straight into the shard
-    (:class:`~autopar.runtime.collectives.GatherToPartialGradTP`)."""
+    (:class:`~autopar.runtime.tp_modules.GatherToTPRegionWithPartialGrad`)."""
     return "reduce_scatter" if placement.is_sharded else "all_reduce"

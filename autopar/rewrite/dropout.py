@@ -1,4 +1,4 @@
-"""Rewrite pass 1b (after tensor parallelism, before recompute): dropout on the right stream.
+"""Rewrite pass 2 of :func:`autopar.rewrite.apply_plan`: dropout on the right RNG stream.
 
 A dropout's random mask must be the same on every TP rank when its tensor is
 replicated (placement R) and different on every TP rank when the tensor is sharded

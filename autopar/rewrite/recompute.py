@@ -1,4 +1,4 @@
-"""Rewrite pass 2: activation recomputation, per layer as the plan says.
+"""Rewrite pass 3 of :func:`autopar.rewrite.apply_plan`: activation recomputation, per layer.
 
 * ``full``: the layer's nodes move into a sub-GraphModule run through
   ``torch.utils.checkpoint.checkpoint`` (only the layer input is kept; the layer is

@@ -1,4 +1,4 @@
-"""Rewrite pass 1: tensor parallelism on the fx graph, for one TP rank.
+"""Rewrite pass 1 of :func:`autopar.rewrite.apply_plan`: tensor parallelism for one TP rank.
 
 Reads only the plan's per-node placements. For every node, in graph order:
 
@@ -6,13 +6,14 @@ Reads only the plan's per-node placements. For every node, in graph order:
    input columns, bias added after the reduction; vocabulary Embedding: a row range,
    shared with a tied lm_head);
 2. each input edge whose producer placement differs from the required one gets an explicit
-   collective module: ``TPAllGather`` (S -> R), ``TPScatter`` (R -> S); partial outputs (row
-   Linear, vocabulary Embedding) are completed where they are read: ``TPAllReduce``
-   (Megatron's g, P -> R) or, with sequence parallelism, ``TPReduceScatter`` (ḡ, P -> S),
-   then the row Linear's bias; a consumer whose strategy makes its input gradient partial
-   (column Linear) reads the producer through one shared ``TPCopy`` (Megatron's f), or,
-   when the producer is sharded, through ``TPGatherToPartialGrad`` (all-gather forward,
-   reduce-scatter backward: f and the gather in one);
+   collective module (:mod:`autopar.runtime.tp_modules`): ``GatherFromTPRegion`` (S -> R),
+   ``ScatterToTPRegion`` (R -> S); partial outputs (row Linear, vocabulary Embedding) are
+   completed where they are read: ``ReduceFromTPRegion`` (Megatron's g, P -> R) or, with
+   sequence parallelism, ``ReduceScatterToTPRegion`` (ḡ, P -> S), then the row Linear's
+   bias; a consumer whose strategy makes its input gradient partial (column Linear) reads
+   the producer through one shared ``CopyToTPRegion`` (Megatron's f), or, when the
+   producer is sharded, through ``GatherToTPRegionWithPartialGrad`` (f̄: all-gather
+   forward, reduce-scatter backward, f and the gather in one);
 3. shape-only and element-wise ops are left unchanged: they run on shards as they are
    (reshapes infer the head count with -1, which the strategies checked); ``x.size(d)`` of
    a tensor sharded along d is multiplied by t;
@@ -33,9 +34,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.runtime.collectives import (TPAllGather, TPAllReduce, TPCopy, TPGatherToPartialGrad,
-                                   TPReduceScatter, TPScatter, VocabParallelEmbedding)
+from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
+                                        GatherToTPRegionWithPartialGrad, ReduceFromTPRegion,
+                                        ReduceScatterToTPRegion, ScatterToTPRegion, TPOperator)
+from autopar.runtime.vocab_parallel import VocabParallelEmbedding
 from autopar.placement import Placement
+from autopar.rewrite.pipeline import CHUNK, LAYER
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
                                         partial_grad_input)
 
@@ -79,12 +83,13 @@ class BiasAdd(nn.Module):
 
 
 def _owner_meta(node: fx.Node) -> dict:
-    """The pipeline stage / layer annotations a node inserted for ``node`` inherits."""
+    """The model chunk / layer annotations a node inserted for ``node`` inherits."""
     return {k: v for k, v in node.meta.items() if k.startswith("autopar")}
 
 
 def _owner_key(node: fx.Node) -> tuple:
-    return (node.meta.get("autopar_stage"), node.meta.get("autopar_layer"))
+    """(chunk, layer) of ``node``: inserted collectives are shared within one of these."""
+    return (node.meta.get(CHUNK), node.meta.get(LAYER))
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
@@ -93,10 +98,10 @@ def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
 
 
 class _Rewriter:
-    def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group, counter,
+    def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group,
                  sequence_parallel: bool = False):
         self.traced, self.gm = traced, traced.gm
-        self.tp, self.rank, self.group, self.counter = tp, tp_rank, group, counter
+        self.tp, self.rank, self.group = tp, tp_rank, group
         self.choice: dict[str, Strategy] = {
             name: strategy for name, (_, strategy)
             in decode_placements(traced, placements, tp, sequence_parallel).items()}
@@ -117,10 +122,11 @@ class _Rewriter:
         self.gm.add_submodule(name, module)
         return name
 
-    def _insert_after(self, anchor: fx.Node, prefix: str, module: nn.Module, arg: fx.Node,
-                      owner: fx.Node) -> fx.Node:
-        """Insert ``module(arg)`` after ``anchor``; it belongs to ``owner``'s stage/layer."""
-        target = self._add_module(prefix, module)
+    def _insert_after(self, anchor: fx.Node, module: nn.Module, arg: fx.Node, owner: fx.Node,
+                      prefix: str | None = None) -> fx.Node:
+        """Insert ``module(arg)`` after ``anchor``, named ``<prefix>_<n>`` (default: the TP
+        operator's name); it belongs to ``owner``'s model chunk and layer."""
+        target = self._add_module(prefix or module.name, module)
         with self.gm.graph.inserting_after(anchor):
             new = self.gm.graph.call_module(target, (arg,))
         new.meta.update(_owner_meta(owner))
@@ -138,12 +144,12 @@ class _Rewriter:
             if have.is_partial:
                 self.resharded[key] = self._complete_partial(src, dst, consumer)
             elif dst.is_replicated and have.is_sharded:
-                cls = TPGatherToPartialGrad if fused else TPAllGather
-                mod = cls(self.group, have.dim, self.counter)
-                self.resharded[key] = self._insert_after(src, "tp_all_gather", mod, src, consumer)
+                cls = GatherToTPRegionWithPartialGrad if fused else GatherFromTPRegion
+                self.resharded[key] = self._insert_after(src, cls(self.group, have.dim), src,
+                                                         consumer)
             elif have.is_replicated and dst.is_sharded:
-                mod = TPScatter(self.group, dst.dim, self.counter)
-                self.resharded[key] = self._insert_after(src, "tp_scatter", mod, src, consumer)
+                mod = ScatterToTPRegion(self.group, dst.dim)
+                self.resharded[key] = self._insert_after(src, mod, src, consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
         return self.resharded[key]
@@ -151,11 +157,9 @@ class _Rewriter:
     def _complete_partial(self, src: fx.Node, dst: Placement, consumer: fx.Node) -> fx.Node:
         """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
         ḡ), then the row Linear's bias if it has one."""
-        if dst.is_replicated:
-            mod, prefix = TPAllReduce(self.group, self.counter), "tp_g_all_reduce"
-        else:
-            mod, prefix = TPReduceScatter(self.group, dst.dim, self.counter), "tp_g_reduce_scatter"
-        out = self._insert_after(src, prefix, mod, src, consumer)
+        mod: TPOperator = (ReduceFromTPRegion(self.group) if dst.is_replicated
+                           else ReduceScatterToTPRegion(self.group, dst.dim))
+        out = self._insert_after(src, mod, src, consumer)
         bias = self.partial_bias.get(src)
         if bias is None:
             return out
@@ -174,13 +178,12 @@ class _Rewriter:
             start = self.rank * size
         if dim is not None:
             self.result.partial_grad_params.add(id(bias))
-        return self._insert_after(out, "row_bias", BiasAdd(bias, start, size), out, consumer)
+        return self._insert_after(out, BiasAdd(bias, start, size), out, consumer, "row_bias")
 
     def _copy_to_tp(self, src: fx.Node, consumer: fx.Node) -> fx.Node:
         key = (src, _owner_key(consumer))
         if key not in self.f_nodes:
-            self.f_nodes[key] = self._insert_after(
-                src, "tp_f_copy", TPCopy(self.group, self.counter), src, consumer)
+            self.f_nodes[key] = self._insert_after(src, CopyToTPRegion(self.group), src, consumer)
         return self.f_nodes[key]
 
     def run(self) -> TPRewrite:
@@ -274,10 +277,10 @@ class _Rewriter:
 
 
 def apply_tensor_parallel(traced, placements: dict[str, str], *, tp: int, tp_rank: int,
-                          group, counter=None, sequence_parallel: bool = False) -> TPRewrite:
+                          group, sequence_parallel: bool = False) -> TPRewrite:
     """Rewrite ``traced.gm`` in place into TP rank ``tp_rank``'s program (see module doc).
 
     Raises ValueError when the placements do not belong to this graph or to this tp
     (``sequence_parallel``: the strategies the plan was solved with).
     """
-    return _Rewriter(traced, placements, tp, tp_rank, group, counter, sequence_parallel).run()
+    return _Rewriter(traced, placements, tp, tp_rank, group, sequence_parallel).run()

@@ -1,7 +1,10 @@
-"""Distributed runtime: process groups (mesh), TP collectives, pipeline schedule, train step.
+"""Distributed runtime: process groups, TP operators, pipeline schedule, ZeRO, train step.
 
-mesh.ParallelGroups builds the (tp, pp, dp) groups; collectives holds Megatron's f/g
-operators and their modules; schedule runs GPipe/1F1B; engine.ParallelModule trains
-one stage. Import the submodules directly (kept light: collectives does not pull in
-torch.distributed.pipelining).
+mesh.ParallelGroups builds the (tp, pp, dp) groups; tp_ops holds Megatron's f/g operators
+and their sequence-parallel relatives, tp_modules the modules the TP rewrite inserts,
+vocab_parallel the vocabulary-split embedding and cross-entropy; schedule runs GPipe /
+1F1B / interleaved 1F1B; engine.ParallelModule trains this rank's model chunks; zero and
+fsdp shard over DP; rng keeps the per-rank dropout streams; stats measures a step; launch
+starts local gloo processes; compat holds the private torch APIs autopar uses. Import the
+submodules directly (kept light: tp_ops does not pull in torch.distributed.pipelining).
 """

@@ -2,8 +2,8 @@
 
 The local-cpu preset is nominal; this replaces it with numbers measured on the spot, each
 with the source "measured on <hostname> <date> by autopar calibrate". ``processes`` CPU
-ranks (one torch thread each, as the gloo tests and examples run them) are spawned on
-127.0.0.1 and, all at once so that they share cores and memory the way training does,
+ranks (one torch thread each, as the gloo tests and examples run them) are started on
+127.0.0.1 by :func:`autopar.runtime.launch.launch` and, all at once so that they share cores and memory the way training does,
 measure
 
 * fp32 ``torch.matmul`` throughput of square n x n x n products (2·n³ FLOPs each), the
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import socket
 import statistics
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "spawn_local"]
+from autopar.runtime.launch import launch
+
+__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce"]
 
 
 @dataclass(frozen=True)
@@ -131,74 +129,13 @@ def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
 
 
 def _measure(rank: int, world: int, sizes: CalibrationSizes) -> dict:
-    """One rank's measurements: compute first, then the all-reduce sweep."""
+    """One rank's measurements (run by :func:`autopar.runtime.launch.launch` on every rank):
+    after a barrier so that all ranks start together, compute first, then the all-reduce
+    sweep."""
+    import torch.distributed as dist
+
+    dist.barrier()
     return {"compute": _measure_compute(sizes), "all_reduce_s": _measure_all_reduce(sizes)}
-
-
-def _child(rank: int, world: int, port: int, fn, args: tuple, timeout_s: float, out) -> None:
-    """Child body: one torch thread, gloo on 127.0.0.1, ``fn(rank, world, *args)``; the
-    pickled result or the traceback goes to ``out``."""
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        dist.barrier()
-        result = fn(rank, world, *args)
-        dist.destroy_process_group()
-        out.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        out.put((rank, False, traceback.format_exc()))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # skip torch's slow interpreter teardown
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_local(fn, processes: int, *args, timeout_s: float = 120.0) -> list:
-    """Run the module-level ``fn(rank, world, *args)`` on ``processes`` spawned gloo ranks
-    (one torch thread each, 127.0.0.1); returns the results in rank order. RuntimeError
-    names a failing rank (with its traceback) and TimeoutError the ranks still missing at
-    ``timeout_s``; every rank is killed on the way out."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, processes, port, fn, args, timeout_s, out),
-                         daemon=True) for r in range(processes)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(results) < processes:
-            try:
-                rank, ok, payload = out.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    code = procs[dead[0]].exitcode
-                    raise RuntimeError(f"rank {dead[0]} died (exit code {code})") from None
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(processes)) - set(results))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s} s; is "
-                                       "127.0.0.1 reachable and the host not overloaded?") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(processes)]
 
 
 def fit_ring_all_reduce(times_s: dict[int, float], group_size: int) -> tuple[float, float]:
@@ -275,7 +212,8 @@ def calibrate_local(processes: int = 2, out_path: str | None = None,
         raise ValueError(f"calibrate_local needs processes >= 2 to measure gloo, got {processes!r}")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     source = f"measured on {socket.gethostname()} {stamp} by autopar calibrate"
-    results = spawn_local(_measure, processes, sizes, timeout_s=sizes.timeout_s)
+    results = launch(_measure, processes, sizes, timeout_s=sizes.timeout_s,
+                     pg_timeout_s=sizes.timeout_s)
     profile = _profile(processes, results, source, sizes)
     profile["notes"]["sizes"] = asdict(sizes)
     if out_path is not None:

@@ -40,13 +40,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.plan import SCHEDULES
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
+from autopar.support import pipeline_problem
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -61,20 +62,19 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_schedule(schedule: str, pp: int, num_micro_batches: int, num_chunks: int = 1) -> None:
+    """The module structure the schedule needs, then the one pipeline rule of
+    :func:`autopar.support.pipeline_problem` (the layer-count rule is the planner's: this
+    rank's chunks are already cut). Raises NotImplementedError for an unknown schedule and
+    ValueError for a rule the layout breaks."""
+    if schedule not in SCHEDULES:
+        raise NotImplementedError(f"pipeline schedule {schedule!r} is not supported; use one of {SCHEDULES}")
     if (num_chunks > 1) != (schedule == "interleaved_1f1b"):
         raise ValueError(f"schedule {schedule!r} with {num_chunks} model chunks on this rank: "
                          "pass an nn.ModuleList of v >= 2 chunks exactly for 'interleaved_1f1b'")
-    if schedule == "interleaved_1f1b" and (pp < 2 or num_micro_batches % pp):
-        raise ValueError(
-            f"interleaved 1F1B needs pp > 1 and num_micro_batches divisible by pp, got "
-            f"pp={pp}, m={num_micro_batches}; choose m in multiples of {pp} or schedule='1f1b'")
-    if schedule not in SCHEDULES:
-        raise NotImplementedError(f"pipeline schedule {schedule!r} is not supported; use one of {SCHEDULES}")
-    if schedule == "1f1b" and pp > 1 and num_micro_batches < pp:
-        raise ValueError(
-            f"1F1B needs at least as many micro-batches as stages: m={num_micro_batches} < p={pp}; "
-            f"raise num_micro_batches to {pp} or use schedule='gpipe'"
-        )
+    problem = pipeline_problem(schedule, pp, num_micro_batches, num_layers=None,
+                               virtual_stages=num_chunks)
+    if problem:
+        raise ValueError(problem)
 
 
 class ParallelModule(nn.Module):

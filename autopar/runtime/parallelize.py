@@ -1,17 +1,19 @@
 """``autopar.parallelize``: turn a model and a plan into this rank's training program.
 
-Passes run in a fixed order, each reading only the plan:
+The recipe, each step reading only the plan:
 
-1. trace the model (the same front end the planner used, so node names match the plan);
-2. annotate each node with its pipeline stage and layer;
-3. tensor parallelism (``rewrite.tensor_parallel``): shards + explicit f/g collectives;
-3b. dropout RNG (``rewrite.dropout``): dropouts on TP-sharded tensors fork the per-rank
-   tensor-parallel stream of the program's ``runtime.rng`` tracker;
-4. recompute (``rewrite.recompute``): checkpoint whole layers or the attention core;
-5. pipeline split (``rewrite.pipeline``): cut into the plan's pp·v chunks, keep this
-   rank's (chunk c on rank c % pp; v > 1: an nn.ModuleList of v chunks);
-6. runtime (``runtime.engine.ParallelModule``): micro-batches, 1F1B/GPipe/interleaved, DP averaging,
-   tied-embedding gradient sync, optimizer.
+1. agree on the plan (:func:`agreed_plan`): validate it, or solve it on rank 0 and
+   broadcast it, then compare a digest on every rank before any other collective;
+2. trace the model (the same front end the planner used, so node names match the plan);
+3. rewrite (:func:`autopar.rewrite.apply_plan`): tensor parallelism → dropout RNG →
+   recompute → pipeline cut, leaving this rank's model chunks;
+4. wrap them in the runtime (:class:`ParallelizedModel`, a
+   :class:`~autopar.runtime.engine.ParallelModule`): micro-batches, GPipe / 1F1B /
+   interleaved 1F1B, DP averaging or ZeRO, tied-embedding gradient sync, optimizer.
+
+The ``verify=True`` option of the public :func:`autopar.parallelize` runs
+:func:`autopar.verify.check.verify` between steps 1 and 2; this module never imports
+autopar.verify.
 """
 
 from __future__ import annotations
@@ -24,21 +26,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.plan import Plan
-from autopar.rewrite.dropout import apply_dropout_rng
-from autopar.rewrite.pipeline import annotate_stages, rank_chunks, split_stages
-from autopar.rewrite.recompute import apply_recompute
-from autopar.rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
+from autopar.graph.capture import trace_model
 from autopar.placement import parse_strategy_key
-from autopar.runtime.collectives import vocab_parallel_cross_entropy
+from autopar.plan import Plan
+from autopar.rewrite import RankProgram, apply_plan
+from autopar.rewrite.tensor_parallel import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
-from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, full_tensor
+from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
+from autopar.runtime.full_state import gather_full
 from autopar.runtime.mesh import ParallelGroups, validate_degrees
 from autopar.runtime.rng import seed_rank
+from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.support import check_executable
-from autopar.graph.capture import trace_model
 
-__all__ = ["parallelize", "ParallelizedModel"]
+__all__ = ["parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
 
 
 class ParallelizedModel(ParallelModule):
@@ -63,36 +64,10 @@ class ParallelizedModel(ParallelModule):
         return gather_full(self, lambda p: p)
 
 
-def gather_full(pm: ParallelizedModel, pick: Callable[[nn.Parameter], torch.Tensor]
-                ) -> dict[str, torch.Tensor]:
-    """``pick(p)`` of every local parameter (the parameter, its gradient, ...), all-gathered
-    over DP (ZeRO-3's DTensor shards) and TP (split dims), collected from every stage, on
-    the CPU under the original keys, tied aliases included. Collective over the world."""
-    g = pm.groups
-    local: dict[str, torch.Tensor] = {}
-    params = dict(pm.stage_module.named_parameters())
-    for name, spec in sorted(pm.shards.items()):
-        t = full_tensor(pick(params[name]).detach())  # ZeRO-3: all-gathered over DP
-        if spec.dim is not None and g.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(g.tp)]
-            dist.all_gather(parts, t.contiguous(), group=g.tp_group)
-            t = torch.cat(parts, dim=spec.dim)
-        local[spec.key] = t.cpu().clone()
-    gathered: list = [None] * g.world_size
-    dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
-    full: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        full.update(part)
-    for alias, canonical in pm.tied_aliases.items():
-        if canonical in full:
-            full[alias] = full[canonical]
-    return full
-
-
-def _agree(plan: Plan, groups_world: int) -> None:
+def _agree(plan: Plan, world: int) -> None:
     """Every rank must hold the same plan: compare a digest before any other collective."""
     digest = plan.decision_digest()
-    digests: list = [None] * groups_world
+    digests: list = [None] * world
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError("ranks hold different plans (digests "
@@ -106,31 +81,7 @@ def _broadcast_plan(plan: Plan | None) -> Plan:
     return Plan.from_json(box[0])
 
 
-def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
-                optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                global_batch_size: int | None = None, seq_len: int | None = None,
-                seed: int = 0, verify: bool = False) -> ParallelizedModel:
-    """Build this rank's parallel training program (call inside ``torchrun``/an initialised
-    process group on every rank).
-
-    model: the single-device model (materialised; it is copied, not modified).
-    cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
-        global_batch_size and seq_len are required).
-    optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
-    seed: dropout seed, the same on every rank; each rank seeds its default generator
-        (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
-        (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
-    verify: first run :func:`autopar.verify.check.verify` (3 SGD steps of a copy against one
-        device; ``model`` is untouched) and raise its VerificationError on a mismatch.
-    Returns a :class:`ParallelizedModel`; ``train_step(idx (B, s), targets (B, s))`` takes the
-    same global batch on every rank and returns the global mean loss.
-
-    Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
-    :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
-    collective), NotImplementedError
-    (a plan feature the runtime cannot run, or a backend other than gloo), RuntimeError (ranks disagree on the plan),
-    ``autopar.verify.check.VerificationError`` (verify=True and the program is wrong).
-    """
+def _check_process_group() -> None:
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
                            "(run under torchrun and call dist.init_process_group first)")
@@ -139,6 +90,20 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
             f"the autopar runtime keeps each stage on the CPU, which the {dist.get_backend()!r} "
             "backend cannot carry; initialise the process group with backend='gloo' (placing "
             "stages on cuda:LOCAL_RANK for NCCL is not implemented yet)")
+
+
+def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
+                global_batch_size: int | None = None, seq_len: int | None = None) -> Plan:
+    """The plan every rank will run (step 1 of the module docstring): ``plan`` checked, or
+    (plan None) solved for ``cluster`` on rank 0 and broadcast; then digests compared.
+
+    Collective over the world. Raises RuntimeError (no process group, or ranks disagree),
+    NotImplementedError (a backend other than gloo, or a plan feature the runtime cannot
+    run), ValueError (world size != tp·pp·dp, an interleaved plan breaking
+    :func:`~autopar.support.interleaving_problem`, or plan=None without cluster,
+    global_batch_size and seq_len, or a cluster of another size than the world).
+    """
+    _check_process_group()
     world = dist.get_world_size()
     if plan is not None:
         validate_degrees(plan.tp, plan.pp, plan.dp, world)
@@ -159,48 +124,53 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                                 seq_len=seq_len)
         plan = _broadcast_plan(solved)
     _agree(plan, world)
-    if verify:
-        from autopar.verify.check import verify as verify_plan
+    return plan
 
-        verify_plan(model, plan)  # on copies, before anything trains the real model
+
+def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
+                optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                global_batch_size: int | None = None, seq_len: int | None = None,
+                seed: int = 0) -> ParallelizedModel:
+    """Build this rank's parallel training program (call inside ``torchrun``/an initialised
+    gloo process group, on every rank); the runtime half of :func:`autopar.parallelize`,
+    whose docstring lists the arguments and errors (all but ``verify``)."""
+    plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
-    return _build(model, plan, groups, optimizer, seed)
-
-
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _build(model, plan: Plan, groups: ParallelGroups, optimizer, seed: int = 0) -> ParallelizedModel:
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
     # ZeRO-3: the (sharded) parameters stay fp32 master weights; FSDP2 casts them to the
     # plan's dtype when it gathers them (runtime.fsdp), so the activations are bf16 as well
     zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
     local_model = copy.deepcopy(model).to(torch.float32 if zero3 else PARAM_DTYPES[plan.dtype])
     traced = trace_model(local_model, plan.seq_len)
-    annotate_stages(traced, plan.stage_layers)
-    tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp, tp_rank=groups.tp_rank,
-                               group=groups.tp_group, sequence_parallel=plan.sequence_parallel)
-    gm = tp.gm
-    apply_dropout_rng(gm, plan.placements, rng)
-    layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get("autopar_layer") == l]
-                   for l in range(traced.num_layers)]
-    apply_recompute(gm, layer_nodes, plan.recompute, tracker=rng)
-    mine = rank_chunks(split_stages(gm, gm, len(plan.stage_layers)), plan.pp, groups.pp_rank)
-    stage = mine[0] if len(mine) == 1 else nn.ModuleList(mine)
-    shards = {name: tp.shards[id(p)] for name, p in stage.named_parameters() if id(p) in tp.shards}
+    program = apply_plan(traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                         tp_group=groups.tp_group, rng=rng)
+    return _parallel_module(traced, plan, groups, program, optimizer)
+
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,
+                     optimizer) -> ParallelizedModel:
+    """Step 4: this rank's chunks in a :class:`ParallelizedModel`, parameters named as in
+    the chunk module (``program``'s by-id records turned into by-name ones)."""
+    chunks = program.chunks
+    module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+    named = dict(module.named_parameters())
+    shards = {name: program.shards[id(p)] for name, p in named.items() if id(p) in program.shards}
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
-    partial_names = [name for name, p in stage.named_parameters() if id(p) in tp.partial_grad_params]
-    module = ParallelizedModel(
-        stage, groups, plan, shards, dict(traced.tied_params), micro_batch_size=plan.micro_batch_size,
-        num_micro_batches=plan.num_micro_batches, seq_len=plan.seq_len,
-        hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1], schedule=plan.schedule,
-        optimizer_factory=optimizer, tied_parameter_names=tied_names if plan.pp > 1 else (),
+    partial_names = [name for name, p in named.items() if id(p) in program.partial_grad_params]
+    return ParallelizedModel(
+        module, groups, plan, shards, dict(traced.tied_params),
+        micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
+        seq_len=plan.seq_len, hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1],
+        schedule=plan.schedule, optimizer_factory=optimizer,
+        tied_parameter_names=tied_names if plan.pp > 1 else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
         loss_fn=_loss_fn(traced, plan, groups),
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
-    return module
 
 
 def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:

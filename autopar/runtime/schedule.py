@@ -34,7 +34,6 @@ How it is used:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,11 +74,6 @@ class StageShapes:
         if shard_dim is not None:
             shape[shard_dim] //= self.tp
         return tuple(shape)
-
-    def activation_bytes(self, shard_dim: int | None = None) -> int:
-        """Bytes of one activation (or its gradient) of :meth:`activation_shape`."""
-        elem = torch.empty((), dtype=self.activation_dtype).element_size()
-        return math.prod(self.activation_shape(shard_dim)) * elem
 
 
 def _stage_device(module: nn.Module) -> torch.device:

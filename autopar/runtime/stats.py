@@ -17,14 +17,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.plan import COMM_KINDS
+from autopar.runtime.compat import TorchDispatchMode, op_schema, unbox_process_group
 
-__all__ = ["SavedActivationTracker", "CommMeter", "model_state_bytes"]
+__all__ = ["SavedActivationTracker", "CommMeter"]
 
 
 def _storages(params: Iterable[nn.Parameter]) -> set[int]:
@@ -97,16 +96,6 @@ class SavedActivationTracker:
         self._hooks.__exit__(*exc)
 
 
-def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, their gradients and the optimizer's state tensors on this rank."""
-    params = list(module.parameters())
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    for state in optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return total
-
-
 # c10d dispatcher op -> (collective, the argument whose bytes are this rank's payload)
 _C10D_OPS = {
     "allreduce_": ("all_reduce", "tensors"),
@@ -148,12 +137,12 @@ class CommMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        if schema.name.startswith("c10d::"):
-            op = _C10D_OPS.get(schema.name[len("c10d::"):])
+        name, arg_names = op_schema(func)
+        if name.startswith("c10d::"):
+            op = _C10D_OPS.get(name[len("c10d::"):])
             if op is not None:
-                values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-                group = dist.ProcessGroup.unbox(values["process_group"])
+                values = dict(zip(arg_names, args)) | kwargs
+                group = unbox_process_group(values["process_group"])
                 axis = self.axes.get(group.group_name, "other")
                 kind = f"{axis}_{op[0]}"
                 self.bytes[kind if kind in COMM_KINDS else "other"] += _nbytes(values[op[1]])

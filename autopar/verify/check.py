@@ -7,8 +7,9 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
 2. copies the model with dropout switched off (:func:`disable_dropout`): the traced graph
    bakes dropout probabilities in, so ``eval()`` cannot turn them off afterwards, and
    two programs drawing different dropout masks could never agree;
-3. builds the parallel program with :func:`autopar.parallelize` from one copy, and keeps
-   another as the single-device reference with the same optimizer (default SGD);
+3. builds the parallel program with :func:`autopar.runtime.parallelize.parallelize` from
+   one copy, and keeps another as the single-device reference with the same optimizer
+   (default SGD);
 4. runs ``steps`` training steps of both on the same seeded batches (B = the plan's
    global batch, s = its seq_len, token ids below the model's vocabulary size). After
    each step it compares the global mean loss, every parameter's gradient (the
@@ -37,8 +38,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.plan import Plan
+from autopar.runtime.compat import DropoutBase
 from autopar.runtime.engine import token_cross_entropy
+from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
+from autopar.runtime.full_state import gather_full
 from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
@@ -58,7 +62,7 @@ def disable_dropout(model: nn.Module) -> list[str]:
     """
     changed = []
     for mod_name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        if isinstance(module, DropoutBase) and module.p > 0:
             module.p = 0.0
             changed.append(f"{mod_name}.p")
         for attr, value in list(vars(module).items()):
@@ -130,8 +134,6 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     gradients are DTensors, made whole over DP by ``runtime.fsdp.full_tensor``.
     """
     pm.dp_optimizer.synchronize_gradients()
-    from autopar.runtime.parallelize import gather_full
-
     return gather_full(pm, _grad_or_zeros)
 
 
@@ -236,8 +238,6 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     any collective), the errors of :func:`autopar.parallelize`, and
     :class:`VerificationError` on every rank past tolerance when ``raise_on_failure``.
     """
-    from autopar.runtime.parallelize import parallelize
-
     _check_inputs(model, plan, steps, batches)
     tolerances = tolerances or Tolerances.for_dtype(plan.dtype)
     optimizer = optimizer or (lambda params: torch.optim.SGD(params, lr=DEFAULT_SGD_LR))
@@ -247,7 +247,7 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     base = copy.deepcopy(model)
     disable_dropout(base)
     base.train()
-    pm = parallelize(copy.deepcopy(base), plan=plan, optimizer=optimizer)
+    pm = runtime_parallelize.parallelize(copy.deepcopy(base), plan=plan, optimizer=optimizer)
     ref_optim = optimizer(base.parameters())
     stages = _stages_of(pm)
     layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp} {plan.dtype}"

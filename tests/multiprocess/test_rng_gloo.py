@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, plans: dict) -> dict:
     for case in ("tp", "dp", "pp"):
         out[case] = [_train(plans[case], seed, 3)[0] for seed in (1, 1, 2)]
     out["recompute"] = {mode: _train(plans[mode], 1, 2) for mode in ("none", "full", "selective")}
-    with mock.patch("autopar.runtime.parallelize.apply_recompute", _without_tracker_restore):
+    with mock.patch("autopar.rewrite.apply_recompute", _without_tracker_restore):
         out["no_restore"] = {mode: _train(plans[mode], 1, 2) for mode in ("full", "selective")}
     return out
 

@@ -14,10 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.runtime.collectives import CommCounter, TPAllGather, TPAllReduce, TPCopy, TPScatter
-from autopar.runtime.collectives import VocabParallelEmbedding
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.mesh import ParallelGroups
+from autopar.runtime.stats import CommMeter
+from autopar.runtime.tp_modules import CopyToTPRegion as TPCopy
+from autopar.runtime.tp_modules import GatherFromTPRegion as TPAllGather
+from autopar.runtime.tp_modules import ReduceFromTPRegion as TPAllReduce
+from autopar.runtime.tp_modules import ScatterToTPRegion as TPScatter
+from autopar.runtime.vocab_parallel import VocabParallelEmbedding
 from dist_utils import run_distributed
 
 V, H, S, MBS, M, STEPS, LR = 32, 16, 8, 2, 2, 3, 0.1
@@ -37,7 +41,7 @@ def _tp_data() -> dict[str, torch.Tensor]:
     }
 
 
-def _mlp_tp(d: dict[str, torch.Tensor], groups: ParallelGroups, counter: CommCounter) -> dict:
+def _mlp_tp(d: dict[str, torch.Tensor], groups: ParallelGroups) -> dict:
     """Column-split A, GELU, row-split B with f/g: Z = g(GELU(f(X) A_i) B_i) + b_B."""
     r, n = groups.tp_rank, 4 * HID // groups.tp
     a_w = d["a_w"][r * n : (r + 1) * n].clone().requires_grad_()  # (4h/t, h)
@@ -45,11 +49,12 @@ def _mlp_tp(d: dict[str, torch.Tensor], groups: ParallelGroups, counter: CommCou
     b_w = d["b_w"][:, r * n : (r + 1) * n].clone().requires_grad_()  # (h, 4h/t)
     b_b = d["b_b"].clone().requires_grad_()
     x = d["x"].clone().requires_grad_()
-    f, g = TPCopy(groups.tp_group, counter), TPAllReduce(groups.tp_group, counter)
-    z = g(F.linear(F.gelu(F.linear(f(x), a_w, a_b)), b_w)) + b_b  # (b, s, h)
-    (z * d["w_out"]).sum().backward()
+    f, g = TPCopy(groups.tp_group), TPAllReduce(groups.tp_group)
+    with CommMeter(groups.axis_names()) as meter:
+        z = g(F.linear(F.gelu(F.linear(f(x), a_w, a_b)), b_w)) + b_b  # (b, s, h)
+        (z * d["w_out"]).sum().backward()
     return {"z": z.detach(), "x_grad": x.grad, "a_w": a_w.grad, "a_b": a_b.grad, "b_w": b_w.grad,
-            "b_b": b_b.grad, "bytes": dict(counter.bytes), "repr": repr(f) + repr(g)}
+            "b_b": b_b.grad, "bytes": dict(meter.bytes), "repr": repr(f) + repr(g)}
 
 
 def _gather_scatter_embedding(d: dict[str, torch.Tensor], groups: ParallelGroups) -> dict:
@@ -77,7 +82,7 @@ def _tp_ops_worker(rank: int, world_size: int) -> dict:
         mismatch = str(e)
     groups = ParallelGroups.build(tp=2, pp=1, dp=1)
     d = _tp_data()
-    return {"mlp": _mlp_tp(d, groups, CommCounter()), "ops": _gather_scatter_embedding(d, groups),
+    return {"mlp": _mlp_tp(d, groups), "ops": _gather_scatter_embedding(d, groups),
             "mismatch": mismatch}
 
 
@@ -104,7 +109,8 @@ def test_f_g_mlp_matches_unsplit(tp_results: list[dict]) -> None:
     assert _close(torch.cat([r["b_w"] for r in res], 1), params["b_w"].grad)
     # one all-reduce of (b, s, h) fp32 forward (g) and one backward (f)
     assert res[0]["bytes"]["tp_all_reduce"] == 2 * B_ * S_ * HID * 4
-    assert "tp=2" in res[0]["repr"] and "(f)" in res[0]["repr"] and "(g)" in res[0]["repr"]
+    assert "tp=2" in res[0]["repr"] and "copy_to_tp_region" in res[0]["repr"]
+    assert "reduce_from_tp_region" in res[0]["repr"]
 
 
 def test_gather_scatter_embedding_match_unsplit(tp_results: list[dict]) -> None:

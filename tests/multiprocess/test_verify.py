@@ -20,7 +20,7 @@ import torch
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.runtime.collectives import TPAllReduce
+from autopar.runtime.tp_modules import ReduceFromTPRegion
 from autopar.verify.check import VerificationError, verify
 from dist_utils import run_distributed
 from helpers import tiny_plan as _plan
@@ -47,7 +47,7 @@ def _drop_first_tp_all_reduce(pm) -> None:
     """Break the program: the first TP all-reduce (Megatron's g) becomes the identity."""
     gm = pm.stage_module
     node = next(n for n in gm.graph.nodes if n.op == "call_module"
-                and isinstance(gm.get_submodule(n.target), TPAllReduce))
+                and isinstance(gm.get_submodule(n.target), ReduceFromTPRegion))
     node.replace_all_uses_with(node.args[0])
     gm.graph.erase_node(node)
     gm.recompile()

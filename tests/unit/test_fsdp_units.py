@@ -22,9 +22,9 @@ def _odd_model():
 
 def test_layer_units_group_rewritten_modules_by_layer():
     traced = trace_model(_odd_model(), SEQ)
-    from autopar.rewrite.pipeline import annotate_stages
+    from autopar.rewrite.pipeline import annotate_chunks
 
-    annotate_stages(traced, [[0, ODD.n_layer]])
+    annotate_chunks(traced, [[0, ODD.n_layer]])
     units, rest = layer_units(traced.gm)
     assert len(units) == ODD.n_layer
     names = {id(m): n for n, m in traced.gm.named_modules()}

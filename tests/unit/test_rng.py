@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autopar.models import GPT
-from autopar.rewrite.pipeline import annotate_stages
+from autopar.rewrite.pipeline import annotate_chunks
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
 from autopar.placement import parse_strategy_key
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
@@ -92,7 +92,7 @@ def _sp_like_placements(traced) -> dict[str, str]:
 
 def _traced(model: GPT | None = None):
     traced = trace_model(model if model is not None else _model(), SEQ)
-    annotate_stages(traced, [(0, CONFIG.n_layer)])
+    annotate_chunks(traced, [(0, CONFIG.n_layer)])
     return traced
 
 

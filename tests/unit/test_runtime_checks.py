@@ -31,7 +31,7 @@ def test_unsupported_schedules_raise() -> None:
     with pytest.raises(ValueError, match="ModuleList of v >= 2 chunks"):
         ParallelModule(nn.Linear(H, H), groups, schedule="interleaved_1f1b", **kwargs)
     chunks = nn.ModuleList([nn.Linear(H, H), nn.Linear(H, H)])
-    with pytest.raises(ValueError, match="m=3; choose m in multiples of 2"):
+    with pytest.raises(ValueError, match="m=3, pp=2; choose m in multiples of 2"):
         ParallelModule(chunks, groups, schedule="interleaved_1f1b",
                        **{**kwargs, "num_micro_batches": 3})
     with pytest.raises(NotImplementedError, match="zero_bubble"):

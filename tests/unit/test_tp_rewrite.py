@@ -24,7 +24,8 @@ from autopar.rewrite.tensor_parallel import apply_tensor_parallel
 
 TP, RANK, SEQ = 8, 3, 16
 CONFIG = GPTConfig(n_layer=2, n_head=8, n_embd=64, vocab_size=128, block_size=SEQ)
-COLLECTIVES = ("TPCopy", "TPAllReduce", "TPAllGather", "TPScatter", "TPReduceScatter")
+COLLECTIVES = ("CopyToTPRegion", "ReduceFromTPRegion", "GatherFromTPRegion", "ScatterToTPRegion",
+               "ReduceScatterToTPRegion", "GatherToTPRegionWithPartialGrad")
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +64,14 @@ def test_megatron_collectives_per_layer(rewritten):
     regions = _regions(rewritten)
     assert len(regions) == CONFIG.n_layer + 1
     embedding, *layers = regions
-    assert _collectives(rewritten, embedding) == {"TPAllReduce": 1}  # vocab-parallel embedding's g
+    assert _collectives(rewritten, embedding) == {"ReduceFromTPRegion": 1}  # vocab-parallel embedding's g
     for layer, nodes in enumerate(layers[:-1]):
         # attention and MLP: f (copy forward, all-reduce backward) in, g (all-reduce) out
-        assert _collectives(rewritten, nodes) == {"TPCopy": 2, "TPAllReduce": 2}, layer
+        assert _collectives(rewritten, nodes) == {"CopyToTPRegion": 2, "ReduceFromTPRegion": 2}, layer
     # the last region: layer L-1 and then the head, whose input passes through one more f
-    assert _collectives(rewritten, layers[-1]) == {"TPCopy": 3, "TPAllReduce": 2}
+    assert _collectives(rewritten, layers[-1]) == {"CopyToTPRegion": 3, "ReduceFromTPRegion": 2}
     total = _collectives(rewritten, list(rewritten.graph.nodes))
-    assert total == {"TPCopy": 2 * CONFIG.n_layer + 1, "TPAllReduce": 2 * CONFIG.n_layer + 1}
+    assert total == {"CopyToTPRegion": 2 * CONFIG.n_layer + 1, "ReduceFromTPRegion": 2 * CONFIG.n_layer + 1}
 
 
 def test_local_parameter_shapes(rewritten):

@@ -1,0 +1,34 @@
+"""The private or version-sensitive torch APIs autopar uses, in one place.
+
+Everything else in autopar imports these names from here, so a torch upgrade that moves
+or renames one of them is fixed in this file alone. Checked against torch 2.13.
+
+* ``TorchDispatchMode`` (``torch.utils._python_dispatch``): the hook
+  :class:`autopar.runtime.stats.CommMeter` uses to see every ``c10d`` op.
+* :func:`op_schema`: an ``OpOverload``'s qualified name and argument names
+  (``func._schema``).
+* :func:`unbox_process_group`: the ``ProcessGroup`` behind the script object a ``c10d``
+  op receives (``ProcessGroup.unbox``).
+* ``DropoutBase`` (``torch.nn.modules.dropout._DropoutNd``): the base class of
+  ``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout`` and ``FeatureAlphaDropout``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.nn.modules.dropout import _DropoutNd as DropoutBase
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group"]
+
+
+def op_schema(func) -> tuple[str, list[str]]:
+    """(qualified name such as ``"c10d::allreduce_"``, positional argument names) of the
+    ``torch._ops.OpOverload`` ``func`` a dispatch mode receives."""
+    schema = func._schema
+    return schema.name, [a.name for a in schema.arguments]
+
+
+def unbox_process_group(value) -> dist.ProcessGroup:
+    """The ``dist.ProcessGroup`` of the ``process_group`` argument of a ``c10d`` op."""
+    return dist.ProcessGroup.unbox(value)
