@@ -17,21 +17,14 @@ import autopar
 from autopar.models import GPT
 from autopar.verify.check import verify
 from dist_utils import run_distributed
-from helpers import ODD
+from helpers import ODD, seeded_gpt
 from helpers import fast_cluster as _cluster, optimizer as _optimizer, rel as _rel
 
 BATCH, SEQ, STEPS = 8, 16, 2
 
 
 def _odd_model() -> GPT:
-    """Seeded, random biases (see test_parallelize._model: the key bias's gradient is 0)."""
-    torch.manual_seed(0)
-    model = GPT(ODD)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.02)
-    return model
+    return seeded_gpt(ODD)  # random biases: the key bias's gradient is exactly 0
 
 
 def _batches():

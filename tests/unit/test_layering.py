@@ -113,9 +113,15 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
 
 
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
+    """The rewrite reads the plan: from the runtime only the operators it inserts and the
+    RNG tracker; from the planner only the strategy vocabulary that decodes the plan's keys
+    (``planner.strategies.decode_placements``), never the solver, search or OR-Tools."""
     code = "import " + ", ".join(["autopar.rewrite", *_submodules("autopar.rewrite")])
-    runtime = set(_under(_modules_after(code, isolated=True), "autopar.runtime"))
+    loaded = _modules_after(code, isolated=True)
+    runtime = set(_under(loaded, "autopar.runtime"))
     assert runtime <= REWRITE_MAY_LOAD, sorted(runtime - REWRITE_MAY_LOAD)
+    planner = set(_under(loaded, "autopar.planner", "autopar.api", "autopar.oracle", "ortools"))
+    assert planner <= {"autopar.planner", "autopar.planner.strategies"}, sorted(planner)
 
 
 # ----------------------------------------------------------------------------- source
