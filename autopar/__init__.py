@@ -38,7 +38,9 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     ``train_step(idx (B, s), targets (B, s))`` takes the same global batch on every rank
     and returns the global mean loss.
 
-    Raises ValueError (world size != tp·pp·dp, or an interleaved plan breaking
+    Raises ValueError (a plan made for another model: another config or traced graph,
+    :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
+    interleaved plan breaking
     :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
     collective), NotImplementedError (a plan feature the runtime cannot run, or a backend
     other than gloo), RuntimeError (no process group, or ranks disagree on the plan),

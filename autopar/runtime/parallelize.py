@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.graph.capture import trace_model
+from autopar.models import model_config
 from autopar.placement import parse_strategy_key
 from autopar.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
@@ -39,7 +40,7 @@ from autopar.runtime.rng import seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.support import check_executable
 
-__all__ = ["parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
+__all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
 
 
 class ParallelizedModel(ParallelModule):
@@ -92,6 +93,32 @@ def _check_process_group() -> None:
             "stages on cuda:LOCAL_RANK for NCCL is not implemented yet)")
 
 
+def check_plan_matches(model: nn.Module, plan: Plan) -> None:
+    """Raise ValueError unless ``plan`` was made for ``model``: the same model config when
+    both are known (``Plan.model_config``: a wider model is refused), and the same traced
+    node names (hence layers and placements: a deeper or shallower model is refused).
+    Local (no collective), so :func:`parallelize` and :func:`autopar.verify.verify` call it
+    before the first collective. A model without a config whose graph has the same node
+    names but other sizes is not detected here; the TP rewrite then refuses sizes that do
+    not divide, and ``autopar verify`` compares against one device."""
+    config = model_config(model)
+    if plan.model_config and config and plan.model_config != config:
+        diff = {k: (plan.model_config.get(k), config.get(k))
+                for k in sorted(set(plan.model_config) | set(config))
+                if plan.model_config.get(k) != config.get(k)}
+        raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
+                         f"(plan vs model: {diff}); pass the model the plan was made for, or "
+                         "re-plan this model with `autopar plan`")
+    traced = trace_model(model, plan.seq_len)
+    names = {n.name for n in traced.gm.graph.nodes}
+    missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
+    if missing or extra:
+        raise ValueError(f"the plan was made for model {plan.model!r}, whose traced graph differs "
+                         f"from this model's: {len(missing)} plan nodes are not in the model "
+                         f"(e.g. {missing[:3]}), {len(extra)} model nodes are not in the plan "
+                         f"(e.g. {extra[:3]}); pass the model the plan was made for, or re-plan")
+
+
 def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 global_batch_size: int | None = None, seq_len: int | None = None) -> Plan:
     """The plan every rank will run (step 1 of the module docstring): ``plan`` checked, or
@@ -134,6 +161,8 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     gloo process group, on every rank); the runtime half of :func:`autopar.parallelize`,
     whose docstring lists the arguments and errors (all but ``verify``)."""
+    if plan is not None:
+        check_plan_matches(model, plan)  # before any collective: every rank raises alike
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)

@@ -43,6 +43,7 @@ from autopar.runtime.engine import token_cross_entropy
 from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
+from autopar.runtime.parallelize import check_plan_matches
 from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
@@ -70,30 +71,6 @@ def disable_dropout(model: nn.Module) -> list[str]:
                 setattr(module, attr, 0.0)
                 changed.append(f"{mod_name}.{attr}")
     return changed
-
-
-def check_plan_matches(model: nn.Module, plan: Plan) -> None:
-    """Raise ValueError unless ``plan`` was made for ``model``: same traced node names
-    (hence layers and placements) and, when both are known, the same model config."""
-    from autopar.models import model_config
-    from autopar.graph.capture import trace_model
-
-    config = model_config(model)
-    if plan.model_config and config and plan.model_config != config:
-        diff = {k: (plan.model_config.get(k), config.get(k))
-                for k in sorted(set(plan.model_config) | set(config))
-                if plan.model_config.get(k) != config.get(k)}
-        raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
-                         f"(plan vs model: {diff}); pass the model the plan was made for, or "
-                         "re-plan this model with `autopar plan`")
-    traced = trace_model(model, plan.seq_len)
-    names = {n.name for n in traced.gm.graph.nodes}
-    missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
-    if missing or extra:
-        raise ValueError(f"the plan was made for model {plan.model!r}, whose traced graph differs "
-                         f"from this model's: {len(missing)} plan nodes are not in the model "
-                         f"(e.g. {missing[:3]}), {len(extra)} model nodes are not in the plan "
-                         f"(e.g. {extra[:3]}); pass the model the plan was made for, or re-plan")
 
 
 def vocab_size(model: nn.Module) -> int:
