@@ -20,7 +20,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate
 
-__all__ = ["TraceError", "trace_model", "symbolic_trace_logits"]
+__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm"]
 
 
 class TraceError(Exception):
@@ -92,6 +92,7 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") ->
     Raises:
         TraceError: the model is not fx-traceable, or shape propagation fails (the node
             and the reason are named).
+        ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`).
     """
     gm = symbolic_trace_logits(model)
     meta_gm = gm if _all_meta(gm) else copy.deepcopy(gm).to("meta")
@@ -108,7 +109,29 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") ->
     for node, meta_node in zip(gm.graph.nodes, meta_gm.graph.nodes):
         if "tensor_meta" in meta_node.meta:
             node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
-    return annotate(gm, seq_len=seq_len, name=name)
+    traced = annotate(gm, seq_len=seq_len, name=name)
+    check_causal_lm(traced, type(model).__name__)
+    return traced
+
+
+def check_causal_lm(traced: TracedModel, model_name: str) -> None:
+    """Raise ValueError unless ``traced`` is what autopar parallelizes: a causal language
+    model whose ``forward(idx (b, s))`` returns logits (b, s, V) (alone, or first in a
+    tuple) through a stack of repeated transformer layers (module paths ``P.<i>.…``, e.g.
+    ``transformer.h.0``, ``model.layers.0``). The message names what is missing."""
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    source = out.args[0]
+    shape = traced.nodes[source.name].shape if isinstance(source, fx.Node) else None
+    if shape is None or len(shape) != 3 or shape[1] != traced.seq_len:
+        raise ValueError(
+            f"{model_name} is not a causal language model autopar can plan: forward(idx) must "
+            f"return logits of shape (b, s, V) (alone or first in a tuple); for idx of shape "
+            f"(1, {traced.seq_len}) it returned {tuple(shape) if shape else 'no tensor'}")
+    if not traced.layers:
+        raise ValueError(
+            f"{model_name} has no stack of transformer layers autopar can find: it looks for a "
+            "module list whose children hold the layers (module paths like transformer.h.0 or "
+            "model.layers.0, at least one of them); put the layers in an nn.ModuleList")
 
 
 def _all_meta(module: torch.nn.Module) -> bool:

@@ -1,0 +1,58 @@
+"""A model autopar cannot plan gets a ValueError that says why, not an IndexError from deep
+inside the solver: logits that are not (b, s, V), or no stack of transformer layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import cli
+
+CLUSTER = autopar.Cluster.local_cpu(processes=2)
+
+
+class Classifier(nn.Module):
+    """A sequence classifier: (b, s) token ids -> (b, classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 10)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1))
+
+
+class Bigram(nn.Module):
+    """Logits (b, s, V) but no transformer layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def classifier() -> nn.Module:
+    return Classifier()
+
+
+@pytest.mark.parametrize("model, match", [
+    (Classifier, r"not a causal language model .* returned \(1, 10\)"),
+    (Bigram, r"no stack of transformer layers .* nn.ModuleList"),
+])
+def test_plan_names_what_the_model_lacks(model, match):
+    with torch.device("meta"):
+        m = model()
+    with pytest.raises(ValueError, match=match):
+        autopar.plan(m, CLUSTER, global_batch_size=4, seq_len=16)
+
+
+def test_the_cli_says_so_with_exit_2(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    argv = ["plan", "--model", "test_capture_checks:classifier", "--cluster", "local-cpu",
+            "--nodes", "1", "--global-batch-size", "4", "--seq-len", "16"]
+    assert cli.main(argv) == 2
+    assert "not a causal language model" in capsys.readouterr().err
