@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import trace_model
 from autopar.models import model_config
 from autopar.placement import parse_strategy_key
@@ -93,14 +94,15 @@ def _check_process_group() -> None:
             "stages on cuda:LOCAL_RANK for NCCL is not implemented yet)")
 
 
-def check_plan_matches(model: nn.Module, plan: Plan) -> None:
+def check_plan_matches(model: nn.Module, plan: Plan, traced: TracedModel | None = None) -> None:
     """Raise ValueError unless ``plan`` was made for ``model``: the same model config when
     both are known (``Plan.model_config``: a wider model is refused), and the same traced
     node names (hence layers and placements: a deeper or shallower model is refused).
-    Local (no collective), so :func:`parallelize` and :func:`autopar.verify.verify` call it
-    before the first collective. A model without a config whose graph has the same node
-    names but other sizes is not detected here; the TP rewrite then refuses sizes that do
-    not divide, and ``autopar verify`` compares against one device."""
+    ``traced``: ``model``'s trace when the caller has one (else it is traced here).
+    Local (no collective), so :func:`parallelize` calls it before the first collective. A
+    model without a config whose graph has the same node names but other sizes is not
+    detected here; the TP rewrite then refuses sizes that do not divide, and ``autopar
+    verify`` compares against one device."""
     config = model_config(model)
     if plan.model_config and config and plan.model_config != config:
         diff = {k: (plan.model_config.get(k), config.get(k))
@@ -109,7 +111,7 @@ def check_plan_matches(model: nn.Module, plan: Plan) -> None:
         raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
                          f"(plan vs model: {diff}); pass the model the plan was made for, or "
                          "re-plan this model with `autopar plan`")
-    traced = trace_model(model, plan.seq_len)
+    traced = traced or trace_model(model, plan.seq_len)
     names = {n.name for n in traced.gm.graph.nodes}
     missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
     if missing or extra:
@@ -161,22 +163,29 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     gloo process group, on every rank); the runtime half of :func:`autopar.parallelize`,
     whose docstring lists the arguments and errors (all but ``verify``)."""
-    if plan is not None:
-        check_plan_matches(model, plan)  # before any collective: every rank raises alike
+    traced = None
+    if plan is not None:  # before any collective, on the graph the rewrite will use
+        traced = _local_trace(model, plan)
+        check_plan_matches(model, plan, traced)
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
+    traced = traced or _local_trace(model, plan)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
-    # ZeRO-3: the (sharded) parameters stay fp32 master weights; FSDP2 casts them to the
-    # plan's dtype when it gathers them (runtime.fsdp), so the activations are bf16 as well
-    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
-    local_model = copy.deepcopy(model).to(torch.float32 if zero3 else PARAM_DTYPES[plan.dtype])
-    traced = trace_model(local_model, plan.seq_len)
     program = apply_plan(traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng)
     return _parallel_module(traced, plan, groups, program, optimizer)
 
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _local_trace(model: nn.Module, plan: Plan) -> TracedModel:
+    """The trace of this rank's copy of ``model`` in the plan's parameter dtype. ZeRO-3:
+    the (sharded) parameters stay fp32 master weights; FSDP2 casts them to the plan's dtype
+    when it gathers them (runtime.fsdp), so the activations are bf16 as well."""
+    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
+    local_model = copy.deepcopy(model).to(torch.float32 if zero3 else PARAM_DTYPES[plan.dtype])
+    return trace_model(local_model, plan.seq_len)
 
 
 def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,

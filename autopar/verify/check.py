@@ -184,7 +184,9 @@ def _reference_step(model: nn.Module, optim: torch.optim.Optimizer,
 
 
 def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
-    """Everything that can be checked before any collective (ValueError)."""
+    """Everything that can be checked before any collective (ValueError); the plan against
+    the model is checked by the runtime's ``parallelize``, also before any collective
+    (:func:`~autopar.runtime.parallelize.check_plan_matches`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if any(p.is_meta for p in model.parameters()):
@@ -192,7 +194,6 @@ def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
                          "device); build it on the CPU, e.g. outside `with torch.device('meta')`")
     if batches is not None and len(batches) < steps:
         raise ValueError(f"{len(batches)} batches given for {steps} steps")
-    check_plan_matches(model, plan)
 
 
 def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
