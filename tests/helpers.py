@@ -57,12 +57,14 @@ def optimizer(name: str):
     return functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
-def reference(opt: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final state of ``seeded_gpt()`` trained STEPS steps in one process."""
-    model = seeded_gpt()
+def reference(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS, seed: int = 1234
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final state of ``seeded_gpt(config)`` trained ``steps`` steps in one
+    process on ``batches(steps, config, seed=seed)``."""
+    model = seeded_gpt(config)
     optim = optimizer(opt)(model.parameters())
     losses = []
-    for idx, tgt in batches(STEPS):
+    for idx, tgt in batches(steps, config, seed=seed):
         _, loss = model(idx, tgt)
         optim.zero_grad()
         loss.backward()

@@ -32,7 +32,8 @@ def _check_inputs(args: argparse.Namespace):
     import autopar
     from autopar.plan import Plan
     from autopar.support import check_executable
-    from autopar.verify.check import Tolerances, check_plan_matches
+    from autopar.runtime.parallelize import check_plan_matches
+    from autopar.verify.check import Tolerances
 
     if not args.plan_file.is_file():
         raise ValueError(f"plan file {args.plan_file} does not exist")

@@ -11,16 +11,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from autopar.planner.cost_tables import Config, bytes_per_param, cost_tables, node_cost
-from autopar.graph.annotate import TracedModel
-from autopar.plan import Layout
-from autopar.planner.predict import predict
 from autopar import support as support_rules
-from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+from autopar.graph.annotate import TracedModel
+from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
+from autopar.planner.cost_tables import Config, bytes_per_param, cost_tables, node_cost
 from autopar.planner.cpsat import ConfigModel, template_map
 from autopar.planner.decision import Decision, InfeasibleError
+from autopar.planner.predict import predict
 from autopar.planner.strategies import node_strategies, tensor_inputs
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 
 __all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
 

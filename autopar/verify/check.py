@@ -43,10 +43,9 @@ from autopar.runtime.engine import token_cross_entropy
 from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
-from autopar.runtime.parallelize import check_plan_matches
 from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
-__all__ = ["verify", "full_gradients", "disable_dropout", "check_plan_matches", "default_batches",
+__all__ = ["verify", "full_gradients", "disable_dropout", "default_batches",
            "Tolerances", "VerifyReport", "VerificationError"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -17,7 +17,7 @@ import autopar
 from autopar.models import GPT
 from autopar.verify.check import verify
 from dist_utils import run_distributed
-from helpers import ODD, seeded_gpt
+from helpers import ODD, batches, reference, seeded_gpt
 from helpers import fast_cluster as _cluster, optimizer as _optimizer, rel as _rel
 
 BATCH, SEQ, STEPS = 8, 16, 2
@@ -28,22 +28,11 @@ def _odd_model() -> GPT:
 
 
 def _batches():
-    g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, ODD.vocab_size, (BATCH, SEQ), generator=g),
-             torch.randint(0, ODD.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return batches(STEPS, ODD, BATCH, SEQ, seed=7)
 
 
 def _reference():
-    model = _odd_model()
-    optim = _optimizer("sgd")(model.parameters())
-    losses = []
-    for idx, tgt in _batches():
-        _, loss = model(idx, tgt)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference("sgd", ODD, STEPS, seed=7)
 
 
 def _plan(world: int, dp: int, recompute: str) -> str:
