@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem",
-           "pipeline_problem", "validate_degrees", "validate_layout", "divisors",
-           "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
+           "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
+           "divisors", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
 # Defined here, not in the runtime, so that planning loads no torch.distributed code
 # (autopar.runtime.zero and autopar.runtime.fsdp import them from here).
@@ -36,6 +36,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def check_positive_ints(**values: int) -> None:
+    """Raise ValueError naming the first of ``values`` (name=value) that is not a positive
+    int (bools refused)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
     """Check that tp, pp, dp are positive ints whose product is ``world_size``.
 
@@ -43,9 +51,7 @@ def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
         ValueError: a degree is not a positive int, or tp*pp*dp != world_size (the
             message says how to launch or which plan to pass instead).
     """
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive_ints(tp=tp, pp=pp, dp=dp)
     n = tp * pp * dp
     if n != world_size:
         raise ValueError(

@@ -10,12 +10,31 @@ module-level and picklable, and import nothing from test files.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster, LinkSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str) -> ModuleType:
+    """A script of the repository (``benchmarks/…``, ``examples/…``: not packages) imported
+    as a module named after its file, registered in sys.modules (dataclasses look their
+    module up there)."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=64, block_size=16)
 BATCH, SEQ, STEPS = 8, 16, 3

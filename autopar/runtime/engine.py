@@ -46,19 +46,13 @@ from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
-from autopar.support import pipeline_problem
+from autopar.support import check_positive_ints, pipeline_problem
 
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over tokens. logits: (b, s, V), targets: (b, s) int64 -> scalar."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_schedule(schedule: str, pp: int, num_micro_batches: int, num_chunks: int = 1) -> None:
@@ -138,8 +132,9 @@ class ParallelModule(nn.Module):
         boundary_shard_dims: Sequence[tuple[int | None, int | None]] = ((None, None),),
     ) -> None:
         super().__init__()
-        _check_positive(micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
-                        seq_len=seq_len, hidden_size=hidden_size)
+        check_positive_ints(micro_batch_size=micro_batch_size,
+                            num_micro_batches=num_micro_batches, seq_len=seq_len,
+                            hidden_size=hidden_size)
         chunks = list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
         _check_schedule(schedule, groups.pp, num_micro_batches, len(chunks))
         if zero_stage >= 2 and groups.pp > 1:

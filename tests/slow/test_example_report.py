@@ -7,7 +7,6 @@ HTML), the numbers equal to the Plan's, and the checked-in ``reports/`` copy up 
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from PIL import Image
 
 from autopar.report.format import format_bytes, format_seconds, format_tflops
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -30,18 +30,10 @@ CHARTS = {"timeline.png": "### Pipeline stages", "memory.png": "## Memory per GP
           "comparison.png": "## Hand-written layouts"}
 
 
-def _load_make_reports():
-    spec = importlib.util.spec_from_file_location("make_reports",
-                                                  ROOT / "examples" / "make_reports.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     """(plan, Megatron plan, report.md path, checked-in directory) of the 1.3B example."""
-    make_reports = _load_make_reports()
+    make_reports = load_script("examples/make_reports.py")
     case = next(c for c in make_reports.CASES if c[1] == "gpt-1.3b")
     plan, megatron, path = make_reports.write_example(
         *case, out_root=tmp_path_factory.mktemp("reports"))

@@ -8,26 +8,16 @@ with that reason; every other row must be within ``TOLERANCE``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "published_runs", REPO / "benchmarks" / "published_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_script("benchmarks/published_runs.py")
 
 
 def _param(run):

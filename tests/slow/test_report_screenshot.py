@@ -10,7 +10,6 @@ installs it; without it this test fails and names the install command.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -18,22 +17,14 @@ import pytest
 from PIL import Image
 
 from autopar.report.plots import MEMORY_COLOURS, TIMELINE_COLOURS
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "reports" / "gpt-1.3b-dgx-a100-1"
 WIDTH, HEIGHT = 1400, 3000
 
 
-def _load_script():
-    """benchmarks/screenshot_report.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("screenshot_report",
-                                                  ROOT / "benchmarks" / "screenshot_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-shot = _load_script()
+shot = load_script("benchmarks/screenshot_report.py")
 
 
 @pytest.fixture(scope="module")

@@ -257,8 +257,9 @@ def test_plan_draws_progress_on_a_terminal_only(monkeypatch, tmp_path, capsys):
 def test_saved_plan_of_the_training_example_is_what_every_rank_loads(tmp_path, monkeypatch):
     """README's cluster recipe: `autopar plan --model examples.train_gpt:gpt_stdlib_bytes
     ... -o plan.json`, then `train_gpt.py --plan plan.json` on every rank reads it."""
-    import importlib.util
     from pathlib import Path
+
+    from helpers import load_script
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)  # module:factory resolves from the current directory
@@ -266,9 +267,7 @@ def test_saved_plan_of_the_training_example_is_what_every_rank_loads(tmp_path, m
     assert cli.main(["plan", "--model", "examples.train_gpt:gpt_stdlib_bytes", "--cluster",
                      "local-cpu", "--global-batch-size", "16", "--tp", "2", "--pp", "2",
                      "-o", str(path)]) == 0
-    spec = importlib.util.spec_from_file_location("train_gpt", root / "examples" / "train_gpt.py")
-    train_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_gpt)
+    train_gpt = load_script("examples/train_gpt.py")
     cluster = autopar.Cluster.local_cpu(processes=4)
     args = train_gpt.parse_args(["--plan", str(path)])
     plan = train_gpt.load_or_solve(args, cluster, rank=3)  # no collective with --plan
