@@ -31,7 +31,7 @@ from autopar.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey
                                format_strategy_key, shape_strategy_name)
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
-           "SEQUENCE_DIM", "strategy_key", "strategies_by_key", "decode_placements",
+           "SEQUENCE_DIM", "strategies_by_key", "decode_placements",
            "tensor_inputs", "tied_groups", "param_split", "partial_grad_input",
            "gathers_for_partial_grad"]
 
@@ -65,7 +65,8 @@ class Strategy:
 
     @property
     def key(self) -> str:
-        """The string a Plan stores for this strategy (:func:`strategy_key`)."""
+        """The string a Plan stores for this strategy: ``"<name>:<output placement>"``, unique
+        per node (:func:`autopar.placement.format_strategy_key`)."""
         return format_strategy_key(self.name, self.output)
 
     @property
@@ -191,12 +192,6 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
     return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp,
                                        sequence_parallel)
             for node in gm.graph.nodes}
-
-
-def strategy_key(strategy: Strategy) -> str:
-    """The string a Plan stores for a strategy: ``"<name>:<output placement>"`` (unique per
-    node; :func:`autopar.placement.format_strategy_key`)."""
-    return strategy.key
 
 
 def strategies_by_key(options: list[Strategy], key: str, node: str, tp: int) -> Strategy:

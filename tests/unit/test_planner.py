@@ -51,7 +51,7 @@ def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     """Korthikanti et al. 2022, Table 2: s·b·h·(34 + 5as/h) bytes per layer at t = 1 and
     s·b·h·(10 + 24/t + 5as/(ht)) with Megatron TP, derived here from the traced graph."""
     from autopar.planner.cost_tables import Config, cost_tables
-    from autopar.planner.strategies import node_strategies, strategy_key
+    from autopar.planner.strategies import node_strategies
     from cost_models.memory import transformer_layer_activation_bytes
 
     cluster = autopar.Cluster.dgx_a100(nodes=1)
@@ -61,7 +61,7 @@ def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     placements = tp8_plan.placements if tp == 8 else {}
     saved = 0.0
     for name in traced.layers[0]:
-        keys = [strategy_key(s) for s in strategies[name]]
+        keys = [s.key for s in strategies[name]]
         saved += tables.node[name][keys.index(placements.get(name, "replicate:R"))].saved_bytes
     assert saved == transformer_layer_activation_bytes(1024, 1, 3072, 32, tp=tp)
 
