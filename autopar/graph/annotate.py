@@ -17,13 +17,15 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.graph.ops import SAVES_INPUTS, aten_kind, is_conv1d, linear_features, packet
+
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind"]
 
 ACTIVATION_BYTES = 2  # 16-bit activations
 MASK_BYTES = 1        # dropout masks
 
 # ops whose backward saves their tensor inputs (Korthikanti et al. 2022, section 4.1)
-_SAVES_INPUT = {"linear", "layernorm", "gelu", "sdpa"}
+_SAVES_INPUT = {"linear", "layernorm", "gelu", "sdpa", "matmul"}
 _ELEMENTWISE_FUNCS = {operator.add, operator.mul, operator.sub, operator.truediv, torch.add,
                       torch.mul, F.gelu, F.relu, torch.tanh, F.dropout}
 _VIEW_METHODS = {"view", "reshape"}
@@ -124,13 +126,19 @@ def last_saver_index(nodes: dict[str, NodeInfo], names: list[str]) -> int:
     backward. Non-reentrant ``torch.utils.checkpoint`` stops recomputing there ("early
     stop"), so under full recompute only ``names[: index + 1]`` and the collectives placed
     before that op run again in backward."""
-    savers = [i for i, n in enumerate(names)
-              if nodes[n].kind in _SAVES_INPUT or nodes[n].mask_elems]
+    savers = [i for i, n in enumerate(names) if _saves(nodes[n]) or nodes[n].mask_elems]
     return max(savers, default=len(names) - 1)
 
 
+def _saves(info: NodeInfo) -> bool:
+    """Does this op keep its tensor inputs for backward?"""
+    return info.kind in _SAVES_INPUT or info.extra.get("saves_inputs", False)
+
+
 def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
-    """Classify an fx node into the op kinds strategies know about."""
+    """Classify an fx node into the op kinds strategies know about (aten ops of an
+    exported graph: :func:`autopar.graph.ops.aten_kind`; a parameter or buffer read by
+    ``get_attr``: "param")."""
     if node.op == "placeholder":
         return "input"
     if node.op == "output":
@@ -138,13 +146,24 @@ def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
     meta = node.meta.get("tensor_meta")
     if meta is None or not hasattr(meta, "shape"):
         return "nontensor"
+    if node.op == "get_attr":
+        return "param"
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
+        if is_conv1d(mod):
+            return "linear"
         for cls, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"),
                           (nn.LayerNorm, "layernorm"), (nn.GELU, "gelu"), (nn.Dropout, "dropout")):
             if isinstance(mod, cls):
                 return kind
         return "other"
+    if node.op == "call_function" and packet(node.target) is not None:
+        kind = aten_kind(node.target)
+        tensors = [n for n in node.all_input_nodes if hasattr(n.meta.get("tensor_meta"), "shape")]
+        if kind == "elementwise" and packet(node.target) is torch.ops.aten.add and len(tensors) == 2 \
+                and all(tuple(n.meta["tensor_meta"].shape) == tuple(meta.shape) for n in tensors):
+            return "add"
+        return kind
     if node.op == "call_function":
         if node.target is F.scaled_dot_product_attention:
             return "sdpa"
@@ -165,13 +184,15 @@ def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
 
 def _flops(node: fx.Node, kind: str, gm: fx.GraphModule, numel: int) -> float:
     if kind == "linear":
-        mod = gm.get_submodule(node.target)
-        return 2.0 * numel // mod.out_features * mod.in_features * mod.out_features
+        in_f, out_f, _ = linear_features(gm.get_submodule(node.target))
+        return 2.0 * numel // out_f * in_f * out_f
+    if kind == "matmul":
+        return 2.0 * numel * node.args[0].meta["tensor_meta"].shape[-1]
     if kind == "sdpa":
         b, nh, s, hd = node.args[0].meta["tensor_meta"].shape
         s_kv = node.args[1].meta["tensor_meta"].shape[2]
         return 4.0 * b * nh * s * s_kv * hd  # Q·Kᵀ and attention·V
-    if kind in ("layernorm", "gelu", "dropout", "add", "elementwise"):
+    if kind in ("layernorm", "gelu", "dropout", "add", "elementwise", "reduce", "softmax"):
         return float(numel)
     return 0.0
 
@@ -203,21 +224,31 @@ def _layer_prefix(gm: fx.GraphModule) -> str:
 
 
 def _params(node: fx.Node, gm: fx.GraphModule, canon: dict[int, str]) -> dict[str, int]:
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return {canon[id(obj)]: obj.numel()} if isinstance(obj, nn.Parameter) else {}
     if node.op != "call_module":
         return {}
     mod = gm.get_submodule(node.target)
     return {canon[id(p)]: p.numel() for p in mod.parameters(recurse=True)}
 
 
-def annotate(gm: fx.GraphModule, *, seq_len: int, name: str) -> TracedModel:
-    """Annotate every node of a shape-propagated ``gm`` (see :class:`NodeInfo`)."""
+def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
+             model: nn.Module | None = None) -> TracedModel:
+    """Annotate every node of a shape-propagated ``gm`` (see :class:`NodeInfo`). A
+    parameter shared by several modules (tied) is named by its first FQN in ``model``
+    (the module ``gm`` was captured from; default ``gm``), as ``model.named_parameters()``
+    and ``state_dict()`` name it."""
     canon: dict[int, str] = {}
     tied: dict[str, str] = {}
+    for pname, p in (model or gm).named_parameters(remove_duplicate=False):
+        canon.setdefault(id(p), pname)
     for pname, p in gm.named_parameters(remove_duplicate=False):
-        if id(p) in canon:
+        if id(p) in canon and canon[id(p)] != pname:
             tied[pname] = canon[id(p)]
-        else:
-            canon[id(p)] = pname
+        canon.setdefault(id(p), pname)
     prefix = _layer_prefix(gm)
     nodes: dict[str, NodeInfo] = {}
     for node in gm.graph.nodes:
@@ -231,13 +262,40 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str) -> TracedModel:
             name=node.name, kind=kind, shape=shape, numel=numel,
             flops=_flops(node, kind, gm, numel), params=tuple(params),
             param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
-            extra={"param_sizes": params},
+            extra={"param_sizes": params,
+                   "saves_inputs": packet(node.target) in SAVES_INPUTS and kind != "other"},
         )
     _add_saved_bytes(gm, nodes)
     _mark_per_sequence(gm, nodes)
+    _mark_fused_blocks(gm, nodes)
     layers, pre, post = _group_layers(gm, nodes)
     return TracedModel(gm=gm, name=name, seq_len=seq_len, nodes=nodes, layers=layers,
                        pre=pre, post=post, layer_prefix=prefix, tied_params=tied)
+
+
+def _mark_fused_blocks(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
+    """A Linear whose output is read only by slices along its last dim that tile it (q|k|v
+    of a fused QKV projection, gate|up of a fused MLP) is a fused projection: its
+    ``extra["out_blocks"]`` are the tiles' sizes and each slice's ``extra["block"]`` its
+    (start, end), so that a column split can give every rank its part of each block."""
+    for node in gm.graph.nodes:
+        info = nodes[node.name]
+        if info.kind != "linear" or not node.users or info.shape is None:
+            continue
+        last, spans = len(info.shape) - 1, []
+        for user in node.users:
+            if nodes[user.name].kind != "slice" or user.args[0] is not node \
+                    or user.args[1] % (last + 1) != last:
+                break
+            spans.append((user.args[2], min(user.args[3], info.shape[last]), user))
+        else:
+            spans.sort(key=lambda span: span[:2])
+            tiles = (len(spans) >= 2 and spans[0][0] == 0 and spans[-1][1] == info.shape[last]
+                     and all(a[1] == b[0] for a, b in zip(spans, spans[1:])))
+            if tiles:
+                info.extra["out_blocks"] = tuple(end - start for start, end, _ in spans)
+                for start, end, user in spans:
+                    nodes[user.name].extra["block"] = (start, end)
 
 
 def _mark_per_sequence(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
@@ -257,7 +315,7 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         info = nodes[node.name]
         if info.shape is None:
             continue
-        if any(nodes[u.name].kind in _SAVES_INPUT for u in node.users):
+        if any(_saves(nodes[u.name]) for u in node.users):
             info.saved_elems += info.numel
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
             info.mask_elems += info.numel

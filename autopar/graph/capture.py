@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate
+from autopar.graph.export import export_logits
 
 __all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm"]
 
@@ -82,20 +83,37 @@ def _first_placeholder(graph: fx.Graph) -> fx.Node:
 
 
 def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") -> TracedModel:
-    """Trace ``model`` for one sequence of ``seq_len`` tokens and annotate every node.
+    """Capture ``model`` for one sequence of ``seq_len`` tokens and annotate every node.
 
-    The model may live on any device; shapes are propagated on a ``meta`` copy (models
-    already on ``meta`` are not copied). Returns a :class:`~autopar.graph.annotate.TracedModel`
-    with ``gm`` (the logits graph over the ORIGINAL modules, for rewriting) and per-node
-    ``NodeInfo`` for one sequence (b = 1).
+    Two front ends, one result: ``torch.fx.symbolic_trace`` when it captures the whole
+    model and its output is the logits (a module-level graph, e.g. autopar's own GPT);
+    otherwise non-strict ``torch.export`` (:mod:`autopar.graph.export`: nanoGPT as written,
+    Hugging Face models). The model may live on any device; shapes are propagated on a
+    ``meta`` copy (models already on ``meta`` are not copied). Returns a
+    :class:`~autopar.graph.annotate.TracedModel` with ``gm`` (the logits graph over the
+    ORIGINAL modules and parameters, for rewriting) and per-node ``NodeInfo`` for one
+    sequence (b = 1).
 
     Raises:
-        TraceError: the model is not fx-traceable, or shape propagation fails (the node
-            and the reason are named).
+        TraceError: neither front end captures the model (export's diagnosis and the
+            user's file:line are named), or shape propagation fails.
         ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`).
     """
-    gm = symbolic_trace_logits(model)
-    meta_gm = gm if _all_meta(gm) else copy.deepcopy(gm).to("meta")
+    try:
+        gm = symbolic_trace_logits(model)
+    except TraceError:
+        gm = None
+    if gm is not None:
+        try:
+            return _annotated(model, gm, seq_len, name)
+        except ValueError:  # traced, but not to (b, s, V) logits (e.g. a baked branch)
+            pass
+    return _annotated(model, export_logits(model, seq_len, TraceError), seq_len, name)
+
+
+def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: str) -> TracedModel:
+    """Shape-propagate ``gm`` for idx (1, seq_len) on the meta device, annotate, check."""
+    meta_gm = gm if _all_meta(gm) else _meta_copy(gm)
     idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     try:
         ShapeProp(meta_gm).propagate(idx)
@@ -109,7 +127,7 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") ->
     for node, meta_node in zip(gm.graph.nodes, meta_gm.graph.nodes):
         if "tensor_meta" in meta_node.meta:
             node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
-    traced = annotate(gm, seq_len=seq_len, name=name)
+    traced = annotate(gm, seq_len=seq_len, name=name, model=model)
     check_causal_lm(traced, type(model).__name__)
     return traced
 
@@ -132,6 +150,17 @@ def check_causal_lm(traced: TracedModel, model_name: str) -> None:
             f"{model_name} has no stack of transformer layers autopar can find: it looks for a "
             "module list whose children hold the layers (module paths like transformer.h.0 or "
             "model.layers.0, at least one of them); put the layers in an nn.ModuleList")
+
+
+def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` on the meta device, device constants baked in by export included."""
+    meta_gm = copy.deepcopy(gm).to("meta")
+    meta = torch.device("meta")
+    for node in meta_gm.graph.nodes:
+        node.args = tuple(meta if isinstance(a, torch.device) else a for a in node.args)
+        node.kwargs = {k: meta if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
+    meta_gm.recompile()
+    return meta_gm
 
 
 def _all_meta(module: torch.nn.Module) -> bool:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from autopar.graph.annotate import NodeInfo, TracedModel
+from autopar.graph.ops import linear_features, packet
 from autopar.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
                                format_strategy_key, shape_strategy_name)
 
@@ -34,6 +36,8 @@ __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrate
            "SEQUENCE_DIM", "strategies_by_key", "decode_placements",
            "tensor_inputs", "tied_groups", "param_split", "partial_grad_input",
            "gathers_for_partial_grad"]
+
+_SYM_SIZE = torch.ops.aten.sym_size.int
 
 SEQUENCE_DIM = 1
 """The sequence dimension of a (b, s, h) activation."""
@@ -92,7 +96,7 @@ def _replicate(n_inputs: int) -> Strategy:
                     partial_grad_inputs=(False,) * n_inputs)
 
 
-def _view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
+def view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int, int]:
     """Input dim -> output dim for dims that a sharding can pass through a view: the input
     dim must be the outermost of a group of dims whose product equals that of an output
     group, and the output dim the outermost of that group."""
@@ -103,12 +107,14 @@ def _view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int
         pi, po = in_shape[i], out_shape[o]
         i, o = i + 1, o + 1
         while pi != po:
-            if pi < po:
+            if pi < po and i < len(in_shape):
                 pi *= in_shape[i]
                 i += 1
-            else:
+            elif o < len(out_shape):
                 po *= out_shape[o]
                 o += 1
+            else:
+                return mapping
         mapping[gi] = go
     return mapping
 
@@ -122,13 +128,17 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
             and len(shape) == 3 and shape[SEQUENCE_DIM] % tp == 0):
         seq = Shard(SEQUENCE_DIM)  # per-token normalisation: runs on sequence shards
         return base + [Strategy("sharded", (seq,), seq, tp, 1, (False,))]
-    if (tp > 1 and kind == "nontensor" and node.target == "size" and len(ins) == 1
+    if (tp > 1 and kind == "nontensor" and node.target in ("size", _SYM_SIZE) and len(ins) == 1
             and nodes[ins[0].name].shape):  # x.size(d) reads any shard (d sharded: * t)
         in_shape = nodes[ins[0].name].shape
         base += [Strategy(shape_strategy_name(d), (Shard(d),), REPLICATE, 1, 1, (False,))
                  for d in range(len(in_shape)) if in_shape[d] % tp == 0]
-    if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm"):
+    if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm", "param"):
         return base
+    if node.op == "call_function" and packet(node.target) is not None:
+        from autopar.planner.aten_strategies import aten_strategies  # it builds on this module
+
+        return base + aten_strategies(node, info, nodes, ins, tp)
     if kind == "output":  # the loss reads the logits: whole, or vocabulary-parallel
         base = [Strategy("replicate", (REPLICATE,) * len(ins), REPLICATE)]
         logits = nodes[ins[0].name].shape if len(ins) == 1 else None
@@ -136,20 +146,24 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
             base.append(Strategy("vocab_parallel", (Shard(2),), Shard(2), tp, 1, (False,)))
         return base
     if kind == "linear":
-        mod = gm.get_submodule(node.target)
+        in_features, out_features, _ = linear_features(gm.get_submodule(node.target))
         last = _shard(-1, len(shape))
-        if mod.out_features % tp == 0:
+        blocks = info.extra.get("out_blocks", (out_features,))  # a fused projection's parts
+        if all(b % tp == 0 for b in blocks):
             base.append(Strategy("column", (REPLICATE,), last, tp, tp, (True,)))
-        if mod.in_features % tp == 0:
+        if in_features % tp == 0:
             base.append(Strategy("row", (last,), PARTIAL, tp, tp, (False,)))
         return base
     if kind == "embedding":
         if gm.get_submodule(node.target).num_embeddings % tp == 0:
             base.append(Strategy("vocab", (REPLICATE,), PARTIAL, 1, tp, (False,)))
         return base
-    if kind == "sdpa":
-        if len(shape) == 4 and shape[1] % tp == 0 and len(ins) == 3 and not node.kwargs.get("attn_mask"):
-            base.append(Strategy("heads", (Shard(1),) * 3, Shard(1), tp, 1, (False,) * 3))
+    if kind == "sdpa":  # whole heads; grouped-query k/v: whole kv heads; a mask may broadcast
+        heads = [nodes[n.name].shape[1] for n in ins]
+        if len(shape) == 4 and len(ins) in (3, 4) and all(h % tp == 0 for h in heads[:3]):
+            mask = (REPLICATE if heads[3] == 1 else Shard(1),) if len(ins) == 4 else ()
+            base.append(Strategy("heads", (Shard(1),) * 3 + mask, Shard(1), tp, 1,
+                                 (False,) * 3 + (False,) * len(mask)))
         return base
     shardable = [d for d in range(len(shape)) if shape[d] % tp == 0]
     if kind in _PASS_THROUGH and len(ins) == 1:
@@ -174,7 +188,7 @@ def _view_strategies(node: fx.Node, in_shape, out_shape, tp: int) -> list[Strate
     if len(size_args) == 1 and isinstance(size_args[0], (tuple, list)):
         size_args = tuple(size_args[0])
     out: list[Strategy] = []
-    for d_in, d_out in _view_map(tuple(in_shape), tuple(out_shape)).items():
+    for d_in, d_out in view_map(tuple(in_shape), tuple(out_shape)).items():
         inferred = d_out < len(size_args) and size_args[d_out] == -1
         if inferred and in_shape[d_in] % tp == 0 and out_shape[d_out] % tp == 0:
             out.append(Strategy("sharded", (Shard(d_in),), Shard(d_out), 1, 1, (False,)))

@@ -31,15 +31,16 @@ import torch.nn.functional as F
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker
 from autopar.placement import parse_strategy_key
 
-__all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng"]
+__all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng", "attention_core"]
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
 _DROPOUT_ARGS = ("p", "training", "inplace")  # after input
 
 
 class AttentionCore(nn.Module):
-    """``scaled_dot_product_attention(q, k, v, **kwargs)`` as a module: q, k, v
-    (b, nh, s, hd) -> (b, nh, s, hd). A module so that it can be forked or checkpointed."""
+    """``scaled_dot_product_attention(q, k, v, [attn_mask], **kwargs)`` as a module: q, k, v
+    (b, nh, s, hd), an optional mask broadcastable to (b, nh, s, s) -> (b, nh, s, hd). A
+    module so that it can be forked or checkpointed."""
 
     def __init__(self, kwargs: dict) -> None:
         super().__init__()
@@ -48,8 +49,28 @@ class AttentionCore(nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, attn_mask=None):
+        if attn_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, **self.kwargs)
         return F.scaled_dot_product_attention(q, k, v, **self.kwargs)
+
+
+def attention_core(node: fx.Node) -> tuple[AttentionCore, tuple]:
+    """An ``F.scaled_dot_product_attention`` call node as (AttentionCore, its tensor
+    arguments q, k, v and the mask when the graph computes one). Raises
+    NotImplementedError when another argument is computed in the graph."""
+    kwargs = dict(zip(_SDPA_ARGS, node.args[3:]))
+    kwargs.update(node.kwargs)
+    mask = kwargs.pop("attn_mask", None)
+    if not isinstance(mask, fx.Node):
+        if mask is not None:
+            kwargs["attn_mask"] = mask
+        mask = None
+    computed = [k for k, v in kwargs.items() if isinstance(v, fx.Node)]
+    if computed:
+        raise NotImplementedError(f"{node.name}: argument(s) {computed} are computed in the "
+                                  "graph; autopar needs them to be constants")
+    return AttentionCore(kwargs), tuple(node.args[:3]) + ((mask,) if mask is not None else ())
 
 
 class FunctionalDropout(nn.Module):
@@ -108,9 +129,9 @@ def _dropout_body(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, tuple] 
         if kwargs.get("p", 0.5) > 0 and kwargs.get("training", True):
             return FunctionalDropout(kwargs), node.args[:1]
     elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-        kwargs = _const_kwargs(node, 3, _SDPA_ARGS)
-        if (kwargs.get("dropout_p") or 0.0) > 0:
-            return AttentionCore(kwargs), node.args[:3]
+        core, tensors = attention_core(node)
+        if (core.kwargs.get("dropout_p") or 0.0) > 0:
+            return core, tensors
     return None
 
 

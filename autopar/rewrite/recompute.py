@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from autopar.runtime.rng import RNGStatesTracker
-from autopar.rewrite.dropout import AttentionCore, ForkedRNG
+from autopar.rewrite.dropout import AttentionCore, ForkedRNG, attention_core
 
 __all__ = ["Checkpointed", "apply_recompute"]
 
@@ -111,8 +111,9 @@ def _checkpoint_attention(gm: fx.GraphModule, names: list[str], layer: int,
     for n in [n for n in gm.graph.nodes if n.name in set(names)]:
         target = f"recompute_attention_{layer}_{n.name}"
         if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
-            gm.add_submodule(target, Checkpointed(AttentionCore(n.kwargs), tracker))
-            n.op, n.target, n.kwargs = "call_module", target, {}
+            core, tensors = attention_core(n)
+            gm.add_submodule(target, Checkpointed(core, tracker))
+            n.op, n.target, n.args, n.kwargs = "call_module", target, tensors, {}
         elif n.op == "call_module" and _is_forked_core(gm.get_submodule(n.target)):
             gm.add_submodule(target, Checkpointed(gm.get_submodule(n.target), tracker))
             n.target = target

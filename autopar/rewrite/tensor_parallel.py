@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.graph.ops import is_conv1d, packet
 from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
                                         GatherToTPRegionWithPartialGrad, ReduceFromTPRegion,
                                         ReduceScatterToTPRegion, ScatterToTPRegion, TPOperator)
@@ -43,16 +44,41 @@ from autopar.rewrite.pipeline import CHUNK, LAYER
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
                                         partial_grad_input)
 
-__all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "apply_tensor_parallel"]
+__all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "BlockOrder", "Conv1DShard",
+           "apply_tensor_parallel"]
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     """Where a local parameter comes from: ``key`` in the original state dict, split along
-    ``dim`` into ``tp`` equal parts (dim None: replicated)."""
+    ``dim`` into ``tp`` equal parts (dim None: replicated). ``blocks``: the sizes along
+    ``dim`` of a fused projection's parts (q, k, v of a fused QKV Linear), each split
+    into tp parts and rank r holding the r-th part of every block, in order (Megatron's
+    layout of a fused QKV weight); empty: one contiguous split."""
 
     key: str
     dim: int | None = None
+    blocks: tuple[int, ...] = ()
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        """This rank's shard of the whole tensor ``full``."""
+        if self.dim is None or tp == 1:
+            return full
+        pieces = full.split(list(self.blocks), self.dim) if self.blocks else (full,)
+        return torch.cat([p.chunk(tp, self.dim)[rank] for p in pieces], self.dim)
+
+    def whole(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's shard (``parts[r]`` of rank r)."""
+        if self.dim is None:
+            return parts[0]
+        if not self.blocks:
+            return torch.cat(parts, self.dim)
+        tp = len(parts)
+        local = [b // tp for b in self.blocks]
+        split = [p.split(local, self.dim) for p in parts]
+        return torch.cat([split[r][k] for k in range(len(local)) for r in range(tp)], self.dim)
 
 
 @dataclass
@@ -64,6 +90,43 @@ class TPRewrite:
     gm: fx.GraphModule
     shards: dict[int, ShardSpec] = field(default_factory=dict)
     partial_grad_params: set[int] = field(default_factory=set)
+
+
+class Conv1DShard(nn.Module):
+    """A shard of GPT-2's ``Conv1D`` (weight (in, out)): ``x @ weight (+ bias)`` over the
+    last dim, computed as ``Conv1D`` does (``addmm`` on the flattened tokens)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.mm(flat, self.weight) if self.bias is None else torch.addmm(self.bias, flat, self.weight)
+        return out.reshape(*x.shape[:-1], self.weight.shape[1])
+
+
+class BlockOrder(nn.Module):
+    """Reorder ``dim`` between the natural order of a fused projection's output (blocks
+    ``[B0 | B1 | ...]``, full sizes ``blocks``) and the *blocked* order in which rank r's
+    shard ``[B0_r | B1_r | ...]`` is the r-th contiguous chunk (``to_blocked``), or back.
+    A local permutation: what makes a gather from / a scatter into a fused projection's
+    shards exact."""
+
+    def __init__(self, blocks: tuple[int, ...], tp: int, dim: int, to_blocked: bool) -> None:
+        super().__init__()
+        self.blocks, self.tp, self.dim, self.to_blocked = tuple(blocks), tp, dim, to_blocked
+
+    def extra_repr(self) -> str:
+        return f"blocks={self.blocks}, tp={self.tp}, dim={self.dim}, to_blocked={self.to_blocked}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = [b // self.tp for b in self.blocks]
+        if self.to_blocked:
+            parts = [p.chunk(self.tp, self.dim) for p in x.split(list(self.blocks), self.dim)]
+            return torch.cat([parts[k][r] for r in range(self.tp) for k in range(len(local))], self.dim)
+        ranks = [c.split(local, self.dim) for c in x.chunk(self.tp, self.dim)]
+        return torch.cat([ranks[r][k] for k in range(len(local)) for r in range(self.tp)], self.dim)
 
 
 class BiasAdd(nn.Module):
@@ -92,11 +155,6 @@ def _owner_key(node: fx.Node) -> tuple:
     return (node.meta.get(CHUNK), node.meta.get(LAYER))
 
 
-def _shard(t: torch.Tensor, dim: int, rank: int, tp: int) -> nn.Parameter:
-    size = t.shape[dim] // tp
-    return nn.Parameter(t.detach().narrow(dim, rank * size, size).clone())
-
-
 class _Rewriter:
     def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group,
                  sequence_parallel: bool = False):
@@ -113,7 +171,8 @@ class _Rewriter:
         self.bias_paths: dict[int, set[str]] = {}  # id(bias) -> placements it is added in
         self.shard_params: dict[tuple[int, str], nn.Parameter] = {}
         self.result = TPRewrite(self.gm)
-        self.canon = {id(p): n for n, p in self.gm.named_parameters()}
+        self.canon = {id(p): traced.tied_params.get(n, n)  # the model's own name of p
+                      for n, p in self.gm.named_parameters(remove_duplicate=False)}
         self.count = 0
 
     def _add_module(self, prefix: str, module: nn.Module) -> str:
@@ -140,19 +199,34 @@ class _Rewriter:
         if have == dst:
             return src
         key = (src, dst, _owner_key(consumer), fused)
+        blocks = self._blocks(src, have if have.is_sharded else dst)
         if key not in self.resharded:
             if have.is_partial:
                 self.resharded[key] = self._complete_partial(src, dst, consumer)
             elif dst.is_replicated and have.is_sharded:
                 cls = GatherToTPRegionWithPartialGrad if fused else GatherFromTPRegion
-                self.resharded[key] = self._insert_after(src, cls(self.group, have.dim), src,
-                                                         consumer)
+                out = self._insert_after(src, cls(self.group, have.dim), src, consumer)
+                if blocks:  # the gathered chunks are rank-major: back to q|k|v order
+                    out = self._insert_after(out, BlockOrder(blocks, self.tp, have.dim, False),
+                                             out, consumer, "block_order")
+                self.resharded[key] = out
             elif have.is_replicated and dst.is_sharded:
+                arg = src
+                if blocks:  # rank r's chunk must hold the r-th part of every block
+                    arg = self._insert_after(src, BlockOrder(blocks, self.tp, dst.dim, True),
+                                             src, consumer, "block_order")
                 mod = ScatterToTPRegion(self.group, dst.dim)
-                self.resharded[key] = self._insert_after(src, mod, src, consumer)
+                self.resharded[key] = self._insert_after(arg, mod, arg, consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
         return self.resharded[key]
+
+    def _blocks(self, src: fx.Node, sharded: Placement) -> tuple[int, ...]:
+        """The fused-projection blocks of ``src``'s output when sharded along their dim."""
+        info = self.traced.nodes.get(src.name)
+        if info is None or not sharded.is_sharded or sharded.dim != len(info.shape) - 1:
+            return ()
+        return tuple(info.extra.get("out_blocks", ()))
 
     def _complete_partial(self, src: fx.Node, dst: Placement, consumer: fx.Node) -> fx.Node:
         """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
@@ -202,6 +276,8 @@ class _Rewriter:
                 self._replace_module(node, strat)
             elif strat.reads_size:
                 self._scale_size(node, strat)
+            elif strat.output.is_sharded and packet(node.target) is not None:
+                self._local_sizes(node, strat)
         self._record_replicated()
         self.gm.graph.lint()
         self.gm.delete_all_unused_submodules()
@@ -214,10 +290,35 @@ class _Rewriter:
         return [n for n in node.all_input_nodes if n not in self.scalars
                 and (n.name not in info or info[n.name].shape is not None)]
 
+    def _local_sizes(self, node: fx.Node, strat: Strategy) -> None:
+        """An aten op whose output is sharded along d reads the local size: constant target
+        sizes along d of reshapes and expands, and a fused projection's block bounds of a
+        slice, are divided by t (a -1 or a computed size is left as it is)."""
+        op, d = packet(node.target), strat.output.dim
+        args = list(node.args)
+        if op in (aten.reshape, aten.view, aten.expand) and isinstance(args[1], (list, tuple)):
+            sizes = list(args[1])
+            if isinstance(sizes[d], int) and sizes[d] != -1:
+                sizes[d] //= self.tp
+            args[1] = sizes
+        elif op is aten.slice and "block" in self.traced.nodes[node.name].extra:
+            if args[1] % len(self.traced.nodes[node.name].shape) == d:
+                start, end = self.traced.nodes[node.name].extra["block"]
+                args[2:4] = [start // self.tp, end // self.tp]
+        node.args = tuple(args)
+
     def _replace_module(self, node: fx.Node, strat: Strategy) -> None:
         mod = self.gm.get_submodule(node.target)
-        if strat.name == "column" and isinstance(mod, nn.Linear):
-            self._set(node, self._linear(mod, 0))
+        blocks = tuple(self.traced.nodes[node.name].extra.get("out_blocks", ()))
+        if strat.name in ("column", "row") and is_conv1d(mod):
+            column = strat.name == "column"
+            weight = self._param(mod.weight, 1 if column else 0, blocks if column else ())
+            bias = self._param(mod.bias, 0, blocks) if column and mod.bias is not None else None
+            self._set(node, Conv1DShard(weight, bias))
+            if not column:
+                self.partial_bias[node] = mod.bias
+        elif strat.name == "column" and isinstance(mod, nn.Linear):
+            self._set(node, self._linear(mod, 0, blocks))
         elif strat.name == "row" and isinstance(mod, nn.Linear):
             self._set(node, self._linear(mod, 1))
             self.partial_bias[node] = mod.bias  # added where the partial sum is completed
@@ -246,23 +347,25 @@ class _Rewriter:
         for user in users:
             user.replace_input_with(node, full)
 
-    def _param(self, p: nn.Parameter, dim: int) -> nn.Parameter:
+    def _param(self, p: nn.Parameter, dim: int, blocks: tuple[int, ...] = ()) -> nn.Parameter:
         key = (id(p), dim)
         if key not in self.shard_params:
-            shard = _shard(p, dim, self.rank, self.tp)
+            spec = ShardSpec(self.canon[id(p)], dim, blocks)
+            shard = nn.Parameter(spec.local(p.detach(), self.rank, self.tp).clone())
             self.shard_params[key] = shard
-            self.result.shards[id(shard)] = ShardSpec(self.canon[id(p)], dim)
+            self.result.shards[id(shard)] = spec
         return self.shard_params[key]
 
-    def _linear(self, mod: nn.Linear, dim: int) -> nn.Linear:
-        """Column (dim 0: output features) or row (dim 1: input features) shard."""
+    def _linear(self, mod: nn.Linear, dim: int, blocks: tuple[int, ...] = ()) -> nn.Linear:
+        """Column (dim 0: output features; ``blocks``: a fused projection's parts, each
+        split) or row (dim 1: input features) shard."""
         out_f = mod.out_features // self.tp if dim == 0 else mod.out_features
         in_f = mod.in_features // self.tp if dim == 1 else mod.in_features
         with torch.device("meta"):
             new = nn.Linear(in_f, out_f, bias=mod.bias is not None and dim == 0)
-        new.weight = self._param(mod.weight, dim)
+        new.weight = self._param(mod.weight, dim, blocks)
         if dim == 0 and mod.bias is not None:
-            new.bias = self._param(mod.bias, 0)
+            new.bias = self._param(mod.bias, 0, blocks)
         return new
 
     def _set(self, node: fx.Node, module: nn.Module) -> None:

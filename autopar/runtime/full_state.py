@@ -36,7 +36,7 @@ def gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, t
         if spec.dim is not None and g.tp > 1:
             parts = [torch.empty_like(t) for _ in range(g.tp)]
             dist.all_gather(parts, t.contiguous(), group=g.tp_group)
-            t = torch.cat(parts, dim=spec.dim)
+            t = spec.whole(parts)
         local[spec.key] = t.cpu().clone()
     gathered: list = [None] * g.world_size
     dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})

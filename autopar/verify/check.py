@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.graph.export import causal_lm_logits
 from autopar.plan import Plan
 from autopar.runtime.compat import DropoutBase
 from autopar.runtime.engine import token_cross_entropy
@@ -137,8 +138,7 @@ def _local_drift(pm, reference: dict[str, torch.Tensor],
     for name, spec in pm.shards.items():
         key = spec.key if spec.key in reference else pm.tied_aliases.get(spec.key, spec.key)
         ref = reference[key]
-        if spec.dim is not None and g.tp > 1:
-            ref = ref.chunk(g.tp, dim=spec.dim)[g.tp_rank]
+        ref = spec.local(ref, g.tp_rank, g.tp)
         local = full_tensor(pick(params[name]).detach())  # ZeRO-3: whole over DP
         diff = (local.cpu().float() - ref.float()).abs().max().item()
         mine[key] = max(mine.get(key, 0.0), diff)
@@ -172,8 +172,7 @@ def _reference_step(model: nn.Module, optim: torch.optim.Optimizer,
     """One single-device step; returns (loss, gradients by key)."""
     idx, targets = batch
     optim.zero_grad(set_to_none=True)
-    out = model(idx)
-    logits = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+    logits = causal_lm_logits(model, idx)  # called as capture calls it (graph.export)
     loss = token_cross_entropy(logits, targets)  # (b, s, V), (b, s) -> scalar
     loss.backward()
     grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()

@@ -1,0 +1,252 @@
+"""Capture any causal LM with ``torch.export`` (non-strict): the front end for user models.
+
+``fx.symbolic_trace`` stops at what real model files contain (a Python ``assert`` on a
+traced size, ``**kwargs`` signatures, ``ModelOutput`` returns, cache objects); non-strict
+``torch.export`` runs the Python code with fake tensors instead, so it sees through all of
+them and gives an aten-level fx graph. :func:`export_logits` turns that graph into the
+form the rest of autopar reads:
+
+* the parameters and buffers are ``get_attr`` nodes of the user's model under their own
+  FQNs (``transformer.h.0.attn.c_attn.weight``), the same tensor objects (tied weights
+  stay tied: identity, not name);
+* the main op of a known leaf module becomes a ``call_module`` of that module again
+  (``aten.linear`` of an ``nn.Linear``, ``aten.addmm`` of GPT-2's ``Conv1D``,
+  ``aten.embedding``, ``aten.layer_norm``, ``aten.dropout`` of an ``nn.Dropout``), named by
+  its module path (``transformer_h_0_attn_c_attn``), so tensor parallelism shards modules
+  as it does for a symbolically traced model;
+* ``aten.scaled_dot_product_attention`` and free ``aten.dropout`` become the
+  ``torch.nn.functional`` calls the dropout and recompute passes know;
+* ``split`` / ``chunk`` + ``getitem`` become one ``aten.slice`` per piece (single-output
+  nodes; a fused QKV projection then reads as three slices of one Linear's output);
+* ``aten.view`` becomes ``aten.reshape`` and ``aten.contiguous`` is dropped: export
+  records a ``.contiguous()`` only where the device's fake kernel made it a copy, so
+  without this the meta-device graph (planning) and the CPU/GPU graph (the runtime)
+  would differ; a reshape copies where a view would need contiguous memory;
+* ``_assert_tensor_metadata`` / ``_assert_scalar`` checks are dropped;
+* the graph takes the token ids ``idx`` (b, s) and returns the logits (b, s, V) only: the
+  model is called as ``model(idx, targets)`` when its forward has a ``targets`` / ``labels``
+  argument (so nanoGPT-style models return logits for every position), with
+  ``use_cache=False`` when it has that argument, and its own loss is dropped.
+
+The batch dimension is exported dynamic, so the graph runs at any micro-batch size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import traceback
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+from autopar.graph.normalize import lift_modules, renamed, split_to_slices
+
+__all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "TARGET_ARGS"]
+
+aten = torch.ops.aten
+
+TARGET_ARGS = ("targets", "labels")
+"""Names of a forward's training-target argument (nanoGPT; Hugging Face)."""
+
+_DROPPED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+            aten.sym_constrain_range_for_size.default}
+
+
+def causal_lm_call(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None
+                   ) -> tuple[tuple, dict]:
+    """The (args, kwargs) autopar calls ``model`` with for token ids ``idx`` (b, s): the
+    targets go to a ``targets`` / ``labels`` argument when the forward has one (a distinct
+    tensor, zeros when not given), and ``use_cache=False`` when it takes ``use_cache``."""
+    params = inspect.signature(model.forward).parameters
+    kwargs = {}
+    for name in TARGET_ARGS:
+        if name in params:
+            kwargs[name] = torch.zeros_like(idx) if targets is None else targets
+            break
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (idx,), kwargs
+
+
+def _pick_logits(out):
+    """The logits in a model's output: ``.logits`` / ``["logits"]``, else the first element
+    of a tuple, else the output itself."""
+    if isinstance(out, dict) or hasattr(out, "logits"):
+        return out["logits"] if isinstance(out, dict) else out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+def causal_lm_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """``model``'s logits (b, s, V) for ``idx`` (b, s), called as :func:`export_logits`
+    captures it: the single-device reference of ``verify``."""
+    args, kwargs = causal_lm_call(model, idx)
+    return _pick_logits(model(*args, **kwargs))
+
+
+def _logits_leaf(spec) -> int:
+    """Index, among the flattened output leaves described by pytree ``spec``, of the logits
+    (the rule of :func:`_pick_logits`)."""
+    children = spec.children()
+    context = spec.context
+    if not children:
+        return 0
+    if isinstance(context, (list, tuple)) and "logits" in context:
+        k = list(context).index("logits")
+    else:
+        k = 0
+    return sum(c.num_leaves for c in children[:k]) + _logits_leaf(children[k])
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/autopar/" not in f.filename]
+    if not frames:
+        return "<unknown location>"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
+
+
+def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception]) -> fx.GraphModule:
+    """``model(idx)`` -> logits as an fx GraphModule over ``model``'s own modules and
+    parameters (see the module docstring); ``idx`` (b, s=seq_len) int64 with b dynamic.
+
+    Raises:
+        trace_error: torch.export could not capture the model; the message names the
+            user's file and line and export's own diagnosis.
+    """
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    idx = torch.zeros(2, seq_len, dtype=torch.long, device=device)  # b = 2: not specialised
+    args, kwargs = causal_lm_call(model, idx, torch.zeros_like(idx))
+    batch = Dim("batch")
+    names = list(inspect.signature(model.forward).parameters)
+    dynamic = {names[0]: {0: batch}}
+    dynamic.update({k: ({0: batch} if isinstance(v, torch.Tensor) else None)
+                    for k, v in kwargs.items()})
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:  # export raises many types; all mean "cannot capture"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise trace_error(
+            f"torch.export could not capture {type(model).__name__}.forward(idx) for seq_len="
+            f"{seq_len}: {type(exc).__name__}: {first}\n  at {_user_frame(exc)}\n"
+            "  fix: make forward(idx) a static graph for a fixed seq_len (no data-dependent "
+            "Python branches on tensor values; torch._check for size assumptions)") from exc
+    return _to_module_graph(model, ep)
+
+
+def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
+    sig = ep.graph_signature
+    state = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    constants = getattr(sig, "inputs_to_lifted_tensor_constants", {})
+    src = ep.graph_module
+    graph = fx.Graph()
+    root: dict[str, object] = {}
+    env: dict[fx.Node, fx.Node] = {}
+    targets: set[fx.Node] = set()
+    user_inputs = [n for n in src.graph.nodes if n.op == "placeholder"
+                   and n.name not in state and n.name not in constants]
+    for node in src.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in state:
+            fqn = state[node.name]
+            root[fqn] = _resolve(model, fqn)
+            env[node] = graph.get_attr(fqn)
+        elif node.name in constants:
+            fqn = "_autopar_const_" + node.name
+            root[fqn] = ep.constants[constants[node.name]]
+            env[node] = graph.get_attr(fqn)
+        elif node is user_inputs[0]:
+            env[node] = graph.placeholder("idx")
+        else:
+            env[node] = None  # targets / flags: must be unused once the loss is dropped
+            targets.add(node)
+        if env[node] is not None:
+            env[node].meta.update(node.meta)
+    out_node = next(n for n in src.graph.nodes if n.op == "output")
+    logits = out_node.args[0][_logits_leaf(ep.call_spec.out_spec)]
+    for node in src.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.target is aten.sym_size.int and node.args[0] in targets:
+            # the targets have the token ids' shape: read the batch size from the ids
+            env[node] = graph.call_function(aten.sym_size.int, (env[user_inputs[0]],) + node.args[1:])
+            env[node].meta.update(node.meta)
+            continue
+        if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            env[node] = _inline(graph, getattr(src, node.args[1].target),
+                                [env[a] for a in node.args[2:]], node.meta)
+            continue
+        if node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+            continue
+        if node.op == "get_attr":  # other higher-order op bodies
+            root[node.target] = getattr(src, node.target)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[logits])
+    _drop_checks(graph)
+    graph.eliminate_dead_code()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.target != "idx" and node.users:
+            raise ValueError("the logits depend on the targets argument; autopar needs "
+                             "forward(idx) logits that do not read the targets")
+    _place_attrs(graph)
+    gm = fx.GraphModule(root, graph)
+    lift_modules(gm, model)
+    split_to_slices(gm)
+    gm.graph.eliminate_dead_code()
+    gm.graph = renamed(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict) -> tuple:
+    """Copy ``body``'s nodes into ``graph`` reading ``args``; returns its outputs. Used for
+    ``wrap_with_set_grad_enabled`` (e.g. rotary embeddings computed under ``no_grad``):
+    its inputs are positions and buffers, so nothing in it needs a gradient either way."""
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = iter(args)
+    for node in body.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "output":
+            return tuple(env[n] for n in node.args[0])
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            for key in ("nn_module_stack", "stack_trace"):
+                if key not in env[node].meta and key in meta:
+                    env[node].meta[key] = meta[key]
+    raise ValueError("higher-order op body without an output")
+
+
+def _place_attrs(graph: fx.Graph) -> None:
+    """Move each ``get_attr`` just before its first user, in that user's module (so a
+    parameter read inside layer i belongs to layer i, and to its pipeline chunk)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.users]:
+        first = min(node.users, key=order.__getitem__)
+        first.prepend(node)
+        if "nn_module_stack" in first.meta:
+            node.meta["nn_module_stack"] = dict(first.meta["nn_module_stack"])
+
+
+def _resolve(model: nn.Module, fqn: str):
+    """``model``'s attribute at dotted path ``fqn`` (None if there is none)."""
+    obj = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _drop_checks(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+            graph.erase_node(node)
+
+

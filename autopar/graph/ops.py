@@ -1,0 +1,86 @@
+"""The aten ops of an exported graph (:mod:`autopar.graph.export`) by what sharding can do
+with them: the one table that annotation (kinds, FLOPs, saved tensors), the strategies and
+the TP rewrite read. An op that is in no table is "other": replicated, always correct.
+
+Leaf modules (``nn.Linear``, GPT-2's ``Conv1D``, ``nn.Embedding``, ``nn.LayerNorm``,
+``nn.Dropout``) are ``call_module`` nodes again after export, so they are not here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
+           "MATMULS", "aten_kind", "linear_features", "is_conv1d", "packet"]
+
+aten = torch.ops.aten
+
+
+def packet(target):
+    """The op's overload packet (``aten.add`` for ``aten.add.Tensor``), else None."""
+    return getattr(target, "overloadpacket", None)
+
+
+# element-wise with broadcasting: one output element from the same-index input elements
+POINTWISE = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.rsqrt, aten.sqrt,
+             aten.exp, aten.log, aten.tanh, aten.silu, aten.gelu, aten.relu, aten.sigmoid,
+             aten.pow, aten.to, aten._to_copy, aten.clone, aten.contiguous, aten.alias,
+             aten.detach, aten.type_as, aten.where, aten.masked_fill, aten.reciprocal,
+             aten.abs, aten.square, aten.erf, aten.sin, aten.cos, aten.clamp, aten.minimum,
+             aten.maximum, aten.lift_fresh_copy}
+# their backward keeps an input (or the same-size output) for backward
+SAVES_INPUTS = {aten.mul, aten.div, aten.rsqrt, aten.sqrt, aten.exp, aten.log, aten.tanh,
+                aten.silu, aten.gelu, aten.sigmoid, aten.pow, aten.erf, aten.sin, aten.cos,
+                aten.matmul, aten.bmm, aten._softmax, aten.softmax, aten._log_softmax}
+VIEWS = {aten.view, aten.reshape, aten._unsafe_view}
+TRANSPOSES = {aten.transpose, aten.permute, aten.t}
+REDUCTIONS = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var}   # over dims in args[1]
+SOFTMAX = {aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax}  # along args[1]
+MATMULS = {aten.matmul, aten.bmm}
+SHAPE_OPS = {aten.unsqueeze, aten.squeeze, aten.expand, aten.slice, aten.select, aten.cat,
+             aten.flatten}
+
+
+def aten_kind(target) -> str | None:
+    """The kind (:class:`~autopar.graph.annotate.NodeInfo`) of an aten call, None if the
+    target is not an aten op. Element-wise ops are "elementwise" ("add" for ``aten.add`` of
+    two tensors is decided by the caller, "gelu" here), views "view", transposes
+    "transpose", other shape ops their own name."""
+    op = packet(target)
+    if op is None:
+        return None
+    if op is aten.gelu:
+        return "gelu"
+    if op in (aten.contiguous, aten.clone):
+        return "contiguous"
+    if op in POINTWISE:
+        return "elementwise"
+    if op in VIEWS:
+        return "view"
+    if op in TRANSPOSES:
+        return "transpose"
+    if op in REDUCTIONS:
+        return "reduce"
+    if op in SOFTMAX:
+        return "softmax"
+    if op in MATMULS:
+        return "matmul"
+    if op in SHAPE_OPS:
+        return op.__name__
+    if op is aten.sym_size:
+        return "nontensor"
+    return "other"
+
+
+def is_conv1d(mod: nn.Module) -> bool:
+    """GPT-2's ``Conv1D``: a Linear with an (in, out) weight (``addmm(bias, x, weight)``)."""
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "weight")
+
+
+def linear_features(mod: nn.Module) -> tuple[int, int, int]:
+    """(in_features, out_features, the weight's output dim) of an ``nn.Linear`` (dim 0) or
+    a ``Conv1D`` (dim 1)."""
+    if is_conv1d(mod):
+        return mod.weight.shape[0], mod.nf, 1
+    return mod.in_features, mod.out_features, 0

@@ -1,0 +1,243 @@
+"""The model zoo: does autopar plan, parallelize and verify the models people bring?
+
+For each family — Hugging Face GPT-2, GPT-NeoX, OPT, Llama, Mistral, Qwen2, Gemma, Phi-3
+(``transformers`` configs, random weights, no downloads), autopar's own GPT and the
+nanoGPT-style single file ``examples/nanogpt_model.py`` — this script
+
+1. captures a *wide* instance on the meta device (h = 1024, 16 heads, 2 layers, s = 512),
+   plans it with tp pinned to 2 on a DGX-A100 node, and checks that the solver's TP
+   placements are Megatron's pattern: every Linear that reads the residual stream (QKV,
+   MLP-in) split by columns, every Linear that reads another Linear of its layer
+   (attention-out, MLP-out) split by rows;
+2. verifies a *tiny* instance (2 layers, h = 64, s = 16, fp32) against one process at
+   each layout of :data:`LAYOUTS` (gloo, real process groups), with sequence parallelism
+   and selective recompute where TP is on;
+
+and writes ``reports/model_zoo.md``: one row per family, with the op that stopped it
+where one did. Run: ``python benchmarks/model_zoo.py`` (about 10 minutes on 2 cores;
+``--no-verify`` for the planning half only, seconds per family).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LAYOUTS = {"tp2": dict(tp=2, pp=1, dp=1), "pp2": dict(tp=1, pp=2, dp=1),
+           "dp2": dict(tp=1, pp=1, dp=2), "tp2·pp2": dict(tp=2, pp=2, dp=1)}
+TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=128, positions=64)
+WIDE = dict(hidden=1024, heads=16, kv_heads=8, ffn=4096, layers=2, vocab=32000, positions=512)
+TINY_SEQ, WIDE_SEQ, BATCH = 16, 512, 8
+
+
+def _hf(name: str, d: dict):
+    import transformers as tf
+
+    h, a, kv, f, L, V, P = (d[k] for k in ("hidden", "heads", "kv_heads", "ffn", "layers",
+                                            "vocab", "positions"))
+    no_dropout = {}
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=P,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg)
+    if name == "gpt_neox":
+        cfg = tf.GPTNeoXConfig(hidden_size=h, num_attention_heads=a, num_hidden_layers=L,
+                               intermediate_size=f, vocab_size=V, max_position_embeddings=P,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+        return tf.GPTNeoXForCausalLM(cfg)
+    if name == "opt":
+        cfg = tf.OPTConfig(hidden_size=h, num_attention_heads=a, num_hidden_layers=L, ffn_dim=f,
+                           vocab_size=V, max_position_embeddings=P, word_embed_proj_dim=h,
+                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        return tf.OPTForCausalLM(cfg)
+    common = dict(hidden_size=h, num_attention_heads=a, num_key_value_heads=kv,
+                  num_hidden_layers=L, intermediate_size=f, vocab_size=V,
+                  max_position_embeddings=P, **no_dropout)
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+               "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
+    config_cls, model_cls = classes[name]
+    if name == "gemma":
+        common["head_dim"] = h // a
+    if name == "phi3":
+        common["pad_token_id"] = 0
+    return model_cls(config_cls(**common))
+
+
+def _autopar_gpt(d: dict):
+    from autopar.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=d["layers"], n_head=d["heads"], n_embd=d["hidden"],
+                         vocab_size=d["vocab"], block_size=d["positions"]))
+
+
+def _nanogpt(d: dict):
+    from examples.nanogpt_model import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=d["positions"], vocab_size=d["vocab"], n_layer=d["layers"],
+                         n_head=d["heads"], n_embd=d["hidden"]))
+
+
+FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "gemma", "phi3",
+            "autopar-gpt", "nanogpt"]
+
+
+def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0) -> torch.nn.Module:
+    """A ``family`` model of ``size`` "tiny" (verification) or "wide" (planning), seeded."""
+    d = TINY if size == "tiny" else WIDE
+    torch.manual_seed(seed)
+    with torch.device(device):
+        if family == "autopar-gpt":
+            return _autopar_gpt(d)
+        if family == "nanogpt":
+            return _nanogpt(d)
+        return _hf(family, d)
+
+
+def linear_roles(traced) -> dict[str, str]:
+    """Per Linear node of the traced model's layers: "in" (reads the residual stream: QKV,
+    MLP-in) or "out" (reads another Linear of its layer without passing the residual
+    stream: attention-out, MLP-out). The residual stream: the layer's input and the
+    same-shape adds."""
+    roles: dict[str, str] = {}
+    nodes = traced.nodes
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    for names in traced.layers:
+        members = set(names)
+        width = nodes[names[-1]].shape
+        for name in names:
+            if nodes[name].kind != "linear":
+                continue
+            frontier, seen, role = list(by_name[name].all_input_nodes), set(), "in"
+            while frontier:
+                n = frontier.pop()
+                if n.name in seen or n.name not in members:
+                    continue
+                seen.add(n.name)
+                info = nodes[n.name]
+                if info.kind == "linear":
+                    role = "out"
+                    break
+                if info.kind == "add" and info.shape == width:
+                    continue  # the residual stream
+                frontier.extend(n.all_input_nodes)
+            roles[name] = role
+    return roles
+
+
+def megatron_pattern(traced, placements: dict[str, str]) -> list[str]:
+    """The Linears whose placement breaks Megatron's pattern ("in" by columns, "out" by
+    rows); empty when the plan follows it."""
+    want = {"in": "column", "out": "row"}
+    return [f"{name} ({role}: {placements[name].split(':')[0]})"
+            for name, role in linear_roles(traced).items()
+            if placements[name].split(":")[0] != want[role]]
+
+
+def plan_wide(family: str) -> dict:
+    """Capture and plan the wide instance at tp = 2 on one DGX-A100 node (8 GPUs)."""
+    import autopar
+    from autopar.graph.capture import trace_model
+    from cost_models.hardware import Cluster
+
+    model = build(family, "wide", device="meta")
+    t0 = time.perf_counter()
+    traced = trace_model(model, WIDE_SEQ)
+    plan = autopar.plan(model, Cluster.dgx_a100(1), global_batch_size=BATCH, seq_len=WIDE_SEQ,
+                        layout=autopar.Layout(tp=2, pp=1, dp=4, micro_batch_size=1),
+                        model_name=family)
+    seconds = time.perf_counter() - t0
+    return {"plan_s": seconds, "broken": megatron_pattern(traced, plan.placements),
+            "linears": len(linear_roles(traced)), "nodes": len(traced.nodes),
+            "params": traced.total_params()}
+
+
+def tiny_plan(family: str, layout: dict):
+    """A fp32 plan of the tiny instance for ``layout`` on a fast local cluster (TP: SP and
+    selective recompute on)."""
+    import autopar
+    from cost_models.hardware import Cluster, LinkSpec
+
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    a100 = Cluster.dgx_a100(1)
+    fast = LinkSpec(name="ideal", bandwidth_gbps=1e6, latency_s=1e-12, source="model zoo")
+    cluster = Cluster(device=a100.device, gpus_per_node=world, nodes=1, intra_node=fast,
+                      inter_node=fast, name="zoo", dtype="fp32", attention="flash")
+    extra = dict(sequence_parallel=True, recompute="selective") if layout["tp"] > 1 else {}
+    return autopar.plan(build(family, "tiny", device="meta"), cluster, global_batch_size=BATCH,
+                        seq_len=TINY_SEQ, model_name=family,
+                        layout=autopar.Layout(dtype="fp32", **layout, **extra))
+
+
+def _verify_rank(rank: int, world: int, family: str, plan) -> dict:
+    from autopar.verify.check import verify
+
+    return verify(build(family, "tiny"), plan).to_dict()
+
+
+def verify_tiny(family: str, name: str) -> str:
+    """"ok (max grad diff …)" or the first line of the error that stopped ``family``."""
+    from autopar.runtime.launch import launch
+
+    layout = LAYOUTS[name]
+    try:
+        plan = tiny_plan(family, layout)
+        report = launch(_verify_rank, layout["tp"] * layout["pp"] * layout["dp"], family, plan,
+                        timeout_s=300, pg_timeout_s=60)[0]
+    except Exception as exc:  # the row records what stopped the family
+        return "stopped: " + _first_line(exc)
+    return f"ok ({report['max_grad_diff']:.1e})" if report["ok"] else "MISMATCH"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    lines = [line for line in text if "Error" in line] or text or [type(exc).__name__]
+    return lines[-1][:160].replace("|", "/")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-verify", action="store_true", help="planning only")
+    parser.add_argument("--families", nargs="*", default=FAMILIES)
+    parser.add_argument("--out", default=str(ROOT / "reports" / "model_zoo.md"))
+    args = parser.parse_args(argv)
+    import transformers
+
+    rows = []
+    for family in args.families:
+        try:
+            wide = plan_wide(family)
+            pattern = "Megatron" if not wide["broken"] else "differs: " + ", ".join(wide["broken"][:3])
+            planned = f"{wide['plan_s']:.1f} s, {wide['nodes']} nodes"
+        except Exception as exc:
+            pattern, planned = "—", "stopped: " + _first_line(exc)
+        cells = [] if args.no_verify else [verify_tiny(family, name) for name in LAYOUTS]
+        rows.append((family, planned, pattern, *cells))
+        print(" | ".join(rows[-1]), flush=True)
+    head = ["family", "capture + plan (wide, tp=2, 8×A100)", "TP placements"]
+    head += [] if args.no_verify else [f"verify {name}" for name in LAYOUTS]
+    lines = ["# Model zoo", "",
+             f"`python benchmarks/model_zoo.py` (torch {torch.__version__}, transformers "
+             f"{transformers.__version__}). Wide: h = {WIDE['hidden']}, {WIDE['heads']} heads "
+             f"({WIDE['kv_heads']} kv where the family has GQA), s = {WIDE_SEQ}, meta device. "
+             f"Tiny: h = {TINY['hidden']}, s = {TINY_SEQ}, fp32, 3 SGD steps against one "
+             "process (max relative gradient difference); TP layouts with sequence "
+             "parallelism and selective recompute.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Capture of models as people write them (``autopar.graph.export``): nanoGPT as written
+and a Hugging Face Llama, on CPU and on the meta device, one process.
+
+The multi-process half (verify against one process) is tests/multiprocess/test_model_zoo.py;
+planning every family of the zoo is tests/slow/test_model_zoo_plans.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.graph.capture import trace_model
+from autopar.graph.export import causal_lm_logits
+from autopar.placement import Shard
+from autopar.planner.strategies import node_strategies
+from autopar.rewrite.tensor_parallel import BlockOrder, ShardSpec
+from helpers import load_script
+
+zoo = load_script("benchmarks/model_zoo.py")
+SEQ = 16
+
+
+@pytest.mark.parametrize("family", ["nanogpt", "llama", "gpt2"])
+def test_captured_graph_computes_the_model(family):
+    pytest.importorskip("transformers")
+    model = zoo.build(family, "tiny")
+    traced = trace_model(model, SEQ)
+    idx = torch.randint(0, 128, (3, SEQ))  # b = 3: the batch dim is captured dynamic
+    assert torch.equal(traced.gm(idx), causal_lm_logits(model, idx))
+    assert traced.num_layers == 2
+    params = {p for info in traced.nodes.values() for p in info.params}
+    assert params == {name for name, _ in model.named_parameters()}  # the model's own FQNs
+
+
+def test_nanogpt_as_written_keeps_its_names_tying_and_fused_qkv():
+    model = zoo.build("nanogpt", "tiny")
+    traced = trace_model(model, SEQ)
+    with torch.device("meta"):
+        meta = trace_model(zoo.build("nanogpt", "tiny", device="meta"), SEQ)
+    assert [n.name for n in traced.gm.graph.nodes] == [n.name for n in meta.gm.graph.nodes]
+    assert traced.tied_params == {"lm_head.weight": "transformer.wte.weight"}
+    fused = traced.nodes["transformer_h_0_attn_c_attn"]
+    assert fused.extra["out_blocks"] == (64, 64, 64)  # q | k | v of one Linear
+    keys = {s.key for s in node_strategies(traced, 2)["transformer_h_0_attn_c_attn"]}
+    assert "column:S2" in keys
+
+
+def test_nanogpt_forward_without_targets_returns_last_position_only():
+    """Why capture passes targets: nanoGPT's inference shortcut."""
+    model = zoo.build("nanogpt", "tiny")
+    logits, loss = model(torch.zeros(1, SEQ, dtype=torch.long))
+    assert logits.shape[1] == 1 and loss is None
+    assert causal_lm_logits(model, torch.zeros(1, SEQ, dtype=torch.long)).shape[1] == SEQ
+
+
+def test_blocked_shards_round_trip():
+    full = torch.arange(2 * 12, dtype=torch.float32).reshape(2, 12)
+    spec = ShardSpec("w", dim=1, blocks=(4, 4, 4))
+    parts = [spec.local(full, r, 2) for r in range(2)]
+    assert parts[0].tolist()[0] == [0, 1, 4, 5, 8, 9]  # the first half of every block
+    assert torch.equal(spec.whole(parts), full)
+    to, back = BlockOrder((4, 4, 4), 2, 1, True), BlockOrder((4, 4, 4), 2, 1, False)
+    assert torch.equal(to(full).chunk(2, 1)[1], parts[1])
+    assert torch.equal(back(to(full)), full)
+
+
+def test_gqa_heads_and_rmsnorm_run_on_shards():
+    pytest.importorskip("transformers")
+    traced = trace_model(zoo.build("llama", "tiny", device="meta"), SEQ)
+    options = node_strategies(traced, 2, sequence_parallel=True)
+    sdpa = next(n for n, i in traced.nodes.items() if i.kind == "sdpa")
+    assert any(s.name == "heads" for s in options[sdpa])
+    mean = next(n for n, i in traced.nodes.items() if i.kind == "reduce")  # RMSNorm's mean
+    assert {s.output for s in options[mean]} >= {Shard(1)}
