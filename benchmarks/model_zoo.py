@@ -188,6 +188,7 @@ def _verify_rank(rank: int, world: int, family: str, plan) -> dict:
 def verify_tiny(family: str, name: str) -> str:
     """"ok (max grad diff …)" or the first line of the error that stopped ``family``."""
     from autopar.runtime.launch import launch
+    from benchmarks.model_zoo import _verify_rank  # importable by the spawned ranks
 
     layout = LAYOUTS[name]
     try:
