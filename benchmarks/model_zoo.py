@@ -43,7 +43,6 @@ def _hf(name: str, d: dict):
 
     h, a, kv, f, L, V, P = (d[k] for k in ("hidden", "heads", "kv_heads", "ffn", "layers",
                                             "vocab", "positions"))
-    no_dropout = {}
     if name == "gpt2":
         cfg = tf.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=P,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -60,7 +59,7 @@ def _hf(name: str, d: dict):
         return tf.OPTForCausalLM(cfg)
     common = dict(hidden_size=h, num_attention_heads=a, num_key_value_heads=kv,
                   num_hidden_layers=L, intermediate_size=f, vocab_size=V,
-                  max_position_embeddings=P, **no_dropout)
+                  max_position_embeddings=P)
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),

@@ -12,29 +12,19 @@ Node annotations (``NodeInfo``) and the layer grouping live in :mod:`autopar.gra
 from __future__ import annotations
 
 import copy
-import traceback
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate
-from autopar.graph.export import export_logits
+from autopar.graph.export import export_logits, user_frame
 
 __all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm"]
 
 
 class TraceError(Exception):
     """The model cannot be captured as an fx graph; the message names the code and a fix."""
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch: where the user's code failed."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
-    if not frames:
-        return "<unknown location>"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
 
 
 def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
@@ -56,7 +46,7 @@ def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
     except Exception as exc:  # fx raises TraceError, TypeError, AssertionError, ...
         raise TraceError(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
-            f"  at {_user_frame(exc)}\n"
+            f"  at {user_frame(exc)}\n"
             "  fix: remove data-dependent Python control flow and Python `assert` on tensor "
             "values or sizes (use torch.where / torch._assert), or make the offending "
             "sub-module a leaf, so that forward(idx) is a static graph"

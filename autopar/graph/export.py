@@ -42,9 +42,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
-from autopar.graph.normalize import lift_modules, renamed, split_to_slices
+from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
 
-__all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "TARGET_ARGS"]
+__all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "TARGET_ARGS"]
 
 aten = torch.ops.aten
 
@@ -102,9 +102,11 @@ def _logits_leaf(spec) -> int:
     return sum(c.num_leaves for c in children[:k]) + _logits_leaf(children[k])
 
 
-def _user_frame(exc: BaseException) -> str:
+def user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch and autopar's capture: where the
+    user's code failed, as ``file:line in function: `code` ``."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/autopar/" not in f.filename]
+              if "/torch/" not in f.filename and "/autopar/graph/" not in f.filename]
     if not frames:
         return "<unknown location>"
     f = frames[-1]
@@ -133,7 +135,7 @@ def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception]) 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise trace_error(
             f"torch.export could not capture {type(model).__name__}.forward(idx) for seq_len="
-            f"{seq_len}: {type(exc).__name__}: {first}\n  at {_user_frame(exc)}\n"
+            f"{seq_len}: {type(exc).__name__}: {first}\n  at {user_frame(exc)}\n"
             "  fix: make forward(idx) a static graph for a fixed seq_len (no data-dependent "
             "Python branches on tensor values; torch._check for size assumptions)") from exc
     return _to_module_graph(model, ep)
@@ -155,7 +157,7 @@ def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
             continue
         if node.name in state:
             fqn = state[node.name]
-            root[fqn] = _resolve(model, fqn)
+            root[fqn] = resolve(model, fqn)
             env[node] = graph.get_attr(fqn)
         elif node.name in constants:
             fqn = "_autopar_const_" + node.name
@@ -234,14 +236,6 @@ def _place_attrs(graph: fx.Graph) -> None:
         first.prepend(node)
         if "nn_module_stack" in first.meta:
             node.meta["nn_module_stack"] = dict(first.meta["nn_module_stack"])
-
-
-def _resolve(model: nn.Module, fqn: str):
-    """``model``'s attribute at dotted path ``fqn`` (None if there is none)."""
-    obj = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _drop_checks(graph: fx.Graph) -> None:

@@ -12,15 +12,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.graph.ops import is_conv1d as _is_conv1d
-from autopar.graph.ops import packet
+from autopar.graph.ops import SDPA_ARGS, packet
 
-__all__ = ["lift_modules", "split_to_slices", "renamed"]
+__all__ = ["lift_modules", "split_to_slices", "renamed", "resolve"]
 
 aten = torch.ops.aten
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
            aten.unsafe_split.Tensor}
-_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _module_path(node: fx.Node) -> str:
@@ -32,7 +31,7 @@ def _module_path(node: fx.Node) -> str:
     return value[0] if isinstance(value, tuple) else ""
 
 
-def _resolve(model: nn.Module, fqn: str):
+def resolve(model: nn.Module, fqn: str):
     """``model``'s attribute at dotted path ``fqn`` (None if there is none)."""
     obj = model
     for part in fqn.split("."):
@@ -71,7 +70,7 @@ def renamed(graph: fx.Graph) -> fx.Graph:
 
 def _attr(gm: fx.GraphModule, arg):
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        return _resolve(gm, arg.target)
+        return resolve(gm, arg.target)
     return None
 
 
@@ -111,7 +110,7 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if node.op != "call_function" or node in erased:
             continue
         path = _module_path(node)
-        mod = _resolve(model, path) if path else None
+        mod = resolve(model, path) if path else None
         call = _leaf_call(gm, node, mod) if isinstance(mod, nn.Module) else None
         replaced = node
         if call is not None and path not in used:
@@ -125,7 +124,7 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
                 new = graph.create_node("call_module", path, call, {},
                                         name=path.replace(".", "_"))
         elif node.target is aten.scaled_dot_product_attention.default:
-            kwargs = dict(zip(_SDPA_ARGS, node.args[3:]))
+            kwargs = dict(zip(SDPA_ARGS, node.args[3:]))
             kwargs.update(node.kwargs)
             with graph.inserting_before(node):
                 new = graph.call_function(F.scaled_dot_product_attention, node.args[:3], kwargs)

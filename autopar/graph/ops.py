@@ -11,10 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
+__all__ = ["SDPA_ARGS", "POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
            "MATMULS", "aten_kind", "linear_features", "is_conv1d", "packet"]
 
 aten = torch.ops.aten
+
+
+SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+"""``scaled_dot_product_attention``'s arguments after q, k, v, in order."""
 
 
 def packet(target):

@@ -28,12 +28,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.graph.ops import SDPA_ARGS
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker
 from autopar.placement import parse_strategy_key
 
 __all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng", "attention_core"]
 
-_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
 _DROPOUT_ARGS = ("p", "training", "inplace")  # after input
 
 
@@ -59,7 +59,7 @@ def attention_core(node: fx.Node) -> tuple[AttentionCore, tuple]:
     """An ``F.scaled_dot_product_attention`` call node as (AttentionCore, its tensor
     arguments q, k, v and the mask when the graph computes one). Raises
     NotImplementedError when another argument is computed in the graph."""
-    kwargs = dict(zip(_SDPA_ARGS, node.args[3:]))
+    kwargs = dict(zip(SDPA_ARGS, node.args[3:]))
     kwargs.update(node.kwargs)
     mask = kwargs.pop("attn_mask", None)
     if not isinstance(mask, fx.Node):
