@@ -32,7 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 LAYOUTS = {"tp2": dict(tp=2, pp=1, dp=1), "pp2": dict(tp=1, pp=2, dp=1),
-           "dp2": dict(tp=1, pp=1, dp=2), "tp2·pp2": dict(tp=2, pp=2, dp=1)}
+           "dp2": dict(tp=1, pp=1, dp=2), "tp2·pp2": dict(tp=2, pp=2, dp=1),
+           "pp2·v2": dict(tp=1, pp=2, dp=1, schedule="interleaved_1f1b", virtual_stages=2)}
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=128, positions=64)
 WIDE = dict(hidden=1024, heads=16, kv_heads=8, ffn=4096, layers=2, vocab=32000, positions=512)
 TINY_SEQ, WIDE_SEQ, BATCH = 16, 512, 8
@@ -91,9 +92,12 @@ FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "gemma", "ph
             "autopar-gpt", "nanogpt"]
 
 
-def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0) -> torch.nn.Module:
-    """A ``family`` model of ``size`` "tiny" (verification) or "wide" (planning), seeded."""
-    d = TINY if size == "tiny" else WIDE
+def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
+          layers: int | None = None) -> torch.nn.Module:
+    """A ``family`` model of ``size`` "tiny" (verification) or "wide" (planning), seeded;
+    ``layers`` overrides the size's depth (2)."""
+    d = dict(TINY if size == "tiny" else WIDE)
+    d["layers"] = layers or d["layers"]
     torch.manual_seed(seed)
     with torch.device(device):
         if family == "autopar-gpt":
@@ -161,6 +165,11 @@ def plan_wide(family: str) -> dict:
             "params": traced.total_params()}
 
 
+def _layers(layout: dict) -> int:
+    """Depth of the tiny instance for ``layout``: 2, or 2 per model chunk (interleaved)."""
+    return 2 * layout.get("virtual_stages", 1)
+
+
 def tiny_plan(family: str, layout: dict):
     """A fp32 plan of the tiny instance for ``layout`` on a fast local cluster (TP: SP and
     selective recompute on)."""
@@ -173,7 +182,8 @@ def tiny_plan(family: str, layout: dict):
     cluster = Cluster(device=a100.device, gpus_per_node=world, nodes=1, intra_node=fast,
                       inter_node=fast, name="zoo", dtype="fp32", attention="flash")
     extra = dict(sequence_parallel=True, recompute="selective") if layout["tp"] > 1 else {}
-    return autopar.plan(build(family, "tiny", device="meta"), cluster, global_batch_size=BATCH,
+    return autopar.plan(build(family, "tiny", device="meta", layers=_layers(layout)), cluster,
+                        global_batch_size=BATCH,
                         seq_len=TINY_SEQ, model_name=family,
                         layout=autopar.Layout(dtype="fp32", **layout, **extra))
 
@@ -181,7 +191,7 @@ def tiny_plan(family: str, layout: dict):
 def _verify_rank(rank: int, world: int, family: str, plan) -> dict:
     from autopar.verify.check import verify
 
-    return verify(build(family, "tiny"), plan).to_dict()
+    return verify(build(family, "tiny", layers=plan.stage_layers[-1][1]), plan).to_dict()
 
 
 def verify_tiny(family: str, name: str) -> str:

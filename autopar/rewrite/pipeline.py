@@ -10,16 +10,25 @@ inserted by the later passes inherit both from the node they belong to. :func:`s
 then turns the graph into one GraphModule per chunk with ``torch.fx.passes.split_module``.
 A chunk must take exactly one tensor (the first: the tokens (b, s); later ones: the
 activation (b, s, h)) and return one: that is what the pipeline schedule sends between ranks.
+
+Captured models compute side inputs once, before the first layer, and read them in every
+layer: the causal mask, rotary cos/sin, position ids, the batch size ``sym_size(idx, 0)``
+(Hugging Face Llama, GPT-2 with SDPA). They do not depend on the tokens' values, so
+:func:`rematerialize_side_inputs` recomputes them in each chunk that reads them (the batch
+size read off the chunk's own input) instead of sending them; what stays is one tensor.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["CHUNK", "LAYER", "annotate_chunks", "split_chunks", "rank_chunks"]
+__all__ = ["CHUNK", "LAYER", "annotate_chunks", "rematerialize_side_inputs", "split_chunks",
+           "rank_chunks"]
 
 CHUNK, LAYER = "autopar_chunk", "autopar_layer"  # node.meta keys
+_SYM_SIZE = torch.ops.aten.sym_size.int
 
 
 def annotate_chunks(traced, stage_layers: list[list[int]]) -> None:
@@ -52,17 +61,134 @@ def split_chunks(gm: fx.GraphModule, num_chunks: int) -> list[fx.GraphModule]:
     for node in gm.graph.nodes:
         if CHUNK not in node.meta:
             raise ValueError(f"node {node.name} has no model chunk; annotate_chunks first")
+    rematerialize_side_inputs(gm)
     split = split_module(gm, gm, lambda n: n.meta[CHUNK], keep_original_order=True)
     chunks = [getattr(split, f"submod_{i}") for i in range(num_chunks)]
+    attrs = {n.name: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for chunk in chunks:
+        _inline_attrs(chunk, gm, attrs)
     for i, chunk in enumerate(chunks):
         inputs = [n.name for n in chunk.graph.nodes if n.op == "placeholder"]
         out = next(n for n in chunk.graph.nodes if n.op == "output").args[0]
         if len(inputs) != 1 or isinstance(out, (tuple, list)):
             raise NotImplementedError(
                 f"model chunk {i} takes {inputs} and returns {out}; autopar's pipeline "
-                "sends exactly one tensor between pipeline stages, so layers must read only "
-                "the previous layer's output (compute masks/positions inside the layer)")
+                "sends exactly one tensor between pipeline stages and recomputes only what "
+                "does not depend on the tokens (masks, positions, rotary tables), so layers "
+                "must read the previous layer's output and token-free values only (a mask "
+                "built from the token ids, e.g. padding, must be computed inside the layer)")
     return chunks
+
+
+def _inline_attrs(chunk: fx.GraphModule, gm: fx.GraphModule, attrs: dict[str, str]) -> None:
+    """Turn the placeholders ``split_module`` makes for tensor ``get_attr`` nodes (the
+    parameters and buffers of a ``torch.export`` capture) back into attributes of the
+    chunk, registered under the flattened path (``model.norm.weight`` ->
+    ``model_norm_weight``, as split_module names submodules); the same Parameter object,
+    so tied weights stay tied."""
+    for node in list(chunk.graph.nodes):
+        if node.op != "placeholder" or node.name not in attrs:
+            continue
+        owner, _, leaf = attrs[node.name].rpartition(".")
+        value = getattr(gm.get_submodule(owner), leaf)
+        flat = attrs[node.name].replace(".", "_")
+        if isinstance(value, torch.nn.Parameter):
+            chunk.register_parameter(flat, value)
+        else:
+            chunk.register_buffer(flat, value)
+        with chunk.graph.inserting_before(node):
+            attr = chunk.graph.get_attr(flat)
+        attr.meta = node.meta
+        node.replace_all_uses_with(attr)
+        chunk.graph.erase_node(node)
+    chunk.graph.lint()
+    chunk.recompile()
+
+
+def rematerialize_side_inputs(gm: fx.GraphModule) -> None:
+    """Copy into each chunk the token-free values it reads from an earlier chunk, in place.
+
+    A value is token-free when it is computed from parameters, buffers and constants only,
+    or from the batch size ``sym_size(idx, 0)``: the causal mask, rotary cos/sin, position
+    ids. Its copy is inserted before the chunk's first node, with ``sym_size(idx, 0)``
+    replaced by ``sym_size(x, 0)`` of the activation ``x`` the chunk receives (same batch;
+    the pipeline never splits dim 0). The chunk then reads one tensor from earlier chunks,
+    or several when a value depends on the tokens, which :func:`split_chunks` refuses.
+    Nodes of the chunk placed before that activation (inserted by an earlier pass beside
+    their producer) move after it. Originals left without users are erased. A no-op on graphs without such reads
+    (autopar's GPT computes positions inside its embedding, before the first cut).
+    """
+    graph = gm.graph
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    free: dict[fx.Node, bool] = {}
+
+    def token_free(node: fx.Node) -> bool:
+        if node not in free:
+            if node.op == "placeholder" or node.op == "output":
+                free[node] = False
+            elif node.target is _SYM_SIZE and node.args[0] is placeholder:
+                free[node] = node.args[1] == 0
+            else:
+                free[node] = all(token_free(n) for n in node.all_input_nodes)
+        return free[node]
+
+    nodes = list(graph.nodes)
+    moved: list[fx.Node] = []
+    for chunk in sorted({n.meta[CHUNK] for n in nodes})[1:]:
+        members = [n for n in nodes if n.meta[CHUNK] == chunk]
+        external = {i for n in members for i in n.all_input_nodes if i.meta[CHUNK] < chunk}
+        side = {n for n in external if token_free(n)}
+        activation = external - side
+        if not side or len(activation) != 1:
+            continue  # nothing to copy, or split_chunks names what crosses the cut
+        (x,) = activation
+        # nodes the TP pass inserted for this chunk next to their producers (a gather of
+        # a side value) may precede x; they cannot depend on it, so they move after it
+        early = [n for n in members if nodes.index(n) < nodes.index(x)]
+        if any(u.meta[CHUNK] < chunk for n in early for u in n.users):
+            continue
+        anchor = x
+        for node in early:
+            anchor.append(node)
+            anchor = node
+        nodes = list(graph.nodes)
+        members = [n for n in nodes if n.meta[CHUNK] == chunk]
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def copy(node: fx.Node) -> fx.Node:
+            if node not in copies:
+                if node.target is _SYM_SIZE and node.args[0] is placeholder:
+                    new = graph.call_function(_SYM_SIZE, (x, 0))
+                else:
+                    for n in node.all_input_nodes:
+                        copy(n)
+                    new = graph.node_copy(node, lambda n: copies[n])
+                new.meta = {**node.meta, CHUNK: chunk}
+                new.meta.pop(LAYER, None)
+                copies[node] = new
+            return copies[node]
+
+        with graph.inserting_before(members[0]):
+            for node in sorted(side, key=nodes.index):
+                node.replace_all_uses_with(
+                    copy(node), delete_user_cb=lambda user: user.meta[CHUNK] == chunk)
+        moved.extend(side)
+    for node in sorted(_ancestry(moved), key=nodes.index, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _ancestry(nodes: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen and node.op != "placeholder":
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def rank_chunks(chunks: list, pp: int, rank: int) -> list:

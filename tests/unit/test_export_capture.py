@@ -73,3 +73,23 @@ def test_gqa_heads_and_rmsnorm_run_on_shards():
     assert any(s.name == "heads" for s in options[sdpa])
     mean = next(n for n, i in traced.nodes.items() if i.kind == "reduce")  # RMSNorm's mean
     assert {s.output for s in options[mean]} >= {Shard(1)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pipeline_chunks_recompute_side_inputs_and_chain_to_the_model(family):
+    """The causal mask, rotary cos/sin and the batch size, computed once before the first
+    layer, are recomputed in the chunk that reads them: each chunk takes one tensor, and
+    the chunks run in sequence give the model's logits."""
+    pytest.importorskip("transformers")
+    from autopar.rewrite.pipeline import annotate_chunks, split_chunks
+
+    model = zoo.build(family, "tiny")
+    traced = trace_model(model, SEQ)
+    annotate_chunks(traced, [[0, 1], [1, 2]])
+    chunks = split_chunks(traced.gm, 2)
+    for chunk in chunks:
+        assert len([n for n in chunk.graph.nodes if n.op == "placeholder"]) == 1
+    params = {id(p) for chunk in chunks for p in chunk.parameters()}
+    assert params == {id(p) for p in model.parameters()}  # the model's own Parameters
+    idx = torch.randint(0, 128, (3, SEQ))
+    assert torch.equal(chunks[1](chunks[0](idx)), causal_lm_logits(model, idx))
