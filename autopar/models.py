@@ -13,12 +13,14 @@ Module names follow nanoGPT / GPT-2 (``transformer.wte``, ``transformer.h.0.attn
 ``transformer.h.0.mlp.c_fc`` ...). ``lm_head`` shares its weight with ``transformer.wte``.
 
 :func:`load_model` is the one way a model is named outside Python code (the CLI's
-``--model``, a saved plan's ``model``): a preset of :data:`PRESETS` or ``module:factory``.
+``--model``, a saved plan's ``model``): a preset of :data:`PRESETS`, ``module:factory`` or
+``hf:CONFIG`` (a Hugging Face model from a config: :mod:`autopar.hf_models`).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import sys
@@ -28,8 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.hf_models import HF_PREFIX, HFSpecError, hf_factory, names_fix
+
 __all__ = ["GPTConfig", "GPT", "PRESETS", "preset", "load_model", "model_config",
-           "pad_vocab_size"]
+           "default_seq_len", "pad_vocab_size"]
 
 
 def pad_vocab_size(vocab_size: int, multiple: int = 128) -> int:
@@ -94,12 +98,15 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def _model_spec_error(cause: str) -> ValueError:
-    """The one error for a model name that cannot be loaded: the cause, then the fix."""
-    return ValueError(f"{cause}; name a preset ({', '.join(sorted(PRESETS))}) or "
-                      "'module:factory', a function returning an nn.Module, whose module is "
-                      "imported from the current directory or sys.path "
-                      "(e.g. mypkg.models:build_gpt)")
+def _model_spec_error(cause: str, fix: str | None = None) -> ValueError:
+    """The one error for a model name that cannot be loaded: the cause, then the fix (by
+    default, every kind of spec there is)."""
+    if fix is None:
+        fix = (f"name a preset ({', '.join(sorted(PRESETS))}), 'module:factory', a function "
+               "returning an nn.Module, whose module is imported from the current directory "
+               "or sys.path (e.g. mypkg.models:build_gpt), or a Hugging Face model: "
+               + names_fix())
+    return ValueError(f"{cause}; {fix}")
 
 
 def preset(name: str) -> GPTConfig:
@@ -212,20 +219,29 @@ def load_model(spec: str, *, device: str | torch.device | None = "meta",
                seed: int | None = None) -> tuple[nn.Module, str]:
     """Build the model named by ``spec``; returns ``(model, spec)``.
 
-    spec: a preset name (:data:`PRESETS`, built as :class:`GPT`) or ``module:factory``, a
-        function of no arguments returning an ``nn.Module``. The module is imported from
-        ``sys.path`` with the current directory on it (as ``python -m`` does; the
-        ``autopar`` console script starts elsewhere), so ``--model mypkg.models:build_gpt``
-        works from the directory holding ``mypkg``.
+    spec: a preset name (:data:`PRESETS`, built as :class:`GPT`); ``hf:CONFIG``, a Hugging
+        Face causal LM with random weights from a ``config.json`` path, a published shape
+        (``hf:gpt2`` ... ``hf:gpt2-xl``, ``hf:llama3-8b``, ``hf:llama3-70b``) or an
+        architecture's default config (``hf:llama``; :mod:`autopar.hf_models`); or
+        ``module:factory``, a function of no arguments returning an ``nn.Module``. The
+        module is imported from ``sys.path`` with the current directory on it (as ``python
+        -m`` does; the ``autopar`` console script starts elsewhere), so ``--model
+        mypkg.models:build_gpt`` works from the directory holding ``mypkg`` (a module
+        named ``hf`` cannot be named this way: ``hf:`` is read as a Hugging Face spec).
     device: where parameters are created: ``"meta"`` (default) gives shapes only, for
         planning a model of any size without allocating it; ``"cpu"`` materialises it (as
         ``autopar verify`` does); None uses torch's current default device.
     seed: ``torch.manual_seed(seed)`` before building, so every process that builds the
         same spec with the same seed holds the same initial weights.
-    Raises ValueError naming the cause (unknown preset, module or factory not importable)
-    and the fix.
+    Raises ValueError naming the cause (unknown preset, module or factory not importable,
+    transformers not installed, a config without a causal-LM head) and the fix.
     """
-    if ":" in spec:
+    if spec.startswith(HF_PREFIX):
+        try:
+            build = hf_factory(spec[len(HF_PREFIX):])
+        except HFSpecError as exc:
+            raise _model_spec_error(exc.cause, exc.fix) from None
+    elif ":" in spec:
         build = _import_factory(spec)
     elif spec in PRESETS:
         def build() -> nn.Module:
@@ -251,9 +267,34 @@ def _import_factory(spec: str):
         raise _model_spec_error(f"cannot load model factory {spec!r} ({exc})") from exc
 
 
+def default_seq_len(model: nn.Module) -> int | None:
+    """The longest sequence the model's config allows: ``block_size`` (GPT, nanoGPT),
+    ``n_positions`` (Hugging Face GPT-2) or ``max_position_embeddings`` (Llama and most
+    Hugging Face families); None when the model has no config naming one."""
+    cfg = getattr(model, "config", None)
+    for field in ("block_size", "n_positions", "max_position_embeddings"):
+        value = getattr(cfg, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# Hugging Face config fields that are provenance or storage, not shape: a model loaded
+# with AutoConfig.from_pretrained(dir) matches a plan of ``hf:dir``.
+NOT_SHAPE = ("transformers_version", "_name_or_path", "dtype", "torch_dtype")
+
+
 def model_config(model: nn.Module) -> dict:
     """The model's shape as a plain dict (``model.config.to_dict()``: a :class:`GPTConfig`
     or a Hugging Face config), or ``{}`` when it has none. Recorded in a Plan
-    (``Plan.model_config``) so a plan applied to another model is refused."""
+    (``Plan.model_config``) so a plan applied to another model is refused.
+
+    The dict is what it reads back as from the plan's JSON (a Hugging Face ``id2label``
+    has int keys, which JSON turns into strings), so a saved plan matches its model.
+    Fields that say where a config came from or how its weights are stored
+    (:data:`NOT_SHAPE`) are left out: the plan's dtype decides the precision."""
     cfg = getattr(model, "config", None)
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    if not hasattr(cfg, "to_dict"):
+        return {}
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in NOT_SHAPE}
+    return json.loads(json.dumps(fields, default=str))

@@ -35,6 +35,7 @@ from autopar.cli.compare import (compare, comparison_lines, format_compare, plan
                                  profile_lines, report_summary)
 from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
+from autopar.models import default_seq_len
 from autopar.plan import Layout, Plan
 from autopar.report import write_report
 from cost_models.hardware import Cluster
@@ -64,9 +65,10 @@ def _load_problem(args: argparse.Namespace):
     """(model on meta, model name, cluster, seq_len) from the problem flags."""
     cluster = load_cluster(args.cluster, args.nodes)  # before the model: cheap checks first
     model, name = autopar.load_model(args.model)
-    seq_len = args.seq_len or getattr(getattr(model, "config", None), "block_size", None)
+    seq_len = args.seq_len or default_seq_len(model)
     if seq_len is None:
-        raise ValueError(f"--seq-len is required: model {name!r} has no config.block_size")
+        raise ValueError(f"--seq-len is required: model {name!r} has no config.block_size, "
+                         "n_positions or max_position_embeddings")
     return model, name, cluster, seq_len
 
 

@@ -39,7 +39,10 @@ EXAMPLES = {
   autopar plan --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
       --global-batch-size 1536 --seq-len 2048 -o plan.json --report reports/gpt3
   # pin tp=2 and let the solver choose the rest; JSON for scripts
-  autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 --json""",
+  autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 --json
+  # a Hugging Face model by its published shape (or hf:path/to/config.json, hf:mistral)
+  autopar plan --model hf:llama3-8b --cluster dgx-a100 --nodes 1 \\
+      --global-batch-size 64 --seq-len 2048""",
     "evaluate": """\
   # Megatron-LM's published GPT-3 layout, priced by the planner's cost model
   autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
@@ -66,12 +69,18 @@ EXAMPLES = {
   # a 2-way tensor-parallel plan of a tiny GPT, checked against one device on 2 processes
   autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 -o plan.json
   autopar verify plan.json --steps 3
+  # a Hugging Face model from its config.json (random weights): plan, then verify
+  autopar plan --model hf:my-llama/config.json --cluster local-cpu --global-batch-size 8 \\
+      --seq-len 16 --tp 2 -o hf-plan.json
+  autopar verify hf-plan.json
   autopar verify plan.json --model mypkg.models:tiny_gpt --tolerance 1e-4 --json""",
 }
 
 OVERVIEW_EXAMPLES = """\
   autopar plan --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
       --global-batch-size 1536 --seq-len 2048 -o plan.json --report reports/gpt3
+  autopar plan --model hf:llama3-8b --cluster dgx-a100 --nodes 1 \\
+      --global-batch-size 64 --seq-len 2048
   autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
       --global-batch-size 1536 --seq-len 2048 --tp 8 --pp 16 --dp 8 --mbs 1 --recompute full
   autopar compare --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
@@ -139,8 +148,12 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to train, and where")
     g.add_argument("--model", required=True, metavar="SPEC",
                    help="a preset name (gpt-tiny, gpt2-124m, gpt-1.3b, gpt-8.3b, gpt3-175b, "
-                        "gpt-1t) or 'module:factory', a function returning an nn.Module; "
-                        "the model is built on the meta device, never materialised")
+                        "gpt-1t); 'hf:CONFIG', a Hugging Face causal LM from a config.json "
+                        "path, a published shape (hf:gpt2, hf:gpt2-medium, hf:gpt2-large, "
+                        "hf:gpt2-xl, hf:llama3-8b, hf:llama3-70b) or an architecture's "
+                        "defaults (hf:llama, hf:mistral, hf:qwen2 ...); or 'module:factory', "
+                        "a function returning an nn.Module; the model is built on the meta "
+                        "device, never materialised")
     g.add_argument("--cluster", default="dgx-a100", metavar="NAME|FILE",
                    help=f"a cluster preset ({', '.join(PRESET_NAMES)}) or a cluster JSON file "
                         "as written by Cluster.to_json_file or `autopar calibrate` "
@@ -150,7 +163,8 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="B",
                    help="sequences per optimizer step, B = d · b · m")
     g.add_argument("--seq-len", type=_positive_int, default=None, metavar="S",
-                   help="tokens per sequence (default: the model's block_size)")
+                   help="tokens per sequence (default: the model's block_size, n_positions "
+                        "or max_position_embeddings)")
 
 
 def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -280,7 +294,8 @@ def _add_verify_args(parser: argparse.ArgumentParser) -> None:
                         help="a plan saved by `autopar plan -o`")
     g = parser.add_argument_group("model, steps and tolerance")
     g.add_argument("--model", default=None, metavar="SPEC",
-                   help="preset name (gpt-tiny ...) or module:factory; default: the plan's model")
+                   help="preset name (gpt-tiny ...), hf:CONFIG or module:factory; default: "
+                        "the plan's model")
     g.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
     g.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
     g.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")

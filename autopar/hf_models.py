@@ -1,0 +1,153 @@
+"""Hugging Face models by name: the ``hf:CONFIG`` specs of :func:`autopar.models.load_model`.
+
+CONFIG is resolved in this order (the first that applies wins):
+
+1. a path to a ``config.json`` (or to a directory holding one), read from disk, never from
+   the hub: ``hf:./my-llama/config.json``, ``hf:./my-llama``;
+2. a preset of :data:`HF_PRESETS`, the shape of a published checkpoint
+   (``hf:gpt2-xl``, ``hf:llama3-8b``);
+3. a ``transformers`` architecture (``model_type``) with a causal-LM head, built with its
+   config class's defaults (``hf:llama``, ``hf:mistral``, ``hf:qwen2`` ...).
+
+A preset wins over an architecture of the same name: ``hf:gpt2`` is the 124M preset, which
+is also ``GPT2Config()``'s default shape. Every model is built with random weights by
+``AutoModelForCausalLM.from_config`` in fp32 (a config's stored ``dtype`` is ignored; the
+plan's dtype decides the compute precision), so a 70B model is only shapes on the meta
+device. ``transformers`` is imported only when an ``hf:`` spec is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["HF_PREFIX", "HF_PRESETS", "HF_ARCHITECTURES", "HFSpecError", "hf_factory",
+           "hf_config"]
+
+HF_PREFIX = "hf:"
+
+# Llama 3's published shape (Dubey et al. 2024, "The Llama 3 Herd of Models",
+# arXiv:2407.21783, Table 3; meta-llama/Meta-Llama-3-{8B,70B} config.json): RoPE base
+# 500,000, 8,192 positions, RMSNorm eps 1e-5, SwiGLU, V = 128,256, untied output layer.
+_LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False,
+               bos_token_id=128000, eos_token_id=128001)
+
+# name -> (model_type, config fields). GPT-2: Radford et al. 2019, "Language Models are
+# Unsupervised Multitask Learners", Table 2 (d_model 768/1024/1280/1600, 12/24/36/48
+# layers), and the openai-community/gpt2{,-medium,-large,-xl} config.json files (n_head
+# 12/16/20/25, V = 50,257, 1,024 positions, dropout 0.1, tied output layer). Parameter
+# counts (tests/unit/test_hf_models.py): 124,439,808 · 354,823,168 · 774,030,080 ·
+# 1,557,611,200 · 8,030,261,248 · 70,553,706,496.
+HF_PRESETS: dict[str, tuple[str, dict]] = {
+    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
+                          n_positions=1024)),
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257,
+                                 n_positions=1024)),
+    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20, vocab_size=50257,
+                                n_positions=1024)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257,
+                             n_positions=1024)),
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=8, intermediate_size=14336, **_LLAMA3)),
+    "llama3-70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80,
+                                 num_attention_heads=64, num_key_value_heads=8,
+                                 intermediate_size=28672, **_LLAMA3)),
+}
+
+# The families the model zoo (benchmarks/model_zoo.py) captures and plans; any other
+# model_type with a causal-LM head is accepted too, these are the ones error messages list.
+HF_ARCHITECTURES = ("gemma", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2")
+
+INSTALL_FIX = ("pip install transformers (it does not depend on torch, so the installed "
+               "torch stays; add --no-deps if your environment pins torch by other means)")
+
+
+class HFSpecError(ValueError):
+    """An ``hf:`` spec that names no buildable causal LM. ``cause`` and ``fix`` are kept
+    apart so :func:`autopar.models.load_model` words it like every model-spec error."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        super().__init__(f"{cause}; {fix}")
+        self.cause, self.fix = cause, fix
+
+
+def names_fix() -> str:
+    """What an ``hf:`` spec may name (the fix of an unknown name)."""
+    return (f"write hf:CONFIG with CONFIG a config.json file or a directory holding one, "
+            f"a preset ({', '.join(HF_PRESETS)}) or a transformers architecture with a "
+            f"causal-LM head ({', '.join(HF_ARCHITECTURES)}, ...)")
+
+
+def _transformers():
+    """The ``transformers`` module, or HFSpecError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise HFSpecError(f"hf: models need the transformers package ({exc})",
+                          INSTALL_FIX) from None
+    return transformers
+
+
+def _read_config_json(path: Path):
+    """The config of a local ``config.json`` (or of the one inside directory ``path``)."""
+    tf = _transformers()
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        fields = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HFSpecError(f"cannot read Hugging Face config {str(file)!r} ({exc})",
+                          "give the path of a config.json file, or of a directory "
+                          "holding one") from None
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if model_type not in tf.CONFIG_MAPPING:
+        raise HFSpecError(f"{str(file)!r} has model_type {model_type!r}, which transformers "
+                          f"{tf.__version__} does not know",
+                          "a config.json written by save_pretrained names its model_type "
+                          "(e.g. \"llama\"); upgrade transformers for newer architectures")
+    return tf.CONFIG_MAPPING[model_type].from_dict(fields)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A path: written as one (``.json``, a separator), or a bare name of a file or of a
+    directory holding config.json here (a folder merely named ``llama`` is not)."""
+    path = Path(name)
+    return (name.endswith(".json") or "/" in name or "\\" in name or path.is_file()
+            or (path / "config.json").is_file())
+
+
+def hf_config(name: str):
+    """The ``transformers`` config CONFIG names (the part after ``hf:``; order in the
+    module docstring). Raises HFSpecError: transformers missing, file unreadable, unknown
+    name, or a config without a causal-LM head."""
+    tf = _transformers()
+    if _looks_like_path(name):
+        config = _read_config_json(Path(name))
+    elif name in HF_PRESETS:
+        model_type, fields = HF_PRESETS[name]
+        config = tf.AutoConfig.for_model(model_type, **fields)
+    elif name in tf.CONFIG_MAPPING:
+        config = tf.AutoConfig.for_model(name)
+    else:
+        raise HFSpecError(f"unknown Hugging Face model 'hf:{name}'", names_fix())
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise HFSpecError(
+            f"'hf:{name}' is a {type(config).__name__} ({config.model_type}), which has no "
+            "causal-LM head (AutoModelForCausalLM); autopar trains decoder language models",
+            "choose a decoder architecture such as " + ", ".join(HF_ARCHITECTURES))
+    return config
+
+
+def hf_factory(name: str) -> Callable[[], nn.Module]:
+    """A function of no arguments building CONFIG's causal LM with random fp32 weights
+    (call it under ``torch.device(...)``). The config is resolved now, so a bad name fails
+    before anything is built."""
+    config = hf_config(name)
+
+    def build() -> nn.Module:
+        return _transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return build
