@@ -19,6 +19,7 @@ from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout, Plan
 from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
 from autopar.planner.predict import predict
+from autopar.planner.replicated import replicated_ops
 from autopar.support import RUNTIME_SUPPORT
 from autopar.planner.search import SearchResult, search
 from autopar.graph.capture import trace_model
@@ -80,13 +81,15 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     """Re-price ``plan``'s exact decisions (placements, stages, recompute, ZeRO) on
     ``cluster`` with the cost model, without solving: e.g. after editing placements by
     hand, or to price a saved plan on other hardware. Returns the plan with a new
-    ``predicted``. Raises ValueError when a placement does not exist for this model/tp.
+    ``predicted`` and ``replicated_ops`` (the ops its placements leave whole). Raises
+    ValueError when a placement does not exist for this model/tp.
     """
     traced = trace_model(model, plan.seq_len)
     decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=plan.global_batch_size)
-    return replace(plan, predicted=pred)
+    return replace(plan, predicted=pred, replicated_ops=replicated_ops(
+        traced, strategies, plan.placements, plan.tp, plan.sequence_parallel))
 
 
 def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layout | None = None,

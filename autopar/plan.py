@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["Layout", "Plan", "Prediction", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
+__all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "format_share",
+           "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
            "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 1
@@ -138,6 +139,90 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class ReplicatedOp:
+    """One compute op that every tensor-parallel rank runs whole (on the whole tensor).
+
+    node: the traced node's name (a key of ``Plan.placements``).
+    op: what it calls: a module class ("LayerNorm"), an op or function ("cumsum", "le").
+    kind: its node kind (:class:`~autopar.graph.annotate.NodeInfo`; "other": an op autopar
+        has no rule for, whose FLOPs count one per output element).
+    section: "pre" (before the first transformer layer) | "layer" | "post".
+    layer: the transformer layer index (None outside the layers).
+    flops: forward FLOPs per sequence. share: flops / the model's forward FLOPs.
+    per_sequence: False for work done once per micro-batch whatever its size (a causal
+        mask, position ids).
+    reason: why it is replicated ("no sharding rule for this op", "chosen by the solver" ...).
+    """
+
+    node: str
+    op: str
+    kind: str
+    section: str
+    layer: int | None
+    flops: float
+    share: float
+    per_sequence: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicatedOps:
+    """The compute ops (forward FLOPs > 0) that tensor parallelism leaves whole on every
+    TP rank. Replication is always correct: each rank runs the op on the whole tensor (its
+    work is not divided by t), after an all-gather where its input arrives sharded.
+
+    tp: the TP size t the strategies were enumerated at: the plan's, or 2 for a plan with
+        tp = 1 (the list then says what TP could not split).
+    model_flops: forward FLOPs per sequence of the whole graph (the shares' denominator).
+    no_strategy: ops whose only strategy at t is replication (no sharding rule for the op,
+        LayerNorm without sequence parallelism, or shapes its rule cannot split at t), in
+        graph order.
+    chosen: ops that had a sharded strategy and that the plan replicated (empty at tp = 1).
+    """
+
+    tp: int
+    model_flops: float
+    no_strategy: list[ReplicatedOp] = field(default_factory=list)
+    chosen: list[ReplicatedOp] = field(default_factory=list)
+
+    @staticmethod
+    def by_op(ops: list[ReplicatedOp]) -> list[tuple[str, int, float]]:
+        """(op, count, total share) per op name, the largest share first."""
+        groups: dict[str, list[float]] = {}
+        for r in ops:
+            groups.setdefault(r.op, []).append(r.share)
+        rows = [(name, len(shares), sum(shares)) for name, shares in groups.items()]
+        return sorted(rows, key=lambda row: (-row[2], -row[1], row[0]))
+
+    def line(self, shown: int = 6) -> str:
+        """``replicated (no TP strategy at t=2): 6 ops (1 before the first layer), 0.17% of
+        FLOPs: LayerNorm (5), add (1)``: the :attr:`no_strategy` ops by op name."""
+        ops = self.no_strategy
+        groups = self.by_op(ops)
+        names = ", ".join(f"{name} ({count})" for name, count, _ in groups[:shown])
+        more = f", {len(groups) - shown} more" if len(groups) > shown else ""
+        pre = sum(r.section == "pre" for r in ops)
+        where = f" ({pre} before the first layer)" if pre else ""
+        return (f"replicated (no TP strategy at t={self.tp}): {len(ops)} ops{where}, "
+                f"{format_share(sum(r.share for r in ops))} of FLOPs: {names}{more}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ReplicatedOps":
+        ops = {k: [ReplicatedOp(**r) for r in data.get(k, [])] for k in ("no_strategy", "chosen")}
+        return cls(tp=data["tp"], model_flops=data["model_flops"], **ops)
+
+
+def format_share(share: float) -> str:
+    """A share of FLOPs as a percentage with the digits a small one needs: ``12.3%``,
+    ``0.17%``, ``<0.01%``, ``0%``."""
+    if share <= 0:
+        return "0%"
+    if share < 1e-4:
+        return "<0.01%"
+    return f"{share:.1%}" if share >= 0.01 else f"{share:.2%}"
+
+
+@dataclass(frozen=True)
 class Plan:
     """A fully decided parallel training plan (JSON version ``PLAN_VERSION``).
 
@@ -161,6 +246,8 @@ class Plan:
     predicted: the cost model's :class:`Prediction`.
     alternatives: the best other layouts the search priced (dicts with layout + step time).
     binding: human-readable binding constraints (memory, divisibility ...).
+    replicated_ops: the compute ops every TP rank runs whole (:class:`ReplicatedOps`); None
+        in a plan saved before autopar recorded them.
     """
 
     model: str
@@ -184,6 +271,7 @@ class Plan:
     dtype: str = "bf16"
     alternatives: list[dict] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
+    replicated_ops: ReplicatedOps | None = None
     version: int = PLAN_VERSION
 
     @property
@@ -212,6 +300,8 @@ class Plan:
                              f"version {PLAN_VERSION}); re-run `autopar plan` to regenerate it")
         data = dict(data)
         data["predicted"] = Prediction(**data["predicted"])
+        if data.get("replicated_ops") is not None:
+            data["replicated_ops"] = ReplicatedOps.from_dict(data["replicated_ops"])
         return cls(**data)
 
     @classmethod
@@ -230,6 +320,12 @@ class Plan:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> str:
+        """The :meth:`headline`, then (when there are any) a line naming the ops that no
+        tensor-parallel strategy splits (:meth:`ReplicatedOps.line`)."""
+        rep = self.replicated_ops
+        return self.headline() + (f"\n{rep.line()}" if rep and rep.no_strategy else "")
+
+    def headline(self) -> str:
         """One line: the layout and its predicted speed."""
         p = self.predicted
         rec = ",".join(sorted(set(self.recompute)))

@@ -54,7 +54,7 @@ def main() -> None:
     for case in CASES:
         plan, megatron, path = write_example(*case)
         ratio = plan.predicted.step_time_s / megatron.predicted.step_time_s
-        print(f"{path}: {plan.summary()} | auto/Megatron step time {ratio:.2f}")
+        print(f"{path}: {plan.headline()} | auto/Megatron step time {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from autopar.plan import Plan
+from autopar.plan import Plan, format_share
 from autopar.report.format import (GIB, TIME_KINDS, format_bytes, format_seconds,
                                    format_tflops, plan_flags)
 
@@ -44,6 +44,11 @@ def plan_table(plan: Plan) -> str:
             ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
             ("peak memory", peak), ("solve time", format_seconds(p.solve_time_s)),
             ("time by kind", ", ".join(f"{k} {format_seconds(v)}" for k, v in time_parts if v > 0))]
+    rep = plan.replicated_ops
+    if rep is not None and plan.tp > 1 and rep.chosen:  # the summary lists those with no strategy
+        names = ", ".join(f"{name} ({count})" for name, count, _ in rep.by_op(rep.chosen)[:6])
+        share = format_share(sum(r.share for r in rep.chosen))
+        rows.append(("replicated", f"by choice: {len(rep.chosen)} ops, {share} of FLOPs: {names}"))
     return "\n".join(f"  {k:<16} {v}" for k, v in rows)
 
 

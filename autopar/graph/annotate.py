@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.graph.ops import SAVES_INPUTS, aten_kind, is_conv1d, linear_features, packet
+from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, is_conv1d, linear_features,
+                               op_name, packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind"]
 
@@ -39,7 +40,8 @@ class NodeInfo:
     kind: "linear" | "embedding" | "layernorm" | "sdpa" | "gelu" | "dropout" | "add" |
         "view" | "transpose" | "contiguous" | "input" | "output" | "nontensor" | "other".
     shape: output shape (b = 1) or None when the output is not a tensor.
-    numel: output elements; flops: forward FLOPs (2 per multiply-add).
+    numel: output elements; flops: forward FLOPs (2 per multiply-add; an op without a
+        formula, kind "other" or several outputs, counts one per output element).
     params: canonical parameter names (tied weights appear under their first name).
     param_numel: elements of those parameters.
     saved_elems: elements of this output saved for backward by its consumers.
@@ -194,7 +196,21 @@ def _flops(node: fx.Node, kind: str, gm: fx.GraphModule, numel: int) -> float:
         return 4.0 * b * nh * s * s_kv * hd  # Q·Kᵀ and attention·V
     if kind in ("layernorm", "gelu", "dropout", "add", "elementwise", "reduce", "softmax"):
         return float(numel)
+    if kind in ("other", "nontensor") and op_name(node, gm) not in CREATION_OPS and any(
+            hasattr(n.meta.get("tensor_meta"), "shape") for n in node.all_input_nodes):
+        # no formula (cumsum, sort, a comparison ...): one FLOP per output element, a floor
+        # that keeps the op visible (it is replicated: autopar.planner.replicated) not zero
+        return float(_output_elems(node.meta.get("tensor_meta")))
     return 0.0
+
+
+def _output_elems(meta) -> int:
+    """Elements of a node's output tensors (a tuple for ops with several outputs)."""
+    if hasattr(meta, "shape"):
+        return math.prod(meta.shape)
+    if isinstance(meta, (tuple, list)):
+        return sum(_output_elems(m) for m in meta)
+    return 0
 
 
 def _layer_of(node: fx.Node, prefix: str) -> int | None:

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 __all__ = ["SDPA_ARGS", "POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
-           "MATMULS", "aten_kind", "linear_features", "is_conv1d", "packet"]
+           "MATMULS", "CREATION_OPS", "aten_kind", "linear_features", "is_conv1d", "packet",
+           "op_name"]
 
 aten = torch.ops.aten
 
@@ -42,6 +43,10 @@ TRANSPOSES = {aten.transpose, aten.permute, aten.t}
 REDUCTIONS = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var}   # over dims in args[1]
 SOFTMAX = {aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax}  # along args[1]
 MATMULS = {aten.matmul, aten.bmm}
+# make a tensor from sizes or another tensor's metadata (no arithmetic on its values)
+CREATION_OPS = {"arange", "ones", "zeros", "full", "empty", "scalar_tensor", "new_ones",
+                "new_zeros", "new_full", "new_empty", "ones_like", "zeros_like", "full_like",
+                "empty_like", "rand", "randn", "rand_like", "randn_like"}
 SHAPE_OPS = {aten.unsqueeze, aten.squeeze, aten.expand, aten.slice, aten.select, aten.cat,
              aten.flatten}
 
@@ -88,3 +93,16 @@ def linear_features(mod: nn.Module) -> tuple[int, int, int]:
     if is_conv1d(mod):
         return mod.weight.shape[0], mod.nf, 1
     return mod.in_features, mod.out_features, 0
+
+
+def op_name(node, gm: nn.Module) -> str:
+    """A short name of the op ``node`` calls: the module class of a ``call_module``
+    ("LayerNorm"), the op of an aten call without its overload ("cumsum", "and" for
+    ``aten.__and__.Tensor``), the function or method name otherwise."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    op = packet(node.target)
+    name = op.__name__ if op is not None else getattr(node.target, "__name__", str(node.target))
+    return name.strip("_") or name

@@ -17,6 +17,7 @@ from autopar.models import model_config
 from autopar.plan import Plan, equal_chunks, rank_layers
 from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.predict import predict
+from autopar.planner.replicated import replicated_ops
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 
 __all__ = ["Decision", "InfeasibleError", "STAGE_SLACK", "stage_size_range", "stage_splits",
@@ -109,7 +110,8 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
     """The :class:`~autopar.plan.Plan` of ``decision``: its placements (strategy keys), the
     :func:`~autopar.planner.predict.predict` prediction (with ``solve_time_s`` seconds),
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
-    (the search's per-config records), and the binding line (:func:`peak_memory_line`)."""
+    (the search's per-config records), the binding line (:func:`peak_memory_line`) and
+    the ops TP leaves whole (:func:`~autopar.planner.replicated.replicated_ops`)."""
     cfg = decision.config
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=global_batch_size)
@@ -125,7 +127,9 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                 stage_layers=decision.stage_layers, placements=placements, predicted=pred,
                 virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel,
                 dtype=cfg.dtype, alternatives=others,
-                binding=[peak_memory_line(pred.memory_bytes_by_stage, cluster)])
+                binding=[peak_memory_line(pred.memory_bytes_by_stage, cluster)],
+                replicated_ops=replicated_ops(traced, strategies, placements, cfg.tp,
+                                              cfg.sequence_parallel))
 
 
 def decision_from_plan(traced: TracedModel, cluster, plan: Plan

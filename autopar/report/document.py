@@ -9,7 +9,7 @@ well on GitHub and in a terminal:
 3. where the memory goes (GiB per GPU per pipeline stage, by kind) and where the step
    time goes (seconds and % by kind);
 4. which global ranks form each TP/PP/DP group, and the bytes each kind of communication
-   moves;
+   moves; the ops every TP rank runs whole (no TP strategy, or replicated by choice);
 5. why: the binding constraints and the best alternatives the search priced;
 6. hand-written layouts (e.g. Megatron-LM's) priced by the same cost model, side by side;
 7. what-ifs (when given): the same model re-planned with twice the nodes, H100 nodes,
@@ -36,7 +36,7 @@ from autopar.report.plots import write_charts
 from autopar.report.ranks import rank_layout_section
 from autopar.report.sections import (comm_section, formulas_section, hand_section, image,
                                      layout_section, memory_section, prediction_section,
-                                     time_section, why_section)
+                                     replicated_section, time_section, why_section)
 from autopar.report.whatif import what_if_markdown
 
 __all__ = ["render_markdown", "write_report"]
@@ -65,7 +65,8 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
     lines += prediction_section(plan)
     lines += memory_section(plan, memory_chart or charts.get("memory"))
     lines += time_section(plan) + image("step time by kind", charts.get("breakdown"))
-    lines += rank_layout_section(plan) + comm_section(plan) + why_section(plan)
+    lines += rank_layout_section(plan) + comm_section(plan) + replicated_section(plan)
+    lines += why_section(plan)
     if hand_layouts:
         lines += hand_section(plan, hand_layouts)
         lines += image("auto vs hand step time", charts.get("comparison"))

@@ -2,23 +2,25 @@
 
 In report order: the chosen layout and its pipeline stages, the prediction (step time,
 TFLOP/s per GPU, MFU/HFU, peak memory), memory per GPU per stage by kind, step time by
-kind, communication bytes per GPU, why this plan (binding constraints, the alternatives
-the search priced), hand-written layouts priced by the same cost model, and the published
-closed forms the cost model reproduces. The rank map is :mod:`autopar.report.ranks`, the
-what-ifs :mod:`autopar.report.whatif`; :mod:`autopar.report.document` puts them together.
+kind, communication bytes per GPU, the ops every TP rank runs whole, why this plan (binding
+constraints, the alternatives the search priced), hand-written layouts priced by the same
+cost model, and the published closed forms the cost model reproduces. The rank map is
+:mod:`autopar.report.ranks`, the what-ifs :mod:`autopar.report.whatif`;
+:mod:`autopar.report.document` puts them together.
 Nothing here solves or prices anything.
 """
 
 from __future__ import annotations
 
-from autopar.plan import Plan
+from autopar.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
                                    format_seconds, format_tflops, ordered, plan_flags)
 from autopar.report.formulas import FORMULAS_MARKDOWN
 
 __all__ = ["layout_section", "prediction_section", "memory_section", "time_section",
-           "comm_section", "why_section", "hand_section", "formulas_section", "image"]
+           "comm_section", "replicated_section", "why_section", "hand_section", "formulas_section",
+           "image"]
 
 
 def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
@@ -64,7 +66,7 @@ def layout_section(plan: Plan) -> list[str]:
         ["ZeRO stage", f"{plan.zero_stage}"],
         ["activation recompute", _recompute_summary(plan.recompute)],
     ]
-    lines = ["## Chosen plan", "", f"`{plan.summary()}`", ""]
+    lines = ["## Chosen plan", "", f"`{plan.headline()}`", ""]
     lines += _table(["setting", "value"], rows, "ll")
     return lines + _stages_section(plan)
 
@@ -153,6 +155,80 @@ def comm_section(plan: Plan) -> list[str]:
         rows.append(["**total**", format_bytes(sum(by_kind.values()))])
     lines = ["## Communication per GPU per step", "", "Payload bytes each GPU sends per step.", ""]
     return lines + (_table(["kind", "bytes"], rows) if rows else ["No communication.", ""])
+
+
+def _where(ops: list[ReplicatedOp]) -> str:
+    """Where ops sit: "before the first layer", "layers 0–95", "after the last layer"."""
+    layers = sorted({r.layer for r in ops if r.section == "layer" and r.layer is not None})
+    parts = ["before the first layer"] if any(r.section == "pre" for r in ops) else []
+    if layers:
+        contiguous = layers[-1] - layers[0] + 1 == len(layers)
+        parts.append(f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–"
+                     f"{layers[-1]}" if contiguous else f"{len(layers)} layers")
+    if any(r.section == "post" for r in ops):
+        parts.append("after the last layer")
+    return ", ".join(parts)
+
+
+def _flops_text(flops: float) -> str:
+    """``512 FLOP``, ``262 kFLOP``, ``1.07 GFLOP`` (three significant digits)."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}FLOP"
+    return f"{flops:.0f} FLOP"
+
+
+def _replicated_table(ops: list[ReplicatedOp]) -> list[str]:
+    """One row per op name: count, where, forward FLOPs per sequence, share, notes."""
+    rows = []
+    for name, count, share in ReplicatedOps.by_op(ops):
+        mine = [r for r in ops if r.op == name]
+        notes = sorted({r.reason for r in mine if r.reason != "chosen by the solver"})
+        once = sum(not r.per_sequence for r in mine)  # e.g. a causal mask: not per sequence
+        if once:
+            notes.append("once per micro-batch" if once == count else
+                         f"{once} of them once per micro-batch")
+        rows.append([f"`{name}`", f"{count}", _where(mine),
+                     _flops_text(sum(r.flops for r in mine)), format_share(share),
+                     "; ".join(notes)])
+    return _table(["op", "count", "where", "forward per sequence", "share of FLOPs", "note"],
+                  rows, "lrlrrl")
+
+
+def replicated_section(plan: Plan) -> list[str]:
+    """The compute ops every TP rank runs whole: those with no tensor-parallel strategy,
+    then (tp > 1) those the solver replicated although a split existed."""
+    rep = plan.replicated_ops
+    lines = ["## Ops every tensor-parallel rank runs whole", ""]
+    if rep is None:
+        return lines + ["This plan was saved before autopar recorded them; re-plan to list "
+                        "them.", ""]
+    t = rep.tp
+    lines += [f"Replication is always correct: each of the t ranks runs the op on the whole "
+              f"tensor, so its work is not divided by t, and an input that arrives sharded is "
+              f"all-gathered first. Shares are of the model's forward FLOPs per sequence "
+              f"({_flops_text(rep.model_flops)}); an op autopar has no rule for counts one "
+              "FLOP per output element.", ""]
+    if plan.tp == 1:
+        lines += [f"This plan has no tensor parallelism (t = 1); the ops below are those "
+                  f"that would have no strategy at t = {t}.", ""]
+    lines += [f"### No tensor-parallel strategy at t = {t}", ""]
+    if rep.no_strategy:
+        total = format_share(sum(r.share for r in rep.no_strategy))
+        lines += [f"{len(rep.no_strategy)} ops, {total} of the FLOPs.", ""]
+        lines += _replicated_table(rep.no_strategy)
+    else:
+        lines += ["Every compute op has a tensor-parallel strategy.", ""]
+    if plan.tp > 1:
+        lines += ["### Replicated by choice", ""]
+        if rep.chosen:
+            total = format_share(sum(r.share for r in rep.chosen))
+            lines += [f"These {len(rep.chosen)} ops ({total} of the FLOPs) had a sharded "
+                      "strategy; the solver's cheapest plan keeps them whole.", ""]
+            lines += _replicated_table(rep.chosen)
+        else:
+            lines += ["None: every op that could be split is split.", ""]
+    return lines
 
 
 def _alternative_row(alt: dict, chosen_s: float) -> list[str]:

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ["# gpt-1.3b on 1 DGX A100 node", "## Chosen plan", "### Pipeline stages",
             "## Prediction", "## Memory per GPU by pipeline stage", "## Where the step time goes",
-            "## Rank layout", "## Communication per GPU per step", "## Why this plan",
+            "## Rank layout", "## Communication per GPU per step",
+            "## Ops every tensor-parallel rank runs whole", "## Why this plan",
             "### Binding constraints", "### Best alternatives the search priced",
             "## Hand-written layouts priced by the same cost model", "## What if",
             "## How the cost model is checked"]
