@@ -50,7 +50,7 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     ValueError (degrees inconsistent with the cluster, heads not divisible by tp, ...).
     """
     layout = layout or Layout()
-    traced = trace_model(model, seq_len, name=model_name)
+    traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
     result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT,
                     progress=progress)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
@@ -71,7 +71,7 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     layout = replace(layout, recompute=layout.recompute or "none",
                      zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
                      schedule=layout.schedule or ("interleaved_1f1b" if (layout.virtual_stages or 1) > 1 else "1f1b"))
-    traced = trace_model(model, seq_len, name=model_name)
+    traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
     result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name)
@@ -84,7 +84,7 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     ``predicted`` and ``replicated_ops`` (the ops its placements leave whole). Raises
     ValueError when a placement does not exist for this model/tp.
     """
-    traced = trace_model(model, plan.seq_len)
+    traced = trace_model(model, plan.seq_len, dtype=plan.dtype)
     decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=plan.global_batch_size)

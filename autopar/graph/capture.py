@@ -20,7 +20,10 @@ from torch.fx.passes.shape_prop import ShapeProp
 from autopar.graph.annotate import TracedModel, annotate
 from autopar.graph.export import export_logits, user_frame
 
-__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm"]
+__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm",
+           "COMPUTE_DTYPES"]
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # Plan.dtype -> torch
 
 
 class TraceError(Exception):
@@ -72,7 +75,8 @@ def _first_placeholder(graph: fx.Graph) -> fx.Node:
     return next(n for n in graph.nodes if n.op == "placeholder")
 
 
-def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") -> TracedModel:
+def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
+                dtype: str | None = None) -> TracedModel:
     """Capture ``model`` for one sequence of ``seq_len`` tokens and annotate every node.
 
     Two front ends, one result: ``torch.fx.symbolic_trace`` when it captures the whole
@@ -84,11 +88,21 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model") ->
     ORIGINAL modules and parameters, for rewriting) and per-node ``NodeInfo`` for one
     sequence (b = 1).
 
+    dtype: the plan's compute dtype (``"fp32"`` | ``"bf16"``, :data:`COMPUTE_DTYPES`): a
+        model whose floating parameters hold another dtype is traced as a copy cast to it,
+        because a captured graph's casts depend on it (Hugging Face's RMSNorm computes in
+        fp32 and casts back to the input's dtype), so the plan's node names are those of
+        the program the runtime traces. None: the model as it is.
+
     Raises:
         TraceError: neither front end captures the model (export's diagnosis and the
             user's file:line are named), or shape propagation fails.
         ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`).
     """
+    want = COMPUTE_DTYPES[dtype] if dtype is not None else None
+    if want is not None and any(p.is_floating_point() and p.dtype != want
+                                for p in model.parameters()):
+        model = copy.deepcopy(model).to(want)
     try:
         gm = symbolic_trace_logits(model)
     except TraceError:

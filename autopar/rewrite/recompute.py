@@ -1,8 +1,9 @@
 """Rewrite pass 3 of :func:`autopar.rewrite.apply_plan`: activation recomputation, per layer.
 
 * ``full``: the layer's nodes move into a sub-GraphModule run through
-  ``torch.utils.checkpoint.checkpoint`` (only the layer input is kept; the layer is
-  recomputed in backward; Chen et al. 2016, Megatron's "full" recompute).
+  ``torch.utils.checkpoint.checkpoint`` (only the layer input is kept, with the side
+  inputs a captured model computes once for all layers; the layer is recomputed in
+  backward; Chen et al. 2016, Megatron's "full" recompute).
 * ``selective``: only the attention core (scaled_dot_product_attention: QKᵀ, softmax,
   dropout, ·V) is checkpointed (Korthikanti et al. 2022, section 5).
 
@@ -61,25 +62,25 @@ class Checkpointed(nn.Module):
         return contextlib.nullcontext(), recompute_with_forward_states()
 
 
-def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
-    """Move the nodes ``names`` (one layer: one tensor in, one out) into a sub-GraphModule."""
+def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, list[fx.Node], fx.Node]:
+    """Move the nodes ``names`` (one layer, one output) into a sub-GraphModule whose inputs
+    are what the layer reads from outside, in graph order: the previous layer's output and
+    any side inputs (a captured model's causal mask, rotary cos/sin, batch size), which
+    checkpoint keeps as they are (they are not the layer's activations)."""
     members = set(names)
     nodes = [n for n in gm.graph.nodes if n.name in members]
-    inputs = {a for n in nodes for a in n.all_input_nodes if a.name not in members}
-    if len(inputs) != 1:
-        raise NotImplementedError(
-            f"full recompute needs a layer with one input; {nodes[0].name}.. reads "
-            f"{sorted(a.name for a in inputs)}")
-    (x,) = inputs
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs = sorted({a for n in nodes for a in n.all_input_nodes if a.name not in members},
+                    key=order.__getitem__)
     last = nodes[-1]
     if any(n is not last for n in nodes for u in n.users if u.name not in members):
         raise NotImplementedError(f"full recompute needs a layer with one output ({last.name})")
     sub = fx.Graph()
-    env = {x: sub.placeholder("x")}
+    env = {a: sub.placeholder(a.name) for a in inputs}
     for n in nodes:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(env[last])
-    return fx.GraphModule(gm, sub, class_name="RecomputedLayer"), x, last
+    return fx.GraphModule(gm, sub, class_name="RecomputedLayer"), inputs, last
 
 
 def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute: list[str], *,
@@ -91,10 +92,10 @@ def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute:
         if mode == "selective":
             _checkpoint_attention(gm, names, layer, tracker)
         elif mode == "full":
-            body, x, last = _extract(gm, names)
+            body, inputs, last = _extract(gm, names)
             gm.add_submodule(f"recompute_layer_{layer}", Checkpointed(body, tracker))
             with gm.graph.inserting_after(last):
-                new = gm.graph.call_module(f"recompute_layer_{layer}", (x,))
+                new = gm.graph.call_module(f"recompute_layer_{layer}", tuple(inputs))
             new.meta.update({k: v for k, v in last.meta.items() if k.startswith("autopar")})
             last.replace_all_uses_with(new)
             for n in reversed([n for n in gm.graph.nodes if n.name in set(names)]):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
-from autopar.graph.capture import trace_model
+from autopar.graph.capture import COMPUTE_DTYPES, trace_model
 from autopar.models import model_config
 from autopar.placement import parse_strategy_key
 from autopar.plan import Plan
@@ -111,7 +111,7 @@ def check_plan_matches(model: nn.Module, plan: Plan, traced: TracedModel | None 
         raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
                          f"(plan vs model: {diff}); pass the model the plan was made for, or "
                          "re-plan this model with `autopar plan`")
-    traced = traced or trace_model(model, plan.seq_len)
+    traced = traced or trace_model(model, plan.seq_len, dtype=plan.dtype)
     names = {n.name for n in traced.gm.graph.nodes}
     missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
     if missing or extra:
@@ -176,16 +176,19 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     return _parallel_module(traced, plan, groups, program, optimizer)
 
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARAM_DTYPES = COMPUTE_DTYPES
 
 
 def _local_trace(model: nn.Module, plan: Plan) -> TracedModel:
-    """The trace of this rank's copy of ``model`` in the plan's parameter dtype. ZeRO-3:
-    the (sharded) parameters stay fp32 master weights; FSDP2 casts them to the plan's dtype
-    when it gathers them (runtime.fsdp), so the activations are bf16 as well."""
-    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
-    local_model = copy.deepcopy(model).to(torch.float32 if zero3 else PARAM_DTYPES[plan.dtype])
-    return trace_model(local_model, plan.seq_len)
+    """The trace of this rank's copy of ``model`` in the plan's dtype (the graph the plan
+    was made on: :func:`~autopar.graph.capture.trace_model`'s ``dtype``). ZeRO-3: the
+    (sharded) parameters then go back to fp32 master weights; FSDP2 casts them to the
+    plan's dtype when it gathers them (runtime.fsdp), so the graph computes as traced."""
+    local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
+    traced = trace_model(local_model, plan.seq_len)
+    if plan.zero_stage == FULLY_SHARDED_STAGE:
+        local_model.to(torch.float32)
+    return traced
 
 
 def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,
