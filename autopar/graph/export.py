@@ -13,7 +13,9 @@ form the rest of autopar reads:
   (``aten.linear`` of an ``nn.Linear``, ``aten.addmm`` of GPT-2's ``Conv1D``,
   ``aten.embedding``, ``aten.layer_norm``, ``aten.dropout`` of an ``nn.Dropout``), named by
   its module path (``transformer_h_0_attn_c_attn``), so tensor parallelism shards modules
-  as it does for a symbolically traced model;
+  as it does for a symbolically traced model; a subclass with its own forward (Gemma's
+  scaled embedding, OPT's offset positions) is called as its base class, since its
+  extra ops stay in the graph (:func:`~autopar.graph.normalize.lift_modules`);
 * ``aten.scaled_dot_product_attention`` and free ``aten.dropout`` become the
   ``torch.nn.functional`` calls the dropout and recompute passes know;
 * ``split`` / ``chunk`` + ``getitem`` become one ``aten.slice`` per piece (single-output

@@ -75,7 +75,8 @@ def _attr(gm: fx.GraphModule, arg):
 
 
 def _leaf_call(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> tuple | None:
-    """The input of ``node`` if it is ``mod``'s whole forward, else None."""
+    """The input of ``node`` if it is the op of ``mod``'s class's own forward, with ``mod``'s
+    parameters and settings (padding row, eps, p), else None."""
     t = node.target
     a = node.args
     if t is aten.linear.default and isinstance(mod, nn.Linear):
@@ -90,14 +91,18 @@ def _leaf_call(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> tuple | Non
                 return (flat.args[0],)
             return (a[1],)
     if t is aten.embedding.default and isinstance(mod, nn.Embedding):
-        if _attr(gm, a[0]) is mod.weight:
+        padding = mod.padding_idx if mod.padding_idx is not None else -1
+        if _attr(gm, a[0]) is mod.weight and tuple(a[2:]) == (padding, mod.scale_grad_by_freq,
+                                                              mod.sparse)[:len(a) - 2]:
             return (a[1],)
     if t is aten.layer_norm.default and isinstance(mod, nn.LayerNorm):
         w = a[2] if len(a) > 2 else None
         b = a[3] if len(a) > 3 else None
-        if _attr(gm, w) is mod.weight and _attr(gm, b) is mod.bias:
+        eps = a[4] if len(a) > 4 else 1e-5
+        if (_attr(gm, w) is mod.weight and _attr(gm, b) is mod.bias and eps == mod.eps
+                and tuple(a[1]) == tuple(mod.normalized_shape)):
             return (a[0],)
-    if t is aten.dropout.default and isinstance(mod, nn.Dropout):
+    if t is aten.dropout.default and isinstance(mod, nn.Dropout) and a[1] == mod.p:
         return (a[0],)
     return None
 
@@ -115,7 +120,7 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         replaced = node
         if call is not None and path not in used:
             used.add(path)
-            _set_module(gm, path, mod)
+            _set_module(gm, path, _as_leaf(mod))
             users = list(node.users)
             if (_is_conv1d(mod) and call[0] is not node.args[1] and len(users) == 1
                     and packet(users[0].target) in (aten.view, aten.reshape)):
@@ -152,6 +157,26 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
             if old not in erased and not old.users:
                 graph.erase_node(old)
                 erased.add(old)
+
+
+_LEAF_BASES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Dropout)
+
+
+def _as_leaf(mod: nn.Module) -> nn.Module:
+    """``mod`` itself, or, when it subclasses a leaf module and overrides its ``forward``
+    (Gemma's ``embed_tokens`` multiplies by sqrt(h); OPT's ``embed_positions`` takes an
+    attention mask and adds an offset of 2 to its cumsum), a view of it as the base class:
+    the same Parameter and buffer objects and attributes, the base class's ``forward``.
+    Only the base op was lifted; the subclass's own ops stay in the graph as aten nodes,
+    so calling the subclass's ``forward`` would apply them twice."""
+    base = next((b for b in _LEAF_BASES if isinstance(mod, b)), None)
+    if base is None or type(mod).forward is base.forward:
+        return mod
+    view = base.__new__(base)
+    view.__dict__.update(vars(mod))
+    for slot in ("_parameters", "_buffers", "_modules"):  # own dicts: the user's stay as they are
+        setattr(view, slot, dict(getattr(mod, slot)))
+    return view
 
 
 def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:

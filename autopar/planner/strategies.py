@@ -7,7 +7,9 @@ A :class:`Strategy` fixes a node's input and output placements. Linear layers ge
 three Megatron options (Shoeybi et al. 2019, section 3): ``replicate``; ``column`` (weight
 split by output features: R -> S(-1), input gradient partial, i.e. the *f* operator);
 ``row`` (weight split by input features: S(-1) -> P, completed by an all-reduce, the *g*
-operator). Embeddings may be split by vocabulary rows (R -> P). Shape-only and
+operator). Embeddings may be split by vocabulary rows (R -> P) when the lookup is plain
+(no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``: those need the whole table or
+batch). Shape-only and
 element-wise ops pass shards through; scaled-dot-product attention runs on whole heads
 (S1 on (b, nh, s, hd)). Anything unrecognised gets the explicit fallback ``replicate``,
 which is always correct (redundant compute, no communication).
@@ -154,8 +156,10 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
         if in_features % tp == 0:
             base.append(Strategy("row", (last,), PARTIAL, tp, tp, (False,)))
         return base
-    if kind == "embedding":
-        if gm.get_submodule(node.target).num_embeddings % tp == 0:
+    if kind == "embedding":  # a plain lookup (max_norm, per-batch frequencies: whole table)
+        emb = gm.get_submodule(node.target)
+        if (emb.num_embeddings % tp == 0 and emb.max_norm is None
+                and not emb.scale_grad_by_freq and not emb.sparse):
             base.append(Strategy("vocab", (REPLICATE,), PARTIAL, 1, tp, (False,)))
         return base
     if kind == "sdpa":  # whole heads; grouped-query k/v: whole kv heads; a mask may broadcast

@@ -4,7 +4,9 @@ Reads only the plan's per-node placements. For every node, in graph order:
 
 1. its module is replaced by this rank's shard (column Linear: output rows; row Linear:
    input columns, bias added after the reduction; vocabulary Embedding: a row range,
-   shared with a tied lm_head);
+   shared with a tied lm_head, its padding row kept); other tensors the graph reads from
+   a replaced module (Gemma's ``embed_scale``) move to the root, so the whole weight
+   leaves the program;
 2. each input edge whose producer placement differs from the required one gets an explicit
    collective module (:mod:`autopar.runtime.tp_modules`): ``GatherFromTPRegion`` (S -> R),
    ``ScatterToTPRegion`` (R -> S); partial outputs (row Linear, vocabulary Embedding) are
@@ -34,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.graph.normalize import resolve
 from autopar.graph.ops import is_conv1d, packet
 from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
                                         GatherToTPRegionWithPartialGrad, ReduceFromTPRegion,
@@ -41,6 +44,7 @@ from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
 from autopar.runtime.vocab_parallel import VocabParallelEmbedding
 from autopar.placement import Placement
 from autopar.rewrite.pipeline import CHUNK, LAYER
+from autopar.rewrite.shard_modules import BiasAdd, BlockOrder, Conv1DShard
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
                                         partial_grad_input)
 
@@ -92,59 +96,6 @@ class TPRewrite:
     partial_grad_params: set[int] = field(default_factory=set)
 
 
-class Conv1DShard(nn.Module):
-    """A shard of GPT-2's ``Conv1D`` (weight (in, out)): ``x @ weight (+ bias)`` over the
-    last dim, computed as ``Conv1D`` does (``addmm`` on the flattened tokens)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.mm(flat, self.weight) if self.bias is None else torch.addmm(self.bias, flat, self.weight)
-        return out.reshape(*x.shape[:-1], self.weight.shape[1])
-
-
-class BlockOrder(nn.Module):
-    """Reorder ``dim`` between the natural order of a fused projection's output (blocks
-    ``[B0 | B1 | ...]``, full sizes ``blocks``) and the *blocked* order in which rank r's
-    shard ``[B0_r | B1_r | ...]`` is the r-th contiguous chunk (``to_blocked``), or back.
-    A local permutation: what makes a gather from / a scatter into a fused projection's
-    shards exact."""
-
-    def __init__(self, blocks: tuple[int, ...], tp: int, dim: int, to_blocked: bool) -> None:
-        super().__init__()
-        self.blocks, self.tp, self.dim, self.to_blocked = tuple(blocks), tp, dim, to_blocked
-
-    def extra_repr(self) -> str:
-        return f"blocks={self.blocks}, tp={self.tp}, dim={self.dim}, to_blocked={self.to_blocked}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = [b // self.tp for b in self.blocks]
-        if self.to_blocked:
-            parts = [p.chunk(self.tp, self.dim) for p in x.split(list(self.blocks), self.dim)]
-            return torch.cat([parts[k][r] for r in range(self.tp) for k in range(len(local))], self.dim)
-        ranks = [c.split(local, self.dim) for c in x.chunk(self.tp, self.dim)]
-        return torch.cat([ranks[r][k] for k in range(len(local)) for r in range(self.tp)], self.dim)
-
-
-class BiasAdd(nn.Module):
-    """``x + bias``: a row-parallel Linear's bias, added once after the all-reduce or
-    reduce-scatter (adding it on every rank before the reduction would count it t times).
-    When x is sharded along its last dim, this rank's slice [start, start + n) of the bias."""
-
-    def __init__(self, bias: nn.Parameter, start: int = 0, size: int | None = None) -> None:
-        super().__init__()
-        self.bias = bias
-        self.start, self.size = start, size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size is None:
-            return x + self.bias
-        return x + self.bias[self.start:self.start + self.size]
-
-
 def _owner_meta(node: fx.Node) -> dict:
     """The model chunk / layer annotations a node inserted for ``node`` inherits."""
     return {k: v for k, v in node.meta.items() if k.startswith("autopar")}
@@ -174,6 +125,7 @@ class _Rewriter:
         self.canon = {id(p): traced.tied_params.get(n, n)  # the model's own name of p
                       for n, p in self.gm.named_parameters(remove_duplicate=False)}
         self.count = 0
+        self.replaced: list[str] = []  # paths of the modules replaced by their shards
 
     def _add_module(self, prefix: str, module: nn.Module) -> str:
         self.count += 1
@@ -278,6 +230,7 @@ class _Rewriter:
                 self._scale_size(node, strat)
             elif strat.output.is_sharded and packet(node.target) is not None:
                 self._local_sizes(node, strat)
+        self._rehome_attrs()
         self._record_replicated()
         self.gm.graph.lint()
         self.gm.delete_all_unused_submodules()
@@ -324,7 +277,7 @@ class _Rewriter:
             self.partial_bias[node] = mod.bias  # added where the partial sum is completed
         elif strat.name == "vocab" and isinstance(mod, nn.Embedding):
             weight = self._param(mod.weight, 0)
-            emb = VocabParallelEmbedding(weight, self.rank * weight.shape[0])
+            emb = VocabParallelEmbedding(weight, self.rank * weight.shape[0], mod.padding_idx)
             self._set(node, emb)
             self.partial_bias[node] = None
         elif strat.name == "sharded":  # e.g. LayerNorm on sequence shards: partial grads
@@ -371,7 +324,26 @@ class _Rewriter:
     def _set(self, node: fx.Node, module: nn.Module) -> None:
         name = node.target.replace(".", "_") + "_tp"
         self.gm.add_submodule(name, module)
+        self.replaced.append(node.target)
         node.target = name
+
+    def _rehome_attrs(self) -> None:
+        """``get_attr`` of a replaced module's other tensors (Gemma's ``embed_scale`` buffer
+        of its embedding) read them from the root instead, so the replaced module, whole
+        weight included, leaves the program (otherwise the optimizer would hold a full,
+        never-updated copy of the weight)."""
+        for node in self.gm.graph.nodes:
+            path = next((p for p in self.replaced if node.op == "get_attr"
+                         and node.target.startswith(p + ".")), None)
+            if path is None:
+                continue
+            value = resolve(self.gm, node.target)
+            name = "_".join(node.target.split(".")) + "_attr"
+            if isinstance(value, nn.Parameter):
+                self.gm.register_parameter(name, value)
+            else:
+                self.gm.register_buffer(name, value, persistent=False)
+            node.target = name
 
     def _record_replicated(self) -> None:
         for p in self.gm.parameters():

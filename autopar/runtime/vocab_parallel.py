@@ -29,34 +29,41 @@ class VocabParallelEmbedding(nn.Module):
     tokens this rank owns, zeros for the others, i.e. a partial sum that a
     :class:`~autopar.runtime.tp_modules.ReduceFromTPRegion` after it completes. A given
     ``nn.Parameter`` is kept as is (so a tied head on the same pipeline rank can share it);
-    any other tensor is wrapped. Raises ValueError unless ``weight`` is 2-D.
+    any other tensor is wrapped. ``padding_idx``: the whole table's ``nn.Embedding``
+    padding row (its gradient stays zero, as in ``F.embedding``), None if it has none.
+    Raises ValueError unless ``weight`` is 2-D.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_start: int, padding_idx: int | None = None) -> None:
         super().__init__()
         if weight.dim() != 2:
             raise ValueError(f"embedding shard must be 2-D (V/t, h), got shape {tuple(weight.shape)}")
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.vocab_start = int(vocab_start)
         self.vocab_end = self.vocab_start + weight.shape[0]
+        self.padding_idx = padding_idx
+        owned = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self.local_padding_idx = padding_idx - self.vocab_start if owned else None
 
     @classmethod
-    def from_full(cls, full_weight: torch.Tensor, tp_rank: int, tp: int) -> VocabParallelEmbedding:
+    def from_full(cls, full_weight: torch.Tensor, tp_rank: int, tp: int,
+                  padding_idx: int | None = None) -> VocabParallelEmbedding:
         """Shard ``tp_rank`` of a full (V, h) table (copied). Raises ValueError unless t | V."""
         vocab = full_weight.shape[0]
         if vocab % tp != 0:
             raise ValueError(f"vocabulary {vocab} is not divisible by tp={tp}; pad V to a multiple of {tp}")
         rows = vocab // tp
         shard = full_weight.detach()[tp_rank * rows : (tp_rank + 1) * rows].clone()
-        return cls(shard, tp_rank * rows)
+        return cls(shard, tp_rank * rows, padding_idx)
 
     def extra_repr(self) -> str:
-        return f"vocab=[{self.vocab_start}, {self.vocab_end}), h={self.weight.shape[1]}"
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"vocab=[{self.vocab_start}, {self.vocab_end}), h={self.weight.shape[1]}{pad}"
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)  # (b, s)
         local = (idx - self.vocab_start).masked_fill(outside, 0)  # (b, s) in [0, V/t)
-        out = F.embedding(local, self.weight)  # (b, s, h)
+        out = F.embedding(local, self.weight, self.local_padding_idx)  # (b, s, h)
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

@@ -1,7 +1,7 @@
 """The model zoo's families, parallelized and verified against one process on real gloo
 groups of 2 ranks (tp = 2 with sequence parallelism and selective recompute, dp = 2, and
-the interleaved pipeline) and of 4 (tp2·pp2): equal within verify's tolerances, or stopped
-by verify's VerificationError — never a wrong result reported as OK. ``reports/model_zoo.md`` (benchmarks/model_zoo.py) has the
+the interleaved pipeline) and of 4 (tp2·pp2): equal within verify's tolerances.
+``reports/model_zoo.md`` (benchmarks/model_zoo.py) has the
 full table, pipeline layouts included."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from helpers import load_script
 
 zoo = load_script("benchmarks/model_zoo.py")
 
-PASSING = ["nanogpt", "gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
-CAUGHT = ["opt", "gemma", "phi3"]  # open in issue 10: verify catches the difference
+PASSING = ["nanogpt", "gpt2", "gpt_neox", "llama", "mistral", "qwen2", "opt", "gemma", "phi3"]
 
 
 @pytest.mark.parametrize("family", PASSING)
@@ -22,7 +21,8 @@ def test_family_verifies_at_tp2_with_sp_and_recompute(family):
     assert zoo.verify_tiny(family, "tp2").startswith("ok")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+# opt, gemma: nn.Embedding subclasses with their own forward, here run replicated
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt", "gemma"])
 def test_family_verifies_at_dp2(family):
     pytest.importorskip("transformers")
     assert zoo.verify_tiny(family, "dp2").startswith("ok")
@@ -41,8 +41,3 @@ def test_llama_verifies_under_the_interleaved_schedule():
     pytest.importorskip("transformers")
     assert zoo.verify_tiny("llama", "pp2·v2").startswith("ok")
 
-
-@pytest.mark.parametrize("family", CAUGHT)
-def test_known_mismatch_is_caught_not_reported_ok(family):
-    pytest.importorskip("transformers")
-    assert "VerificationError" in zoo.verify_tiny(family, "tp2")
