@@ -33,7 +33,8 @@ if str(ROOT) not in sys.path:
 
 LAYOUTS = {"tp2": dict(tp=2, pp=1, dp=1), "pp2": dict(tp=1, pp=2, dp=1),
            "dp2": dict(tp=1, pp=1, dp=2), "tp2·pp2": dict(tp=2, pp=2, dp=1),
-           "pp2·v2": dict(tp=1, pp=2, dp=1, schedule="interleaved_1f1b", virtual_stages=2)}
+           "pp2·v2": dict(tp=1, pp=2, dp=1, schedule="interleaved_1f1b", virtual_stages=2),
+           "dp2 zero3 bf16": dict(tp=1, pp=1, dp=2, zero_stage=3, dtype="bf16")}
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=128, positions=64)
 WIDE = dict(hidden=1024, heads=16, kv_heads=8, ffn=4096, layers=2, vocab=32000, positions=512)
 TINY_SEQ, WIDE_SEQ, BATCH = 16, 512, 8
@@ -171,8 +172,8 @@ def _layers(layout: dict) -> int:
 
 
 def tiny_plan(family: str, layout: dict):
-    """A fp32 plan of the tiny instance for ``layout`` on a fast local cluster (TP: SP and
-    selective recompute on)."""
+    """A plan of the tiny instance for ``layout`` (Layout fields; fp32 unless it names a
+    dtype) on a fast local cluster; TP layouts with SP and selective recompute."""
     import autopar
     from cost_models.hardware import Cluster, LinkSpec
 
@@ -183,9 +184,8 @@ def tiny_plan(family: str, layout: dict):
                       inter_node=fast, name="zoo", dtype="fp32", attention="flash")
     extra = dict(sequence_parallel=True, recompute="selective") if layout["tp"] > 1 else {}
     return autopar.plan(build(family, "tiny", device="meta", layers=_layers(layout)), cluster,
-                        global_batch_size=BATCH,
-                        seq_len=TINY_SEQ, model_name=family,
-                        layout=autopar.Layout(dtype="fp32", **layout, **extra))
+                        global_batch_size=BATCH, seq_len=TINY_SEQ, model_name=family,
+                        layout=autopar.Layout(**{"dtype": "fp32", **extra, **layout}))
 
 
 def _verify_rank(rank: int, world: int, family: str, plan) -> dict:

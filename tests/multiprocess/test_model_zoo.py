@@ -41,3 +41,9 @@ def test_llama_verifies_under_the_interleaved_schedule():
     pytest.importorskip("transformers")
     assert zoo.verify_tiny("llama", "pp2·v2").startswith("ok")
 
+
+def test_llama_verifies_with_zero3_in_bf16():
+    """FSDP2 gathers fp32 master shards as bf16 into the graph traced in bf16."""
+    pytest.importorskip("transformers")
+    assert zoo.verify_tiny("llama", "dp2 zero3 bf16").startswith("ok")
+

@@ -93,3 +93,39 @@ def test_pipeline_chunks_recompute_side_inputs_and_chain_to_the_model(family):
     assert params == {id(p) for p in model.parameters()}  # the model's own Parameters
     idx = torch.randint(0, 128, (3, SEQ))
     assert torch.equal(chunks[1](chunks[0](idx)), causal_lm_logits(model, idx))
+
+
+def test_full_recompute_checkpoints_layers_that_read_side_inputs():
+    """A Llama layer reads the causal mask, rotary cos/sin and the batch size besides the
+    previous layer's output; checkpointing it whole keeps them as inputs, and gradients
+    equal the model's."""
+    pytest.importorskip("transformers")
+    from autopar.rewrite.recompute import Checkpointed, apply_recompute
+
+    model = zoo.build("llama", "tiny")
+    traced = trace_model(model, SEQ)
+    apply_recompute(traced.gm, traced.layers, ["full", "full"])
+    assert sum(isinstance(m, Checkpointed) for m in traced.gm.modules()) == 2
+    idx = torch.randint(0, 128, (3, SEQ))
+    traced.gm(idx).square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    causal_lm_logits(model, idx).square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_bf16_plan_names_the_nodes_of_the_bf16_program():
+    """Hugging Face's RMSNorm casts to fp32 and back: its bf16 graph has other casts than
+    the fp32 one, so the plan is traced in the plan's dtype, as the runtime traces."""
+    pytest.importorskip("transformers")
+    import autopar
+    from cost_models.hardware import Cluster
+
+    plan = autopar.plan(zoo.build("llama", "tiny", device="meta"), Cluster.dgx_a100(1),
+                        global_batch_size=8, seq_len=SEQ,
+                        layout=autopar.Layout(tp=2, pp=1, dp=4, dtype="bf16"))
+    local = trace_model(zoo.build("llama", "tiny").to(torch.bfloat16), SEQ)
+    assert set(plan.placements) == {n.name for n in local.gm.graph.nodes}
+    fp32 = trace_model(zoo.build("llama", "tiny"), SEQ)
+    assert set(plan.placements) != {n.name for n in fp32.gm.graph.nodes}  # the case at hand
