@@ -174,8 +174,16 @@ def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
             env[node].meta.update(node.meta)
     out_node = next(n for n in src.graph.nodes if n.op == "output")
     logits = out_node.args[0][_logits_leaf(ep.call_spec.out_spec)]
+    idx = env[user_inputs[0]]
+    batch = graph.call_function(aten.sym_size.int, (idx, 0))  # read once, before any layer
+    batch.meta["val"] = user_inputs[0].meta["val"].shape[0]
     for node in src.graph.nodes:
         if node.op in ("placeholder", "output"):
+            continue
+        if node.target is aten.sym_size.int and _is_batch(node, user_inputs[0]):
+            # export reads the batch size where a layer first needs it and every later
+            # layer reuses that read; one read before the layers keeps them identical
+            env[node] = batch
             continue
         if node.target is aten.sym_size.int and node.args[0] in targets:
             # the targets have the token ids' shape: read the batch size from the ids
@@ -195,6 +203,7 @@ def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
     graph.output(env[logits])
     _drop_checks(graph)
     graph.eliminate_dead_code()
+    _hoist_sizes(graph, batch)
     for node in graph.nodes:
         if node.op == "placeholder" and node.target != "idx" and node.users:
             raise ValueError("the logits depend on the targets argument; autopar needs "
@@ -208,6 +217,27 @@ def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _hoist_sizes(graph: fx.Graph, batch: fx.Node) -> None:
+    """Move integer arithmetic on the batch size (``b * heads``), which export computes where
+    a layer first needs it and every later layer reuses, to just after ``batch``: before
+    the layers, so that each layer holds the same op sequence."""
+    anchor, hoisted = batch, {batch}
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
+                and node.all_input_nodes and set(node.all_input_nodes) <= hoisted):
+            anchor.append(node)
+            anchor = node
+            hoisted.add(node)
+            node.meta.pop("nn_module_stack", None)  # no longer in the layer that first read it
+
+
+def _is_batch(node: fx.Node, idx: fx.Node) -> bool:
+    """Whether ``node`` (a ``sym_size``) is the batch size: the symbol of idx's dim 0."""
+    val, batch = node.meta.get("val"), idx.meta["val"].shape[0]
+    return isinstance(val, torch.SymInt) and isinstance(batch, torch.SymInt) \
+        and val.node.expr == batch.node.expr
 
 
 def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict) -> tuple:
