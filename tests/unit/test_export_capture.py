@@ -73,3 +73,39 @@ def test_gqa_heads_and_rmsnorm_run_on_shards():
     assert any(s.name == "heads" for s in options[sdpa])
     mean = next(n for n, i in traced.nodes.items() if i.kind == "reduce")  # RMSNorm's mean
     assert {s.output for s in options[mean]} >= {Shard(1)}
+
+
+def _graph_record(gm) -> list[tuple]:
+    """What the rest of autopar reads of a captured graph: names, ops, targets, arguments
+    and the module path of every node."""
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+             [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()])
+            for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_repeated_layers_capture_the_same_graph_as_a_full_export(family):
+    """Five layers exported as three, the last repeated (autopar.graph.repeat), give the
+    graph of a full export node for node, and it computes the model."""
+    pytest.importorskip("transformers")
+    from autopar.graph import export, repeat
+
+    model = zoo._hf(family, dict(zoo.TINY, layers=5)).eval()
+    assert repeat.layer_stack(model) is not None
+    cut = export.export_logits(model, SEQ, ValueError)
+    full = export.export_logits(model, SEQ, ValueError, repeat_layers=False)
+    assert _graph_record(cut) == _graph_record(full)
+    assert cut.code == full.code
+    idx = torch.randint(0, 128, (2, SEQ))
+    assert torch.equal(cut(idx), causal_lm_logits(model, idx))
+
+
+def test_layers_that_differ_are_exported_whole():
+    """A layer with its own attribute value (not its index) is not repeated."""
+    pytest.importorskip("transformers")
+    from autopar.graph import repeat
+
+    model = zoo._hf("llama", dict(zoo.TINY, layers=5))
+    assert repeat.layer_stack(model)[0] == "model.layers"
+    model.model.layers[4].self_attn.scaling = 0.5
+    assert repeat.layer_stack(model) is None
