@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, is_conv1d, linear_features,
                                op_name, packet)
 
-__all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind"]
+__all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index"]
 
 ACTIVATION_BYTES = 2  # 16-bit activations
 MASK_BYTES = 1        # dropout masks
@@ -128,11 +128,11 @@ def last_saver_index(nodes: dict[str, NodeInfo], names: list[str]) -> int:
     backward. Non-reentrant ``torch.utils.checkpoint`` stops recomputing there ("early
     stop"), so under full recompute only ``names[: index + 1]`` and the collectives placed
     before that op run again in backward."""
-    savers = [i for i, n in enumerate(names) if _saves(nodes[n]) or nodes[n].mask_elems]
+    savers = [i for i, n in enumerate(names) if saves_inputs(nodes[n]) or nodes[n].mask_elems]
     return max(savers, default=len(names) - 1)
 
 
-def _saves(info: NodeInfo) -> bool:
+def saves_inputs(info: NodeInfo) -> bool:
     """Does this op keep its tensor inputs for backward?"""
     return info.kind in _SAVES_INPUT or info.extra.get("saves_inputs", False)
 
@@ -331,7 +331,7 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         info = nodes[node.name]
         if info.shape is None:
             continue
-        if any(_saves(nodes[u.name]) for u in node.users):
+        if any(saves_inputs(nodes[u.name]) for u in node.users):
             info.saved_elems += info.numel
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
             info.mask_elems += info.numel

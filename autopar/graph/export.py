@@ -30,7 +30,10 @@ form the rest of autopar reads:
   argument (so nanoGPT-style models return logits for every position), with
   ``use_cache=False`` when it has that argument, and its own loss is dropped.
 
-The batch dimension is exported dynamic, so the graph runs at any micro-batch size.
+The batch dimension is exported dynamic, so the graph runs at any micro-batch size. A deep
+stack of identical layers is exported as three and the rest written by copying the last
+(:mod:`autopar.graph.repeat`): the same graph, in seconds instead of half a minute for 80
+layers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch.nn as nn
 from torch.export import Dim
 
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
+from autopar.graph.repeat import EXPORTED_LAYERS, cut_stack, layer_stack, repeat_last_layer
 
 __all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "TARGET_ARGS"]
 
@@ -115,24 +119,32 @@ def user_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`"
 
 
-def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception]) -> fx.GraphModule:
+def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception], *,
+                  repeat_layers: bool = True) -> fx.GraphModule:
     """``model(idx)`` -> logits as an fx GraphModule over ``model``'s own modules and
     parameters (see the module docstring); ``idx`` (b, s=seq_len) int64 with b dynamic.
+
+    A stack of interchangeable layers is exported cut to its first layers and the rest
+    repeated (:mod:`autopar.graph.repeat`: the same graph as a full export, in a fraction of
+    the time); ``repeat_layers=False``, or a check of that module failing, exports it whole.
 
     Raises:
         trace_error: torch.export could not capture the model; the message names the
             user's file and line and export's own diagnosis.
     """
-    device = next(iter(model.parameters()), torch.empty(0)).device
-    idx = torch.zeros(2, seq_len, dtype=torch.long, device=device)  # b = 2: not specialised
-    args, kwargs = causal_lm_call(model, idx, torch.zeros_like(idx))
-    batch = Dim("batch")
-    names = list(inspect.signature(model.forward).parameters)
-    dynamic = {names[0]: {0: batch}}
-    dynamic.update({k: ({0: batch} if isinstance(v, torch.Tensor) else None)
-                    for k, v in kwargs.items()})
+    stack = layer_stack(model) if repeat_layers else None
+    if stack is not None:
+        path, layers = stack
+        try:
+            with cut_stack(model, path, EXPORTED_LAYERS):
+                ep = _export(model, seq_len)
+        except Exception:  # the cut model does not export: the whole one decides below
+            ep = None
+        gm = _to_module_graph(model, ep, (path, len(layers))) if ep is not None else None
+        if gm is not None:
+            return gm
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        ep = _export(model, seq_len)
     except Exception as exc:  # export raises many types; all mean "cannot capture"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise trace_error(
@@ -143,7 +155,26 @@ def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception]) 
     return _to_module_graph(model, ep)
 
 
-def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
+def _export(model: nn.Module, seq_len: int):
+    """Non-strict ``torch.export`` of ``model(idx, ...)`` (:func:`causal_lm_call`) with a
+    dynamic batch dimension; export's own exception when it fails."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    idx = torch.zeros(2, seq_len, dtype=torch.long, device=device)  # b = 2: not specialised
+    args, kwargs = causal_lm_call(model, idx, torch.zeros_like(idx))
+    batch = Dim("batch")
+    names = list(inspect.signature(model.forward).parameters)
+    dynamic = {names[0]: {0: batch}}
+    dynamic.update({k: ({0: batch} if isinstance(v, torch.Tensor) else None)
+                    for k, v in kwargs.items()})
+    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+
+
+def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
+                     ) -> fx.GraphModule | None:
+    """The module-level graph of export ``ep`` (the module docstring's normalisations).
+    ``repeat`` (stack path, layer count): ``ep`` is of the cut stack, whose last layer is
+    repeated up to the count (:func:`~autopar.graph.repeat.repeat_last_layer`); None when
+    its checks fail."""
     sig = ep.graph_signature
     state = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     constants = getattr(sig, "inputs_to_lifted_tensor_constants", {})
@@ -209,13 +240,16 @@ def _to_module_graph(model: nn.Module, ep) -> fx.GraphModule:
             raise ValueError("the logits depend on the targets argument; autopar needs "
                              "forward(idx) logits that do not read the targets")
     _place_attrs(graph)
+    if repeat is not None:
+        graph = repeat_last_layer(graph, root, model, *repeat)
+        if graph is None:
+            return None
     gm = fx.GraphModule(root, graph)
     lift_modules(gm, model)
     split_to_slices(gm)
     gm.graph.eliminate_dead_code()
-    gm.graph = renamed(gm.graph)
+    gm.graph = renamed(gm.graph)  # the setter recompiles
     gm.graph.lint()
-    gm.recompile()
     return gm
 
 

@@ -36,7 +36,9 @@ V/(12Lh), not the V/(16Lh) of eq. (3)'s bracket; "72 × that bracket" (DESIGN.md
 ``cost_models.compute.gpt_model_flops(recompute="none")``) undercounts by 1.5·B·s·h·V,
 about 0.1% for GPT-3 175B. The ZeRO model-state figures (7.5B parameters, d = 64: 120 /
 31.4 / 16.6 / 1.9 GB, Rajbhandari et al. 2020, Fig. 1) are checked in
-``tests/unit/test_cost_models.py``.
+``tests/unit/test_cost_models.py``. The same fit for a Hugging Face Llama layer (RMSNorm,
+rotary, grouped-query attention, SwiGLU) is :mod:`autopar.oracle.symbolic_llama`; whole
+plans against closed forms, :mod:`autopar.oracle.plan_forms`.
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ from autopar.planner.strategies import node_strategies, strategies_by_key
 from autopar.graph.capture import trace_model
 
 __all__ = ["SYMBOLS", "SymbolicFitError", "closed_form", "closed_form_names", "fit_monomials",
-           "layer_activation_expr", "model_flops_expr", "planned_placements",
-           "formulas_markdown"]
+           "layer_activation_expr", "model_flops_expr", "planned_placements", "layer_bytes",
+           "activation_expr", "formulas_markdown"]
 
 b, s, h, a, t, B, L, V = sympy.symbols("b s h a t B L V", positive=True)
-SYMBOLS = {"b": b, "s": s, "h": h, "a": a, "t": t, "B": B, "L": L, "V": V}
+kv, f = sympy.symbols("kv f", positive=True)  # grouped-query kv heads, MLP width (Llama)
+SYMBOLS = {"b": b, "s": s, "h": h, "a": a, "t": t, "B": B, "L": L, "V": V, "kv": kv, "f": f}
 
 # name -> (formula in sympy syntax, what it is, source). The formula text is the single
 # source of the closed form: closed_form() parses it, formulas_markdown() prints it.
@@ -215,10 +218,18 @@ def _layer_bytes(factory, template, placements, point: dict) -> dict[str, float]
     """Per node of layer 0: saved bytes and attention-core bytes at one point (b, s, h,
     a, t), priced by ``cost_tables`` under Megatron's placements."""
     traced = _trace(factory, template, (point["s"], point["h"], point["a"], 0))
-    tp = point["t"]
+    return layer_bytes(traced, placements, point["b"], point["t"])
+
+
+def layer_bytes(traced, placements: dict[str, str], micro_batch: int, tp: int) -> dict[str, float]:
+    """Per node of ``traced``'s layer 0, priced by ``cost_tables`` at micro-batch size
+    ``micro_batch`` and TP size ``tp`` under ``placements`` (strategy keys by node name;
+    replicated where absent or at tp = 1): "<node>" its saved bytes, "<node> (attention
+    core)" the part selective recompute drops, and the layer input full recompute keeps.
+    SymbolicFitError when a placement does not exist at these sizes."""
     strategies = node_strategies(traced, tp)
     tables = cost_tables(traced, strategies, Cluster.dgx_a100(nodes=1),
-                         Config(tp=tp, pp=1, dp=1, micro_batch_size=point["b"],
+                         Config(tp=tp, pp=1, dp=1, micro_batch_size=micro_batch,
                                 num_micro_batches=1))
     out: dict[str, float] = {_INPUT: tables.full_ckpt_bytes}
     replicated = format_strategy_key("replicate", REPLICATE)
@@ -232,6 +243,21 @@ def _layer_bytes(factory, template, placements, point: dict) -> dict[str, float]
         out[name] = cost.saved_bytes
         out[name + _CORE] = cost.core_saved_bytes
     return out
+
+
+def activation_expr(monomials: dict[str, sympy.Expr], recompute: str) -> sympy.Expr:
+    """A layer's activation bytes from the fitted :func:`layer_bytes` monomials: the
+    saved bytes of its nodes ("none"), less the attention core ("selective"), or the
+    layer input alone ("full"); factored."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    core = [m for k, m in monomials.items() if k.endswith(_CORE)]
+    saved = [m for k, m in monomials.items() if not k.endswith(_CORE) and k != _INPUT]
+    if recompute == "full":
+        return sympy.factor(monomials[_INPUT])
+    # a node's saved bytes include its attention core, which selective drops
+    expr = sympy.Add(*saved) - (sympy.Add(*core) if recompute == "selective" else 0)
+    return sympy.factor(expr)
 
 
 # --------------------------------------------------------------- derived closed forms
@@ -251,13 +277,7 @@ def layer_activation_expr(model: ModelSource = GPT, *, tp_symbolic: bool = True,
     placements = planned_placements(factory, template)
     monomials = fit_monomials(lambda p: _layer_bytes(factory, template, placements, p),
                               _LAYER_BASE, _LAYER_CHECK)
-    core = [m for k, m in monomials.items() if k.endswith(_CORE)]
-    saved = [m for k, m in monomials.items() if not k.endswith(_CORE) and k != _INPUT]
-    if recompute == "full":
-        expr = monomials[_INPUT]
-    else:  # a node's saved bytes include its attention core, which selective drops
-        expr = sympy.Add(*saved) - (sympy.Add(*core) if recompute == "selective" else 0)
-    expr = sympy.factor(expr)
+    expr = activation_expr(monomials, recompute)
     return expr if tp_symbolic else sympy.factor(expr.subs(t, 1))
 
 

@@ -18,7 +18,7 @@ Assumptions (the standard ones of Megatron-LM papers, stated once):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
@@ -221,44 +221,100 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
 
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
-                cfg: Config) -> CostTables:
+                cfg: Config, memo: dict | None = None) -> CostTables:
     """Price every node strategy and every edge transition for ``cfg`` on ``cluster``:
     seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
-    :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point)."""
+    :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point).
+
+    memo: a dict shared by calls for one ``traced``, ``strategies`` per TP size and
+    ``cluster`` (the search passes one): configs that differ only in pp, dp, m, schedule
+    or v share everything but the point-to-point cost, and nodes or edges with equal
+    inputs (the same op in every layer) are priced once. The tables are the same with or
+    without it; the solver and the predictor only read them, so entries may be shared.
+    """
+    memo = {} if memo is None else memo
+    key = ("tables", cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
+           cfg.sequence_parallel)
+    if key not in memo:
+        memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo)
+    base = memo[key]
+    pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
+    return replace(base, config=cfg,
+                   p2p_s=2.0 * comm.p2p_time_s(base.p2p_bytes, pp_link) if cfg.pp > 1 else 0.0)
+
+
+def _node_key(info) -> tuple:
+    """Everything :func:`node_cost` reads of a node, hashable."""
+    extra = info.extra
+    return (info.kind, info.flops, info.per_sequence, info.numel, info.param_numel,
+            info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
+            info.flash_elems, extra.get("score_passes_elems", 0),
+            tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
+
+
+def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: bool,
+                  memo: dict) -> list[tuple]:
+    """Per node, once per (tp, sequence parallelism): (name, info, node signature, input
+    elements, [(source, j, edge signature, source elements, per sequence)]), where a
+    signature is a small int naming one pricing problem (equal ones: the same op in every
+    layer), so that :func:`_tp_tables` looks prices up instead of hashing them anew."""
+    key = ("rows", tp, sp)
+    if key not in memo:
+        nodes, ids, rows = traced.nodes, {}, []
+        for node in traced.gm.graph.nodes:
+            info, options = nodes[node.name], strategies[node.name]
+            ins = tensor_inputs(node, nodes)
+            in_numel = sum(nodes[n.name].numel for n in ins)
+            sig = ids.setdefault(("node", _node_key(info), tuple(options), in_numel), len(ids))
+            edges = []
+            for j, src in enumerate(ins):
+                src_info = nodes[src.name]
+                outs = tuple(su.output for su in strategies[src.name])
+                wants = tuple(sv.inputs[j] for sv in options)
+                esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants),
+                                      len(ids))
+                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence))
+            rows.append((node.name, info, sig, in_numel, edges))
+        memo[key] = rows
+    return memo[key]
+
+
+def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster, cfg: Config,
+               memo: dict) -> CostTables:
+    """:func:`cost_tables` of ``cfg`` without the pipeline's point-to-point time (what
+    depends only on tp, the micro-batch size, the dtype, attention and sequence parallelism)."""
     b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
     tp_link = comm.group_link(cluster, tp, 1)
+    sp, act, attn = cfg.sequence_parallel, cfg.activation_bytes, cfg.attention
     node_tab: dict[str, list[StrategyCost]] = {}
     edge_tab: dict = {}
     f_s: dict[str, float] = {}
     f_bytes: dict[str, float] = {}
     f_rs_s: dict[str, float] = {}
-    for node in traced.gm.graph.nodes:
-        info = nodes[node.name]
-        ins = tensor_inputs(node, nodes)
-        in_numel = sum(nodes[n.name].numel for n in ins)
-        node_tab[node.name] = [node_cost(info, s, b, cluster, tp, in_numel, cfg.activation_bytes,
-                                          cfg.attention)
-                               for s in strategies[node.name]]
-        for j, src in enumerate(ins):
-            src_info = nodes[src.name]
-            nbytes = cfg.activation_bytes * src_info.numel * (b if src_info.per_sequence else 1)
-            table = {}
-            for ku, su in enumerate(strategies[src.name]):
-                for kv, sv in enumerate(strategies[node.name]):
-                    kinds = reshard_kinds(su.output, sv.inputs[j], cfg.sequence_parallel)
-                    table[(ku, kv)] = None if kinds is None else EdgeCost(
-                        fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
-                        bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
-                        fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes)
-            edge_tab[(src.name, node.name, j)] = table
+    for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, memo):
+        nkey = ("node", tp, sp, sig, b, act, attn)
+        if nkey not in memo:
+            memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
+                          for st in strategies[name]]
+        node_tab[name] = memo[nkey]
+        for src, j, esig, numel, per_sequence in edges:
+            ekey = ("edge", tp, sp, esig, b, act)
+            if ekey not in memo:
+                nbytes = act * numel * (b if per_sequence else 1)
+                outs = tuple(su.output for su in strategies[src])
+                wants = tuple(sv.inputs[j] for sv in strategies[name])
+                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp)
+            edge_tab[(src, name, j)] = memo[ekey]
         if info.shape is not None:
-            nbytes = cfg.activation_bytes * info.numel * (b if info.per_sequence else 1)
-            f_bytes[node.name] = nbytes
-            f_s[node.name] = comm.all_reduce_time_s(nbytes, tp, tp_link)
-            f_rs_s[node.name] = comm.reduce_scatter_time_s(nbytes, tp, tp_link)
+            nbytes = act * info.numel * (b if info.per_sequence else 1)
+            fkey = ("f", nbytes, tp)
+            if fkey not in memo:
+                memo[fkey] = (comm.all_reduce_time_s(nbytes, tp, tp_link),
+                              comm.reduce_scatter_time_s(nbytes, tp, tp_link))
+            f_bytes[name] = nbytes
+            f_s[name], f_rs_s[name] = memo[fkey]
     boundary = traced.boundary_numel() * b
-    pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
-    p2p_bytes = cfg.activation_bytes * boundary
+    p2p_bytes = act * boundary
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     logits_node = nodes[out.args[0].name]
     logits = logits_node.numel * b  # (b, s, V) fed to the loss
@@ -270,7 +326,20 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,
-        p2p_s=2.0 * comm.p2p_time_s(p2p_bytes, pp_link) if cfg.pp > 1 else 0.0,
-        p2p_bytes=p2p_bytes, vocab_loss_bytes=vocab_loss_bytes,
-        full_ckpt_bytes=cfg.activation_bytes * boundary,
+        p2p_s=0.0, p2p_bytes=p2p_bytes, vocab_loss_bytes=vocab_loss_bytes,
+        full_ckpt_bytes=act * boundary,
         model_flops_per_seq=3.0 * matmul, layer_fwd_flops_per_seq=layer_matmul)
+
+
+def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: bool) -> dict:
+    """{(ku, kv): EdgeCost | None} from producer output placements ``outs`` to consumer
+    input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered)."""
+    table = {}
+    for ku, src in enumerate(outs):
+        for kv, dst in enumerate(wants):
+            kinds = reshard_kinds(src, dst, sp)
+            table[(ku, kv)] = None if kinds is None else EdgeCost(
+                fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
+                bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
+                fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes)
+    return table

@@ -21,7 +21,8 @@ from autopar.planner.predict import predict
 from autopar.planner.strategies import node_strategies, tensor_inputs
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 
-__all__ = ["candidate_configs", "search", "solve_one", "validate_layout", "SearchResult"]
+__all__ = ["candidate_configs", "search", "solve_one", "strategies_for", "validate_layout",
+           "SearchResult"]
 
 MAX_MICRO_BATCH_SIZE = 8
 # The CP-SAT objective rounds coefficients to integer units (parameters up to 1024, times
@@ -112,12 +113,21 @@ def _lower_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
     return (m + (p - 1) / cfg.virtual_stages) * (L / p) * layer_s
 
 
+def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: dict):
+    """:func:`~autopar.planner.strategies.node_strategies`, computed once per (tp,
+    sequence_parallel) in ``memo`` (one search: every config of a TP size shares them)."""
+    key = ("strategies", tp, sequence_parallel)
+    if key not in memo:
+        memo[key] = node_strategies(traced, tp, sequence_parallel)
+    return memo[key]
+
+
 def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) -> float:
     """Forward+backward seconds of one layer, each node at its cheapest strategy."""
     tp, mbs = cfg.tp, cfg.micro_batch_size
-    key = (tp, mbs, cfg.dtype, cfg.sequence_parallel)
+    key = ("min_layer_s", tp, mbs, cfg.dtype, cfg.sequence_parallel)
     if key not in cache:
-        strategies = node_strategies(traced, tp, cfg.sequence_parallel)
+        strategies = strategies_for(traced, tp, cfg.sequence_parallel, cache)
         layer = set(traced.layers[0])
         total = 0.0
         for node in traced.gm.graph.nodes:
@@ -164,16 +174,19 @@ def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tup
 
 def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
               mapping, time_limit_s: float = 1.0, even_stages: bool = False,
-              cutoff_s: float | None = None):
+              cutoff_s: float | None = None, memo: dict | None = None):
     """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
     ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
-    seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`.
+    seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`;
+    ``memo``: strategies and cost tables shared by the configs of one search
+    (:func:`strategies_for`, :func:`~autopar.planner.cost_tables.cost_tables`).
     Returns (Decision | None, CP-SAT status name, tables, strategies): None unless the
     status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not proven optimal)."""
     from ortools.sat.python import cp_model
 
-    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
-    tables = cost_tables(traced, strategies, cluster, cfg)
+    memo = {} if memo is None else memo
+    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
+    tables = cost_tables(traced, strategies, cluster, cfg, memo)
     zero = zero_choices(layout, support, cfg.pp)
     modes = support.recompute if support else RECOMPUTE_MODES
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
@@ -216,8 +229,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         raise ValueError(f"no (tp, pp, dp, micro_batch_size) fits {cluster.num_gpus} GPUs, "
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
-    cache: dict = {}
-    bound = {c: _lower_bound_s(traced, c, _min_layer_time_s(traced, cluster, c, cache))
+    memo: dict = {}
+    bound = {c: _lower_bound_s(traced, c, _min_layer_time_s(traced, cluster, c, memo))
              for c in configs}
     configs.sort(key=bound.get)
     best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
@@ -239,7 +252,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
             continue
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, layout, support, mapping,
-            even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK))
+            even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK), memo=memo)
         statuses[cfg] = status
         if decision is None:
             feasible, reason = _unsolved(status, best_t)
@@ -257,7 +270,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         progress(len(seen), len(configs), best_t if best is not None else None)
     if best is not None:
         _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
-                            seen, even_stages)
+                            seen, even_stages, memo)
     elapsed = time.perf_counter() - start
     if best is None:
         raise InfeasibleError(_infeasible_message(cluster, seen, statuses))
@@ -265,14 +278,14 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
 
 
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, count: int = 4) -> None:
+                        even_stages, memo: dict, count: int = 4) -> None:
     """Solve the best few configs that lost to the cutoff without it, so the report can
     show how much slower they are (the search itself never needed their optimum)."""
     for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
         cfg = Config(**entry["layout"])
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, layout, support, mapping,
-            even_stages=even_stages)
+            even_stages=even_stages, memo=memo)
         if decision is None:
             feasible, reason = _unsolved(status, float("inf"))
             entry.update(feasible=feasible, reason=reason)

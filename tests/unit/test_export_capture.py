@@ -129,3 +129,39 @@ def test_a_bf16_plan_names_the_nodes_of_the_bf16_program():
     assert set(plan.placements) == {n.name for n in local.gm.graph.nodes}
     fp32 = trace_model(zoo.build("llama", "tiny"), SEQ)
     assert set(plan.placements) != {n.name for n in fp32.gm.graph.nodes}  # the case at hand
+
+
+def _graph_record(gm) -> list[tuple]:
+    """What the rest of autopar reads of a captured graph: names, ops, targets, arguments
+    and the module path of every node."""
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+             [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()])
+            for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_repeated_layers_capture_the_same_graph_as_a_full_export(family):
+    """Five layers exported as three, the last repeated (autopar.graph.repeat), give the
+    graph of a full export node for node, and it computes the model."""
+    pytest.importorskip("transformers")
+    from autopar.graph import export, repeat
+
+    model = zoo._hf(family, dict(zoo.TINY, layers=5)).eval()
+    assert repeat.layer_stack(model) is not None
+    cut = export.export_logits(model, SEQ, ValueError)
+    full = export.export_logits(model, SEQ, ValueError, repeat_layers=False)
+    assert _graph_record(cut) == _graph_record(full)
+    assert cut.code == full.code
+    idx = torch.randint(0, 128, (2, SEQ))
+    assert torch.equal(cut(idx), causal_lm_logits(model, idx))
+
+
+def test_layers_that_differ_are_exported_whole():
+    """A layer with its own attribute value (not its index) is not repeated."""
+    pytest.importorskip("transformers")
+    from autopar.graph import repeat
+
+    model = zoo._hf("llama", dict(zoo.TINY, layers=5))
+    assert repeat.layer_stack(model)[0] == "model.layers"
+    model.model.layers[4].self_attn.scaling = 0.5
+    assert repeat.layer_stack(model) is None

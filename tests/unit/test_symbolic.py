@@ -129,3 +129,91 @@ def test_report_formula_table_equals_the_oracle():
     from autopar.report.formulas import FORMULAS_MARKDOWN
 
     assert symbolic.formulas_markdown() == FORMULAS_MARKDOWN
+
+
+# ------------------------------------------------------------------------------ Llama
+LLAMA_CASES = [(False, "none", "activations"), (True, "none", "activations_tp"),
+               (False, "selective", "activations_selective"),
+               (True, "selective", "activations_tp_selective"), (True, "full", "activations_full")]
+
+
+@pytest.mark.parametrize("tp_symbolic, recompute, name", LLAMA_CASES)
+def test_llama_layer_activations_simplify_to_the_hand_derivation(tp_symbolic, recompute, name):
+    """Traced HF Llama layers (RMSNorm, rotary, GQA, SwiGLU) priced under Megatron's
+    placements give the closed forms derived in autopar.oracle.symbolic_llama."""
+    pytest.importorskip("transformers")
+    from autopar.oracle import symbolic_llama as sl
+
+    derived = sl.llama_layer_activation_expr(tp_symbolic=tp_symbolic, recompute=recompute)
+    assert sympy.simplify(derived - sl.llama_closed_form(name)) == 0
+
+
+def test_llama_layer_flops_simplify_to_the_hand_derivation():
+    pytest.importorskip("transformers")
+    from autopar.oracle import symbolic_llama as sl
+
+    derived = sl.llama_layer_flops_expr()
+    assert sympy.simplify(derived - sl.llama_closed_form("layer_flops")) == 0
+    kv, f = SYMBOLS["kv"], SYMBOLS["f"]
+    assert derived.free_symbols == {s, h, a, kv, f}  # GQA's kv heads enter through K and V
+
+
+def test_megatron_reference_placements_split_llama_like_megatron():
+    pytest.importorskip("transformers")
+    from autopar.oracle import symbolic_llama as sl
+
+    traced = trace_model(sl.build_llama(s=16, h=256, a=16, kv=4, f=192, vocab=64), 16)
+    p = sl.megatron_reference_placements(traced, 2)
+    prefix = "model_layers_0_"
+    for name in ("self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "mlp_gate_proj",
+                 "mlp_up_proj"):
+        assert p[prefix + name] == "column:S2"
+    assert p[prefix + "self_attn_o_proj"] == p[prefix + "mlp_down_proj"] == "row:P"
+    assert p["scaled_dot_product_attention"] == "heads:S1"
+    assert p["model_embed_tokens"] == "vocab:P" and p["output"] == "vocab_parallel:S2"
+    assert p["to_6"] == "replicate:R"  # RMSNorm stays whole without sequence parallelism
+
+
+def _reference_plan(model, layout, recompute, seq, batch):
+    """``layout`` evaluated, per-layer ``recompute`` and Megatron's placements set, priced."""
+    import dataclasses
+
+    from autopar.oracle.symbolic_llama import megatron_reference_placements
+    from autopar.planner.decision import decision_from_plan
+    from autopar.planner.predict import predict
+
+    cluster = autopar.Cluster.dgx_a100(1)
+    plan = autopar.evaluate(model, cluster, layout, global_batch_size=batch, seq_len=seq)
+    traced = trace_model(model, seq)
+    plan = dataclasses.replace(plan, recompute=recompute,
+                               placements=megatron_reference_placements(traced, plan.tp))
+    decision, tables, strategies = decision_from_plan(traced, cluster, plan)
+    return dataclasses.replace(plan, predicted=predict(traced, strategies, tables, cluster,
+                                                       decision, global_batch_size=batch))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_plan_memory_and_flops_equal_the_closed_forms(family):
+    """autopar.oracle.plan_forms against the cost model on a small model: memory per rank
+    and kind (interleaved 1F1B, ZeRO-2, mixed recompute) and FLOPs, to float rounding."""
+    from autopar.oracle import plan_forms
+
+    if family == "gpt":
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=256, vocab_size=512, block_size=64,
+                                  dropout=0.1))
+    else:
+        pytest.importorskip("transformers")
+        from autopar.oracle.symbolic_llama import build_llama
+
+        model = build_llama(s=64, h=256, a=16, kv=4, f=512, layers=8, vocab=512)
+    layout = autopar.Layout(tp=2, pp=2, dp=2, micro_batch_size=2, zero_stage=2,
+                            schedule="interleaved_1f1b", virtual_stages=2)
+    recompute = ["none", "selective", "full", "none", "selective", "none", "full", "none"]
+    plan = _reference_plan(model, layout, recompute, 64, 32)
+    shape = plan_forms.ModelShape.of(model)
+    closed = plan_forms.stage_memory_bytes(shape, plan)
+    for got, want in zip(plan.predicted.memory_bytes_by_stage, closed):
+        assert got == pytest.approx(want, rel=1e-12)
+    pred = plan_forms.predicted_flops(plan, autopar.Cluster.dgx_a100(1).device.peak_flops)
+    assert pred == pytest.approx(plan_forms.step_flops(shape, plan), rel=1e-12)
