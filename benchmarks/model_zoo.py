@@ -108,40 +108,11 @@ def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
         return _hf(family, d)
 
 
-def linear_roles(traced) -> dict[str, str]:
-    """Per Linear node of the traced model's layers: "in" (reads the residual stream: QKV,
-    MLP-in) or "out" (reads another Linear of its layer without passing the residual
-    stream: attention-out, MLP-out). The residual stream: the layer's input and the
-    same-shape adds."""
-    roles: dict[str, str] = {}
-    nodes = traced.nodes
-    by_name = {n.name: n for n in traced.gm.graph.nodes}
-    for names in traced.layers:
-        members = set(names)
-        width = nodes[names[-1]].shape
-        for name in names:
-            if nodes[name].kind != "linear":
-                continue
-            frontier, seen, role = list(by_name[name].all_input_nodes), set(), "in"
-            while frontier:
-                n = frontier.pop()
-                if n.name in seen or n.name not in members:
-                    continue
-                seen.add(n.name)
-                info = nodes[n.name]
-                if info.kind == "linear":
-                    role = "out"
-                    break
-                if info.kind == "add" and info.shape == width:
-                    continue  # the residual stream
-                frontier.extend(n.all_input_nodes)
-            roles[name] = role
-    return roles
-
-
 def megatron_pattern(traced, placements: dict[str, str]) -> list[str]:
     """The Linears whose placement breaks Megatron's pattern ("in" by columns, "out" by
     rows); empty when the plan follows it."""
+    from autopar.planner.megatron import linear_roles
+
     want = {"in": "column", "out": "row"}
     return [f"{name} ({role}: {placements[name].split(':')[0]})"
             for name, role in linear_roles(traced).items()
@@ -162,7 +133,7 @@ def plan_wide(family: str) -> dict:
                         model_name=family)
     seconds = time.perf_counter() - t0
     return {"plan_s": seconds, "broken": megatron_pattern(traced, plan.placements),
-            "linears": len(linear_roles(traced)), "nodes": len(traced.nodes),
+            "linears": sum(i.kind == "linear" for i in traced.nodes.values()), "nodes": len(traced.nodes),
             "params": traced.total_params()}
 
 

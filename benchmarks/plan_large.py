@@ -12,7 +12,7 @@ search (``autopar.plan`` without its capture), prints the plan, and checks
   the recomputed forwards) equal the closed forms of :mod:`autopar.oracle.plan_forms`;
 * its predicted memory per GPU, each pipeline rank and kind, equals the closed form when
   the plan's TP placements are Megatron's hand pattern (the plan re-priced with
-  :func:`~autopar.oracle.symbolic_llama.megatron_reference_placements`). The solver's own
+  :func:`~autopar.planner.megatron.megatron_placements`). The solver's own
   placements differ from that pattern where it is free to (which element-wise ops run on
   which shards): its prediction is printed beside it with the nodes that differ.
 
@@ -50,7 +50,7 @@ from autopar.graph.capture import trace_model  # noqa: E402
 from autopar.models import GPT, preset  # noqa: E402
 from autopar.oracle.plan_forms import (ModelShape, predicted_flops, stage_memory_bytes,  # noqa: E402
                                        step_flops)
-from autopar.oracle.symbolic_llama import megatron_reference_placements  # noqa: E402
+from autopar.planner.megatron import megatron_placements  # noqa: E402
 from autopar.plan import rank_layers  # noqa: E402
 from autopar.planner.decision import decision_from_plan  # noqa: E402
 from autopar.planner.predict import predict  # noqa: E402
@@ -133,7 +133,7 @@ def flops_rows(case: Case) -> list[tuple[str, float, float]]:
 def reference_prediction(case: Case):
     """The plan's decisions re-priced with Megatron's placements instead of the solver's."""
     plan = case.plan
-    ref = replace(plan, placements=megatron_reference_placements(case.traced, plan.tp))
+    ref = replace(plan, placements=megatron_placements(case.traced, plan.tp))
     decision, tables, strategies = decision_from_plan(case.traced, case.cluster, ref)
     return predict(case.traced, strategies, tables, case.cluster, decision,
                    global_batch_size=plan.global_batch_size)
@@ -151,7 +151,7 @@ def memory_rows(case: Case) -> list[tuple[int, str, float, float, float]]:
 def placement_differences(case: Case) -> list[str]:
     """Nodes of the template layer, the embedding and head sections whose solver placement
     differs from Megatron's, as "node: reference -> chosen"."""
-    ref = megatron_reference_placements(case.traced, case.plan.tp)
+    ref = megatron_placements(case.traced, case.plan.tp)
     names = case.traced.pre + case.traced.layers[0] + case.traced.post
     return [f"{n}: {ref[n]} -> {case.plan.placements[n]}" for n in names
             if ref[n] != case.plan.placements[n]]

@@ -30,7 +30,7 @@ tensor counted once, when some consumer keeps it, in the layer of its producer):
   projection (kept by the product), their product (kept by ``down_proj``): 4·2sbf.
 
 No parallelism: :math:`A = sbh(24 + 4kv/a + 8f/h + 8/h + 2as/h) + 4h + 4sh/a`. Tensor
-parallel with Megatron's placements (:func:`megatron_reference_placements`): q/k/v and
+parallel with Megatron's placements (:func:`~autopar.planner.megatron.megatron_placements`): q/k/v and
 the MLP's gate/up split by columns, o_proj and down_proj by rows, so everything between
 them is split over t while the norms (no sequence parallelism), their outputs and cos/sin
 stay whole: :math:`A_t = sbh(12 + 8/h + (12 + 4kv/a + 8f/h + 2as/h)/t) + 4h + 4sh/a`.
@@ -58,20 +58,14 @@ import functools
 import sympy
 import torch
 
-from autopar.graph.annotate import TracedModel
 from autopar.oracle.symbolic import SYMBOLS, activation_expr, fit_monomials, layer_bytes
-from autopar.placement import REPLICATE
-from autopar.planner.strategies import node_strategies, tensor_inputs
+from autopar.planner.megatron import megatron_placements
 
 __all__ = ["llama_closed_form", "llama_closed_form_names", "llama_layer_activation_expr",
-           "llama_layer_flops_expr", "megatron_reference_placements", "build_llama"]
+           "llama_layer_flops_expr", "build_llama"]
 
 # Megatron-LM's column- and row-parallel Linears by module name: autopar's GPT
 # (c_q, c_k, c_v, c_fc | c_proj) and Llama (q/k/v, gate/up | o_proj, down_proj)
-_COLUMN = ("c_q", "c_k", "c_v", "c_fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-           "lm_head")
-_ROW = ("c_proj", "o_proj", "down_proj")
-_PASS = ("replicate", "sharded", "heads", "vocab_parallel")
 
 # name -> (formula in sympy syntax, what it is): the module docstring derives them
 _CLOSED_FORMS: dict[str, tuple[str, str]] = {
@@ -132,49 +126,15 @@ def _traced_at(point: dict):
     return _trace(point["s"], point["h"], point["a"], point["kv"], point["f"])
 
 
-def megatron_reference_placements(traced: TracedModel, tp: int) -> dict[str, str]:
-    """Megatron-LM's hand pattern (Shoeybi et al. 2019, section 3) as plan placements, by
-    module name: Q, K, V, the MLP's input Linears (gate and up for SwiGLU) and the LM head
-    column-split, the attention output and the MLP's output Linear row-split (their partial
-    sums all-reduced), the token embedding vocabulary-split, the cross-entropy
-    vocabulary-parallel; every other op keeps the placement its inputs arrive in
-    (replicated when no strategy takes them): attention and everything between the two
-    Linears of a block on heads / the hidden shard, norms, residual adds, rotary tables and
-    position embeddings whole. The reference the closed forms of this module and of
-    :mod:`autopar.oracle.plan_forms` assume (``autopar.planner.megatron`` finds the
-    column Linears of a GPT only: it follows reshapes, not rotary or SwiGLU products)."""
-    strategies = node_strategies(traced, tp)
-    nodes, placement, out = traced.nodes, {}, {}
-    for node in traced.gm.graph.nodes:
-        options = {st.name: st for st in strategies[node.name]}
-        ins = tensor_inputs(node, nodes)
-        arriving = tuple(placement.get(n.name, REPLICATE) for n in ins)
-        kind = nodes[node.name].kind
-        leaf = node.target.rsplit(".", 1)[-1] if node.op == "call_module" else ""
-        if kind == "linear" and leaf in _ROW and "row" in options:
-            chosen = options["row"]
-        elif kind == "linear" and leaf in _COLUMN and "column" in options:
-            chosen = options["column"]
-        elif kind == "embedding" and ins and nodes[ins[0].name].per_sequence and "vocab" in options:
-            chosen = options["vocab"]  # the token embedding (position embeddings stay whole)
-        else:
-            same = [st for st in strategies[node.name] if st.inputs == arriving
-                    and (st.name in _PASS or st.reads_size)]
-            chosen = same[-1] if same else options["replicate"]
-        placement[node.name] = REPLICATE if chosen.output.is_partial else chosen.output
-        out[node.name] = chosen.key
-    return out
-
-
 def llama_layer_activation_expr(*, tp_symbolic: bool = True,
                                 recompute: str = "none") -> sympy.Expr:
     """Bytes one Llama layer keeps for backward, per micro-batch, per GPU, as a sympy
     expression in b, s, h, a, kv, f (and t when ``tp_symbolic``; else t = 1), recovered
-    from traces priced by ``cost_tables`` under :func:`megatron_reference_placements`. recompute:
+    from traces priced by ``cost_tables`` under :func:`~autopar.planner.megatron.megatron_placements`. recompute:
     "none" | "selective" | "full" (:func:`autopar.oracle.symbolic.activation_expr`)."""
     def measure(p: dict) -> dict[str, float]:
         traced = _traced_at(p)
-        return layer_bytes(traced, megatron_reference_placements(traced, p["t"]), p["b"], p["t"])
+        return layer_bytes(traced, megatron_placements(traced, p["t"]), p["b"], p["t"])
 
     monomials = fit_monomials(measure, _BASE, _CHECK)
     expr = activation_expr(monomials, recompute)

@@ -6,21 +6,21 @@ same solver space (:mod:`autopar.planner.strategies`) with every node's choice f
 
 from __future__ import annotations
 
-import torch.fx as fx
 
-from autopar.graph.annotate import NodeInfo, TracedModel
+from autopar.graph.annotate import TracedModel
 from autopar.placement import REPLICATE, Shard
 from autopar.planner.strategies import SEQUENCE_DIM, node_strategies, tensor_inputs, tied_groups
 
-__all__ = ["megatron_placements"]
+__all__ = ["megatron_placements", "linear_roles"]
 
 
 def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
-    placements: a Linear reading a hidden-dim shard is row-split; a Linear whose output
-    feeds attention or GELU (through reshapes), or that shares the token embedding's weight,
-    is column-split; the tied embedding is vocabulary-split; attention runs on whole heads;
-    every other op keeps the placement its inputs arrive in (replicated when none fits).
+    placements: a Linear reading a hidden-dim shard is row-split; a Linear of a layer that
+    reads the residual stream (:func:`linear_roles` "in": QKV, MLP-in, SwiGLU's gate and
+    up) and the LM head are column-split; the token embedding is vocabulary-split;
+    attention runs on whole heads; every other op keeps the placement its inputs arrive in
+    (replicated when none fits), so rotary embeddings and SwiGLU's product run on shards.
     ``sequence_parallel`` (Korthikanti et al. 2022, Fig. 5): LayerNorm, dropout and residual
     adds of (b, s, h) activations run on sequence shards, so row-parallel outputs are
     reduce-scattered and column-parallel inputs all-gathered.
@@ -28,6 +28,9 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
     strategies = node_strategies(traced, tp, sequence_parallel)
     nodes, placement, out = traced.nodes, {}, {}
     tied = {n for group in tied_groups(traced) for n in group}
+    roles = linear_roles(traced)
+    heads = {n for n in traced.post if nodes[n].kind == "linear"}  # the LM head
+    residual = nodes[traced.layers[0][-1]].shape if traced.layers else None
     seq = Shard(SEQUENCE_DIM)
     for node in traced.gm.graph.nodes:
         options = {s.name: s for s in strategies[node.name]}
@@ -39,12 +42,14 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
         on_sequence = [s for s in strategies[node.name] if s.name == "sharded" and s.output == seq]
         if kind == "linear" and arriving and arriving[0] == hidden and "row" in options:
             chosen = options["row"]
-        elif kind == "linear" and "column" in options and (node.name in tied or _feeds_core(node, nodes)):
+        elif kind == "linear" and "column" in options and (
+                node.name in tied or node.name in heads or roles.get(node.name) == "in"):
             chosen = options["column"]
-        elif kind == "embedding" and node.name in tied and "vocab" in options:
-            chosen = options["vocab"]
+        elif kind == "embedding" and "vocab" in options and (
+                node.name in tied or (ins and nodes[ins[0].name].kind == "input")):
+            chosen = options["vocab"]  # the token embedding (position embeddings stay whole)
         elif (sequence_parallel and kind in ("layernorm", "dropout", "add") and on_sequence
-              and shape is not None and len(shape) == 3):
+              and shape == residual):  # the residual stream, not e.g. an add inside GELU
             chosen = on_sequence[0]
         else:
             same = [s for s in strategies[node.name]  # pass-through: keep what arrives
@@ -58,14 +63,32 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
     return out
 
 
-def _feeds_core(node: fx.Node, nodes: dict[str, NodeInfo]) -> bool:
-    """Does ``node``'s output reach attention or GELU through reshapes only?"""
-    frontier = list(node.users)
-    while frontier:
-        user = frontier.pop()
-        kind = nodes[user.name].kind if user.name in nodes else "other"
-        if kind in ("sdpa", "gelu"):
-            return True
-        if kind in ("view", "transpose", "contiguous"):
-            frontier.extend(user.users)
-    return False
+def linear_roles(traced: TracedModel) -> dict[str, str]:
+    """Per Linear node of the layers: "in" when it reads the residual stream (QKV, MLP-in,
+    gate and up), "out" when it reads another Linear of its layer without passing through
+    the residual stream (attention-out, MLP-out). The residual stream: the layer's input
+    and the adds of the layer's output shape. Megatron splits "in" by columns and "out"
+    by rows (Shoeybi et al. 2019, section 3)."""
+    roles: dict[str, str] = {}
+    nodes = traced.nodes
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    for names in traced.layers:
+        members, width = set(names), nodes[names[-1]].shape
+        for name in names:
+            if nodes[name].kind != "linear":
+                continue
+            frontier, seen, role = list(by_name[name].all_input_nodes), set(), "in"
+            while frontier:
+                n = frontier.pop()
+                if n.name in seen or n.name not in members:
+                    continue
+                seen.add(n.name)
+                info = nodes[n.name]
+                if info.kind == "linear":
+                    role = "out"
+                    break
+                if info.kind == "add" and info.shape == width:
+                    continue  # the residual stream
+                frontier.extend(n.all_input_nodes)
+            roles[name] = role
+    return roles

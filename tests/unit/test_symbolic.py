@@ -158,12 +158,15 @@ def test_llama_layer_flops_simplify_to_the_hand_derivation():
     assert derived.free_symbols == {s, h, a, kv, f}  # GQA's kv heads enter through K and V
 
 
-def test_megatron_reference_placements_split_llama_like_megatron():
+def test_megatron_placements_split_llama_like_megatron():
+    """Found by role (reads the residual stream or another Linear), not by module name:
+    rotary and SwiGLU's product pass the shards through."""
     pytest.importorskip("transformers")
+    from autopar.planner.megatron import megatron_placements
     from autopar.oracle import symbolic_llama as sl
 
     traced = trace_model(sl.build_llama(s=16, h=256, a=16, kv=4, f=192, vocab=64), 16)
-    p = sl.megatron_reference_placements(traced, 2)
+    p = megatron_placements(traced, 2)
     prefix = "model_layers_0_"
     for name in ("self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "mlp_gate_proj",
                  "mlp_up_proj"):
@@ -178,7 +181,7 @@ def _reference_plan(model, layout, recompute, seq, batch):
     """``layout`` evaluated, per-layer ``recompute`` and Megatron's placements set, priced."""
     import dataclasses
 
-    from autopar.oracle.symbolic_llama import megatron_reference_placements
+    from autopar.planner.megatron import megatron_placements
     from autopar.planner.decision import decision_from_plan
     from autopar.planner.predict import predict
 
@@ -186,7 +189,7 @@ def _reference_plan(model, layout, recompute, seq, batch):
     plan = autopar.evaluate(model, cluster, layout, global_batch_size=batch, seq_len=seq)
     traced = trace_model(model, seq)
     plan = dataclasses.replace(plan, recompute=recompute,
-                               placements=megatron_reference_placements(traced, plan.tp))
+                               placements=megatron_placements(traced, plan.tp))
     decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     return dataclasses.replace(plan, predicted=predict(traced, strategies, tables, cluster,
                                                        decision, global_batch_size=batch))
