@@ -83,6 +83,11 @@ def _leaf_call(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> tuple | Non
         bias = a[2] if len(a) > 2 else node.kwargs.get("bias")
         if _attr(gm, a[1]) is mod.weight and (_attr(gm, bias) is mod.bias):
             return (a[0],)
+    if t is aten.matmul.default and isinstance(mod, nn.Linear) and _is_weight_t(gm, a[1], mod):
+        # ``x @ weight.T`` (+ bias): a Linear subclass with its own forward (Falcon's)
+        bias = _bias_add(gm, node, mod)
+        if mod.bias is None or bias is not None:
+            return (a[0],)
     if t is aten.addmm.default and _is_conv1d(mod) and not node.kwargs:
         if _attr(gm, a[2]) is mod.weight and _attr(gm, a[0]) is mod.bias:
             flat = a[1]  # Conv1D.forward: x.view(-1, nx) -> addmm -> view(*x.shape[:-1], nf)
@@ -107,6 +112,25 @@ def _leaf_call(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> tuple | Non
     return None
 
 
+def _is_weight_t(gm: fx.GraphModule, arg, mod: nn.Linear) -> bool:
+    """Whether ``arg`` is ``mod.weight`` transposed (``.T``, ``.t()``, ``.mT``,
+    ``transpose(0, 1)``, ``permute(1, 0)``)."""
+    if not isinstance(arg, fx.Node) or _attr(gm, arg.args[0] if arg.args else None) is not mod.weight:
+        return False
+    return (arg.target in (aten.t.default, aten.numpy_T.default, aten.mT.default)
+            or (arg.target is aten.transpose.int and sorted(arg.args[1:]) in ([0, 1], [-2, -1]))
+            or (arg.target is aten.permute.default and list(arg.args[1]) == [1, 0]))
+
+
+def _bias_add(gm: fx.GraphModule, node: fx.Node, mod: nn.Linear) -> fx.Node | None:
+    """The single user ``node + mod.bias``, if that is what reads ``node``."""
+    users = list(node.users)
+    if (mod.bias is not None and len(users) == 1 and users[0].target is aten.add.Tensor
+            and users[0].args[0] is node and _attr(gm, users[0].args[1]) is mod.bias):
+        return users[0]
+    return None
+
+
 def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
     graph = gm.graph
     used: set[str] = set()
@@ -125,6 +149,8 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
             if (_is_conv1d(mod) and call[0] is not node.args[1] and len(users) == 1
                     and packet(users[0].target) in (aten.view, aten.reshape)):
                 replaced = users[0]  # the region view -> addmm -> view is the module's call
+            if node.target is aten.matmul.default and mod.bias is not None:
+                replaced = _bias_add(gm, node, mod)  # the region matmul -> add
             with graph.inserting_before(node):
                 new = graph.create_node("call_module", path, call, {},
                                         name=path.replace(".", "_"))
@@ -133,9 +159,11 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
             kwargs.update(node.kwargs)
             with graph.inserting_before(node):
                 new = graph.call_function(F.scaled_dot_product_attention, node.args[:3], kwargs)
-        elif node.target is aten.contiguous.default:
-            # whether export records .contiguous() depends on the device's fake strides:
-            # drop it, so every device captures one graph (reshapes copy where needed)
+        elif node.target in (aten.contiguous.default, aten.lift_fresh_copy.default):
+            # whether export records .contiguous() depends on the device's fake strides,
+            # and a copy of a tensor constant (torch.tensor(...) in forward) appears on
+            # CPU, not on meta: drop both, so every device captures one graph (reshapes
+            # copy where needed; the graph is functional, nothing writes the constant)
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             erased.add(node)

@@ -165,3 +165,18 @@ def test_layers_that_differ_are_exported_whole():
     assert repeat.layer_stack(model)[0] == "model.layers"
     model.model.layers[4].self_attn.scaling = 0.5
     assert repeat.layer_stack(model) is None
+
+
+def test_falcon_linears_written_as_matmul_are_lifted_and_devices_agree():
+    """Falcon's ``FalconLinear`` computes ``x @ weight.T + bias`` in its own forward: the
+    region is lifted to the Linear, so TP can split it; the ``torch.tensor`` constant its
+    attention builds is copied on CPU and not on meta, and both capture one graph."""
+    pytest.importorskip("transformers")
+    model = zoo.build("falcon", "tiny")
+    traced = trace_model(model, SEQ)
+    linears = [name for name, info in traced.nodes.items() if info.kind == "linear"]
+    assert len(linears) == 4 * 2 + 1  # qkv, dense, h_to_4h, 4h_to_h per layer; lm_head
+    meta = trace_model(zoo.build("falcon", "tiny", device="meta"), SEQ)
+    assert [n.name for n in meta.gm.graph.nodes] == [n.name for n in traced.gm.graph.nodes]
+    idx = torch.randint(0, 128, (3, SEQ))
+    assert torch.equal(traced.gm(idx), causal_lm_logits(model, idx))
