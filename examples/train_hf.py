@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_hf.py                 # a tiny Llama, 2 ranks
     torchrun --nproc-per-node 2 examples/train_hf.py --tp 2 --steps 5
+    torchrun --nproc-per-node 2 examples/train_hf.py --pp 2        # two pipeline stages
     torchrun --nproc-per-node 2 examples/train_hf.py --model hf:path/to/config.json
 
 The default model is a 2-layer Llama (h = 64, 4 heads, 2 kv heads, V = 128) from
@@ -69,8 +70,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel size")
     p.add_argument("--dp", type=int, default=None, help="pin the data-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1: the "
-                   "runtime cannot cut Hugging Face models yet, see reports/model_zoo.md)")
+    p.add_argument("--pp", type=int, default=None, help="pin the pipeline-parallel size")
     args = p.parse_args()
 
     torch.set_num_threads(1)  # the ranks share a few cores

@@ -115,65 +115,56 @@ def rematerialize_side_inputs(gm: fx.GraphModule) -> None:
     the pipeline never splits dim 0). The chunk then reads one tensor from earlier chunks,
     or several when a value depends on the tokens, which :func:`split_chunks` refuses.
     Nodes of the chunk placed before that activation (inserted by an earlier pass beside
-    their producer) move after it. Originals left without users are erased. A no-op on graphs without such reads
-    (autopar's GPT computes positions inside its embedding, before the first cut).
+    their producer) move after it. Originals left without users are erased. A no-op on
+    graphs without such reads (autopar's GPT computes positions inside its embedding,
+    before the first cut).
     """
     graph = gm.graph
     placeholder = next(n for n in graph.nodes if n.op == "placeholder")
-    free: dict[fx.Node, bool] = {}
-
-    def token_free(node: fx.Node) -> bool:
-        if node not in free:
-            if node.op == "placeholder" or node.op == "output":
-                free[node] = False
-            elif node.target is _SYM_SIZE and node.args[0] is placeholder:
-                free[node] = node.args[1] == 0
-            else:
-                free[node] = all(token_free(n) for n in node.all_input_nodes)
-        return free[node]
-
-    nodes = list(graph.nodes)
+    free: dict[fx.Node, bool] = {}  # token-free, in graph (topological) order
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            free[node] = False
+        elif node.target is _SYM_SIZE and node.args[0] is placeholder:
+            free[node] = node.args[1] == 0
+        else:
+            free[node] = all(free[n] for n in node.all_input_nodes)
     moved: list[fx.Node] = []
-    for chunk in sorted({n.meta[CHUNK] for n in nodes})[1:]:
-        members = [n for n in nodes if n.meta[CHUNK] == chunk]
+    for chunk in sorted({n.meta[CHUNK] for n in graph.nodes})[1:]:
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        members = [n for n in graph.nodes if n.meta[CHUNK] == chunk]
         external = {i for n in members for i in n.all_input_nodes if i.meta[CHUNK] < chunk}
-        side = {n for n in external if token_free(n)}
-        activation = external - side
+        side = sorted((n for n in external if free[n]), key=pos.__getitem__)
+        activation = external - set(side)
         if not side or len(activation) != 1:
             continue  # nothing to copy, or split_chunks names what crosses the cut
         (x,) = activation
         # nodes the TP pass inserted for this chunk next to their producers (a gather of
         # a side value) may precede x; they cannot depend on it, so they move after it
-        early = [n for n in members if nodes.index(n) < nodes.index(x)]
+        early = [n for n in members if pos[n] < pos[x]]
         if any(u.meta[CHUNK] < chunk for n in early for u in n.users):
             continue
         anchor = x
         for node in early:
             anchor.append(node)
             anchor = node
-        nodes = list(graph.nodes)
-        members = [n for n in nodes if n.meta[CHUNK] == chunk]
+        first = next(n for n in graph.nodes if n.meta[CHUNK] == chunk)
         copies: dict[fx.Node, fx.Node] = {}
-
-        def copy(node: fx.Node) -> fx.Node:
-            if node not in copies:
+        with graph.inserting_before(first):
+            for node in sorted(_ancestry(side), key=pos.__getitem__):
                 if node.target is _SYM_SIZE and node.args[0] is placeholder:
                     new = graph.call_function(_SYM_SIZE, (x, 0))
                 else:
-                    for n in node.all_input_nodes:
-                        copy(n)
-                    new = graph.node_copy(node, lambda n: copies[n])
+                    new = graph.node_copy(node, copies.__getitem__)
                 new.meta = {**node.meta, CHUNK: chunk}
                 new.meta.pop(LAYER, None)
                 copies[node] = new
-            return copies[node]
-
-        with graph.inserting_before(members[0]):
-            for node in sorted(side, key=nodes.index):
-                node.replace_all_uses_with(
-                    copy(node), delete_user_cb=lambda user: user.meta[CHUNK] == chunk)
+        for node in side:
+            node.replace_all_uses_with(copies[node],
+                                       delete_user_cb=lambda user: user.meta[CHUNK] == chunk)
         moved.extend(side)
-    for node in sorted(_ancestry(moved), key=nodes.index, reverse=True):
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(_ancestry(moved), key=pos.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
     graph.lint()
@@ -181,6 +172,7 @@ def rematerialize_side_inputs(gm: fx.GraphModule) -> None:
 
 
 def _ancestry(nodes: list[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from, placeholders aside."""
     seen: set[fx.Node] = set()
     stack = list(nodes)
     while stack:
