@@ -15,7 +15,7 @@ nanoGPT-style single file ``examples/nanogpt_model.py`` — this script
 
 and writes ``reports/model_zoo.md``: one row per family, with the op that stopped it
 where one did; families beyond the list (:data:`EXTRA`, from their default configs) get
-tp2 and tp2·pp2. Run: ``python benchmarks/model_zoo.py`` (about 40 minutes on 2 cores;
+tp2 and tp2·pp2. Run: ``python benchmarks/model_zoo.py`` (about 30 minutes on 2 cores;
 ``--no-verify`` for the planning half only, seconds per family).
 """
 
