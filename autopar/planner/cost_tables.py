@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
-from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel
+from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
@@ -74,13 +74,21 @@ class StrategyCost:
 
 @dataclass(frozen=True)
 class EdgeCost:
-    """Resharding between two strategies on one edge: seconds and payload bytes."""
+    """Resharding between two strategies on one edge: seconds and payload bytes.
+
+    saved_bytes: activation bytes the consumer keeps beyond what its producer's
+    :class:`StrategyCost` counts: a tensor produced sharded (saved bytes divided by t) and
+    all-gathered for a consumer that keeps its input for backward is kept whole by the
+    runtime, so the edge adds the other ranks' part, ``nbytes·(1 - 1/t)``; 0 otherwise.
+    Charged once per tensor, placement and section, like the collective itself.
+    """
 
     fwd_s: float
     bwd_s: float
     fwd_kind: str | None
     bwd_kind: str | None
     nbytes: float
+    saved_bytes: float = 0.0
 
 
 @dataclass
@@ -271,9 +279,10 @@ def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: 
                 src_info = nodes[src.name]
                 outs = tuple(su.output for su in strategies[src.name])
                 wants = tuple(sv.inputs[j] for sv in options)
-                esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants),
-                                      len(ids))
-                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence))
+                saves = saves_inputs(info)
+                esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
+                                       saves), len(ids))
+                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves))
             rows.append((node.name, info, sig, in_numel, edges))
         memo[key] = rows
     return memo[key]
@@ -297,13 +306,13 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
             memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
                           for st in strategies[name]]
         node_tab[name] = memo[nkey]
-        for src, j, esig, numel, per_sequence in edges:
+        for src, j, esig, numel, per_sequence, saves in edges:
             ekey = ("edge", tp, sp, esig, b, act)
             if ekey not in memo:
                 nbytes = act * numel * (b if per_sequence else 1)
                 outs = tuple(su.output for su in strategies[src])
                 wants = tuple(sv.inputs[j] for sv in strategies[name])
-                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp)
+                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves)
             edge_tab[(src, name, j)] = memo[ekey]
         if info.shape is not None:
             nbytes = act * info.numel * (b if info.per_sequence else 1)
@@ -331,15 +340,19 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
         model_flops_per_seq=3.0 * matmul, layer_fwd_flops_per_seq=layer_matmul)
 
 
-def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: bool) -> dict:
+def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: bool,
+                saves: bool = False) -> dict:
     """{(ku, kv): EdgeCost | None} from producer output placements ``outs`` to consumer
-    input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered)."""
+    input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered);
+    ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`)."""
     table = {}
     for ku, src in enumerate(outs):
         for kv, dst in enumerate(wants):
             kinds = reshard_kinds(src, dst, sp)
+            gathered = saves and kinds is not None and kinds[0] == "all_gather"
             table[(ku, kv)] = None if kinds is None else EdgeCost(
                 fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
                 bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
-                fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes)
+                fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes,
+                saved_bytes=nbytes * (1 - 1 / tp) if gathered else 0.0)
     return table

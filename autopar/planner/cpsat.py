@@ -12,7 +12,9 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
   collectives they imply (forbidden pairs: :math:`x_{u,k} + x_{v,l} \le 1`);
 * Megatron's f: :math:`f_u \ge x_{v,l}` for consumers whose strategy makes u's gradient
   partial (one backward all-reduce of u, shared by all such consumers)
-  (:meth:`~ConfigModel.add_edges`);
+  (:meth:`~ConfigModel.add_edges`), and a gathered copy kept whole for a consumer that
+  saves its input adds its bytes to the layer's activations
+  (:mod:`autopar.planner.cpsat_edges`);
 * pipeline cuts: :math:`n_i` layers on rank i within ``STAGE_SLACK`` of L/p,
   :math:`\sum_i n_i = L`, contiguous; recompute: :math:`r^{full}_i + r^{sel}_i \le n_i`
   (:meth:`~ConfigModel.add_stages`);
@@ -55,26 +57,28 @@ from ortools.sat.python import cp_model
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.plan import RECOMPUTE_MODES
-from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, f_cost, optimizer_s_per_param
+from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
+from autopar.planner.cpsat_edges import add_edges
 from autopar.planner.cpsat_terms import (SectionTerms, int_var, precision_scale, product_var,
                                          solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
-from autopar.planner.strategies import (NodeStrategies, gathers_for_partial_grad, param_split,
-                                        partial_grad_input, tensor_inputs, tied_groups)
+from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.support import pipeline_problem
 
-__all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map"]
+__all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map", "min_layer_time_s"]
 
 
 class ConfigModel:
     """The CP-SAT model of one Config (all its pipeline ranks): :meth:`build`, :meth:`solve`,
-    :meth:`decision` (the plan read back). Decision variables: ``choice[node][k]`` (x, strategy k of a pre/template/post node, and
-    ``choice["f[u,kind]"]`` Megatron's f), ``reshard[...]`` (e, one per resharded tensor,
-    target placement and section), ``layers_on_rank[i]`` (n_i), ``recompute_full[i]`` /
-    ``recompute_selective[i]`` (r_i), ``zero[z]`` (the ZeRO one-hot).
+    :meth:`decision` (the plan read back). Decision variables: ``choice[node][k]`` (x,
+    strategy k of a pre/template/post node, and ``choice["f[u,kind]"]`` Megatron's f),
+    ``reshard[...]`` (e, one per resharded tensor, target placement and section),
+    ``kept_copy[...]`` (a gathered copy kept for backward, likewise), ``layers_on_rank[i]``
+    (n_i), ``recompute_full[i]`` / ``recompute_selective[i]`` (r_i), ``zero[z]`` (the ZeRO
+    one-hot).
     """
 
     def __init__(self, traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
@@ -91,6 +95,7 @@ class ConfigModel:
             | {n: "layer" for n in traced.layers[0]}
         self.choice: dict[str, list] = {}
         self.reshard: dict[tuple, object] = {}
+        self.kept_copy: dict[tuple, object] = {}
         layer_s = sum(tables.node[n][0].fwd_s + tables.node[n][0].bwd_s for n in traced.layers[0])
         self.units_per_second = 1e4 / max(layer_s, 1e-12)  # seconds -> integer time units
         self.terms = SectionTerms()
@@ -152,49 +157,9 @@ class ConfigModel:
                     self.model.Add(a == b).WithName(f"tied[{split}]")
 
     def add_edges(self) -> None:
-        r"""For every edge u → v (input j) and strategy pair (k, l):
-        ``reshard_offered[u->v]`` :math:`x_{u,k} + x_{v,l} \le 1` when the transition is not
-        offered; ``reshard[...]`` :math:`e \ge x_{u,k} + x_{v,l} - 1` priced by its
-        collectives; ``megatron_f[u]`` :math:`f_u \ge x_{u,k} + x_{v,l} - 1` when l makes
-        u's gradient partial. A reshard of u into one placement, and f, are shared by all
-        consumers in a section (the rewriter inserts one collective)."""
-        nodes = self.traced.nodes
-        for node in self.traced.gm.graph.nodes:
-            if node.name not in self.section_of:
-                continue
-            for j, src in enumerate(tensor_inputs(node, nodes)):
-                src_name = src.name if src.name in self.choice else self.traced.layers[0][-1]
-                table = self.tables.edge[(src.name, node.name, j)]
-                self._add_edge(src_name, node.name, j, table)
-
-    def _add_edge(self, u: str, v: str, j: int, table) -> None:
-        section, ups = self.section_of[v], self.units_per_second
-        for ku, su in enumerate(self.strategies[u]):
-            for kv, sv in enumerate(self.strategies[v]):
-                cost = table.get((ku, kv))
-                xu, xv = self.choice[u][ku], self.choice[v][kv]
-                if cost is None:
-                    self.model.AddBoolOr([xu.Not(), xv.Not()]).WithName(f"reshard_offered[{u}->{v}]")
-                    continue
-                if partial_grad_input(sv, j):
-                    kind, f_s = f_cost(self.tables, u, su.output)  # all-reduce, or reduce-scatter
-                    fkey = f"f[{u},{kind}]"
-                    if fkey not in self.choice:
-                        self.choice[fkey] = [self.model.NewBoolVar(fkey)]
-                        self.terms.add(section, "bwd", f_s * ups, self.choice[fkey][0])
-                    self.model.Add(self.choice[fkey][0] >= xu + xv - 1).WithName(f"megatron_f[{u}]")
-                if cost.fwd_s or cost.bwd_s:
-                    fused = gathers_for_partial_grad(sv, j, su.output)
-                    rkey = (u, ku, sv.inputs[j], section, fused)
-                    if rkey not in self.reshard:
-                        r = self.model.NewBoolVar(f"reshard[{u},{ku}->{sv.inputs[j]}]")
-                        self.reshard[rkey] = r
-                        self.terms.add(section, "fwd", cost.fwd_s * ups, r)
-                        self.terms.add(section, "bwd", cost.bwd_s * ups, r)
-                        if section == "layer" and self.position.get(u, -1) < self.last_saver:
-                            self.terms.add(section, "rec", cost.fwd_s * ups, r)
-                    self.model.Add(self.reshard[rkey] >= xu + xv - 1).WithName(
-                        f"reshard[{u},{ku}->{sv.inputs[j]}]")
+        """The edge rows (reshards, Megatron's f, kept gathered copies):
+        :func:`autopar.planner.cpsat_edges.add_edges`."""
+        add_edges(self)
 
     # -- stages, recompute, ZeRO ----------------------------------------------------------
     def add_stages(self) -> None:
@@ -395,3 +360,22 @@ class ConfigModel:
         return Decision(self.cfg, strategy, bounds, recompute, zero,
                         solver.ObjectiveValue() / self.units_per_second / self.cfg.virtual_stages,
                         solver.WallTime())
+
+
+def min_layer_time_s(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
+                     cluster, max_time_s: float = 1.0) -> float:
+    """A lower bound (seconds) on one template layer's forward + backward, TP communication
+    and Megatron's f included, under ``tables``' Config: the strategy-choice, boundary and
+    edge rows of :class:`ConfigModel` alone (no memory, so no recompute), minimised. The
+    search multiplies it into a step-time bound that prunes configs before their full model
+    is built. Times use 100 × the model's usual resolution, and every term's rounding
+    (at most half a unit) is subtracted, so the bound holds whatever CP-SAT's status."""
+    cm = ConfigModel(traced, strategies, tables, cluster)
+    cm.units_per_second *= 100
+    cm.add_strategy_choice()
+    cm.add_boundaries()
+    cm.add_edges()
+    terms = cm.terms.terms["layer"]["fwd"] + cm.terms.terms["layer"]["bwd"]
+    cm.model.Minimize(cm.terms.expr("layer", "fwd") + cm.terms.expr("layer", "bwd"))
+    _, solver = cm.solve(max_time_s)
+    return max(0.0, (solver.BestObjectiveBound() - 0.5 * len(terms)) / cm.units_per_second)

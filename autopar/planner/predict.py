@@ -32,7 +32,9 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     core_act_bytes, params, and payload bytes handed to TP collectives: "tp_all_reduce"
     (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward
     ("fwd_" prefix, repeated by full recompute) and backward. A reshard of one tensor into
-    one placement, and Megatron's f, run once per section however many consumers read it.
+    one placement, and Megatron's f, run once per section however many consumers read it;
+    so is a gathered copy that a consumer keeps for backward counted once in act_bytes
+    (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`).
     """
     out: dict[str, float] = defaultdict(float)
     nodes, members, tp = traced.nodes, set(names), tables.config.tp
@@ -40,6 +42,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     last = last_saver_index(nodes, names)
     partial: set[str] = set()
     done: set[tuple[str, str]] = set()
+    kept: set[tuple[str, str]] = set()
     for node in traced.gm.graph.nodes:
         if node.name not in members:
             continue
@@ -61,6 +64,9 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
             if partial_grad_input(strat, j):
                 partial.add((src.name, src_placement))
             fused = gathers_for_partial_grad(strat, j, src_placement)
+            if edge.saved_bytes and (src.name, strat.inputs[j], fused) not in kept:
+                kept.add((src.name, strat.inputs[j], fused))  # the gathered copy, kept whole
+                out["act_bytes"] += edge.saved_bytes
             if (src.name, strat.inputs[j], fused) in done or not (edge.fwd_kind or edge.bwd_kind):
                 continue
             done.add((src.name, strat.inputs[j], fused))
@@ -86,7 +92,26 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     return out
 
 
-def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p):
+def _layer_costs(traced, strategies, tables, choice) -> list[dict[str, float]]:
+    """:func:`section_cost` of every layer, computed once per distinct pattern: layers whose
+    nodes and external inputs (the previous layer's output, side inputs of the embedding
+    section) have the same strategies in the same order cost the same (equal shapes, equal
+    tables), and a deep model's layers almost always do."""
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    seen: dict[tuple, dict[str, float]] = {}
+    out = []
+    for names in traced.layers:
+        members = set(names)
+        outside = tuple(choice[u.name] for v in names
+                        for u in tensor_inputs(graph[v], traced.nodes) if u.name not in members)
+        key = (tuple(choice[n] for n in names), outside)
+        if key not in seen:
+            seen[key] = section_cost(traced, strategies, tables, choice, names)
+        out.append(seen[key])
+    return out
+
+
+def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, layer_costs):
     """Pipeline rank i's summed costs, recompute seconds, kept activations per micro-batch
     in flight, activations held once (the last rank's head and loss), the working set of
     the layer being run (recomputed layers rebuild their activations) and the section costs
@@ -95,7 +120,7 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p):
     rec_s = act = held = working = 0.0
     full_layers = []
     for l in layers:
-        layer = section_cost(traced, strategies, tables, choice, traced.layers[l])
+        layer = layer_costs[l]
         for key, val in layer.items():
             total[key] += val
         mode = recompute[l]
@@ -135,10 +160,12 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches
     stage_t, mem, parts, stats = [], [], [], []
+    layer_costs = _layer_costs(traced, strategies, tables, decision.strategy)
     for i in range(p):  # pipeline rank i runs the layers of its v chunks
         layers = rank_layers(decision.stage_layers, p, i)
         total, rec_s, act, held, working, full_layers = _rank_costs(
-            traced, strategies, tables, decision.strategy, layers, decision.recompute, i, p)
+            traced, strategies, tables, decision.strategy, layers, decision.recompute, i, p,
+            layer_costs)
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v

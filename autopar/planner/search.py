@@ -1,8 +1,10 @@
 """The outer search: mesh shapes and micro-batch sizes, each solved by CP-SAT.
 
 Configs are visited in order of a compute lower bound (perfect TP split, no communication,
-no bubble); a config whose bound is already slower than the best plan found is skipped,
-so the search proves optimality over the enumerated space without solving every config.
+no bubble); a config whose bound (tightened, while it is needed, by the layer's TP
+communication and the recompute its memory forces: :mod:`autopar.planner.bounds`) is
+already slower than the best plan found is skipped, so the search proves optimality over
+the enumerated space without solving every config.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Callable
 from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
-from autopar.planner.cost_tables import Config, bytes_per_param, cost_tables, node_cost
+from autopar.planner.bounds import (compute_bound_s, memory_lower_bound_bytes, memory_time_bound_s,
+                                    min_layer_compute_s, min_layer_with_comm_s)
+from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
 from autopar.planner.decision import Decision, InfeasibleError
 from autopar.planner.predict import predict
-from autopar.planner.strategies import node_strategies, tensor_inputs
+from autopar.planner.strategies import node_strategies
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 
 __all__ = ["candidate_configs", "search", "solve_one", "strategies_for", "validate_layout",
@@ -29,6 +33,7 @@ MAX_MICRO_BATCH_SIZE = 8
 # to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
 # off when it cannot beat the incumbent by more than this margin, then predict decides.
 CUTOFF_SLACK = 0.01
+ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 
 
 def _heads(traced: TracedModel) -> int | None:
@@ -104,15 +109,6 @@ def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | Non
     return support.virtual_stages_for(schedule, L, pp, m)
 
 
-def _lower_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
-    """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
-    ``layer_s`` (every node at its cheapest strategy, communication free), so
-    (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved, the fill and drain
-    shrink by v: (m + (p - 1)/v)·(L/p)·layer_s (``cost_models.pipeline``)."""
-    L, p, m = traced.num_layers, cfg.pp, cfg.num_micro_batches
-    return (m + (p - 1) / cfg.virtual_stages) * (L / p) * layer_s
-
-
 def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: dict):
     """:func:`~autopar.planner.strategies.node_strategies`, computed once per (tp,
     sequence_parallel) in ``memo`` (one search: every config of a TP size shares them)."""
@@ -122,35 +118,30 @@ def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: 
     return memo[key]
 
 
-def _min_layer_time_s(traced: TracedModel, cluster, cfg: Config, cache: dict) -> float:
-    """Forward+backward seconds of one layer, each node at its cheapest strategy."""
-    tp, mbs = cfg.tp, cfg.micro_batch_size
-    key = ("min_layer_s", tp, mbs, cfg.dtype, cfg.sequence_parallel)
-    if key not in cache:
-        strategies = strategies_for(traced, tp, cfg.sequence_parallel, cache)
-        layer = set(traced.layers[0])
-        total = 0.0
-        for node in traced.gm.graph.nodes:
-            if node.name not in layer:
-                continue
-            info = traced.nodes[node.name]
-            in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
-            total += min(c.fwd_s + c.bwd_s for c in (
-                node_cost(info, st, mbs, cluster, tp, in_numel, cfg.activation_bytes, cfg.attention)
-                for st in strategies[node.name]))
-        cache[key] = total
-    return cache[key]
-
-
-def _memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
-    """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
-    average model states (with the most sharding ZeRO allowed), and the stage with the most
-    layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
-    states = traced.total_params() / (cfg.tp * cfg.pp) * min(
-        bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
-    layers = -(-traced.num_layers // cfg.pp)
-    ckpt = cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers
-    return max(states, ckpt)
+def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layout,
+            support: RuntimeSupport | None, best_s: float) -> float:
+    """The tightest step-time lower bound (seconds) of :mod:`autopar.planner.bounds` that
+    is needed: the cheap compute bound first, then with the layer's TP communication and the
+    recompute rank 0's memory forces, each computed only while the bound is below
+    ``best_s`` (per (tp, micro-batch size) pieces are shared in ``memo``)."""
+    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
+    key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel)
+    if ("compute_s",) + key not in memo:
+        memo[("compute_s",) + key] = min_layer_compute_s(traced, strategies, cluster, cfg)
+    bound = compute_bound_s(traced, cfg, memo[("compute_s",) + key])
+    if bound >= best_s:
+        return bound
+    tables = cost_tables(traced, strategies, cluster, cfg, memo)
+    if ("comm_s",) + key not in memo:
+        memo[("comm_s",) + key] = min_layer_with_comm_s(traced, strategies, tables, cluster)
+    layer_s = memo[("comm_s",) + key]
+    bound = max(bound, compute_bound_s(traced, cfg, layer_s))
+    if bound >= best_s:
+        return bound
+    modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
+    modes = tuple(m for m in modes if not support or m in support.recompute)
+    return max(bound, memory_time_bound_s(traced, tables, cfg, layer_s, cluster.device.memory_bytes,
+                                          zero_choices(layout, support, cfg.pp), modes))
 
 
 @dataclass
@@ -230,25 +221,29 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                          f"global_batch_size={global_batch_size} and layout {layout}; relax "
                          "the fixed fields or change the batch size")
     memo: dict = {}
-    bound = {c: _lower_bound_s(traced, c, _min_layer_time_s(traced, cluster, c, memo))
-             for c in configs}
+    bound = {c: _bounds(traced, cluster, c, memo, layout, support, 0.0) for c in configs}
     configs.sort(key=bound.get)
     best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
     for cfg in configs:
         if progress is not None:
             progress(len(seen), len(configs), best_t if best is not None else None)
-        lb = bound[cfg]
-        if lb >= best_t:
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
-                         "reason": f"pruned: compute lower bound {lb:.3f} s >= best {best_t:.3f} s"})
-            continue
         zero = zero_choices(layout, support, cfg.pp)
-        mem_lb = _memory_lower_bound_bytes(traced, cfg, zero)
+        mem_lb = memory_lower_bound_bytes(traced, cfg, zero)
         if mem_lb > cluster.device.memory_bytes:
             seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
                          "min_memory_bytes": mem_lb,
                          "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
                                    f"{cluster.device.memory_gib:.0f} GiB"})
+            continue
+        lb = _bounds(traced, cluster, cfg, memo, layout, support, best_t)
+        if lb == float("inf"):
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
+                         "reason": "pipeline rank 0 does not fit memory with any layer count "
+                                   "and recompute (memory-time lower bound)"})
+            continue
+        if lb >= best_t:
+            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
+                         "reason": f"pruned: step-time lower bound {lb:.3f} s >= best {best_t:.3f} s"})
             continue
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, layout, support, mapping,
@@ -278,13 +273,16 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
 
 
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, memo: dict, count: int = 4) -> None:
+                        even_stages, memo: dict, count: int = 4,
+                        time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
     """Solve the best few configs that lost to the cutoff without it, so the report can
-    show how much slower they are (the search itself never needed their optimum)."""
+    show how much slower they are (the search itself never needed their optimum), each
+    within ``time_limit_s`` of deterministic time: a plan CP-SAT did not prove optimal
+    is marked "slower (not proven optimal: CP-SAT stopped at its time limit)"."""
     for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
         cfg = Config(**entry["layout"])
         decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, layout, support, mapping,
+            traced, cluster, cfg, layout, support, mapping, time_limit_s=time_limit_s,
             even_stages=even_stages, memo=memo)
         if decision is None:
             feasible, reason = _unsolved(status, float("inf"))
@@ -294,7 +292,9 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
                        global_batch_size=global_batch_size)
         entry.update(step_time_s=pred.step_time_s, feasible=True,
                      tflops_per_gpu=pred.tflops_per_gpu,
-                     peak_memory_bytes=pred.peak_memory_bytes, reason="slower")
+                     peak_memory_bytes=pred.peak_memory_bytes,
+                     reason="slower" if status == "OPTIMAL" else
+                     "slower (not proven optimal: CP-SAT stopped at its time limit)")
 
 
 def _unsolved(status: str, best_t: float) -> tuple[bool | None, str]:
@@ -323,6 +323,10 @@ def _infeasible_message(cluster, seen: list[dict], statuses: dict) -> str:
         found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
                      f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
                      f"{cluster.device.memory_gib:.1f} GiB)")
+    rank0 = sum(1 for s in seen if "memory-time lower bound" in s["reason"])
+    if rank0:
+        found.append(f"{rank0} where pipeline rank 0 cannot fit its layers with any "
+                     "recompute (memory-time lower bound of autopar.planner.bounds)")
     infeasible = sum(1 for s in statuses.values() if s == "INFEASIBLE")
     if infeasible:
         found.append(f"{infeasible} INFEASIBLE for CP-SAT (memory[stage i] fails on some "

@@ -242,6 +242,8 @@ def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
     elif not feasible:
         reason = alt.get("reason") or "does not fit"
         outcome = reason if reason.startswith("infeasible") else f"infeasible: {reason}"
+    elif priced and chosen_s and alt.get("reason", "").startswith("slower ("):  # not proven optimal
+        outcome = f"{step / chosen_s - 1:.1%} {alt['reason']}"
     elif alt.get("reason") not in (None, "", "slower"):  # a specific reason from the search
         outcome = alt["reason"]
     elif priced and chosen_s and step > chosen_s * 1.0005:

@@ -1,0 +1,134 @@
+r"""Lower bounds that prune a search's configs before CP-SAT sees them (step 3 of the flow).
+
+:func:`autopar.planner.search.search` visits the configs (mesh shape, micro-batch size,
+schedule) in order of :func:`compute_bound_s` and skips one when a bound says it cannot beat
+the best plan found so far, or cannot fit device memory. Every bound here holds for every
+plan the CP-SAT model of :mod:`autopar.planner.cpsat` admits, so pruning never loses the
+optimum; all quantities are those of :mod:`autopar.planner.cost_tables`, per micro-batch
+and GPU, in seconds and bytes.
+
+The pipeline step of :mod:`autopar.planner.cpsat` (v virtual stages, 1 for 1F1B and GPipe)
+is :math:`((v m - 1)\,T_{max} + \sum_i T_i)/v` plus non-negative terms, so with
+:math:`T_{max} \ge T_0` and :math:`\sum_i T_i \ge L\,\ell` (ℓ: a layer's least time)
+
+.. math:: \text{step} \ge (m - 1/v)\,T_0 + L\,\ell / v,
+
+where rank 0, holding the most micro-batches in flight and the embedding, pays for the
+recompute its memory forces (:func:`memory_time_bound_s`).
+"""
+
+from __future__ import annotations
+
+from cost_models.memory import in_flight_micro_batches
+
+from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.planner.cost_tables import Config, CostTables, bytes_per_param, node_cost
+from autopar.planner.cpsat import min_layer_time_s
+from autopar.planner.decision import stage_size_range
+from autopar.planner.strategies import NodeStrategies, tensor_inputs
+
+__all__ = ["compute_bound_s", "min_layer_compute_s", "min_layer_with_comm_s",
+           "memory_lower_bound_bytes", "memory_time_bound_s"]
+
+MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound allows for it
+
+
+def compute_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
+    """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
+    ``layer_s`` seconds, so (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved,
+    the fill and drain shrink by v: (m + (p - 1)/v)·(L/p)·layer_s (``cost_models.pipeline``)."""
+    L, p, m = traced.num_layers, cfg.pp, cfg.num_micro_batches
+    return (m + (p - 1) / cfg.virtual_stages) * (L / p) * layer_s
+
+
+def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster,
+                        cfg: Config) -> float:
+    """Forward+backward seconds of one layer, each node at its cheapest strategy and
+    communication free (cheap: no CP-SAT; the first bound of every config)."""
+    layer, total = set(traced.layers[0]), 0.0
+    for node in traced.gm.graph.nodes:
+        if node.name not in layer:
+            continue
+        info = traced.nodes[node.name]
+        in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
+        total += min(c.fwd_s + c.bwd_s for c in (
+            node_cost(info, st, cfg.micro_batch_size, cluster, cfg.tp, in_numel,
+                      cfg.activation_bytes, cfg.attention)
+            for st in strategies[node.name]))
+    return total
+
+
+def min_layer_with_comm_s(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
+                          cluster) -> float:
+    """One layer's least forward+backward seconds with its TP communication:
+    :func:`~autopar.planner.cpsat.min_layer_time_s`."""
+    return min_layer_time_s(traced, strategies, tables, cluster)
+
+
+def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
+    """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
+    average model states (with the most sharding ZeRO allowed), and the stage with the most
+    layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
+    states = traced.total_params() / (cfg.tp * cfg.pp) * min(
+        bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
+    layers = -(-traced.num_layers // cfg.pp)
+    ckpt = cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers
+    return max(states, ckpt)
+
+
+def _least(tables: CostTables, names: list[str], field: str) -> float:
+    """Σ over ``names`` of each node's least ``field`` over its strategies."""
+    return sum(min(getattr(c, field) for c in tables.node[n]) for n in names)
+
+
+def _recompute_s(need: float, n: int, full: tuple[float, float], sel: tuple[float, float],
+                 modes) -> float:
+    """Least recompute seconds that free ``need`` bytes per micro-batch from n layers, each
+    layer recomputed at most once: the LP relaxation of choosing x full and y selective
+    layers (x + y <= n; ``full``, ``sel``: (bytes freed, seconds) per layer; ``modes``: the
+    recompute modes allowed). inf when even recomputing every layer does not free enough."""
+    if need <= 0:
+        return 0.0
+    best = float("inf")
+    kinds = [k for k, on in ((full, "full" in modes), (sel, "selective" in modes)) if on and k[0] > 0]
+    for freed, cost in kinds:  # one kind only
+        if need <= freed * n:
+            best = min(best, need / freed * cost)
+    if len(kinds) == 2 and kinds[0][0] != kinds[1][0]:  # both, on every layer: x + y = n
+        (f1, c1), (f2, c2) = kinds
+        x = (need - f2 * n) / (f1 - f2)
+        if 0 <= x <= n:
+            best = min(best, x * c1 + (n - x) * c2)
+    return best
+
+
+def memory_time_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: float,
+                        memory_bytes: float, zero_stages, modes) -> float:
+    r"""The module docstring's bound: :math:`(m - 1/v)\,T_0 + L\,\ell/v` with ``layer_s``
+    = ℓ and :math:`T_0 \ge n_0 \ell + R(n_0)`, minimised over rank 0's layer counts
+    :math:`n_0`, where R is the least recompute (:func:`_recompute_s`) that brings rank 0's
+    memory (model states of its layers and the embedding at the most sharding ZeRO allows,
+    each node's least saved activations per micro-batch in flight, one working layer)
+    under ``memory_bytes``. A layer keeps at least the sum of its nodes' least saved bytes
+    (a), selective at least the least without the attention core (s), full its checkpoint
+    (c), so x full and y selective layers free at most x(a - c) + y(a - s) from n·a, at no
+    less than the least forward up to the layer's last saver resp. the least attention-core
+    forward each. inf when no n_0 fits."""
+    L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
+    layer, pre = traced.layers[0], traced.pre
+    act = _least(tables, layer, "saved_bytes")
+    sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer)
+    last = last_saver_index(traced.nodes, layer)
+    full = ((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "fwd_s"))
+    selective = ((act - sel), _least(tables, layer, "core_fwd_s"))
+    per_param = min(bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
+    inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
+    lo, hi = (L // p, L // p) if v > 1 else stage_size_range(L, p)
+    best = float("inf")
+    for n in range(lo, hi + 1):
+        states = (n * _least(tables, layer, "param_numel") + _least(tables, pre, "param_numel")) \
+            * per_param
+        used = states + inflight * (n * act + _least(tables, pre, "saved_bytes")) + act
+        need = (used - memory_bytes * MEMORY_ROUNDING) / inflight
+        best = min(best, n * layer_s + _recompute_s(need, n, full, selective, modes))
+    return (m - 1 / v) * best + L * layer_s / v
