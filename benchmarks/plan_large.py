@@ -16,12 +16,11 @@ search (``autopar.plan`` without its capture), prints the plan, and checks
   placements differ from that pattern where it is free to (which element-wise ops run on
   which shards): its prediction is printed beside it with the nodes that differ.
 
-It also prints the tensors of the chosen plan that the cost model prices too low: a tensor
-produced sharded and all-gathered for a consumer that keeps its input for backward (a
-replicated LayerNorm, a column-split Linear) is kept whole by the runtime (measured with
-``SavedActivationTracker`` on 2 gloo ranks), but ``cost_tables`` divides its saved bytes by
-t because its producer's output is sharded; the solver uses that to fit plans in memory,
-and the plan's peak with those copies counted is printed beside the prediction.
+It also lists the tensors of the chosen plan that are produced sharded and all-gathered
+for a consumer that keeps its input for backward (a replicated LayerNorm, a column-split
+Linear): the runtime keeps the gathered tensor whole (measured with
+``SavedActivationTracker`` on 2 gloo ranks), and the cost model prices it so
+(:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`, in the solver's memory rows).
 
 Batches: GPT-3 at s = 2048, B = 1536 (Brown et al. 2020; Narayanan et al. 2021, Table 1);
 Llama-3-70B at s = 8192, B = 512, 4.2M tokens per step (Llama 3 pre-training used 4M
@@ -51,12 +50,10 @@ from autopar.models import GPT, preset  # noqa: E402
 from autopar.oracle.plan_forms import (ModelShape, predicted_flops, stage_memory_bytes,  # noqa: E402
                                        step_flops)
 from autopar.planner.megatron import megatron_placements  # noqa: E402
-from autopar.plan import rank_layers  # noqa: E402
 from autopar.planner.decision import decision_from_plan  # noqa: E402
 from autopar.planner.predict import predict  # noqa: E402
 from autopar.planner.search import search  # noqa: E402
 from autopar.planner.strategies import decode_placements, tensor_inputs  # noqa: E402
-from cost_models.memory import in_flight_micro_batches  # noqa: E402
 from autopar.support import RUNTIME_SUPPORT  # noqa: E402
 
 TARGET_S = 15.0
@@ -159,14 +156,13 @@ def placement_differences(case: Case) -> list[str]:
 
 def gathered_saves(case: Case) -> tuple[list[str], float]:
     """Template-layer tensors that the solver's placements produce sharded but that a
-    consumer keeping its input for backward reads whole, through an all-gather: the
-    runtime keeps the gathered tensor, the cost model prices the shard (its saved bytes are
-    divided by t when the producer's output is sharded). Returns their names and the bytes
-    per layer and micro-batch priced too low, 2·numel·b·(1 - 1/t) each."""
+    consumer keeping its input for backward reads whole, through an all-gather. Returns
+    their names and the bytes per layer and micro-batch that the whole copies add over the
+    shards, 2·numel·b·(1 - 1/t) each: priced by the cost model (``EdgeCost.saved_bytes``)."""
     plan, traced = case.plan, case.traced
     chosen = {n: st for n, (_, st) in decode_placements(traced, plan.placements, plan.tp).items()}
     by_name = {n.name: n for n in traced.gm.graph.nodes}
-    names, missing = [], 0.0
+    names, extra = [], 0.0
     for u in traced.layers[0]:
         if not chosen[u].output.is_sharded:
             continue
@@ -174,22 +170,8 @@ def gathered_saves(case: Case) -> tuple[list[str], float]:
                    for j, x in enumerate(tensor_inputs(v, traced.nodes)) if x is by_name[u]]
         if any(chosen[v.name].inputs[j].is_replicated for v, j in readers):
             names.append(u)
-            missing += 2 * traced.nodes[u].saved_elems * plan.micro_batch_size * (1 - 1 / plan.tp)
-    return names, missing
-
-
-def runtime_peak_bytes(case: Case, missing: float) -> float:
-    """The plan's peak memory with the gathered copies of :func:`gathered_saves` counted:
-    per rank, every layer not fully recomputed keeps them for each micro-batch in flight,
-    and the working layer once."""
-    plan, out = case.plan, []
-    for rank, mem in enumerate(plan.predicted.memory_bytes_by_stage):
-        layers = [l for l in rank_layers(plan.stage_layers, plan.pp, rank)
-                  if plan.recompute[l] != "full"]
-        inflight = in_flight_micro_batches(plan.schedule, plan.pp, rank, plan.num_micro_batches,
-                                           plan.virtual_stages)
-        out.append(sum(mem.values()) + missing * (len(layers) * inflight + 1))
-    return max(out)
+            extra += 2 * traced.nodes[u].numel * plan.micro_batch_size * (1 - 1 / plan.tp)
+    return names, extra
 
 
 def summary_row(case: Case) -> str:
@@ -232,10 +214,9 @@ def check_case(case: Case) -> list[str]:
     diffs = placement_differences(case)
     print(f"  the solver's placements differ from Megatron's at {len(diffs)} nodes of the "
           f"template layer and the embedding/head sections, e.g. {diffs[:6]}")
-    names, missing = gathered_saves(case)
-    print(f"  sharded tensors a saving consumer all-gathers (kept whole by the runtime, priced "
-          f"as shards): {names}, {missing / 2**20:.1f} MiB per layer and micro-batch; the "
-          f"plan's peak with them counted: {runtime_peak_bytes(case, missing) / 2**30:.2f} GiB")
+    names, extra = gathered_saves(case)
+    print(f"  sharded tensors a saving consumer all-gathers (kept whole, priced whole): "
+          f"{names or 'none'}, {extra / 2**20:.1f} MiB per layer and micro-batch")
     return failures
 
 

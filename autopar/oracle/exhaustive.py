@@ -110,8 +110,9 @@ def replicated_index(strategies, name: str) -> int:
 
 def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun: bool,
                 src_rerun: dict, tied_post: bool):
-    """Cost vector of node ``v`` at strategy ``kv`` with its input reshards, their kept
-    gathered copies and Megatron f, each charged once per section and tensor (as
+    """Cost vector of node ``v`` at strategy ``kv`` with its input reshards, the versions
+    of its inputs it keeps for backward and Megatron f, each charged once per section and
+    tensor (as
     ``predict.section_cost``); None when an input transition is not offered. Returns (delta, {input: (f charged, placement)})."""
     c, sv = tables.node[v][kv], strategies[v][kv]
     d = [0.0] * len(FIELDS)
@@ -137,7 +138,7 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
             d[1] += edge.fwd_s if src_rerun[u] else 0.0
             d[11] += edge.bwd_s
             placed += (target,)
-        copy = ("kept",) + target  # a gathered copy kept whole for backward, once
+        copy = ("kept",) + target  # the version of u that v keeps for backward, once
         if edge.saved_bytes and copy not in done and copy not in placed:
             kib = math.ceil(edge.saved_bytes / KIB)
             for field, add in ((3, edge.saved_bytes), (4, edge.saved_bytes), (7, kib), (8, kib)):

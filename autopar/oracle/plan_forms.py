@@ -25,11 +25,13 @@ rank 0) times the micro-batches in flight (Narayanan et al. 2021 for 1F1B and in
 rank and the working layer being run (a layer's whole activations, rebuilt by recompute).
 Per layer: Korthikanti et al. 2022 Table 2 for GPT (:func:`autopar.oracle.symbolic.closed_form`,
 dropout masks included), :mod:`autopar.oracle.symbolic_llama` for Llama, by recompute mode.
-The sections outside the layers, by the same accounting:
+A layer pays for its input (kept by its first LayerNorm) and not for its output, which
+the next layer or the head keeps. The sections outside the layers, by the same accounting:
 
-* GPT embedding section: the embedding dropout's output (kept by layer 0's LayerNorm) and
-  its mask, 3sbh; head: ``ln_f``'s output kept by the head 2sbh, and the fp32 softmax of
-  the vocabulary-parallel cross-entropy :math:`4sbV/t`;
+* GPT embedding section: the embedding dropout's mask, sbh (its output is layer 0's
+  input); head: the last layer's output and ``ln_f``'s output, kept by ``ln_f`` and the
+  head, 2·2sbh, and the fp32 softmax of the vocabulary-parallel cross-entropy
+  :math:`4sbV/t`;
 * Llama embedding section: nothing per sequence (the embedding output is kept by nobody:
   RMSNorm keeps its fp32 copy, in layer 0); the causal mask kept by SDPA, the float
   positions and inverse frequencies (kept by their product), the rotary angles (kept by
@@ -136,7 +138,7 @@ def _section_bytes(shape: ModelShape, s: int, b: int, t: int) -> tuple[float, fl
     h, a, V = shape.hidden, shape.heads, shape.vocab
     loss = 4 * s * b * V / t
     if shape.family == "gpt":
-        return 3 * s * b * h, 2 * s * b * h + loss
+        return s * b * h, 4 * s * b * h + loss
     pre = 2 * (s * s + s + sympy.Rational(h, 2 * a) + sympy.Rational(3 * s * h, a))
     return float(pre), 2 * (2 * s * b * h + 2 * s * b + h) + 2 * s * b * h + loss
 

@@ -58,7 +58,7 @@ from autopar.planner.cost_tables import Config, cost_tables
 from autopar.models import GPT, GPTConfig
 from autopar.placement import REPLICATE, format_strategy_key
 from autopar.plan import RECOMPUTE_MODES
-from autopar.planner.strategies import node_strategies, strategies_by_key
+from autopar.planner.strategies import node_strategies, strategies_by_key, tensor_inputs
 from autopar.graph.capture import trace_model
 
 __all__ = ["SYMBOLS", "SymbolicFitError", "closed_form", "closed_form_names", "fit_monomials",
@@ -233,15 +233,28 @@ def layer_bytes(traced, placements: dict[str, str], micro_batch: int, tp: int) -
                                 num_micro_batches=1))
     out: dict[str, float] = {_INPUT: tables.full_ckpt_bytes}
     replicated = format_strategy_key("replicate", REPLICATE)
-    for name in traced.layers[0]:
-        want = placements.get(name, replicated) if tp > 1 else replicated
+    choice = {}
+    for name in strategies:
+        want = placements.get(name, replicated) if tp > 1 and name in traced.layers[0] \
+            else replicated
         try:
-            chosen = strategies_by_key(strategies[name], want, name, tp)
+            choice[name] = strategies[name].index(strategies_by_key(strategies[name], want, name, tp))
         except ValueError as exc:
             raise SymbolicFitError(str(exc)) from exc
-        cost = tables.node[name][strategies[name].index(chosen)]
+    for name in traced.layers[0]:
+        cost = tables.node[name][choice[name]]
         out[name] = cost.saved_bytes
         out[name + _CORE] = cost.core_saved_bytes
+    # the tensors the layer's ops keep for backward, each version once (its input included)
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    for v in traced.layers[0]:
+        strat = strategies[v][choice[v]]
+        for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
+            if u.name not in traced.layers[0] and u.name != traced.pre[-1]:
+                continue
+            edge = tables.edge[(u.name, v, j)][(choice[u.name], choice[v])]
+            if edge.saved_bytes:
+                out[f"kept {u.name} as {strat.inputs[j]}"] = edge.saved_bytes
     return out
 
 

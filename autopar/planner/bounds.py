@@ -81,6 +81,23 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
     return sum(min(getattr(c, field) for c in tables.node[n]) for n in names)
 
 
+def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
+                boundary: str | None) -> float:
+    """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
+    its input ``boundary``'s; :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`):
+    per tensor, the smallest version any of them could keep."""
+    members, least = set(names), {}
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    for v in names:
+        for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
+            if u.name not in members and u.name != boundary:
+                continue
+            sizes = [c.saved_bytes for c in tables.edge[(u.name, v, j)].values() if c is not None]
+            if sizes and min(sizes) > 0:
+                least[u.name] = min(least.get(u.name, float("inf")), min(sizes))
+    return sum(least.values())
+
+
 def _recompute_s(need: float, n: int, full: tuple[float, float], sel: tuple[float, float],
                  modes) -> float:
     """Least recompute seconds that free ``need`` bytes per micro-batch from n layers, each
@@ -116,19 +133,21 @@ def memory_time_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, la
     forward each. inf when no n_0 fits."""
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
     layer, pre = traced.layers[0], traced.pre
-    act = _least(tables, layer, "saved_bytes")
-    sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer)
+    kept = _least_kept(traced, tables, layer, pre[-1])
+    act = _least(tables, layer, "saved_bytes") + kept
+    sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
     last = last_saver_index(traced.nodes, layer)
     full = ((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "fwd_s"))
     selective = ((act - sel), _least(tables, layer, "core_fwd_s"))
     per_param = min(bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
     inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 else stage_size_range(L, p)
+    pre_act = _least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None)
     best = float("inf")
     for n in range(lo, hi + 1):
         states = (n * _least(tables, layer, "param_numel") + _least(tables, pre, "param_numel")) \
             * per_param
-        used = states + inflight * (n * act + _least(tables, pre, "saved_bytes")) + act
+        used = states + inflight * (n * act + pre_act) + act
         need = (used - memory_bytes * MEMORY_ROUNDING) / inflight
         best = min(best, n * layer_s + _recompute_s(need, n, full, selective, modes))
     return (m - 1 / v) * best + L * layer_s / v

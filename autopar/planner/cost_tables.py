@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
-from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
+from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES, TracedModel, saves_inputs
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
@@ -76,11 +76,12 @@ class StrategyCost:
 class EdgeCost:
     """Resharding between two strategies on one edge: seconds and payload bytes.
 
-    saved_bytes: activation bytes the consumer keeps beyond what its producer's
-    :class:`StrategyCost` counts: a tensor produced sharded (saved bytes divided by t) and
-    all-gathered for a consumer that keeps its input for backward is kept whole by the
-    runtime, so the edge adds the other ranks' part, ``nbytes·(1 - 1/t)``; 0 otherwise.
-    Charged once per tensor, placement and section, like the collective itself.
+    saved_bytes: bytes of the version of the tensor that the consumer keeps for backward
+    (0 when it keeps none): ``nbytes`` when it reads the tensor whole (replicated or
+    partial, all-gathered or all-reduced if need be), ``nbytes/t`` when it reads a shard
+    (this rank's slice, or a reduce-scatter). A tensor costs the sum of its kept versions,
+    each once (:func:`autopar.planner.predict.section_cost`); its producer's
+    :class:`StrategyCost` holds only dropout masks and the attention core.
     """
 
     fwd_s: float
@@ -220,9 +221,10 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     if info.kind not in ("view", "transpose", "input", "output", "nontensor"):
         fwd += dev.op_overhead_s  # dispatch / launch of the op itself
     sharded = strat.output.is_sharded
-    # the attention core's bytes are part of what the layer saves (selective drops them)
+    # the attention core's bytes are part of what the layer saves (selective drops them);
+    # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
     core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
-    saved = info.saved_bytes_at(act_bytes) * b / (tp if sharded else 1) + core
+    saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=fwd if info.kind == "sdpa" else 0.0)
@@ -349,10 +351,10 @@ def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: 
     for ku, src in enumerate(outs):
         for kv, dst in enumerate(wants):
             kinds = reshard_kinds(src, dst, sp)
-            gathered = saves and kinds is not None and kinds[0] == "all_gather"
+            kept = nbytes / (tp if dst.is_sharded else 1) if saves else 0.0
             table[(ku, kv)] = None if kinds is None else EdgeCost(
                 fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
                 bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
                 fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes,
-                saved_bytes=nbytes * (1 - 1 / tp) if gathered else 0.0)
+                saved_bytes=kept)
     return table

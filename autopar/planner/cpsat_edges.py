@@ -9,10 +9,9 @@ For every edge u → v (input j of v) and strategy pair (k, l) of u and v:
   recompute;
 * ``megatron_f[u]``: :math:`f_u \ge x_{u,k} + x_{v,l} - 1` when l makes u's gradient
   partial (Megatron's f: one backward all-reduce, or reduce-scatter, of u);
-* ``kept_copy[...]``: when v keeps its input for backward and reads u through an
-  all-gather, the runtime keeps the gathered tensor whole, so c adds
-  :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes` to the section's activations
-  (one row per edge over all such pairs, :func:`_add_kept_copy`).
+* ``kept[...]`` (:func:`add_saved_versions`): when v keeps its input for backward, the
+  version of u it reads (u itself, or the copy a reshard makes) is kept once per section:
+  the activations a plan keeps are counted on its edges.
 
 A reshard of u into one placement, its kept copy and f are shared by all consumers in a
 section (the rewriter inserts one collective), so each has one variable per section.
@@ -20,11 +19,12 @@ section (the rewriter inserts one collective), so each has one variable per sect
 
 from __future__ import annotations
 
+from autopar.graph.annotate import saves_inputs
 from autopar.planner.cost_tables import f_cost
 from autopar.planner.step import KIB
 from autopar.planner.strategies import gathers_for_partial_grad, partial_grad_input, tensor_inputs
 
-__all__ = ["add_edges"]
+__all__ = ["add_edges", "add_saved_versions", "crosses_section"]
 
 
 def add_edges(cm) -> None:
@@ -39,6 +39,7 @@ def add_edges(cm) -> None:
             src_name = src.name if src.name in cm.choice else cm.traced.layers[0][-1]
             table = cm.tables.edge[(src.name, node.name, j)]
             _add_edge(cm, src_name, node.name, j, table)
+    add_saved_versions(cm)
 
 
 def _shared(cm, store: dict, key: tuple, name: str, section: str, costs: dict):
@@ -54,7 +55,6 @@ def _shared(cm, store: dict, key: tuple, name: str, section: str, costs: dict):
 
 def _add_edge(cm, u: str, v: str, j: int, table) -> None:
     section, ups, model = cm.section_of[v], cm.units_per_second, cm.model
-    copies: dict[bool, tuple[set, set, float]] = {}  # fused -> (u's k, v's l, bytes)
     for ku, su in enumerate(cm.strategies[u]):
         for kv, sv in enumerate(cm.strategies[v]):
             cost = table.get((ku, kv))
@@ -78,26 +78,64 @@ def _add_edge(cm, u: str, v: str, j: int, table) -> None:
                     costs["rec"] = cost.fwd_s * ups
                 r = _shared(cm, cm.reshard, rkey, f"reshard[{label}]", section, costs)
                 model.Add(r >= xu + xv - 1).WithName(f"reshard[{label}]")
-            if cost.saved_bytes:
-                copies.setdefault(fused, (set(), set(), cost.saved_bytes))
-                copies[fused][0].add(ku)
-                copies[fused][1].add(kv)
-    for fused, (sharded, wants_whole, nbytes) in copies.items():
-        _add_kept_copy(cm, u, v, section, fused, sharded, wants_whole, nbytes, table)
 
 
-def _add_kept_copy(cm, u: str, v: str, section: str, fused: bool, sharded: set, whole: set,
-                   nbytes: float, table) -> None:
-    r"""``kept_copy[u->R]``: :math:`c \ge \sum_{k \in K_u} x_{u,k} + \sum_{l \in K_v}
-    x_{v,l} - 1` over u's sharded outputs :math:`K_u` and v's strategies reading u whole
-    :math:`K_v` (every pair of the two sets gathers into a saver: one aggregated row is
-    exact for one-hot choices and tighter in CP-SAT's LP relaxation than a row per pair)."""
-    if any(not table[(ku, kv)] or not table[(ku, kv)].saved_bytes
-           for ku in sharded for kv in whole):
-        raise RuntimeError(f"kept copies of {u} -> {v} are not a product of strategy sets; "
-                           "autopar's edge table is inconsistent (a bug)")
-    c = _shared(cm, cm.kept_copy, (u, section, fused), f"kept_copy[{u}->R,{fused}]", section,
-                {"act": nbytes / KIB})
-    xu, xv = cm.choice[u], cm.choice[v]
-    cm.model.Add(c >= sum(xu[k] for k in sorted(sharded)) + sum(xv[k] for k in sorted(whole)) - 1
-                 ).WithName(f"kept_copy[{u}->{v}]")
+def crosses_section(traced, u: str, v: str) -> bool:
+    """Is u a section's output (the embedding's, a layer's) read by another section (the
+    next layer, the head)? Its kept version is then charged to the reader's section, so
+    each layer pays for its input; every other kept tensor is charged to its producer's."""
+    a, b = traced.nodes[u], traced.nodes[v]
+    is_output = u == traced.pre[-1] or (a.layer is not None and traced.layers[a.layer][-1] == u)
+    return is_output and (a.section, a.layer) != (b.section, b.layer)
+
+
+def add_saved_versions(cm) -> None:
+    r"""``kept[u,D]``: the version D of tensor u that some consumer keeps for backward (u's
+    own output, or the copy a reshard makes: :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`),
+    one variable per tensor, version and charged section (:func:`crosses_section`) with its
+    bytes in that section's activations: for each consumer v of u that saves its inputs,
+    :math:`c \ge \sum_{k \in K_u} x_{u,k} + \sum_{l \in K_v} x_{v,l} - 1` over the
+    strategies of v that read u as D (with one Megatron-f flavour) and those of u that make
+    that reshard (every pair of the two sets keeps the same copy: one aggregated row is exact
+    for one-hot choices and tighter in CP-SAT's LP relaxation than a row per pair).
+    A tensor with a single saving read needs no variable: the version kept follows from the
+    reader's strategy, so its bytes go on the reader's choice booleans. Consumers of the
+    embedding section, the template layer and the head stand for all."""
+    traced, nodes = cm.traced, cm.traced.nodes
+    readers: dict[tuple[str, str], list] = {}  # (tensor, charged section) -> its saving reads
+    for v in traced.gm.graph.nodes:
+        if v.name not in cm.section_of or not saves_inputs(nodes[v.name]):
+            continue
+        for j, src in enumerate(tensor_inputs(v, nodes)):
+            u = src.name if src.name in cm.choice else traced.layers[0][-1]
+            section = cm.section_of[v.name if crosses_section(traced, src.name, v.name) else u]
+            readers.setdefault((u, section), []).append((v.name, j, cm.tables.edge[(src.name, v.name, j)]))
+    for (u, section), reads in readers.items():
+        if len(reads) == 1:  # one reader: the version it keeps follows from its strategy alone
+            v, j, table = reads[0]
+            size = {kv: cost.saved_bytes for (_, kv), cost in table.items() if cost is not None}
+            for kv, nbytes in size.items():
+                cm.terms.add(section, "act", nbytes / KIB, cm.choice[v][kv])
+            continue
+        for v, j, table in reads:
+            _add_shared_version(cm, u, v, j, table, section)
+
+
+def _add_shared_version(cm, u: str, v: str, j: int, table, section: str) -> None:
+    """The ``kept`` rows of one of several saving reads of u (:func:`add_saved_versions`)."""
+    groups: dict[tuple, tuple[set, set, float]] = {}
+    for (ku, kv), cost in table.items():
+        if cost is None or not cost.saved_bytes:
+            continue
+        sv = cm.strategies[v][kv]
+        fused = gathers_for_partial_grad(sv, j, cm.strategies[u][ku].output)
+        group = groups.setdefault((sv.inputs[j], fused, partial_grad_input(sv, j)),
+                                  (set(), set(), cost.saved_bytes))
+        group[0].add(ku)
+        group[1].add(kv)
+    for (version, fused, _), (us, vs, nbytes) in groups.items():
+        c = _shared(cm, cm.kept_copy, (u, section, version, fused),
+                    f"kept[{u},{version},{fused}]", section, {"act": nbytes / KIB})
+        xu, xv = cm.choice[u], cm.choice[v]
+        cm.model.Add(c >= sum(xu[k] for k in sorted(us)) + sum(xv[k] for k in sorted(vs)) - 1
+                     ).WithName(f"kept[{u}->{v}]")

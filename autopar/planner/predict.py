@@ -12,10 +12,11 @@ from collections import defaultdict
 
 from cost_models.memory import in_flight_micro_batches
 
-from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.graph.annotate import TracedModel, last_saver_index, saves_inputs
 from autopar.plan import Prediction, rank_layers
 from autopar.planner.comm_bytes import stage_stats
 from autopar.planner.cost_tables import CostTables, f_cost
+from autopar.planner.cpsat_edges import crosses_section
 from autopar.planner.step import (counts_tied_weight_once, model_state_bytes_by_kind, step_time_s,
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
@@ -33,8 +34,9 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward
     ("fwd_" prefix, repeated by full recompute) and backward. A reshard of one tensor into
     one placement, and Megatron's f, run once per section however many consumers read it;
-    so is a gathered copy that a consumer keeps for backward counted once in act_bytes
-    (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`).
+    so is each version of a tensor that consumers keep for backward, in act_bytes
+    (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`; a section pays for its
+    nodes' kept outputs and for its input, :func:`_kept_outputs`).
     """
     out: dict[str, float] = defaultdict(float)
     nodes, members, tp = traced.nodes, set(names), tables.config.tp
@@ -64,9 +66,8 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
             if partial_grad_input(strat, j):
                 partial.add((src.name, src_placement))
             fused = gathers_for_partial_grad(strat, j, src_placement)
-            if edge.saved_bytes and (src.name, strat.inputs[j], fused) not in kept:
-                kept.add((src.name, strat.inputs[j], fused))  # the gathered copy, kept whole
-                out["act_bytes"] += edge.saved_bytes
+            if src.name not in members and crosses_section(traced, src.name, node.name):
+                _keep(out, kept, (src.name, strat.inputs[j], fused), edge.saved_bytes)
             if (src.name, strat.inputs[j], fused) in done or not (edge.fwd_kind or edge.bwd_kind):
                 continue
             done.add((src.name, strat.inputs[j], fused))
@@ -82,6 +83,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                     out[f"{phase}tp_{kind}"] += edge.nbytes
                 elif kind == "all_gather":  # payload: this rank's shard
                     out[f"{phase}tp_all_gather"] += edge.nbytes / tp
+    _kept_outputs(traced, strategies, tables, choice, names, out, kept)
     if tp > 1 and any(strategies[n][choice[n]].name == "vocab_parallel" for n in names):
         out["fwd_tp_all_reduce"] += tables.vocab_loss_bytes  # vocab-parallel cross-entropy
     for u, placement in partial:  # Megatron f: one backward collective per tensor
@@ -109,6 +111,36 @@ def _layer_costs(traced, strategies, tables, choice) -> list[dict[str, float]]:
             seen[key] = section_cost(traced, strategies, tables, choice, names)
         out.append(seen[key])
     return out
+
+
+def _keep(out: dict, kept: set, key: tuple, nbytes: float) -> None:
+    """Count a kept version of a tensor (key: tensor, placement read, Megatron-f gather)
+    once in ``out["act_bytes"]``."""
+    if nbytes and key not in kept:
+        kept.add(key)
+        out["act_bytes"] += nbytes
+
+
+def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
+    """Charge to this section every version of its nodes' outputs that a consumer keeps
+    for backward (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`), except a
+    section output read by the next section, which that section pays for
+    (:func:`~autopar.planner.cpsat_edges.crosses_section`)."""
+    members = set(names)
+    for node in traced.gm.graph.nodes:
+        if node.name not in members:
+            continue
+        for user in node.users:
+            if not saves_inputs(traced.nodes[user.name]) or (
+                    user.name not in members and crosses_section(traced, node.name, user.name)):
+                continue
+            strat = strategies[user.name][choice[user.name]]
+            for j, src in enumerate(tensor_inputs(user, traced.nodes)):
+                if src is not node:
+                    continue
+                edge = tables.edge[(node.name, user.name, j)][(choice[node.name], choice[user.name])]
+                fused = gathers_for_partial_grad(strat, j, strategies[node.name][choice[node.name]].output)
+                _keep(out, kept, (node.name, strat.inputs[j], fused), edge.saved_bytes)
 
 
 def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, layer_costs):

@@ -10,6 +10,7 @@ the enumerated space without solving every config.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -33,6 +34,8 @@ MAX_MICRO_BATCH_SIZE = 8
 # to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
 # off when it cannot beat the incumbent by more than this margin, then predict decides.
 CUTOFF_SLACK = 0.01
+SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the batch (fixed,
+# not the core count, so the search path and its result are the same on every machine)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 
 
@@ -200,7 +203,9 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     """Branch and bound over the configs of :func:`candidate_configs` for ``traced`` on
     ``cluster`` with B = ``global_batch_size``: configs in order of a compute lower bound
     (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
-    CP-SAT with the best step time so far as cutoff, then priced by ``predict``.
+    CP-SAT with the best step time so far as cutoff, then priced by ``predict``; configs
+    that reach CP-SAT are solved :data:`SOLVE_BATCH` at a time on threads, each batch with
+    the cutoff from before it, and read back in order (deterministic).
     ``even_stages``: layers split evenly as Megatron does (hand layouts).
 
     Raises ValueError (:func:`validate_layout`, or no config fits the layout) and
@@ -224,43 +229,37 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     bound = {c: _bounds(traced, cluster, c, memo, layout, support, 0.0) for c in configs}
     configs.sort(key=bound.get)
     best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
-    for cfg in configs:
-        if progress is not None:
-            progress(len(seen), len(configs), best_t if best is not None else None)
-        zero = zero_choices(layout, support, cfg.pp)
-        mem_lb = memory_lower_bound_bytes(traced, cfg, zero)
-        if mem_lb > cluster.device.memory_bytes:
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
-                         "min_memory_bytes": mem_lb,
-                         "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
-                                   f"{cluster.device.memory_gib:.0f} GiB"})
-            continue
-        lb = _bounds(traced, cluster, cfg, memo, layout, support, best_t)
-        if lb == float("inf"):
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": False,
-                         "reason": "pipeline rank 0 does not fit memory with any layer count "
-                                   "and recompute (memory-time lower bound)"})
-            continue
-        if lb >= best_t:
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": None,
-                         "reason": f"pruned: step-time lower bound {lb:.3f} s >= best {best_t:.3f} s"})
-            continue
-        decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, layout, support, mapping,
-            even_stages=even_stages, cutoff_s=best_t * (1 + CUTOFF_SLACK), memo=memo)
-        statuses[cfg] = status
-        if decision is None:
-            feasible, reason = _unsolved(status, best_t)
-            seen.append({"layout": asdict(cfg), "step_time_s": None, "feasible": feasible,
-                         "reason": reason})
-            continue
-        pred = predict(traced, strategies, tables, cluster, decision,
-                       global_batch_size=global_batch_size)
-        seen.append({"layout": asdict(cfg), "step_time_s": pred.step_time_s, "feasible": True,
-                     "tflops_per_gpu": pred.tflops_per_gpu,
-                     "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
-        if pred.step_time_s < best_t:
-            best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
+    with ThreadPoolExecutor(SOLVE_BATCH) as pool:  # CP-SAT releases the GIL while it solves
+        i = 0
+        while i < len(configs):
+            batch, cutoff = [], best_t
+            while i < len(configs) and len(batch) < SOLVE_BATCH:
+                cfg, i = configs[i], i + 1
+                if progress is not None:
+                    progress(len(seen) + len(batch), len(configs),
+                             best_t if best is not None else None)
+                pruned = _pruned(traced, cluster, cfg, memo, layout, support, best_t)
+                if pruned is None:
+                    batch.append((cfg, pool.submit(
+                        solve_one, traced, cluster, cfg, layout, support, mapping,
+                        even_stages=even_stages, cutoff_s=cutoff * (1 + CUTOFF_SLACK), memo=memo)))
+                else:
+                    seen.append(pruned)
+            for cfg, future in batch:  # in config order: the result never depends on timing
+                decision, status, tables, strategies = future.result()
+                statuses[cfg] = status
+                if decision is None:
+                    feasible, reason = _unsolved(status, cutoff)
+                    seen.append({"layout": asdict(cfg), "step_time_s": None,
+                                 "feasible": feasible, "reason": reason})
+                    continue
+                pred = predict(traced, strategies, tables, cluster, decision,
+                               global_batch_size=global_batch_size)
+                seen.append({"layout": asdict(cfg), "step_time_s": pred.step_time_s,
+                             "feasible": True, "tflops_per_gpu": pred.tflops_per_gpu,
+                             "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
+                if pred.step_time_s < best_t:
+                    best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
     if best is not None:
@@ -270,6 +269,28 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     if best is None:
         raise InfeasibleError(_infeasible_message(cluster, seen, statuses))
     return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
+
+
+def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
+            support: RuntimeSupport | None, best_t: float) -> dict | None:
+    """The ``seen`` entry of a config that need not be solved (the memory lower bound says
+    it does not fit, or a step-time bound of :func:`_bounds` says it cannot fit or cannot
+    beat ``best_t`` seconds), else None."""
+    mem_lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp))
+    if mem_lb > cluster.device.memory_bytes:
+        return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
+                "min_memory_bytes": mem_lb,
+                "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
+                          f"{cluster.device.memory_gib:.0f} GiB"}
+    lb = _bounds(traced, cluster, cfg, memo, layout, support, best_t)
+    if lb == float("inf"):
+        return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
+                "reason": "pipeline rank 0 does not fit memory with any layer count and "
+                          "recompute (memory-time lower bound)"}
+    if lb >= best_t:
+        return {"layout": asdict(cfg), "step_time_s": None, "feasible": None,
+                "reason": f"pruned: step-time lower bound {lb:.3f} s >= best {best_t:.3f} s"}
+    return None
 
 
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,

@@ -59,17 +59,17 @@ def _worker(rank: int, world: int, cases):
 
 def _check_stats(case, measured: dict, predicted: dict) -> None:
     """The executed step against the cost model: communication payload bytes per kind
-    exactly, model-state bytes within 1%, peak saved activations never above the
-    prediction (2% for allocator-free rounding) and within 20% below it (recompute none:
-    checkpointed regions keep their inputs outside the saved-tensor hooks; the cost model
-    counts a replicated tensor whole even when its savers keep only slices of it)."""
+    exactly, model-state bytes within 1%, peak saved activations within 5% (recompute
+    none: checkpointed regions keep their inputs outside the saved-tensor hooks). The
+    solver's placements here gather shards into LayerNorms and Linears and slice
+    replicated tensors for row-split Linears: each kept version is priced at its size."""
     for kind, nbytes in measured["comm_bytes"].items():
         assert nbytes == predicted["comm_bytes"][kind], (case, kind, measured, predicted)
     states = measured["model_state_bytes"] / predicted["model_state_bytes"]
     assert abs(states - 1) < 0.01, (case, measured, predicted)
     if case[4] == "none":
         saved = measured["saved_activation_bytes"] / predicted["saved_activation_bytes"]
-        assert 0.8 < saved <= 1.02, (case, measured, predicted)
+        assert abs(saved - 1) < 0.05, (case, measured, predicted)
     assert measured["step_time_s"] > 0
 
 

@@ -37,7 +37,10 @@ def _traced():
         return trace_model(GPT(CONFIG), 16, name="gpt")
 
 
-def test_gather_into_a_saver_is_priced_whole_and_once():
+def test_kept_versions_are_priced_on_edges_whole_or_sharded():
+    """Every edge into a consumer that keeps its input carries the bytes of the version it
+    keeps: whole when it reads the tensor replicated (all-gathered from a shard if need
+    be), 1/t when it reads a shard; a layer pays for each version once, its input included."""
     traced = _traced()
     with torch.device("meta"):
         model = GPT(CONFIG)
@@ -45,21 +48,24 @@ def test_gather_into_a_saver_is_priced_whole_and_once():
                         layout=autopar.Layout(tp=2, pp=1, dp=1, micro_batch_size=2,
                                               recompute="none"))
     decision, tables, strategies = decision_from_plan(traced, fast_cluster(2), plan)
-    choice, layer = decision.strategy, traced.layers[0]
+    choice, layer = decision.strategy, traced.layers[1]
     graph = {n.name: n for n in traced.gm.graph.nodes}
-    kept, plain = {}, 0.0
+    kept, gathered = {}, 0
     for v in layer:
+        strat = strategies[v][choice[v]]
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             edge = tables.edge[(u.name, v, j)][(choice[u.name], choice[v])]
-            if edge.saved_bytes:
-                assert saves_inputs(traced.nodes[v]) and edge.fwd_kind == "all_gather"
-                assert edge.saved_bytes == pytest.approx(edge.nbytes / 2)
-                kept[(u.name, strategies[v][choice[v]].inputs[j])] = edge.saved_bytes
-    assert kept, "the fast-link plan gathers a sharded tensor into a saver"
-    plain = sum(tables.node[n][choice[n]].saved_bytes for n in layer)
+            if not saves_inputs(traced.nodes[v]):
+                assert edge.saved_bytes == 0
+                continue
+            whole = not strat.inputs[j].is_sharded
+            assert edge.saved_bytes == pytest.approx(edge.nbytes / (1 if whole else 2))
+            gathered += edge.fwd_kind == "all_gather"
+            kept[(u.name, strat.inputs[j])] = edge.saved_bytes
+    assert gathered, "the fast-link plan all-gathers a sharded tensor into a saver"
+    own = sum(tables.node[n][choice[n]].saved_bytes for n in layer)
     cost = section_cost(traced, strategies, tables, choice, layer)
-    assert cost["act_bytes"] == pytest.approx(plain + sum(kept.values()))
-    assert plan.predicted.peak_memory_bytes >= sum(kept.values()) * traced.num_layers
+    assert cost["act_bytes"] == pytest.approx(own + sum(kept.values()))
 
 
 CONFIGS = [(2, 2, 2, 1, 4, "1f1b", 1), (1, 4, 2, 1, 4, "1f1b", 1),

@@ -58,11 +58,12 @@ def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     traced = trace_model(_meta("gpt-8.3b"), 1024)
     strategies = node_strategies(traced, tp)
     tables = cost_tables(traced, strategies, cluster, Config(tp, 1, 8 // tp, 1, 2))
+    from autopar.planner.predict import section_cost
+
     placements = tp8_plan.placements if tp == 8 else {}
-    saved = 0.0
-    for name in traced.layers[0]:
-        keys = [s.key for s in strategies[name]]
-        saved += tables.node[name][keys.index(placements.get(name, "replicate:R"))].saved_bytes
+    choice = {name: [s.key for s in options].index(placements.get(name, "replicate:R"))
+              for name, options in strategies.items()}
+    saved = section_cost(traced, strategies, tables, choice, traced.layers[1])["act_bytes"]
     assert saved == transformer_layer_activation_bytes(1024, 1, 3072, 32, tp=tp)
 
 
