@@ -12,8 +12,8 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
   collectives they imply (forbidden pairs: :math:`x_{u,k} + x_{v,l} \le 1`);
 * Megatron's f: :math:`f_u \ge x_{v,l}` for consumers whose strategy makes u's gradient
   partial (one backward all-reduce of u, shared by all such consumers)
-  (:meth:`~ConfigModel.add_edges`), and a gathered copy kept whole for a consumer that
-  saves its input adds its bytes to the layer's activations
+  (:meth:`~ConfigModel.add_edges`), and each version of a tensor that a consumer keeps
+  for backward adds its bytes to its section's activations
   (:mod:`autopar.planner.cpsat_edges`);
 * pipeline cuts: :math:`n_i` layers on rank i within ``STAGE_SLACK`` of L/p,
   :math:`\sum_i n_i = L`, contiguous; recompute: :math:`r^{full}_i + r^{sel}_i \le n_i`
@@ -76,7 +76,7 @@ class ConfigModel:
     :meth:`decision` (the plan read back). Decision variables: ``choice[node][k]`` (x,
     strategy k of a pre/template/post node, and ``choice["f[u,kind]"]`` Megatron's f),
     ``reshard[...]`` (e, one per resharded tensor, target placement and section),
-    ``kept_copy[...]`` (a gathered copy kept for backward, likewise), ``layers_on_rank[i]``
+    ``kept[...]`` in ``kept_copy`` (a tensor version kept for backward), ``layers_on_rank[i]``
     (n_i), ``recompute_full[i]`` / ``recompute_selective[i]`` (r_i), ``zero[z]`` (the ZeRO
     one-hot).
     """
