@@ -157,7 +157,7 @@ class ConfigModel:
                     self.model.Add(a == b).WithName(f"tied[{split}]")
 
     def add_edges(self) -> None:
-        """The edge rows (reshards, Megatron's f, kept gathered copies):
+        """The edge rows (reshards, Megatron's f, kept tensor versions):
         :func:`autopar.planner.cpsat_edges.add_edges`."""
         add_edges(self)
 
