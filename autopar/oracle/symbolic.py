@@ -55,6 +55,7 @@ import torch.nn as nn
 from cost_models.hardware import Cluster
 
 from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.cpsat_edges import crosses_section
 from autopar.models import GPT, GPTConfig
 from autopar.placement import REPLICATE, format_strategy_key
 from autopar.plan import RECOMPUTE_MODES
@@ -250,8 +251,8 @@ def layer_bytes(traced, placements: dict[str, str], micro_batch: int, tp: int) -
     for v in traced.layers[0]:
         strat = strategies[v][choice[v]]
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
-            if u.name not in traced.layers[0] and u.name != traced.pre[-1]:
-                continue
+            if u.name not in traced.layers[0] and not crosses_section(traced, u.name, v):
+                continue  # a side input, charged to the section that produces it
             edge = tables.edge[(u.name, v, j)][(choice[u.name], choice[v])]
             if edge.saved_bytes:
                 out[f"kept {u.name} as {strat.inputs[j]}"] = edge.saved_bytes

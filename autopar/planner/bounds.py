@@ -23,12 +23,11 @@ from cost_models.memory import in_flight_micro_batches
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.planner.cost_tables import Config, CostTables, bytes_per_param, node_cost
-from autopar.planner.cpsat import min_layer_time_s
 from autopar.planner.decision import stage_size_range
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 
-__all__ = ["compute_bound_s", "min_layer_compute_s", "min_layer_with_comm_s",
-           "memory_lower_bound_bytes", "memory_time_bound_s"]
+__all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
+           "memory_time_bound_s"]
 
 MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound allows for it
 
@@ -56,13 +55,6 @@ def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster
                       cfg.activation_bytes, cfg.attention)
             for st in strategies[node.name]))
     return total
-
-
-def min_layer_with_comm_s(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
-                          cluster) -> float:
-    """One layer's least forward+backward seconds with its TP communication:
-    :func:`~autopar.planner.cpsat.min_layer_time_s`."""
-    return min_layer_time_s(traced, strategies, tables, cluster)
 
 
 def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
@@ -107,7 +99,8 @@ def _recompute_s(need: float, n: int, full: tuple[float, float], sel: tuple[floa
     if need <= 0:
         return 0.0
     best = float("inf")
-    kinds = [k for k, on in ((full, "full" in modes), (sel, "selective" in modes)) if on and k[0] > 0]
+    kinds = [k for k, on in ((full, "full" in modes), (sel, "selective" in modes))
+             if on and k[0] > 0]
     for freed, cost in kinds:  # one kind only
         if need <= freed * n:
             best = min(best, need / freed * cost)
@@ -143,10 +136,11 @@ def memory_time_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, la
     inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 else stage_size_range(L, p)
     pre_act = _least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None)
+    layer_params = _least(tables, layer, "param_numel")
+    pre_params = _least(tables, pre, "param_numel")
     best = float("inf")
     for n in range(lo, hi + 1):
-        states = (n * _least(tables, layer, "param_numel") + _least(tables, pre, "param_numel")) \
-            * per_param
+        states = (n * layer_params + pre_params) * per_param
         used = states + inflight * (n * act + pre_act) + act
         need = (used - memory_bytes * MEMORY_ROUNDING) / inflight
         best = min(best, n * layer_s + _recompute_s(need, n, full, selective, modes))

@@ -18,9 +18,9 @@ from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
 from autopar.planner.bounds import (compute_bound_s, memory_lower_bound_bytes, memory_time_bound_s,
-                                    min_layer_compute_s, min_layer_with_comm_s)
+                                    min_layer_compute_s)
 from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat import ConfigModel, template_map
+from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
 from autopar.planner.decision import Decision, InfeasibleError
 from autopar.planner.predict import predict
 from autopar.planner.strategies import node_strategies
@@ -136,7 +136,7 @@ def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layou
         return bound
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
     if ("comm_s",) + key not in memo:
-        memo[("comm_s",) + key] = min_layer_with_comm_s(traced, strategies, tables, cluster)
+        memo[("comm_s",) + key] = min_layer_time_s(traced, strategies, tables, cluster)
     layer_s = memo[("comm_s",) + key]
     bound = max(bound, compute_bound_s(traced, cfg, layer_s))
     if bound >= best_s:

@@ -1,8 +1,8 @@
-"""Gathered copies kept for backward are priced, and the search's pruning bounds hold.
+"""Kept tensors are priced at the version kept, and the search's pruning bounds hold.
 
-* A tensor produced sharded and all-gathered for a consumer that keeps its input (a
-  LayerNorm, a Linear) is kept whole by the runtime: the edge's ``saved_bytes`` adds the
-  other ranks' part, once per tensor and placement, in the CP-SAT model and in predict.
+* A consumer that keeps its input for backward (a LayerNorm, a Linear) keeps the version
+  it reads: whole when replicated (all-gathered from a shard if need be), 1/t when a shard
+  or a slice; the edge's ``saved_bytes`` says which, and a section pays for each once.
 * :mod:`autopar.planner.bounds`: the memory-time bound never exceeds the optimum CP-SAT
   finds for a config, and says "does not fit" (inf) only where CP-SAT finds no plan.
 """
@@ -18,9 +18,9 @@ import autopar
 from autopar.graph.annotate import saves_inputs
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.bounds import memory_time_bound_s, min_layer_with_comm_s
+from autopar.planner.bounds import memory_time_bound_s
 from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat import template_map
+from autopar.planner.cpsat import min_layer_time_s, template_map
 from autopar.planner.decision import decision_from_plan
 from autopar.planner.predict import predict, section_cost
 from autopar.planner.search import solve_one
@@ -77,7 +77,7 @@ def _bound_and_step(traced, cluster, cfg: Config):
     """(memory-time bound, predicted step of CP-SAT's optimum or None, CP-SAT status)."""
     strategies = node_strategies(traced, cfg.tp)
     tables = cost_tables(traced, strategies, cluster, cfg)
-    layer_s = min_layer_with_comm_s(traced, strategies, tables, cluster)
+    layer_s = min_layer_time_s(traced, strategies, tables, cluster)
     bound = memory_time_bound_s(traced, tables, cfg, layer_s, cluster.device.memory_bytes,
                                 RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute)
     decision, status, tables, strategies = solve_one(
