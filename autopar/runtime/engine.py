@@ -149,6 +149,7 @@ class ParallelModule(nn.Module):
         self.seq_len, self.hidden_size, self.schedule = seq_len, hidden_size, schedule
         self.loss_fn = loss_fn
         self._stats: dict = {}
+        self.steps_done = 0  # optimizer steps taken (restored by a checkpoint)
         self.tied_parameters = self._find_tied(tied_parameter_names)
         if zero_stage == FULLY_SHARDED_STAGE:
             self.dp_optimizer = FullyShardedOptimizer(
@@ -242,6 +243,7 @@ class ParallelModule(nn.Module):
         self._stats = {"comm_bytes": dict(meter.bytes), "model_state_bytes": states,
                        "saved_activation_bytes": saved.peak_bytes,
                        "step_time_s": time.perf_counter() - start}
+        self.steps_done += 1
         return result
 
     def _sync_partial_grads(self) -> None:
