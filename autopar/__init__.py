@@ -18,9 +18,11 @@ __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evalu
 
 
 def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,
-                seq_len=None, seed=0, verify=False):
+                seq_len=None, seed=0, verify=False, timeout=None, max_norm=None,
+                on_nonfinite="raise"):
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
-    gloo process group, on every rank). The recipe is
+    process group, on every rank: gloo keeps the rank on the CPU, NCCL puts it on
+    ``cuda:LOCAL_RANK``, :mod:`autopar.runtime.device`). The recipe is
     :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs
     torch.distributed).
 
@@ -34,6 +36,14 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     verify: first run :func:`autopar.verify.check.verify` on the agreed plan (3 SGD steps
         of a copy against one device; ``model`` is untouched) and raise its
         VerificationError on a mismatch.
+    timeout: seconds (or a timedelta) for every process group the program creates (default:
+        the world group's); a collective that a dead or stuck peer never completes raises
+        ``autopar.runtime.health.CollectiveError`` naming the step and the collective.
+    max_norm: clip the gradient to this global L2 norm, counted over every parameter however
+        it is sharded: ``torch.nn.utils.clip_grad_norm_`` on one device (None: no clipping).
+    on_nonfinite: when the step's loss or gradient norm is NaN/inf: "raise" (every rank
+        raises ``autopar.runtime.health.NonFiniteError`` naming the step, before the
+        update) or "skip" (no rank applies the update; ``last_step_stats()["skipped"]``).
     Returns a :class:`~autopar.runtime.parallelize.ParallelizedModel`;
     ``train_step(idx (B, s), targets (B, s))`` takes the same global batch on every rank
     and returns the global mean loss.
@@ -42,8 +52,9 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
     interleaved plan breaking
     :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
-    collective), NotImplementedError (a plan feature the runtime cannot run, or a backend
-    other than gloo), RuntimeError (no process group, or ranks disagree on the plan),
+    collective; a bad timeout, max_norm or on_nonfinite), NotImplementedError (a plan
+    feature the runtime cannot run), RuntimeError (no process group, an accelerator backend
+    on a machine without one, or ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     from autopar.runtime import parallelize as runtime
@@ -55,4 +66,5 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
                                    seq_len=seq_len)
         verify_plan(model, plan)  # on copies, before anything trains the real model
     return runtime.parallelize(model, cluster, plan, optimizer=optimizer,
-                               global_batch_size=global_batch_size, seq_len=seq_len, seed=seed)
+                               global_batch_size=global_batch_size, seq_len=seq_len, seed=seed,
+                               timeout=timeout, max_norm=max_norm, on_nonfinite=on_nonfinite)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -76,20 +77,31 @@ def optimizer(name: str):
     return functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
-def reference(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS, seed: int = 1234
-              ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS, seed: int = 1234,
+              max_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final state of ``seeded_gpt(config)`` trained ``steps`` steps in one
-    process on ``batches(steps, config, seed=seed)``."""
+    process on ``batches(steps, config, seed=seed)``, the gradient clipped to ``max_norm``
+    by ``torch.nn.utils.clip_grad_norm_`` when given."""
+    losses, state, _ = reference_with_norms(opt, config, steps, seed, max_norm)
+    return losses, state
+
+
+def reference_with_norms(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS,
+                         seed: int = 1234, max_norm: float | None = None):
+    """:func:`reference` and the gradient's global L2 norm before clipping at every step."""
     model = seeded_gpt(config)
     optim = optimizer(opt)(model.parameters())
-    losses = []
+    losses, norms = [], []
     for idx, tgt in batches(steps, config, seed=seed):
         _, loss = model(idx, tgt)
         optim.zero_grad()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              max_norm if max_norm is not None else math.inf)
         optim.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        norms.append(norm.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -62,9 +62,9 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
                                fsdp_units(traced, strategies, decision, cfg)))
     if p > 1 and i in (0, p - 1):
         comm["other"] += grad_b * tied_param_numel(traced, tables, decision.strategy)
-    if i == p - 1 and cfg.dp > 1:
-        comm["dp_all_reduce"] += 8.0  # the step's mean loss (float64) over DP
-    comm["other"] += 8.0 * (p > 1)  # ... broadcast from the last stage
+    # the step's mean loss and squared gradient norm, two float64 all-reduced over the world
+    # (autopar.runtime.engine: one collective decides clipping and non-finite steps)
+    comm["other"] += 16.0 * (cfg.tp * p * cfg.dp > 1)
     return {"comm_bytes": comm, "model_state_bytes": memory["parameters"] + memory["gradients"]
             + memory["optimizer_states"], "saved_activation_bytes": saved}
 

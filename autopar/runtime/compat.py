@@ -9,17 +9,27 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
   (``func._schema``).
 * :func:`unbox_process_group`: the ``ProcessGroup`` behind the script object a ``c10d``
   op receives (``ProcessGroup.unbox``).
+* :func:`group_timeout`: the timeout a process group was created with
+  (``ProcessGroup._get_backend(device).options._timeout``).
+* :func:`group_options`: backend options carrying a timeout, for the process groups a
+  ``DeviceMesh`` creates (``torch._C._distributed_c10d.Backend.Options``,
+  ``ProcessGroupNCCL.Options._timeout``).
 * ``DropoutBase`` (``torch.nn.modules.dropout._DropoutNd``): the base class of
   ``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout`` and ``FeatureAlphaDropout``.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group"]
+__all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
+           "group_options"]
 
 
 def op_schema(func) -> tuple[str, list[str]]:
@@ -32,3 +42,25 @@ def op_schema(func) -> tuple[str, list[str]]:
 def unbox_process_group(value) -> dist.ProcessGroup:
     """The ``dist.ProcessGroup`` of the ``process_group`` argument of a ``c10d`` op."""
     return dist.ProcessGroup.unbox(value)
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:
+    """The timeout ``group`` was created with, read from its backend for ``device``
+    (None when that backend does not expose one)."""
+    try:
+        return group._get_backend(torch.device(device)).options._timeout
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def group_options(backend: str, timeout: timedelta) -> C10dBackend.Options | None:
+    """Options that give the groups of ``backend`` ("gloo" or "nccl") the timeout
+    ``timeout``; None for a mixed backend such as "cpu:gloo,cuda:nccl" (its groups keep
+    torch's default)."""
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    if backend == "gloo":
+        return C10dBackend.Options(backend, timeout)
+    return None

@@ -8,30 +8,37 @@ its TP collectives inside) and implements one training step:
 2. Forward/backward of the stage over the m micro-batches. pp == 1: plain gradient
    accumulation, each micro-batch loss scaled by 1/m. pp > 1: the pipeline schedule
    (GPipe, 1F1B or interleaved 1F1B over v chunks) of :mod:`autopar.runtime.schedule`;
-   the last stage computes a per-micro-batch mean loss and the gradients are divided by
-   m, so either way the gradient is that of the mean loss over the DP-local batch.
+   the last stage computes a per-micro-batch mean loss, also scaled by 1/m before its
+   backward, so either way the gradient is that of the mean loss over the DP-local batch.
 3. Tied embedding: the first and last stage each hold a copy of the (shard of the)
    word embedding and get a partial gradient; they are summed over
    ``groups.embedding_group`` (pp > 1).
 4. DP and the optimizer (:class:`autopar.runtime.zero.DistributedOptimizer`): gradients
-   averaged over ``groups.dp_group`` by all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2;
-   ZeRO-2 after every micro-batch), the optimizer steps (the owned slice, fp32 master
-   weights under bf16), parameters all-gathered back (ZeRO-1/2). ZeRO-3
+   averaged over ``groups.dp_group`` by all-reduce (ZeRO-0, in buckets started during
+   backward, then the sums of step 3 and of the SP partial gradients over TP) or
+   reduce-scatter (ZeRO-1/2, after those sums; ZeRO-2 after every micro-batch), the
+   optimizer steps (the owned slice, fp32 master weights under bf16), parameters
+   all-gathered back (ZeRO-1/2). ZeRO-3
    (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, pp == 1): FSDP2 shards the
    stage over the DP mesh, gathers each layer's parameters around its forward and
    backward and reduce-scatters its gradient per micro-batch.
 5. The returned loss is the mean over all micro-batches and replicas, the same float on
-   every rank.
+   every rank. One all-reduce over the world carries it with the squared gradient norm
+   (:mod:`autopar.runtime.health`): before the optimizer runs, a non-finite loss or norm
+   stops (or skips) the step on every rank, and ``max_norm`` clips the gradient by its
+   global norm.
 
 Every collective the step issues is measured by :class:`autopar.runtime.stats.CommMeter`
 (payload bytes by kind), readable with ``last_step_stats()``.
 
 A failure raises on the rank that saw it; the others then fail in their next
-collective with gloo's "Connection closed by peer" or the process group timeout.
+collective (a dead peer's closed connection, or the process groups' timeout), re-raised as
+:class:`~autopar.runtime.health.CollectiveError` naming the step and the collective.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -41,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.plan import SCHEDULES
+from autopar.runtime.health import (NonFiniteError, as_collective_error, check_step_options,
+                                   clip_coefficient, nonfinite_message)
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
@@ -104,11 +113,18 @@ class ParallelModule(nn.Module):
             group after backward (per micro-batch under ZeRO-2).
         boundary_shard_dims: per chunk, the dims along which the activation it receives /
             sends is split over TP (None: whole), see StageShapes.
+        tp_sharded_parameter_names: parameters split over the TP group (each TP rank holds
+            another part); the others are replicated over TP and counted once in the
+            gradient norm.
+        max_norm: clip the gradient to this global L2 norm (None: no clipping).
+        on_nonfinite: "raise" (NonFiniteError on every rank, before the update) or "skip"
+            (no update on any rank) when the loss or the gradient norm is not finite.
 
     Raises:
         ValueError: a size is not a positive int, 1F1B with m < p, interleaved 1F1B with
             pp == 1 or m % p != 0 or without a ModuleList of >= 2 chunks, a tied name is
-            missing on the first/last stage, or ZeRO-2/3 with pp > 1.
+            missing on the first/last stage, ZeRO-2/3 with pp > 1, or a bad max_norm /
+            on_nonfinite.
         NotImplementedError: an unknown schedule.
     """
 
@@ -130,8 +146,14 @@ class ParallelModule(nn.Module):
         master_dtype: torch.dtype | None = None,
         partial_grad_parameter_names: Sequence[str] = (),
         boundary_shard_dims: Sequence[tuple[int | None, int | None]] = ((None, None),),
+        tp_sharded_parameter_names: Sequence[str] = (),
+        max_norm: float | None = None,
+        on_nonfinite: str = "raise",
     ) -> None:
         super().__init__()
+        check_step_options(max_norm, on_nonfinite)
+        self.max_norm, self.on_nonfinite = max_norm, on_nonfinite
+        self.device = groups.device
         check_positive_ints(micro_batch_size=micro_batch_size,
                             num_micro_batches=num_micro_batches, seq_len=seq_len,
                             hidden_size=hidden_size)
@@ -159,9 +181,11 @@ class ParallelModule(nn.Module):
         else:
             self.dp_optimizer = DistributedOptimizer(
                 stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
-                zero_stage=zero_stage, master_dtype=master_dtype)
+                zero_stage=zero_stage, master_dtype=master_dtype,
+                accumulations=num_micro_batches)
         params = dict(stage_module.named_parameters())  # after FSDP2 swapped them in
         self.partial_grad_parameters = [params[n] for n in partial_grad_parameter_names]
+        self._norm_counted = self._counted_in_norm(params, set(tp_sharded_parameter_names))
         self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
@@ -181,6 +205,15 @@ class ParallelModule(nn.Module):
                 f"its parameters are {sorted(params)}"
             )
         return [params[n] for n in names if n in params]
+
+    def _counted_in_norm(self, params: dict[str, nn.Parameter], tp_sharded: set[str]) -> set[int]:
+        """ids of the parameters whose gradient this rank counts in the global norm: TP
+        shards on every TP rank, TP-replicated ones on TP rank 0, the tied embedding on the
+        first stage only (the last stage's copy holds the same summed gradient)."""
+        g = self.groups
+        tied = {id(p) for p in self.tied_parameters} if g.pp > 1 and not g.is_first_stage else set()
+        return {id(p) for name, p in params.items()
+                if (g.tp == 1 or name in tp_sharded or g.tp_rank == 0) and id(p) not in tied}
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         """Run the stage module alone (no pipeline, no gradient sync; v = 1 only)."""
@@ -207,7 +240,7 @@ class ParallelModule(nn.Module):
     def _accumulate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """pp == 1: forward/backward each micro-batch, loss / m. Returns the mean loss (detached)."""
         m = self.num_micro_batches
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb_idx, mb_targets in zip(idx.split(self.micro_batch_size), targets.split(self.micro_batch_size)):
             loss = self.loss_fn(self.stage_module(mb_idx), mb_targets)  # (b, s, V) -> scalar
             (loss / m).backward()
@@ -221,28 +254,55 @@ class ParallelModule(nn.Module):
         """One optimizer step on the global batch idx, targets: (B, s) int64, the same on every rank.
 
         Returns the mean loss over all micro-batches and DP replicas (same on every rank).
-        After it returns, each parameter's ``.grad`` holds this step's synchronised gradient
-        (the one the optimizer used) until the next call.
-        Raises ValueError if B != dp * micro_batch_size * num_micro_batches or s != seq_len.
+        After it returns, each parameter's ``.grad`` holds this step's synchronised (and
+        clipped) gradient, the one the optimizer used, until the next call.
+
+        Raises:
+            ValueError: B != dp * micro_batch_size * num_micro_batches or s != seq_len.
+            NonFiniteError: on_nonfinite="raise" and the loss or gradient norm is NaN/inf
+                (on every rank, before the update).
+            CollectiveError: a collective failed (a peer died or timed out).
         """
-        local_idx, local_targets = self._local_batch(idx, targets)
+        local_idx, local_targets = (t.to(self.device) for t in self._local_batch(idx, targets))
         self.dp_optimizer.zero_grad()  # grads stay readable until the next step
         start = time.perf_counter()
-        with CommMeter(self.groups.axis_names()) as meter:
-            with SavedActivationTracker(self.stage_module) as saved:
-                if self.runner is None:
-                    loss = self._accumulate(local_idx, local_targets)
-                else:
-                    loss = self.runner.run(local_idx, local_targets)  # last stage, else None
-            if self.dp_optimizer.zero_stage != 2:
-                self._sync_partial_grads()
-            self._sync_tied_grads()
-            self.dp_optimizer.step()
-            result = self._global_loss(loss)
+        step = self.steps_done + 1
+        meter = CommMeter(self.groups.axis_names())
+        try:
+            with meter:
+                with SavedActivationTracker(self.stage_module) as saved:
+                    if self.runner is None:
+                        loss = self._accumulate(local_idx, local_targets)
+                    else:
+                        loss = self.runner.run(local_idx, local_targets)  # last stage, else None
+                # ZeRO-0 started its DP all-reduce in backward: the sums over TP and the tied
+                # pair follow it (they commute with it on the whole gradient). ZeRO-1/2 own
+                # slices of buffers laid out per stage: the sums come first, on whole tensors.
+                dp_first = self.dp_optimizer.zero_stage == 0
+                if dp_first:
+                    self.dp_optimizer.reduce_gradients()
+                if self.dp_optimizer.zero_stage != 2:
+                    self._sync_partial_grads()
+                self._sync_tied_grads()
+                if not dp_first:
+                    self.dp_optimizer.reduce_gradients()
+                result, norm = self._global_loss_and_norm(loss)
+                skipped = not (math.isfinite(result) and math.isfinite(norm))
+                if skipped and self.on_nonfinite == "raise":
+                    raise NonFiniteError(nonfinite_message(step, result, norm))
+                if not skipped:
+                    self.dp_optimizer.scale_gradients(clip_coefficient(norm, self.max_norm))
+                    self.dp_optimizer.step()
+        except RuntimeError as exc:
+            error = as_collective_error(exc, meter.last, step, self.groups.timeout)
+            if error is None:
+                raise
+            raise error from exc
         states = self.dp_optimizer.state_bytes()
         self._stats = {"comm_bytes": dict(meter.bytes), "model_state_bytes": states,
                        "saved_activation_bytes": saved.peak_bytes,
-                       "step_time_s": time.perf_counter() - start}
+                       "step_time_s": time.perf_counter() - start,
+                       "grad_norm": norm, "skipped": skipped}
         self.steps_done += 1
         return result
 
@@ -266,22 +326,27 @@ class ParallelModule(nn.Module):
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
             p.grad = grad
 
-    def _global_loss(self, local_loss: torch.Tensor | None) -> float:
-        """Mean over DP replicas on the last stage, then broadcast to the other stages."""
+    def _global_loss_and_norm(self, local_loss: torch.Tensor | None) -> tuple[float, float]:
+        """(mean loss over DP replicas, global gradient L2 norm), the same floats on every
+        rank: one float64 all-reduce over the world of (this rank's share of the loss: the
+        last stage's TP rank 0, divided by d; its squared norm share, see
+        :meth:`_counted_in_norm`). No collective when the world is one rank."""
         g = self.groups
-        loss = local_loss if local_loss is not None else torch.zeros((), dtype=torch.float64)
-        loss = loss.reshape(1).double()
-        if g.is_last_stage and g.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=g.dp_group)
-            loss /= g.dp
-        if g.pp > 1:
-            dist.broadcast(loss, src=g.pp_rank_to_global(g.pp - 1), group=g.pp_group)
-        return float(loss.item())
+        share = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if local_loss is not None and g.tp_rank == 0:
+            share[0] = local_loss.double() / g.dp
+        share[1] = self.dp_optimizer.grad_square_sum(self._norm_counted)
+        if g.world_size > 1:
+            dist.all_reduce(share, op=dist.ReduceOp.SUM, group=g.world_group)
+        loss, square = share.tolist()
+        return loss, math.sqrt(square) if square >= 0 else math.nan
 
     def last_step_stats(self) -> dict:
         """Measured statistics of the last ``train_step`` on this rank (the keys of
         ``Plan.predicted.stage_stats``): ``comm_bytes`` (payload bytes handed to
         collectives and p2p sends, by kind), ``model_state_bytes`` (parameters, gradients
         and optimizer states held), ``saved_activation_bytes`` (peak bytes saved for
-        backward) and ``step_time_s`` (wall seconds). Empty before the first step."""
+        backward) and ``step_time_s`` (wall seconds); and ``grad_norm`` (the global
+        gradient L2 norm before clipping) and ``skipped`` (True when a non-finite loss or
+        norm dropped the update, on_nonfinite="skip"). Empty before the first step."""
         return dict(self._stats)

@@ -132,6 +132,28 @@ class FullyShardedOptimizer:
     def micro_batch_done(self) -> None:
         """Nothing: FSDP2 reduce-scatters each unit's gradient in its post-backward hook."""
 
+    def reduce_gradients(self) -> None:
+        """Nothing: FSDP2 has reduce-scattered every unit's gradient during backward."""
+
+    def grad_square_sum(self, counted: set[int]) -> torch.Tensor:
+        """Sum of squares (a float64 scalar tensor) of this rank's gradient shards of the parameters in
+        ``counted`` (ids); the DP shards are disjoint, so the sum over DP counts each
+        element once."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if id(p) in counted and p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                total = total.to(grad.device) + grad.double().square().sum()
+        return total
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the gradient shards by ``factor`` (gradient clipping)."""
+        if factor == 1.0:
+            return
+        for p in self.params:
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)
+
     def step(self) -> None:
         """Step the optimizer on this rank's shards (the gradients are already averaged;
         the next forward all-gathers the updated parameters)."""

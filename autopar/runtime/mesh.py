@@ -5,18 +5,25 @@ TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
 which is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
-("pp", "dp", "tp"). The degrees are validated before any collective runs, so a
-wrong launch is a clear error on every rank instead of a hang.
+("pp", "dp", "tp"), built on the rank's device type (:mod:`autopar.runtime.device`). The
+degrees are validated before any collective runs, so a wrong launch is a clear error on
+every rank instead of a hang, and every group gets one timeout (by default the world
+group's: torch would give the groups a mesh creates its own 30-minute default), so that a
+dead or stuck peer ends a collective within it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar import support
+from autopar.runtime.compat import group_options, group_timeout
+from autopar.runtime.device import rank_device
 
 
 def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
@@ -49,6 +56,9 @@ class ParallelGroups:
             dp_rank), for the tied-embedding gradient; None when pp == 1 or this rank is
             on a middle stage.
         device_mesh: the (pp, dp, tp) DeviceMesh the groups came from (for DTensor users).
+        device: where this rank computes (CPU under gloo, ``cuda:LOCAL_RANK`` under NCCL).
+        timeout: every group's timeout (None: torch's default for the backend).
+        world_group: every rank, with ``timeout`` (the step's loss and gradient norm).
     """
 
     tp: int
@@ -64,14 +74,22 @@ class ParallelGroups:
     dp_group: dist.ProcessGroup
     embedding_group: dist.ProcessGroup | None
     device_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    device: torch.device = torch.device("cpu")
+    timeout: timedelta | None = None
+    world_group: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, tp: int, pp: int, dp: int) -> ParallelGroups:
+    def build(cls, tp: int, pp: int, dp: int, *, device: torch.device | None = None,
+              timeout: timedelta | float | None = None) -> ParallelGroups:
         """Create the groups; call on every rank, in the same order, after init_process_group.
+
+        device: this rank's device (default :func:`~autopar.runtime.device.rank_device`).
+        timeout: seconds or a timedelta for every group (default: the world group's).
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
-            ValueError: see :func:`validate_degrees` (raised before any collective).
+            ValueError: see :func:`validate_degrees`, or a timeout that is not positive
+                (raised before any collective).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -80,15 +98,23 @@ class ParallelGroups:
             )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         validate_degrees(tp, pp, dp, world_size)
-        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        device = torch.device(device) if device is not None else rank_device()
+        timeout = as_timeout(timeout) if timeout is not None else \
+            group_timeout(dist.group.WORLD, device)
+        options = group_options(dist.get_backend(), timeout) if timeout is not None else None
+        names = ("pp", "dp", "tp")
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=names,
+                                backend_override={n: (None, options) for n in names}
+                                if options is not None else None)
         tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
         return cls(
             tp=tp, pp=pp, dp=dp, rank=rank, world_size=world_size,
             tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
             tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
             dp_group=mesh.get_group("dp"),
-            embedding_group=_embedding_group(tp, pp, dp, rank),
-            device_mesh=mesh,
+            embedding_group=_embedding_group(tp, pp, dp, rank, timeout),
+            device_mesh=mesh, device=device, timeout=timeout,
+            world_group=dist.new_group(list(range(world_size)), timeout=timeout),
         )
 
     def pp_rank_to_global(self, pp_rank: int) -> int:
@@ -119,7 +145,19 @@ class ParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def _embedding_group(tp: int, pp: int, dp: int, rank: int) -> dist.ProcessGroup | None:
+def as_timeout(timeout: timedelta | float) -> timedelta:
+    """``timeout`` as a positive timedelta (a number is seconds); ValueError otherwise."""
+    value = timeout if isinstance(timeout, timedelta) else None
+    if value is None and isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = timedelta(seconds=timeout)
+    if value is None or not value.total_seconds() > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got "
+                         f"{timeout!r}")
+    return value
+
+
+def _embedding_group(tp: int, pp: int, dp: int, rank: int,
+                     timeout: timedelta | None) -> dist.ProcessGroup | None:
     """Create every {first, last}-stage pair group, in the same order on all ranks.
 
     new_group must be called by every rank for every group; this rank keeps the one it
@@ -132,7 +170,7 @@ def _embedding_group(tp: int, pp: int, dp: int, rank: int) -> dist.ProcessGroup 
         for tp_rank in range(tp):
             first = tp_rank + tp * dp_rank
             last = tp_rank + tp * (dp_rank + dp * (pp - 1))
-            group = dist.new_group([first, last])
+            group = dist.new_group([first, last], timeout=timeout)
             if rank in (first, last):
                 mine = group
     return mine

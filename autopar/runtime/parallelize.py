@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from datetime import timedelta
 from typing import Callable, Iterable
 
 import torch
@@ -34,9 +35,11 @@ from autopar.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
 from autopar.rewrite.tensor_parallel import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
+from autopar.runtime.health import check_step_options
+from autopar.runtime.device import rank_device
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
 from autopar.runtime.full_state import gather_full
-from autopar.runtime.mesh import ParallelGroups, validate_degrees
+from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.support import check_executable
@@ -87,11 +90,6 @@ def _check_process_group() -> None:
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised "
                            "(run under torchrun and call dist.init_process_group first)")
-    if dist.get_backend() != "gloo":
-        raise NotImplementedError(
-            f"the autopar runtime keeps each stage on the CPU, which the {dist.get_backend()!r} "
-            "backend cannot carry; initialise the process group with backend='gloo' (placing "
-            "stages on cuda:LOCAL_RANK for NCCL is not implemented yet)")
 
 
 def check_plan_matches(model: nn.Module, plan: Plan, traced: TracedModel | None = None) -> None:
@@ -127,8 +125,7 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     (plan None) solved for ``cluster`` on rank 0 and broadcast; then digests compared.
 
     Collective over the world. Raises RuntimeError (no process group, or ranks disagree),
-    NotImplementedError (a backend other than gloo, or a plan feature the runtime cannot
-    run), ValueError (world size != tp·pp·dp, an interleaved plan breaking
+    NotImplementedError (a plan feature the runtime cannot run), ValueError (world size != tp·pp·dp, an interleaved plan breaking
     :func:`~autopar.support.interleaving_problem`, or plan=None without cluster,
     global_batch_size and seq_len, or a cluster of another size than the world).
     """
@@ -159,21 +156,29 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
 def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                 global_batch_size: int | None = None, seq_len: int | None = None,
-                seed: int = 0) -> ParallelizedModel:
+                seed: int = 0, timeout: float | timedelta | None = None,
+                max_norm: float | None = None, on_nonfinite: str = "raise") -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
-    gloo process group, on every rank); the runtime half of :func:`autopar.parallelize`,
-    whose docstring lists the arguments and errors (all but ``verify``)."""
+    process group, on every rank); the runtime half of :func:`autopar.parallelize`, whose
+    docstring lists the arguments and errors (all but ``verify``)."""
+    check_step_options(max_norm, on_nonfinite)  # local checks first, before any collective
+    timeout = as_timeout(timeout) if timeout is not None else None
     traced = None
     if plan is not None:  # before any collective, on the graph the rewrite will use
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced)
+    _check_process_group()
+    device = rank_device()  # an accelerator backend without one fails here, before collectives
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     traced = traced or _local_trace(model, plan)
-    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp)
-    rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank)
+    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout)
+    rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
     program = apply_plan(traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng)
-    return _parallel_module(traced, plan, groups, program, optimizer)
+    for chunk in program.chunks:  # Module.to keeps each Parameter object (program.shards' ids)
+        chunk.to(groups.device)
+    return _parallel_module(traced, plan, groups, program, optimizer,
+                            max_norm=max_norm, on_nonfinite=on_nonfinite)
 
 
 PARAM_DTYPES = COMPUTE_DTYPES
@@ -192,7 +197,7 @@ def _local_trace(model: nn.Module, plan: Plan) -> TracedModel:
 
 
 def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,
-                     optimizer) -> ParallelizedModel:
+                     optimizer, **step_options) -> ParallelizedModel:
     """Step 4: this rank's chunks in a :class:`ParallelizedModel`, parameters named as in
     the chunk module (``program``'s by-id records turned into by-name ones)."""
     chunks = program.chunks
@@ -202,6 +207,7 @@ def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankPr
     tied_keys = {spec.key for spec in shards.values()} & set(traced.tied_params.values())
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
     partial_names = [name for name, p in named.items() if id(p) in program.partial_grad_params]
+    tp_sharded = [name for name, spec in shards.items() if spec.dim is not None]
     return ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params),
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
@@ -210,6 +216,7 @@ def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankPr
         tied_parameter_names=tied_names if plan.pp > 1 else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
+        tp_sharded_parameter_names=tp_sharded, **step_options,
         loss_fn=_loss_fn(traced, plan, groups),
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
 

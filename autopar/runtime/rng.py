@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime.device import default_generators
+
 __all__ = ["TENSOR_PARALLEL", "RNGStatesTracker", "RankSeeds", "rank_seeds", "seed_rank"]
 
 TENSOR_PARALLEL = "tensor-parallel"
@@ -49,16 +51,6 @@ _PP_STRIDE = 100  # Megatron's per-pipeline-stage seed stride
 States = dict[str, tuple[torch.Tensor, ...]]
 
 
-def _default_generators(device: torch.device) -> tuple[torch.Generator, ...]:
-    """The generators an op on ``device`` draws from: the CPU's, plus the accelerator's."""
-    if device.type == "cpu":
-        return (torch.default_generator,)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return (torch.default_generator, torch.cuda.default_generators[index])
-    raise ValueError(f"RNGStatesTracker supports cpu and cuda devices, not {device}")
-
-
 class RNGStatesTracker:
     """Named random streams that can be swapped into the default generator(s).
 
@@ -67,13 +59,13 @@ class RNGStatesTracker:
     stores its advanced state on exit, so a stream continues where it stopped while the
     default stream is left untouched. Megatron-LM: ``CudaRNGStatesTracker``.
 
-    device: where the forked ops run ("cpu", or "cuda[:i]" to also swap that device's
-        generator; no CUDA call is made for "cpu").
+    device: where the forked ops run ("cpu", or an accelerator such as "cuda:i" to also swap
+        that device's generator, :func:`autopar.runtime.device.default_generators`).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        _default_generators(self.device)  # validate early
+        default_generators(self.device)  # validate early
         self._states: States = {}
         self._seeds: dict[str, int] = {}
 
@@ -94,7 +86,7 @@ class RNGStatesTracker:
             raise ValueError(f"seed {seed} is already used by another RNG stream; "
                              "two streams with one seed would draw the same masks")
         self._states[name] = tuple(torch.Generator(device=g.device).manual_seed(seed).get_state()
-                                   for g in _default_generators(self.device))
+                                   for g in default_generators(self.device))
         self._seeds[name] = seed
 
     def get_states(self) -> States:
@@ -115,7 +107,7 @@ class RNGStatesTracker:
         stream's advanced state and put the default state back (also on an exception)."""
         if name not in self._states:
             raise KeyError(f"RNG stream {name!r} was never added; known: {sorted(self._states)}")
-        generators = _default_generators(self.device)
+        generators = default_generators(self.device)
         outside = [g.get_state() for g in generators]
         for g, state in zip(generators, self._states[name]):
             g.set_state(state)

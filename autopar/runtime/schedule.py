@@ -19,9 +19,11 @@ How it is used:
   to a peer, and the library neither sends nor validates them; they are described
   with the (b, s, h) activation as a stand-in.
 * Micro-batching: ``step`` splits this replica's (m*b, s) batch into m chunks of b
-  rows along dim 0. The loss is a per-micro-batch mean and ``scale_grads=True``
-  divides the accumulated gradients by m once at the end of the step, so the
-  gradient is that of the mean loss over the m micro-batches.
+  rows along dim 0. Each micro-batch's mean loss is divided by m before its backward
+  (``scale_grads=False``: the library's division of the accumulated gradients at the end
+  of the step would race with the data-parallel all-reduce that backward has already
+  started on them, :mod:`autopar.runtime.buckets`), so the gradient is that of the mean
+  loss over the m micro-batches.
 * Stage i is pipeline rank i of ``pp_group`` (ranks ordered by pp_rank).
 * Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): this rank runs v model chunks
   of the p·v-chunk model, chunk c on pipeline rank c % p; each chunk is a
@@ -34,6 +36,7 @@ How it is used:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +77,11 @@ class StageShapes:
         if shard_dim is not None:
             shape[shard_dim] //= self.tp
         return tuple(shape)
+
+
+def _scaled_loss(loss_fn: Callable, m: int, logits: torch.Tensor, targets: torch.Tensor):
+    """One micro-batch's loss divided by the m micro-batches of the step."""
+    return loss_fn(logits, targets) / m
 
 
 def _stage_device(module: nn.Module) -> torch.device:
@@ -125,13 +133,14 @@ class PipelineRunner:
             ))
         self.groups, self.shapes = groups, shapes
         self.num_micro_batches = num_micro_batches
+        scaled = functools.partial(_scaled_loss, loss_fn, num_micro_batches)
         if schedule == "interleaved_1f1b":
-            self._schedule = ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn,
-                                                     scale_grads=True)
+            self._schedule = ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=scaled,
+                                                     scale_grads=False)
         else:
             schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self._schedule = schedule_cls(stages[0], num_micro_batches, loss_fn=loss_fn,
-                                          scale_grads=True)
+            self._schedule = schedule_cls(stages[0], num_micro_batches, loss_fn=scaled,
+                                          scale_grads=False)
 
     def run(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of m micro-batches; gradients accumulate in the stage's parameters.
@@ -147,7 +156,7 @@ class PipelineRunner:
         elif g.is_last_stage:
             losses: list[torch.Tensor] = []
             self._schedule.step(target=targets, losses=losses, return_outputs=False)
-            result = torch.stack([loss.detach().double() for loss in losses]).mean()
+            result = torch.stack([loss.detach().double() for loss in losses]).sum()  # each / m
         else:
             self._schedule.step()
             result = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -127,23 +128,30 @@ class CommMeter(TorchDispatchMode):
     of COMM_KINDS (tp_all_reduce, dp_reduce_scatter, pp_p2p, ...), else "other".
     Payload: all-reduce and broadcast the tensor; all-gather this rank's input shard;
     reduce-scatter the full input; p2p what this rank sends (receives are not counted).
-    Attribute ``bytes``: kind -> int.
+    Attributes: ``bytes`` (kind -> int); ``last`` (the last ``c10d`` op issued, e.g.
+    "c10d::allreduce_ over the dp group", or None), to name the collective a failure
+    happened in (a synchronous collective fails in its ``wait``, after it was issued).
     """
 
     def __init__(self, axes: dict[str, str]) -> None:
         super().__init__()
         self.axes = dict(axes)
         self.bytes = dict.fromkeys(COMM_KINDS, 0)
+        self.last: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name, arg_names = op_schema(func)
         if name.startswith("c10d::"):
+            values = dict(zip(arg_names, args)) | kwargs
+            axis = None
+            if "process_group" in values:
+                group = unbox_process_group(values["process_group"])
+                axis = self.axes.get(group.group_name, "world" if group.size() ==
+                                     dist.get_world_size() else "other")
+            self.last = name + (f" over the {axis} group" if axis else "")
             op = _C10D_OPS.get(name[len("c10d::"):])
             if op is not None:
-                values = dict(zip(arg_names, args)) | kwargs
-                group = unbox_process_group(values["process_group"])
-                axis = self.axes.get(group.group_name, "other")
                 kind = f"{axis}_{op[0]}"
                 self.bytes[kind if kind in COMM_KINDS else "other"] += _nbytes(values[op[1]])
         return func(*args, **kwargs)

@@ -8,6 +8,9 @@ section 5) over one contiguous buffer per pipeline stage:
   a multiple of d (the DP degree) from ZeRO-1 on; DP rank r owns the r-th of d equal
   slices of it.
 * ZeRO-0: the flat gradient is all-reduced and averaged; every rank updates everything.
+  The parameters' gradients are views of one persistent flat gradient, all-reduced in
+  buckets as backward produces them (:class:`~autopar.runtime.buckets.OverlappedAllReduce`,
+  as torch's DDP does), so the reduction overlaps the rest of backward.
 * ZeRO-1: the flat gradient is reduce-scattered (each rank receives the sum of its own
   slice), the optimizer updates only this rank's slice, and the updated slices are
   all-gathered back into the buffer: the bytes of one all-reduce (ring reduce-scatter +
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.buckets import OverlappedAllReduce
 from autopar.support import EXECUTED_ZERO_STAGES
 
 __all__ = ["DistributedOptimizer", "EXECUTED_ZERO_STAGES"]
@@ -53,6 +57,8 @@ class DistributedOptimizer:
         zero_stage: 0, 1 or 2 (see the module docstring).
         master_dtype: dtype of the weights the optimizer updates; float32 with bf16
             parameters is mixed precision, or the parameters' own dtype.
+        accumulations: backward passes per step (micro-batches): after the last one a
+            ZeRO-0 bucket's all-reduce starts.
 
     Raises:
         ValueError: zero_stage not in (0, 1, 2), parameters of mixed dtypes or devices.
@@ -60,7 +66,8 @@ class DistributedOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter],
                  optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *,
-                 dp_group, zero_stage: int = 0, master_dtype: torch.dtype | None = None) -> None:
+                 dp_group, zero_stage: int = 0, master_dtype: torch.dtype | None = None,
+                 accumulations: int = 1) -> None:
         if zero_stage not in EXECUTED_ZERO_STAGES:
             raise ValueError(f"zero_stage={zero_stage!r} is not executed (supported: "
                              f"{EXECUTED_ZERO_STAGES}); ZeRO-3 shards parameters: use "
@@ -92,6 +99,13 @@ class DistributedOptimizer:
         self.optimizer = optimizer_factory([self.master])
         self._grad_shard: torch.Tensor | None = None  # ZeRO-2: this rank's accumulated slice
         self._flat: torch.Tensor | None = None  # ZeRO-1: the step's flat gradient
+        self._owned: torch.Tensor | None = None  # the reduced gradient of [lo, hi)
+        self._grads = self._overlap = None  # ZeRO-0: the persistent flat gradient, buckets
+        if zero_stage == 0:
+            self._grads = torch.zeros_like(self.buffer)
+            if self.d > 1:
+                self._overlap = OverlappedAllReduce(self.params, self._grads, dp_group,
+                                                    accumulations=accumulations)
 
     @property
     def master_is_copy(self) -> bool:
@@ -99,11 +113,17 @@ class DistributedOptimizer:
         return self.master.dtype != self.buffer.dtype
 
     def zero_grad(self) -> None:
-        """Drop the previous step's gradients (parameters' and the owned slice's)."""
+        """Drop the previous step's gradients (parameters' and the owned slice's); ZeRO-0:
+        zero the flat gradient, which the parameters' ``.grad`` view from now on."""
         for p in self.params:
             p.grad = None
         self.master.grad = None
-        self._grad_shard = self._flat = None
+        self._grad_shard = self._flat = self._owned = None
+        if self._overlap is not None:
+            self._overlap.start_step()
+        elif self._grads is not None:
+            self._grads.zero_()
+            self._bind_grads(self._grads)
 
     def _flat_grad(self) -> torch.Tensor:
         """The parameters' gradients in one padded flat tensor (padded_numel,); None -> 0."""
@@ -154,25 +174,60 @@ class DistributedOptimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self) -> None:
-        """Synchronise gradients over DP, step the optimizer on the owned slice, and put the
-        updated weights back into every rank's parameters (ZeRO-1/2: all-gather)."""
-        if self.zero_stage == 0:
-            flat = self._flat_grad()
-            if self.d > 1:
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                flat.div_(self.d)
-            self._bind_grads(flat)  # the synchronised gradient, readable after the step
-            grad = flat
+    def reduce_gradients(self) -> None:
+        """Synchronise the step's gradients over DP: afterwards this rank's slice [lo, hi)
+        of the averaged flat gradient is ``owned_grad`` (ZeRO-0: the whole flat gradient,
+        which every parameter's ``.grad`` views; ZeRO-1: its own slice of the flat
+        gradient the parameters view; ZeRO-2: the accumulated slice)."""
+        if self.zero_stage == 0:  # the parameters' .grad view self._grads
+            if self._overlap is not None:
+                self._overlap.finish()
+                self._grads.div_(self.d)
+            self._owned = self._grads
         elif self.zero_stage == 1:
             flat = self._flat = self._flat_grad()
             self._bind_grads(flat)  # one flat gradient; its own slice becomes the average
-            grad = self._reduce_scatter(flat)
-            flat[self.lo:self.hi].copy_(grad)
+            flat[self.lo:self.hi].copy_(self._reduce_scatter(flat))
+            self._owned = flat[self.lo:self.hi]
         else:
-            grad = self._grad_shard if self._grad_shard is not None else \
-                self.buffer.new_zeros(self.hi - self.lo)
-        self.master.grad = grad.to(self.master.dtype)
+            if self._grad_shard is None:
+                self._grad_shard = self.buffer.new_zeros(self.hi - self.lo)
+            self._owned = self._grad_shard
+
+    def _counted_ranges(self, counted: set[int]) -> list[tuple[int, int]]:
+        """[start, end) ranges, relative to lo, of the owned slice holding the gradients of
+        the parameters in ``counted`` (ids)."""
+        ranges, offset = [], 0
+        for p in self.params:
+            lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if id(p) in counted and lo < hi:
+                ranges.append((lo - self.lo, hi - self.lo))
+            offset += p.numel()
+        return ranges
+
+    def grad_square_sum(self, counted: set[int]) -> torch.Tensor:
+        """Sum of squares (a float64 scalar tensor on the gradient's device) of the reduced gradient elements this rank owns among
+        the parameters in ``counted`` (ids): its ZeRO slice, or under ZeRO-0 (every DP
+        rank holds the whole gradient) the whole gradient on DP rank 0 and nothing on the
+        others, so that the sum over the DP group counts each element once. Call after
+        :meth:`reduce_gradients`."""
+        total = self.buffer.new_zeros((), dtype=torch.float64)
+        if self.zero_stage == 0 and self.dp_rank != 0:
+            return total
+        for a, b in self._counted_ranges(counted):
+            total += self._owned[a:b].double().square().sum()
+        return total
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the reduced gradient by ``factor`` (gradient clipping); 1 does nothing."""
+        if factor != 1.0:
+            self._owned.mul_(factor)
+
+    def step(self) -> None:
+        """Step the optimizer on the owned slice of the reduced gradient and put the updated
+        weights back into every rank's parameters (ZeRO-1/2: all-gather). Call after
+        :meth:`reduce_gradients`."""
+        self.master.grad = self._owned.to(self.master.dtype)
         self.optimizer.step()
         self.master.grad = None  # the kept gradient is the parameters' (or the ZeRO-2 slice)
         if self.master_is_copy:

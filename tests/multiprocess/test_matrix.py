@@ -8,9 +8,12 @@ layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stage, recomp
 and sequence-parallel setting the runtime declares for that shape. Each combination trains a
 4-layer GPT (dropout 0) for 3 steps on real gloo process groups:
 
-* SGD: losses and every gathered parameter equal the single-process run to 1e-5 relative
-  (max |a - b| / max |b| per tensor);
-* AdamW: losses to 1e-5, parameters to 1e-3 (the end-to-end tolerances);
+* SGD, the gradient clipped to a global norm of CLIP_NORM (below the first two steps'
+  norms, above the third's): losses, the gradient norm of every step and every gathered
+  parameter equal the single-process run under ``torch.nn.utils.clip_grad_norm_`` to 1e-5
+  relative (max |a - b| / max |b| per tensor);
+* AdamW (unclipped): losses and norms to 1e-5, parameters to 1e-3 (the end-to-end
+  tolerances);
 * the step's communication, measured by the dispatch-mode CommMeter, equals the plan's
   predicted payload bytes for every kind, exactly; model-state bytes within 1%.
 
@@ -39,7 +42,7 @@ from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
 from helpers import BATCH, CONFIG, SEQ, SHAPES_4, SHAPES_8, STEPS, combinations
 from helpers import batches as _batches, fast_cluster as _cluster, optimizer as _optimizer
-from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
+from helpers import reference_with_norms as _reference, rel as _rel, seeded_gpt as _model
 
 # bf16 against the fp32 single-process run: bf16 keeps 8 significant bits (relative
 # rounding 2^-9 = 2e-3 per operation), so: losses 1e-2, SGD parameters 2e-2 relative.
@@ -49,6 +52,9 @@ from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 BF16_TOLERANCE = {"loss": 1e-2, "sgd_param": 2e-2}
 
 DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
+
+# the end-to-end GPT's gradient norms under SGD are 0.80, 0.57, 0.55: steps 1 and 2 clip
+CLIP_NORM = {"sgd": 0.56, "adamw": None}
 
 
 def _plan_json(world: int, layout: dict, config=CONFIG) -> str:
@@ -66,10 +72,14 @@ def _plan_json(world: int, layout: dict, config=CONFIG) -> str:
 
 
 def _train(plan: autopar.Plan, opt: str, model=None, seed: int = 0):
+    """(program, losses, gradient norms) of STEPS steps, SGD clipped to CLIP_NORM."""
     pm = autopar.parallelize(model if model is not None else _model(), plan=plan,
-                             optimizer=_optimizer(opt))
-    losses = [pm.train_step(idx, tgt) for idx, tgt in _batches(STEPS)]
-    return pm, losses
+                             optimizer=_optimizer(opt), max_norm=CLIP_NORM[opt])
+    losses, norms = [], []
+    for idx, tgt in _batches(STEPS):
+        losses.append(pm.train_step(idx, tgt))
+        norms.append(pm.last_step_stats()["grad_norm"])
+    return pm, losses, norms
 
 
 def _matrix_worker(rank: int, world: int, plans: list[str], opts: tuple[str, ...]):
@@ -77,13 +87,13 @@ def _matrix_worker(rank: int, world: int, plans: list[str], opts: tuple[str, ...
     for text in plans:
         plan = autopar.Plan.from_json(text)
         for opt in opts:
-            pm, losses = _train(plan, opt)
+            pm, losses, norms = _train(plan, opt)
             measured = pm.last_step_stats()
             state = pm.full_state_dict()  # collective: every rank calls it
             predicted = plan.predicted.stage_stats[pm.groups.pp_rank]
             results.append({
                 "layout": str(plan.layout()),
-                "opt": opt, "losses": losses,
+                "opt": opt, "losses": losses, "norms": norms,
                 "state": state if rank == 0 else None,
                 "comm_bytes": measured["comm_bytes"], "predicted_comm": predicted["comm_bytes"],
                 "states_ratio": measured["model_state_bytes"] / predicted["model_state_bytes"],
@@ -92,7 +102,7 @@ def _matrix_worker(rank: int, world: int, plans: list[str], opts: tuple[str, ...
 
 
 def _check_matrix(per_rank: list[list[dict]], loss_tol: float, param_tol: dict[str, float]) -> None:
-    refs = {opt: _reference(opt) for opt in ("sgd", "adamw")}
+    refs = {opt: _reference(opt, max_norm=CLIP_NORM[opt]) for opt in ("sgd", "adamw")}
     for rank, results in enumerate(per_rank):
         for r in results:
             case = (r["layout"], r["opt"], f"rank {rank}")
@@ -102,11 +112,14 @@ def _check_matrix(per_rank: list[list[dict]], loss_tol: float, param_tol: dict[s
             if r["opt"] == "adamw":  # the cost model prices Adam's states
                 assert abs(r["states_ratio"] - 1) < 0.01, (case, r["states_ratio"])
             assert r["losses"] == per_rank[0][results.index(r)]["losses"], case
+            assert r["norms"] == per_rank[0][results.index(r)]["norms"], case
     for r in per_rank[0]:
-        ref_losses, ref_state = refs[r["opt"]]
+        ref_losses, ref_state, ref_norms = refs[r["opt"]]
         case = (r["layout"], r["opt"])
         for got, want in zip(r["losses"], ref_losses):
             assert abs(got - want) / abs(want) < loss_tol, (case, r["losses"], ref_losses)
+        for got, want in zip(r["norms"], ref_norms):  # clipping acts on this norm
+            assert abs(got - want) / abs(want) < 2 * loss_tol, (case, r["norms"], ref_norms)
         tol = param_tol.get(r["opt"])
         if tol is None:
             continue

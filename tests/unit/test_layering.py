@@ -24,7 +24,7 @@ MAX_LINES = 400
 
 # autopar.runtime modules the rewrite may load: Megatron's TP operators and their modules,
 # the vocab-parallel embedding/cross-entropy, and the RNG tracker (and the package itself).
-REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.rng",
+REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.rng", "autopar.runtime.device",
                     "autopar.runtime.tp_ops", "autopar.runtime.tp_modules",
                     "autopar.runtime.vocab_parallel"}
 
@@ -114,7 +114,7 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
 
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
     """The rewrite reads the plan: from the runtime only the operators it inserts and the
-    RNG tracker; from the planner only the strategy vocabulary that decodes the plan's keys
+    RNG tracker (with the device module it forks generators through); from the planner only the strategy vocabulary that decodes the plan's keys
     (``planner.strategies.decode_placements``), never the solver, search or OR-Tools."""
     code = "import " + ", ".join(["autopar.rewrite", *_submodules("autopar.rewrite")])
     loaded = _modules_after(code, isolated=True)

@@ -1,0 +1,192 @@
+"""What one machine with one GPU can show about autopar's runtime (issue 11's GPU check).
+
+Run on a machine with one CUDA GPU (no torchrun needed: it joins a world of one itself):
+
+    python benchmarks/gpu_check.py [--layers 12 --hidden 768 --seq-len 1024 --batch 8]
+
+It prints, for a GPT-2-small-sized model (autopar's GPT class) on ``cuda:0`` under NCCL:
+
+1. the rank's device and backend (world size 1, NCCL): the device-generic path;
+2. verify, fp32: 3 SGD steps of the parallelized program against the plain model trained
+   eagerly on the same GPU (same seed, same batches): losses and parameters, relative
+   difference (must be below 1e-4);
+3. bf16 (fp32 master weights, the scheme the cost model prices):
+   ``last_step_stats()`` against the plan's ``predicted.stage_stats[0]`` — communication
+   bytes (all zero at world size 1 but the step's loss/norm all-reduce, skipped for one
+   rank), model-state bytes, saved-activation bytes — and the allocator's peak memory
+   (``torch.accelerator.max_memory_allocated``) against ``predicted.peak_memory_bytes``;
+4. tokens/s of the parallelized bf16 program against the same model's plain eager loop
+   (``torch.autocast`` bf16, fp32 weights, AdamW; median of --steps steps after 3 warm-up
+   steps), and their ratio (the target: the parallelized program within 5%).
+
+Exit status 0 when every check holds, 1 otherwise. Nothing here runs on a CPU-only host
+(it exits 2 saying so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPT, GPTConfig
+from autopar.runtime import device as rank_device_module
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per program")
+    return p.parse_args()
+
+
+def _batches(config: GPTConfig, batch: int, seq: int, steps: int, device) -> list:
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device),
+             torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device))
+            for _ in range(steps)]
+
+
+def _model(config: GPTConfig, dtype=torch.float32) -> GPT:
+    torch.manual_seed(0)
+    return GPT(config).to(dtype)
+
+
+def _plan(config: GPTConfig, batch: int, seq: int, dtype: str) -> autopar.Plan:
+    with torch.device("meta"):
+        meta = GPT(config)
+    one_gpu = dataclasses.replace(autopar.Cluster.dgx_h100(1), gpus_per_node=1, dtype=dtype)
+    return autopar.plan(meta, one_gpu, global_batch_size=batch, seq_len=seq,
+                        layout=autopar.Layout(tp=1, pp=1, dp=1, dtype=dtype))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def check_verify(config, args, device) -> bool:
+    """fp32: the parallelized program equals the eager model on the same GPU."""
+    plan = _plan(config, args.batch, args.seq_len, "fp32")
+    data = _batches(config, args.batch, args.seq_len, 3, device)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    pm = autopar.parallelize(_model(config), plan=plan, optimizer=sgd)
+    got = [pm.train_step(idx, tgt) for idx, tgt in data]
+    state = pm.full_state_dict()
+    model = _model(config).to(device)
+    optim = sgd(model.parameters())
+    want = []
+    for idx, tgt in data:
+        optim.zero_grad()
+        loss = model(idx, tgt)[1]
+        loss.backward()
+        optim.step()
+        want.append(loss.item())
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    param_err = max(_rel(state[k], v.cpu()) for k, v in model.state_dict().items())
+    ok = loss_err < 1e-4 and param_err < 1e-4
+    print(f"verify fp32 (3 SGD steps vs eager on {device}): losses {got} vs {want}; "
+          f"max rel. difference loss {loss_err:.2e}, parameters {param_err:.2e} "
+          f"-> {'OK' if ok else 'FAIL'}")
+    return ok
+
+
+def _time_steps(step, data, device) -> float:
+    """Median wall seconds of one step over ``data`` after 3 warm-up steps."""
+    for idx, tgt in data[:3]:
+        step(idx, tgt)
+    times = []
+    for idx, tgt in data[3:]:
+        rank_device_module.synchronize(device)
+        start = time.perf_counter()
+        step(idx, tgt)
+        rank_device_module.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_bf16(config, args, device) -> bool:
+    """bf16: measured bytes and memory against the plan, tokens/s against eager."""
+    plan = _plan(config, args.batch, args.seq_len, "bf16")
+    data = _batches(config, args.batch, args.seq_len, args.steps + 3, device)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    rank_device_module.reset_peak_memory(device)
+    pm = autopar.parallelize(_model(config), plan=plan, optimizer=adamw)
+    ours_s = _time_steps(pm.train_step, data, device)
+    peak = rank_device_module.peak_memory_bytes(device)
+    measured, predicted = pm.last_step_stats(), plan.predicted.stage_stats[0]
+    ok = True
+    print(f"plan: {plan.layout()}, micro_batch_size {plan.micro_batch_size}, "
+          f"{plan.num_micro_batches} micro-batches, recompute {plan.recompute}")
+    for key in ("model_state_bytes", "saved_activation_bytes"):
+        ratio = measured[key] / predicted[key]
+        ok &= abs(ratio - 1) < 0.05
+        print(f"{key}: measured {measured[key] / 2**30:.3f} GiB, predicted "
+              f"{predicted[key] / 2**30:.3f} GiB, ratio {ratio:.3f}")
+    comm = {k: v for k, v in measured["comm_bytes"].items() if v}
+    ok &= not comm
+    print(f"comm bytes at world size 1: {comm or 'none'} (predicted "
+          f"{ {k: v for k, v in predicted['comm_bytes'].items() if v} or 'none'})")
+    print(f"peak memory: measured {peak / 2**30:.2f} GiB (allocator), predicted "
+          f"{plan.predicted.peak_memory_bytes / 2**30:.2f} GiB, ratio "
+          f"{peak / plan.predicted.peak_memory_bytes:.3f}")
+    del pm
+    torch.accelerator.empty_cache()
+
+    model = _model(config).to(device)
+    optim = adamw(model.parameters())
+
+    def eager_step(idx, tgt):
+        optim.zero_grad()
+        for mb_idx, mb_tgt in zip(idx.split(plan.micro_batch_size), tgt.split(plan.micro_batch_size)):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(mb_idx, mb_tgt)[1] / plan.num_micro_batches
+            loss.backward()
+        optim.step()
+
+    eager_s = _time_steps(eager_step, data, device)
+    tokens = args.batch * args.seq_len
+    ratio = ours_s / eager_s
+    ok &= ratio <= 1.05
+    print(f"tokens/s: autopar {tokens / ours_s:,.0f}, eager {tokens / eager_s:,.0f}; step "
+          f"time ratio autopar/eager {ratio:.3f} (target <= 1.05) "
+          f"(predicted step {plan.predicted.step_time_s:.3f} s, measured {ours_s:.3f} s)")
+    return ok
+
+
+def main() -> int:
+    args = _args()
+    if torch.accelerator.current_accelerator() is None:
+        print("gpu_check: torch sees no accelerator on this machine; run it on a GPU host")
+        return 2
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = rank_device_module.rank_device()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, backend "
+          f"{dist.get_backend()}, rank device {device}")
+    config = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.hidden,
+                       vocab_size=args.vocab, block_size=args.seq_len)
+    try:
+        ok = check_verify(config, args, device)
+        ok &= check_bf16(config, args, device)
+    finally:
+        dist.destroy_process_group()
+    print("gpu_check:", "every check holds" if ok else "a check FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
