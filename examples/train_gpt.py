@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         first_step = resume(parallel, args, rank) if args.resume else 0
         losses = train(parallel.train_step, tokens, args, rank, first_step,
                        functools.partial(save_every, parallel, args, rank))
-        if rank == 0:
+        if rank == 0 and losses:  # none when resumed at the last step
             print(summarize(losses, args.log_every))
     finally:
         dist.destroy_process_group()
