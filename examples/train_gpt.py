@@ -21,12 +21,25 @@ the same decisions before the first collective. The process-group backend is glo
 runtime keeps the stage modules on the CPU; ``--backend nccl`` is accepted for a runtime
 whose stages live on GPUs. The same seed with ``--single`` gives the loss curve the
 distributed run should reproduce (up to rounding).
+
+Checkpoints: ``--checkpoint-dir DIR`` saves the whole training state every
+``--checkpoint-every`` steps into ``DIR/step_NNNNNN`` (a ``torch.distributed.checkpoint``
+directory per save, written by every rank: parameters, optimizer states, the step count, the
+RNG streams and the data position); ``--resume`` loads the latest complete one (the one
+with the highest step that has its ``.metadata`` file) and continues from its step, with the
+same batches an uninterrupted run would draw. The checkpoint holds the model under its
+original parameter names, so the resumed run may use another plan or world size::
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 100 --checkpoint-dir ckpt
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 100 --checkpoint-dir ckpt --resume
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
 import sysconfig
 import time
@@ -66,6 +79,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a saved plan (autopar plan -o FILE); every rank reads it, no solving")
     p.add_argument("--save-plan", type=Path, default=None, metavar="FILE",
                    help="rank 0 writes the plan it ran to FILE (reuse it with --plan)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="save a checkpoint into DIR/step_NNNNNN every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="steps between checkpoints (default 10)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (if any)")
+    p.add_argument("--losses-file", type=Path, default=None, metavar="FILE",
+                   help="rank 0 appends one JSON line {step, loss} per step to FILE")
+    p.add_argument("--crash-after-checkpoint", type=int, default=None, metavar="STEP",
+                   help="(for tests) after saving the checkpoint of step STEP, every rank "
+                        "exits at once with status 17, like a killed job")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="torch.distributed backend (default gloo: the runtime keeps the "
                         "stages on the CPU, so CPU tensors travel over gloo)")
@@ -148,17 +172,61 @@ def solve_and_broadcast(args: argparse.Namespace, cluster: Cluster, rank: int) -
     return Plan.from_json(payload[0])
 
 
-def train(step_fn, tokens: torch.Tensor, args: argparse.Namespace, rank: int) -> list[float]:
-    """Run ``args.steps`` steps of ``step_fn(idx, targets) -> loss``; rank 0 prints progress."""
+def train(step_fn, tokens: torch.Tensor, args: argparse.Namespace, rank: int,
+          first_step: int = 0, after_step=None) -> list[float]:
+    """Run steps ``first_step`` .. ``args.steps - 1`` of ``step_fn(idx, targets) -> loss``;
+    rank 0 prints progress (and appends to ``--losses-file``); ``after_step(step)`` runs
+    after each step (checkpoints)."""
     losses, start = [], time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         idx, targets = get_batch(tokens, step, args.batch_size, args.seq_len, args.seed)
         losses.append(step_fn(idx, targets))
+        if rank == 0 and args.losses_file is not None:
+            with args.losses_file.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "loss": losses[-1]}) + "\n")
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             elapsed = time.perf_counter() - start
-            tok_s = (step + 1) * args.batch_size * args.seq_len / elapsed
+            tok_s = len(losses) * args.batch_size * args.seq_len / elapsed
             print(f"step {step:4d}  loss {losses[-1]:.4f}  ({tok_s:,.0f} tokens/s)", flush=True)
+        if after_step is not None:
+            after_step(step)
     return losses
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The complete checkpoint (``step_NNNNNN`` with its ``.metadata``, which DCP writes
+    last) of the highest step in ``directory``, or None."""
+    done = sorted(p for p in directory.glob("step_*") if (p / ".metadata").is_file())
+    return done[-1] if done else None
+
+
+def save_every(parallel, args: argparse.Namespace, rank: int, step: int) -> None:
+    """After step ``step``: every ``--checkpoint-every`` steps save the training state with
+    the data position (the next step; batches are a function of the step and the seed)."""
+    if args.checkpoint_dir is None or (step + 1) % args.checkpoint_every:
+        return
+    path = args.checkpoint_dir / f"step_{step + 1:06d}"
+    parallel.save_checkpoint(path, extra={"next_step": step + 1, "seed": args.seed})
+    if rank == 0:
+        print(f"saved checkpoint {path}", flush=True)
+    if args.crash_after_checkpoint == step + 1:
+        os._exit(17)  # no cleanup, no barrier: as if the job were killed here
+
+
+def resume(parallel, args: argparse.Namespace, rank: int) -> int:
+    """Load the latest checkpoint of ``--checkpoint-dir``; returns the step to start from
+    (0 when there is none). Raises SystemExit if it was made with another ``--seed``."""
+    path = latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        if rank == 0:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
+        return 0
+    extra = parallel.load_checkpoint(path)
+    if extra["seed"] != args.seed:
+        raise SystemExit(f"{path} was trained with --seed {extra['seed']}, not {args.seed}")
+    if rank == 0:
+        print(f"resumed from {path} at step {extra['next_step']}", flush=True)
+    return extra["next_step"]
 
 
 def single_process_step(model: GPT, optimizer):
@@ -186,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not 1 <= args.seq_len <= model_config().block_size:
         raise SystemExit(f"--seq-len must be in [1, {model_config().block_size}]")
+    if args.resume and args.checkpoint_dir is None:
+        raise SystemExit("--resume needs --checkpoint-dir")
+    if args.single and args.checkpoint_dir is not None:
+        raise SystemExit("checkpoints are saved by the distributed run; drop --single")
     tokens = load_corpus(args.max_bytes)
     if args.single:
         torch.manual_seed(args.seed)
@@ -210,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
         model = GPT(model_config())  # the same weights on every rank before sharding
         parallel = autopar.parallelize(model, cluster, plan, optimizer=make_optimizer(args),
                                        global_batch_size=args.batch_size, seq_len=args.seq_len)
-        losses = train(parallel.train_step, tokens, args, rank)
-        if rank == 0:
+        first_step = resume(parallel, args, rank) if args.resume else 0
+        losses = train(parallel.train_step, tokens, args, rank, first_step,
+                       functools.partial(save_every, parallel, args, rank))
+        if rank == 0 and losses:  # none when resumed at the last step
             print(summarize(losses, args.log_every))
     finally:
         dist.destroy_process_group()

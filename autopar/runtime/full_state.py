@@ -14,7 +14,17 @@ import torch.nn as nn
 
 from autopar.runtime.fsdp import full_tensor
 
-__all__ = ["gather_full"]
+__all__ = ["gather_full", "whole_over_tp"]
+
+
+def whole_over_tp(t: torch.Tensor, spec, groups) -> torch.Tensor:
+    """The whole tensor of TP-local ``t`` split as ``spec`` (a ShardSpec) says: all-gathered
+    over ``groups.tp_group`` and joined (collective over TP when split; else ``t``)."""
+    if spec.dim is None or groups.tp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(groups.tp)]
+    dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
+    return spec.whole(parts)
 
 
 def gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -33,11 +43,7 @@ def gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, t
     params = dict(pm.stage_module.named_parameters())
     for name, spec in sorted(pm.shards.items()):
         t = full_tensor(pick(params[name]).detach())  # ZeRO-3: all-gathered over DP
-        if spec.dim is not None and g.tp > 1:
-            parts = [torch.empty_like(t) for _ in range(g.tp)]
-            dist.all_gather(parts, t.contiguous(), group=g.tp_group)
-            t = spec.whole(parts)
-        local[spec.key] = t.cpu().clone()
+        local[spec.key] = whole_over_tp(t, spec, g).cpu().clone()
     gathered: list = [None] * g.world_size
     dist.all_gather_object(gathered, local if g.tp_rank == 0 and g.dp_rank == 0 else {})
     full: dict[str, torch.Tensor] = {}

@@ -40,7 +40,7 @@ from autopar.runtime.device import rank_device
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
 from autopar.runtime.full_state import gather_full
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
-from autopar.runtime.rng import seed_rank
+from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.support import check_executable
 
@@ -51,14 +51,19 @@ class ParallelizedModel(ParallelModule):
     """This rank's share of the plan: ``train_step(idx, targets) -> global mean loss``,
     ``full_state_dict()``, ``plan`` and ``stage_module`` (print its ``.code``; with
     interleaved 1F1B an nn.ModuleList of this rank's v chunks, parameter names prefixed
-    by the local chunk index)."""
+    by the local chunk index). Checkpoints: ``save_checkpoint``/``load_checkpoint`` (any
+    plan of the same model loads them) and ``load_full_state_dict`` (single-device weights),
+    see :mod:`autopar.runtime.checkpoint`."""
 
     def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec],
-                 tied_aliases: dict[str, str], **kwargs):
+                 tied_aliases: dict[str, str], rng_tracker: RNGStatesTracker | None = None,
+                 **kwargs):
         super().__init__(stage_module, groups, **kwargs)
         self.plan = plan
         self.shards = shards  # local parameter name -> origin
         self.tied_aliases = tied_aliases  # original key -> the key it shares a tensor with
+        self.rng_tracker = rng_tracker  # the dropout streams (saved in checkpoints)
+        self.checkpoint_group = None  # async checkpoint saves' own gloo group, made on first use
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the original model's keys, on every rank (CPU).
@@ -67,6 +72,27 @@ class ParallelizedModel(ParallelModule):
         under every original name (e.g. ``lm_head.weight`` and ``transformer.wte.weight``).
         """
         return gather_full(self, lambda p: p)
+
+    def save_checkpoint(self, path, *, extra: dict | None = None, async_save: bool = False):
+        """Save the training state to the DCP directory ``path`` (collective; returns the
+        write's Future under ``async_save``): :func:`autopar.runtime.checkpoint.save_checkpoint`."""
+        from autopar.runtime import checkpoint
+
+        return checkpoint.save_checkpoint(self, path, extra=extra, async_save=async_save)
+
+    def load_checkpoint(self, path) -> dict:
+        """Load a checkpoint saved under any plan of this model (collective); returns its
+        ``extra``: :func:`autopar.runtime.checkpoint.load_checkpoint`."""
+        from autopar.runtime import checkpoint
+
+        return checkpoint.load_checkpoint(self, path)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load whole single-device weights (no collective):
+        :func:`autopar.runtime.checkpoint.load_full_state_dict`."""
+        from autopar.runtime import checkpoint
+
+        checkpoint.load_full_state_dict(self, state_dict)
 
 
 def _agree(plan: Plan, world: int) -> None:
@@ -177,7 +203,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                          tp_group=groups.tp_group, rng=rng)
     for chunk in program.chunks:  # Module.to keeps each Parameter object (program.shards' ids)
         chunk.to(groups.device)
-    return _parallel_module(traced, plan, groups, program, optimizer,
+    return _parallel_module(traced, plan, groups, program, optimizer, rng,
                             max_norm=max_norm, on_nonfinite=on_nonfinite)
 
 
@@ -197,7 +223,8 @@ def _local_trace(model: nn.Module, plan: Plan) -> TracedModel:
 
 
 def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,
-                     optimizer, **step_options) -> ParallelizedModel:
+                     optimizer, rng: RNGStatesTracker | None = None,
+                     **step_options) -> ParallelizedModel:
     """Step 4: this rank's chunks in a :class:`ParallelizedModel`, parameters named as in
     the chunk module (``program``'s by-id records turned into by-name ones)."""
     chunks = program.chunks
@@ -209,7 +236,7 @@ def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankPr
     partial_names = [name for name, p in named.items() if id(p) in program.partial_grad_params]
     tp_sharded = [name for name, spec in shards.items() if spec.dim is not None]
     return ParallelizedModel(
-        module, groups, plan, shards, dict(traced.tied_params),
+        module, groups, plan, shards, dict(traced.tied_params), rng,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
         seq_len=plan.seq_len, hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1],
         schedule=plan.schedule, optimizer_factory=optimizer,
