@@ -1,36 +1,49 @@
 """autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
 
 Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
-:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``) and :func:`load_model`.
+:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``), :func:`load_model`
+and :func:`init_model`.
 """
+
+import copy
 
 from cost_models.hardware import Cluster
 
 from autopar import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
 from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
+from autopar.runtime.materialize import init_model
 from autopar.plan import Layout, Plan, Prediction
 from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
-           "report", "load_model", "InfeasibleError", "TraceError"]
+           "report", "load_model", "init_model", "InfeasibleError", "TraceError"]
 
 
 def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,
-                seq_len=None, seed=0, verify=False):
+                seq_len=None, seed=0, verify=False, device=None, init_fn=None):
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     gloo process group, on every rank). The recipe is
     :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs
     torch.distributed).
 
-    model: the single-device model (materialised; it is copied, not modified).
+    model: the single-device model (it is copied, not modified): materialised, or built on
+        the meta device (``with torch.device("meta"): GPT(config)``), in which case each
+        rank creates only its own shards, initialised by :func:`init_model`'s rule with
+        ``seed``: a shard equals the same slice of ``init_model(model, seed)``, whatever
+        the layout, and no rank holds more than one module's whole parameters at a time
+        (:mod:`autopar.runtime.materialize`).
     cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
         global_batch_size and seq_len are required).
     optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
     seed: dropout seed, the same on every rank; each rank seeds its default generator
         (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
         (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
+        A meta model's initialisation seed too.
+    device: where a meta model's shards are created (default CPU, the gloo runtime's).
+    init_fn: ``init_fn(name, module)``, a meta model's init rule (default: the model's own,
+        :func:`autopar.runtime.materialize.model_init_fn`).
     verify: first run :func:`autopar.verify.check.verify` on the agreed plan (3 SGD steps
         of a copy against one device; ``model`` is untouched) and raise its
         VerificationError on a mismatch.
@@ -42,17 +55,23 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
     interleaved plan breaking
     :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
-    collective), NotImplementedError (a plan feature the runtime cannot run, or a backend
-    other than gloo), RuntimeError (no process group, or ranks disagree on the plan),
+    collective; a meta buffer the init rule does not set: before any collective; a
+    parameter it leaves unset: on every rank), NotImplementedError (a plan feature the
+    runtime cannot run, or a backend other than gloo), RuntimeError (no process group, or
+    ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     from autopar.runtime import parallelize as runtime
 
     if verify:
+        from autopar.runtime.materialize import Initializer, on_meta
         from autopar.verify.check import verify as verify_plan
 
+        if on_meta(model):  # the buffer rule's ValueError before agreed_plan's collectives
+            Initializer.of(copy.deepcopy(model), seed, device=device, init_fn=init_fn)
         plan = runtime.agreed_plan(model, cluster, plan, global_batch_size=global_batch_size,
                                    seq_len=seq_len)
-        verify_plan(model, plan)  # on copies, before anything trains the real model
+        verify_plan(model, plan, seed=seed, init_fn=init_fn)  # on copies, model untouched
     return runtime.parallelize(model, cluster, plan, optimizer=optimizer,
-                               global_batch_size=global_batch_size, seq_len=seq_len, seed=seed)
+                               global_batch_size=global_batch_size, seq_len=seq_len, seed=seed,
+                               device=device, init_fn=init_fn)
