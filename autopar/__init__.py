@@ -12,13 +12,26 @@ from cost_models.hardware import Cluster
 from autopar import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
 from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
-from autopar.runtime.materialize import init_model
 from autopar.plan import Layout, Plan, Prediction
 from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
            "report", "load_model", "init_model", "InfeasibleError", "TraceError"]
+
+
+def init_model(model, seed=0, *, device=None, init_fn=None):
+    """Initialise ``model`` (built on the meta device, or materialised) whole on ``device``
+    (default CPU) by the layout-independent rule a meta model's shards follow under
+    :func:`parallelize` with the same ``seed``; returns it. The recipe (each module's own
+    parameters created and initialised from a generator seeded by (seed, module name),
+    ``init_fn(name, module)`` or the model's own rule, meta buffers filled by that rule) and
+    its errors (ValueError naming a buffer or parameter the rule leaves unset):
+    :func:`autopar.runtime.materialize.init_model` (imported lazily: ``import autopar``
+    loads no runtime)."""
+    from autopar.runtime.materialize import init_model as materialize
+
+    return materialize(model, seed, device=device, init_fn=init_fn)
 
 
 def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,
