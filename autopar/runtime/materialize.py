@@ -1,5 +1,5 @@
 """Shard-only initialisation: give a model built on the meta device its values, whole
-(:func:`init_model`) or as one rank's shards (:func:`materialize_shards`, called by
+(:func:`init_model`) or as one rank's shards (:mod:`autopar.runtime.shard_init`, called by
 ``autopar.parallelize``), such that the values do not depend on the layout.
 
 The rule, one :class:`Initializer` for both paths, so that a rank's shard of a parameter
@@ -49,16 +49,13 @@ import contextlib
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from autopar.rewrite.tensor_parallel import ShardSpec
-
-__all__ = ["InitFn", "Initializer", "init_model", "model_init_fn", "module_seed",
-           "materialize_shards", "materialize_fsdp_shards", "on_meta"]
+__all__ = ["InitFn", "Initializer", "init_model", "model_init_fn", "module_seed", "on_meta",
+           "replace_tensors"]
 
 InitFn = Callable[[str, nn.Module], None]
 """``init_fn(qualified module name, module)``: initialise the module's own parameters (and
@@ -186,7 +183,7 @@ class Initializer:
         writes to other modules' parameters must draw nothing) and run the buffer pass
         (local: call it before any collective). Raises ValueError naming a meta buffer
         the rule does not set, and how to fix it."""
-        _swap_in(model, {id(p): nn.Parameter(torch.empty_like(p, device="meta"),
+        replace_tensors(model, {id(p): nn.Parameter(torch.empty_like(p, device="meta"),
                                              requires_grad=p.requires_grad)
                          for p in model.parameters() if not p.is_meta}, {})
         names: dict[int, str] = {}
@@ -250,8 +247,8 @@ class Initializer:
         return {_join(name, n): got[n] for n in owned}
 
 
-def _swap_in(root: nn.Module, params: dict[int, nn.Parameter],
-             buffers: dict[int, torch.Tensor]) -> None:
+def replace_tensors(root: nn.Module, params: dict[int, nn.Parameter],
+                    buffers: dict[int, torch.Tensor]) -> None:
     """Replace, wherever ``root``'s modules hold them, the parameters and buffers whose
     ``id`` is a key (a tied parameter stays one object)."""
     for module in root.modules():
@@ -283,107 +280,5 @@ def init_model(model: nn.Module, seed: int = 0, *, device: torch.device | str | 
     first: dict[int, str] = {}
     for key, b in model.named_buffers(remove_duplicate=False):
         first.setdefault(id(b), key)
-    _swap_in(model, params, {i: init.buffers[k] for i, k in first.items()})
+    replace_tensors(model, params, {i: init.buffers[k] for i, k in first.items()})
     return model
-
-
-def _local_values(params: dict[str, nn.Parameter], shards: dict[str, ShardSpec],
-                  init: Initializer, tp_rank: int, tp: int
-                  ) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
-    """(name, parameter, its TP-local value) for each parameter of ``params`` (the meta
-    ones of a stage, by name), one owning module's whole parameters alive at a time."""
-    by_owner: dict[str, list[str]] = {}
-    for name in params:
-        if name not in shards:
-            raise RuntimeError(f"parameter {name!r} of this rank's program comes from no "
-                               "parameter of the model; this is a bug in the rewrite")
-        by_owner.setdefault(init.owner(shards[name].key), []).append(name)
-    for owner in sorted(by_owner):
-        whole = init.module_params(owner)
-        for name in by_owner[owner]:
-            p, spec = params[name], shards[name]
-            value = spec.local(whole[spec.key], tp_rank, tp).to(p.dtype)
-            if tuple(value.shape) != tuple(p.shape):
-                raise RuntimeError(f"{name}: the shard of {spec.key} has shape "
-                                   f"{tuple(value.shape)}, the program's parameter "
-                                   f"{tuple(p.shape)}; this is a bug in the rewrite")
-            yield name, p, value.contiguous()
-        del whole
-
-
-def _meta_params(stage: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in stage.named_parameters() if p.is_meta}
-
-
-def _buffer_values(stage: nn.Module, init: Initializer, keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The value of each buffer of ``stage`` (by name) not on ``init.device``: a meta one's
-    from its model key ``keys``, a real one moved."""
-    values = {}
-    for name, b in stage.named_buffers():
-        if not b.is_meta and b.device != init.device:
-            values[name] = b.to(init.device)
-        elif b.is_meta:
-            if name not in keys:
-                raise ValueError(f"buffer {name!r} of this rank's program is on the meta device "
-                                 "and comes from no buffer of the model; build the model with "
-                                 "real buffers")
-            values[name] = init.buffers[keys[name]].to(b.dtype)
-    return values
-
-
-def _check_real(stage: nn.Module) -> None:
-    left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"tensors of this rank's program left on the meta device: {left[:5]}; "
-                           "this is a bug in autopar.runtime.materialize")
-
-
-def materialize_shards(stage: nn.Module, shards: dict[str, ShardSpec], init: Initializer, *,
-                       tp_rank: int, tp: int, buffer_keys: dict[str, str]) -> None:
-    """Replace this rank's meta parameters and buffers in ``stage`` (its chunk module) by
-    their values on ``init.device``: shard ``shards[name]`` of the owning module's whole
-    initialisation (rule 3), cast to the parameter's dtype. Local: no collective.
-
-    shards: local parameter name -> :class:`~autopar.rewrite.tensor_parallel.ShardSpec`;
-    buffer_keys: local buffer name -> the model's buffer key. Raises ValueError (a
-    parameter or buffer the rule leaves unset), RuntimeError (a shape that does not match).
-    """
-    params = {id(p): nn.Parameter(v, requires_grad=p.requires_grad)
-              for _, p, v in _local_values(_meta_params(stage), shards, init, tp_rank, tp)}
-    values = _buffer_values(stage, init, buffer_keys)
-    buffers = {id(b): values[n] for n, b in stage.named_buffers() if n in values}
-    _swap_in(stage, params, buffers)
-    _check_real(stage)
-
-
-def _dim0_chunk(t: torch.Tensor, parts: int, rank: int) -> torch.Tensor:
-    """FSDP2's shard of ``t`` on DP rank ``rank``: ``torch.chunk`` along dim 0, empty for a
-    rank past the last chunk."""
-    chunks = t.chunk(parts, 0)
-    return chunks[rank] if rank < len(chunks) else t.new_empty((0, *t.shape[1:]))
-
-
-def materialize_fsdp_shards(stage: nn.Module, shards: dict[str, ShardSpec], init: Initializer, *,
-                            tp_rank: int, tp: int, dp_rank: int, dp: int,
-                            buffer_keys: dict[str, str]) -> None:
-    """ZeRO-3: ``stage`` was wrapped by FSDP2 (``fully_shard``) while on meta, its
-    parameters DTensors sharded along dim 0 over the DP mesh. Allocate them on
-    ``init.device`` (``to_empty``, FSDP2's meta-device recipe) and write this DP rank's
-    chunk of each TP-local value; buffers as :func:`materialize_shards`. Local; errors
-    as :func:`materialize_shards`."""
-    buffers = _buffer_values(stage, init, buffer_keys)
-    buffers.update({n: b for n, b in stage.named_buffers() if not b.is_meta})
-    values = _local_values(_meta_params(stage), shards, init, tp_rank, tp)  # lazy: after to_empty
-    stage.to_empty(device=init.device)  # DTensor parameters keep their identity (swap)
-    with torch.no_grad():
-        for name, p, value in values:
-            local = p.to_local()
-            chunk = _dim0_chunk(value, dp, dp_rank)
-            if local.shape != chunk.shape:
-                raise RuntimeError(f"{name}: FSDP2's local shard has shape {tuple(local.shape)}, "
-                                   f"the DP chunk {tuple(chunk.shape)}; this is a bug")
-            local.copy_(chunk)
-    for name, value in buffers.items():
-        prefix, _, leaf = name.rpartition(".")
-        setattr(stage.get_submodule(prefix), leaf, value.to(init.device))
-    _check_real(stage)

@@ -8,8 +8,8 @@ The recipe, each step reading only the plan:
 3. rewrite (:func:`autopar.rewrite.apply_plan`): tensor parallelism → dropout RNG →
    recompute → pipeline cut, leaving this rank's model chunks;
 4. a model on the meta device: give this rank's shards their values
-   (:mod:`autopar.runtime.materialize`: each owning module initialised whole, one at a
-   time, and sliced), before the optimizer copies them into its flat buffer (ZeRO-0/1/2);
+   (:mod:`autopar.runtime.shard_init`: each owning module initialised whole, one at a
+   time, by :mod:`autopar.runtime.materialize`'s rule, and sliced), before the optimizer copies them into its flat buffer (ZeRO-0/1/2);
    under ZeRO-3 after FSDP2 has sharded the meta stage, so that a rank allocates only its
    DP shard (FSDP2's meta-device recipe). The buffers and the init rule are checked
    before step 1's first collective;
@@ -43,8 +43,9 @@ from autopar.rewrite.tensor_parallel import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
 from autopar.runtime.full_state import gather_full
-from autopar.runtime.materialize import (InitFn, Initializer, materialize_fsdp_shards,
-                                         materialize_shards, on_meta)
+from autopar.runtime.materialize import InitFn, Initializer, on_meta
+from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_shards,
+                                       place_program_devices)
 from autopar.runtime.mesh import ParallelGroups, validate_degrees
 from autopar.runtime.rng import seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
@@ -252,6 +253,8 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     where = dict(tp_rank=groups.tp_rank, tp=plan.tp, buffer_keys=local.buffer_keys(module))
     if init is not None and not zero3:
         _agreed(lambda: materialize_shards(module, shards, init, **where), groups)
+    elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
+        place_program_devices(module, init.device)
     pm = ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params),
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,

@@ -4,7 +4,9 @@ parallelized, each rank creating only its shards (:mod:`autopar.runtime.material
 * For tp=2 and dp=2 ZeRO-3 (2 ranks), tp=2·pp=2 and tp=4 (4 ranks) the gathered
   ``full_state_dict()`` equals ``autopar.init_model`` of the same meta model on one
   process, bit for bit, and 2 SGD steps equal the single-process run (losses and
-  parameters 1e-5 relative); ``verify`` of a meta model passes.
+  parameters 1e-5 relative); ``verify`` of a meta model passes; a meta Hugging Face Llama
+  (rotary buffers, an export graph with the capture's device baked in) at tp=2 and dp=2
+  ZeRO-3 equals ``init_model`` too and trains.
 * Memory (4 ranks, tp=4, Megatron placements, SGD): a GPT whose whole fp32 weights no rank
   may hold is parallelized from meta and trained one step; every rank's peak torch CPU
   allocation (:class:`~autopar.runtime.stats.PeakAllocation`) stays under 0.9 of the
@@ -28,7 +30,7 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig, gpt2_init
 from autopar.planner.megatron import megatron_placements
 from dist_utils import run_distributed
-from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, rel
+from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, load_script, rel
 
 SEED, STEPS, LR = 5, 2, 0.5
 WORLD2 = {"tp2": dict(tp=2, pp=1, dp=1), "dp2 zero3": dict(tp=1, pp=1, dp=2, zero_stage=3)}
@@ -81,11 +83,24 @@ def _train(rank: int, plan) -> tuple:
     return (initial, losses, final) if rank == 0 else (None, losses, None)
 
 
-def _world2(rank: int, world: int, plans: dict, verify_plan) -> dict:
+def _llama(rank: int, plan) -> tuple:
+    """The tiny Hugging Face Llama from meta: its rotary inv_freq buffer is filled by HF's
+    _init_weights, its export graph's meta device constants are placed on the CPU."""
+    zoo = load_script("benchmarks/model_zoo.py")
+    pm = autopar.parallelize(zoo.build("llama", "tiny", device="meta"), plan=plan,
+                             optimizer=_sgd(), seed=SEED)
+    state = pm.full_state_dict()
+    idx = torch.randint(0, zoo.TINY["vocab"], (plan.global_batch_size, plan.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    return state if rank == 0 else None, pm.train_step(idx, torch.roll(idx, -1, dims=1))
+
+
+def _world2(rank: int, world: int, plans: dict, verify_plan, llama_plans: dict) -> dict:
     from autopar.verify.check import verify
 
     out = {name: _train(rank, plan) for name, plan in plans.items()}
     out["verify"] = verify(_meta(), verify_plan, steps=2, seed=SEED).to_dict()
+    out["llama"] = {name: _llama(rank, plan) for name, plan in llama_plans.items()}
     return out
 
 
@@ -150,11 +165,19 @@ def world4() -> list[dict]:
 
 
 def test_meta_shards_equal_init_model_and_train_like_one_process_on_2_ranks():
+    pytest.importorskip("transformers")
+    zoo = load_script("benchmarks/model_zoo.py")
     plans = {name: _plan(layout) for name, layout in WORLD2.items()}
-    results = run_distributed(_world2, 2, plans, plans["tp2"], timeout_s=400)
+    llama_plans = {name: zoo.tiny_plan("llama", layout) for name, layout in WORLD2.items()}
+    results = run_distributed(_world2, 2, plans, plans["tp2"], llama_plans, timeout_s=600)
     _check_layouts(results, WORLD2)
     report = results[0]["verify"]  # the reference is init_model with verify's seed
     assert report["ok"] and report["max_loss_diff"] < 1e-5, report
+    want = autopar.init_model(zoo.build("llama", "tiny", device="meta"), SEED).state_dict()
+    for name, (state, loss) in results[0]["llama"].items():  # tp2: with SP and selective
+        assert set(state) == set(want), name                # recompute (the zoo's TP plans)
+        assert all(torch.equal(state[k], v) for k, v in want.items()), name
+        assert results[1]["llama"][name][1] == loss and 0 < loss < 10, name
 
 
 def test_meta_shards_equal_init_model_and_train_like_one_process_on_4_ranks(world4):

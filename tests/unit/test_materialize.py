@@ -19,7 +19,8 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
 from autopar.planner.megatron import megatron_placements
 from autopar.rewrite.tensor_parallel import apply_tensor_parallel
-from autopar.runtime.materialize import Initializer, materialize_shards, module_seed
+from autopar.runtime.materialize import Initializer, module_seed
+from autopar.runtime.shard_init import materialize_shards
 from helpers import CONFIG, SEQ, load_script
 
 
