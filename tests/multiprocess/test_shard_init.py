@@ -161,7 +161,7 @@ def _check_layouts(results: list[dict], names) -> None:
 def world4() -> list[dict]:
     plans = {name: _plan(layout) for name, layout in WORLD4.items()}
     memory_plan = _megatron_tp4_plan(MEM_CONFIG)
-    return run_distributed(_world4, 4, plans, memory_plan, timeout_s=500)
+    return run_distributed(_world4, 4, plans, memory_plan, timeout_s=600)
 
 
 def test_meta_shards_equal_init_model_and_train_like_one_process_on_2_ranks():
