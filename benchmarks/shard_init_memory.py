@@ -6,15 +6,19 @@ predicted model-state bytes for its stage and the whole model's fp32 bytes.
 
 For each layout (tp=2; dp=2 ZeRO-3; tp=2·pp=2; tp=4) it launches the ranks on local gloo
 processes (:func:`autopar.runtime.launch.launch`); every rank builds the meta GPT, then
-runs ``autopar.parallelize`` and one AdamW ``train_step`` inside
+runs ``autopar.parallelize``, then one AdamW ``train_step``, each inside a
 :class:`~autopar.runtime.stats.PeakAllocation` (the CPU allocator's bytes held at the
-highest point, tensors allocated inside the region only). It prints per rank: that peak,
-the model states the step held (``last_step_stats()["model_state_bytes"]``), the plan's
-prediction for the rank's stage (``plan.predicted.stage_stats[pp_rank]
-["model_state_bytes"]``, Adam's 16 bytes per fp32 parameter) and the peak as a fraction of
-the whole model's fp32 parameter bytes, which no rank ever holds. Below the table, the
-same peak when one rank builds the model materialised instead (``GPT(config)`` on the CPU,
-before any sharding): the whole model. A benchmark: it prints figures, it asserts nothing.
+highest point, tensors allocated inside the region only). It prints per rank: the peak of
+parallelize (the shard-only initialisation: shards plus one module whole, or the
+optimizer's flat copy of the shards), the peak of parallelize + the step (what parallelize
+left held plus the step's peak), the model states the step held
+(``last_step_stats()["model_state_bytes"]``), the plan's prediction for the rank's stage
+(``plan.predicted.stage_stats[pp_rank]["model_state_bytes"]``, Adam's 16 bytes per fp32
+parameter: more than the whole model's 4 bytes per parameter once sharded over 4 or
+fewer ranks), and both peaks as fractions of the whole model's fp32 parameter bytes.
+Below the table, the peak when one rank builds the model materialised instead
+(``GPT(config)`` on the CPU, before any sharding). A benchmark: it prints figures, it
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -66,16 +70,20 @@ def make_plan(cfg: GPTConfig, layout: dict) -> autopar.Plan:
 
 
 def measure_rank(rank: int, world: int, cfg: GPTConfig, plan: autopar.Plan, optimizer) -> dict:
-    """One rank: parallelize the meta GPT and train one step inside a PeakAllocation;
-    returns its pipeline rank, peak bytes, measured and predicted model-state bytes."""
+    """One rank: parallelize the meta GPT, then train one step, each inside a
+    PeakAllocation; returns its pipeline rank, the peak bytes of parallelize and of both
+    (what parallelize left held plus the step's peak), measured and predicted model-state
+    bytes."""
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
     meta = meta_gpt(cfg)
-    with PeakAllocation() as peak:
+    with PeakAllocation() as build:
         pm = autopar.parallelize(meta, plan=plan, optimizer=optimizer, seed=0)
+    with PeakAllocation() as step:
         loss = pm.train_step(idx, torch.roll(idx, -1, dims=1))
     stage = pm.groups.pp_rank
-    return {"rank": rank, "pp_rank": stage, "peak_bytes": peak.peak_bytes, "loss": loss,
+    return {"rank": rank, "pp_rank": stage, "build_bytes": build.peak_bytes, "loss": loss,
+            "peak_bytes": max(build.peak_bytes, build.end_bytes + step.peak_bytes),
             "model_state_bytes": pm.last_step_stats()["model_state_bytes"],
             "predicted_bytes": plan.predicted.stage_stats[stage]["model_state_bytes"]}
 
@@ -105,14 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = config(args.layers, args.hidden, args.vocab)
     whole = fp32_bytes(cfg)
+    largest = max(4 * sum(p.numel() for p in m.parameters(recurse=False))
+                  for m in meta_gpt(cfg).modules())
     print(f"GPT L={cfg.n_layer} h={cfg.n_embd} V={cfg.vocab_size} s={SEQ}: "
-          f"{whole / 4:,.0f} parameters, {whole / MIB:.1f} MiB in fp32; AdamW, B={BATCH}")
-    print(f"{'layout':<10} {'rank':>4} {'stage':>5} {'peak MiB':>9} {'states MiB':>10} "
-          f"{'predicted MiB':>13} {'peak/whole':>10}")
+          f"{whole / 4:,.0f} parameters, {whole / MIB:.1f} MiB in fp32, the largest module "
+          f"(the embedding) {largest / MIB:.1f} MiB; AdamW, B={BATCH}")
+    print(f"{'layout':<10} {'rank':>4} {'stage':>5} {'parallelize MiB':>15} {'+ step MiB':>10} "
+          f"{'states MiB':>10} {'predicted MiB':>13} {'parallelize/whole':>17} {'peak/whole':>10}")
     for name, ranks in run(cfg).items():
         for r in ranks:
-            print(f"{name:<10} {r['rank']:>4} {r['pp_rank']:>5} {r['peak_bytes'] / MIB:>9.1f} "
-                  f"{r['model_state_bytes'] / MIB:>10.1f} {r['predicted_bytes'] / MIB:>13.1f} "
+            print(f"{name:<10} {r['rank']:>4} {r['pp_rank']:>5} {r['build_bytes'] / MIB:>15.1f} "
+                  f"{r['peak_bytes'] / MIB:>10.1f} {r['model_state_bytes'] / MIB:>10.1f} "
+                  f"{r['predicted_bytes'] / MIB:>13.1f} {r['build_bytes'] / whole:>17.2f} "
                   f"{r['peak_bytes'] / whole:>10.2f}")
     print(f"building the model materialised on one rank instead: peak "
           f"{materialised_peak(cfg) / MIB:.1f} MiB ({materialised_peak(cfg) / whole:.2f} of the whole)")
