@@ -1,8 +1,11 @@
 """autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
 
 Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
-:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``) and :func:`load_model`.
+:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``), :func:`load_model`
+and :func:`init_model`.
 """
+
+import copy
 
 from cost_models.hardware import Cluster
 
@@ -14,25 +17,48 @@ from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
-           "report", "load_model", "InfeasibleError", "TraceError"]
+           "report", "load_model", "init_model", "InfeasibleError", "TraceError"]
+
+
+def init_model(model, seed=0, *, device=None, init_fn=None):
+    """Initialise ``model`` (built on the meta device, or materialised) whole on ``device``
+    (default CPU) by the layout-independent rule a meta model's shards follow under
+    :func:`parallelize` with the same ``seed``; returns it. The recipe (each module's own
+    parameters created and initialised from a generator seeded by (seed, module name),
+    ``init_fn(name, module)`` or the model's own rule, meta buffers filled by that rule) and
+    its errors (ValueError naming a buffer or parameter the rule leaves unset):
+    :func:`autopar.runtime.materialize.init_model` (imported lazily: ``import autopar``
+    loads no runtime)."""
+    from autopar.runtime.materialize import init_model as materialize
+
+    return materialize(model, seed, device=device, init_fn=init_fn)
 
 
 def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,
                 seq_len=None, seed=0, verify=False, timeout=None, max_norm=None,
-                on_nonfinite="raise"):
+                on_nonfinite="raise", measure_every=100, init_fn=None):
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group, on every rank: gloo keeps the rank on the CPU, NCCL puts it on
     ``cuda:LOCAL_RANK``, :mod:`autopar.runtime.device`). The recipe is
     :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs
     torch.distributed).
 
-    model: the single-device model (materialised; it is copied, not modified).
+    model: the single-device model (it is copied, not modified): materialised, or built on
+        the meta device (``with torch.device("meta"): GPT(config)``), in which case each
+        rank creates only its own shards, initialised by :func:`init_model`'s rule with
+        ``seed``: a shard equals the same slice of ``init_model(model, seed)``, whatever
+        the layout, and no rank holds more than one module's whole parameters at a time
+        (:mod:`autopar.runtime.materialize`).
     cluster: used to solve when ``plan`` is None (rank 0 solves and broadcasts; then
         global_batch_size and seq_len are required).
     optimizer: parameters -> torch.optim.Optimizer, e.g. ``partial(torch.optim.AdamW, lr=3e-4)``.
     seed: dropout seed, the same on every rank; each rank seeds its default generator
         (``torch.manual_seed``) and a tensor-parallel stream from it the Megatron way
         (:func:`autopar.runtime.rng.rank_seeds`), so runs with one seed repeat exactly.
+        A meta model's initialisation seed too.
+        A meta model's shards are created on the rank's device (CPU under gloo).
+    init_fn: ``init_fn(name, module)``, a meta model's init rule (default: the model's own,
+        :func:`autopar.runtime.materialize.model_init_fn`).
     verify: first run :func:`autopar.verify.check.verify` on the agreed plan (3 SGD steps
         of a copy against one device; ``model`` is untouched) and raise its
         VerificationError on a mismatch.
@@ -52,19 +78,24 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
     interleaved plan breaking
     :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
-    collective; a bad timeout, max_norm or on_nonfinite), NotImplementedError (a plan
-    feature the runtime cannot run), RuntimeError (no process group, an accelerator backend
-    on a machine without one, or ranks disagree on the plan),
+    collective; a bad timeout, max_norm or on_nonfinite; a meta buffer the init rule does
+    not set: before any collective; a parameter it leaves unset: on every rank),
+    NotImplementedError (a plan feature the runtime cannot run), RuntimeError (no process
+    group, an accelerator backend on a machine without one, or ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
     from autopar.runtime import parallelize as runtime
 
     if verify:
+        from autopar.runtime.materialize import Initializer, on_meta
         from autopar.verify.check import verify as verify_plan
 
+        if on_meta(model):  # the buffer rule's ValueError before agreed_plan's collectives
+            Initializer.of(copy.deepcopy(model), seed, device="cpu", init_fn=init_fn)
         plan = runtime.agreed_plan(model, cluster, plan, global_batch_size=global_batch_size,
                                    seq_len=seq_len)
-        verify_plan(model, plan)  # on copies, before anything trains the real model
+        verify_plan(model, plan, seed=seed, init_fn=init_fn)  # on copies, model untouched
     return runtime.parallelize(model, cluster, plan, optimizer=optimizer,
                                global_batch_size=global_batch_size, seq_len=seq_len, seed=seed,
-                               timeout=timeout, max_norm=max_norm, on_nonfinite=on_nonfinite)
+                               timeout=timeout, max_norm=max_norm, on_nonfinite=on_nonfinite,
+                               measure_every=measure_every, init_fn=init_fn)

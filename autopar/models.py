@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from autopar.hf_models import HF_PREFIX, HFSpecError, hf_factory, names_fix
 
-__all__ = ["GPTConfig", "GPT", "PRESETS", "preset", "load_model", "model_config",
+__all__ = ["GPTConfig", "GPT", "gpt2_init", "PRESETS", "preset", "load_model", "model_config",
            "default_seq_len", "pad_vocab_size"]
 
 
@@ -166,6 +166,27 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def gpt2_init(name: str, module: nn.Module, n_layer: int, std: float = 0.02) -> None:
+    """GPT-2's initialisation of one module, in place (Radford et al. 2019, as nanoGPT and
+    :class:`GPT` do it): Linear and Embedding weights N(0, std²), biases 0, an embedding's
+    padding row 0; the residual projections (modules named ``…c_proj``) N(0, (std/√(2·L))²)
+    for L = ``n_layer``; other modules their own ``reset_parameters()`` (LayerNorm: 1, 0).
+
+    An ``init_fn(name, module)`` for :func:`autopar.init_model` / ``autopar.parallelize``
+    of a meta model: ``functools.partial(gpt2_init, n_layer=L)`` fits a nanoGPT-style model.
+    """
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        scaled = isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == "c_proj"
+        nn.init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * n_layer) if scaled else std)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
+
+
 class GPT(nn.Module):
     """GPT decoder. ``forward(idx (b, s) int64, targets (b, s) | None) -> (logits (b, s, V), loss | None)``.
 
@@ -201,6 +222,12 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The init rule of one module (``name``: its qualified name), for
+        :func:`autopar.init_model` and a parallelized meta model: :func:`gpt2_init` with
+        this model's depth (the distributions ``__init__`` draws from)."""
+        gpt2_init(name, module, self.config.n_layer)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         s = idx.size(1)

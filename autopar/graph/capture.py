@@ -21,7 +21,7 @@ from autopar.graph.annotate import TracedModel, annotate
 from autopar.graph.export import export_logits, user_frame
 
 __all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm",
-           "COMPUTE_DTYPES"]
+           "COMPUTE_DTYPES", "place_meta_devices"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # Plan.dtype -> torch
 
@@ -165,6 +165,27 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
         node.kwargs = {k: meta if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
     meta_gm.recompile()
     return meta_gm
+
+
+def place_meta_devices(gm: fx.GraphModule, device: torch.device) -> bool:
+    """Replace the ``meta`` device constants in ``gm``'s node arguments by ``device`` and
+    recompile when there were any (returns whether): a model captured on the meta device
+    has export's device of the capture baked in (``arange(..., device=meta)`` for
+    positions), which the materialised program must create on its own device instead."""
+    found = False
+
+    def place(a):
+        nonlocal found
+        if isinstance(a, torch.device) and a.type == "meta":
+            found = True
+            return device
+        return a
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, place)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, place)
+    if found:
+        gm.recompile()
+    return found
 
 
 def _all_meta(module: torch.nn.Module) -> bool:

@@ -16,6 +16,9 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
   ``ProcessGroupNCCL.Options._timeout``).
 * ``DropoutBase`` (``torch.nn.modules.dropout._DropoutNd``): the base class of
   ``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout`` and ``FeatureAlphaDropout``.
+* :func:`cpu_memory_events`: the CPU allocator's allocations and frees a
+  ``torch.profiler.profile(profile_memory=True)`` recorded, in order
+  (``prof.profiler.kineto_results``: the public ``events()`` folds them into ops).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
-           "group_options"]
+           "group_options", "cpu_memory_events"]
 
 
 def op_schema(func) -> tuple[str, list[str]]:
@@ -64,3 +67,12 @@ def group_options(backend: str, timeout: timedelta) -> C10dBackend.Options | Non
     if backend == "gloo":
         return C10dBackend.Options(backend, timeout)
     return None
+
+
+def cpu_memory_events(prof) -> list[tuple[int, int]]:
+    """(start ns, bytes: positive allocated, negative freed) of every CPU allocator event of
+    the finished ``torch.profiler.profile`` ``prof`` (run with ``profile_memory=True``), by
+    time. Frees of blocks allocated before the profile started are not recorded."""
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    return sorted(events)

@@ -7,7 +7,13 @@ The recipe, each step reading only the plan:
 2. trace the model (the same front end the planner used, so node names match the plan);
 3. rewrite (:func:`autopar.rewrite.apply_plan`): tensor parallelism → dropout RNG →
    recompute → pipeline cut, leaving this rank's model chunks;
-4. wrap them in the runtime (:class:`ParallelizedModel`, a
+4. a model on the meta device: give this rank's shards their values
+   (:mod:`autopar.runtime.shard_init`: each owning module initialised whole, one at a
+   time, by :mod:`autopar.runtime.materialize`'s rule, and sliced), before the optimizer copies them into its flat buffer (ZeRO-0/1/2);
+   under ZeRO-3 after FSDP2 has sharded the meta stage, so that a rank allocates only its
+   DP shard (FSDP2's meta-device recipe). The buffers and the init rule are checked
+   before step 1's first collective;
+5. wrap them in the runtime (:class:`ParallelizedModel`, a
    :class:`~autopar.runtime.engine.ParallelModule`): micro-batches, GPipe / 1F1B /
    interleaved 1F1B, DP averaging or ZeRO, tied-embedding gradient sync, optimizer.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -39,6 +46,9 @@ from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
 from autopar.runtime.full_state import gather_full
+from autopar.runtime.materialize import InitFn, Initializer, on_meta
+from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_shards,
+                                       place_program_devices)
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
@@ -183,51 +193,91 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                 global_batch_size: int | None = None, seq_len: int | None = None,
                 seed: int = 0, timeout: float | timedelta | None = None,
-                max_norm: float | None = None, on_nonfinite: str = "raise") -> ParallelizedModel:
+                max_norm: float | None = None, on_nonfinite: str = "raise",
+                measure_every: int = 100, init_fn: InitFn | None = None) -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group, on every rank); the runtime half of :func:`autopar.parallelize`, whose
-    docstring lists the arguments and errors (all but ``verify``)."""
+    docstring lists the arguments and errors (all but ``verify``). A model on the meta
+    device is materialised shard by shard on the rank's device
+    (:mod:`autopar.runtime.materialize`)."""
     check_step_options(max_norm, on_nonfinite)  # local checks first, before any collective
     timeout = as_timeout(timeout) if timeout is not None else None
     traced = None
     if plan is not None:  # before any collective, on the graph the rewrite will use
         traced = _local_trace(model, plan)
-        check_plan_matches(model, plan, traced)
+        check_plan_matches(model, plan, traced.traced)
     _check_process_group()
     device = rank_device()  # an accelerator backend without one fails here, before collectives
+    init = None
+    if on_meta(model):  # buffers and rule checked before any collective (module docstring)
+        init = Initializer.of(copy.deepcopy(model), seed, device=device, init_fn=init_fn)
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     traced = traced or _local_trace(model, plan)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout)
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
-    program = apply_plan(traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+    program = apply_plan(traced.traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng)
-    for chunk in program.chunks:  # Module.to keeps each Parameter object (program.shards' ids)
-        chunk.to(groups.device)
-    return _parallel_module(traced, plan, groups, program, optimizer, rng,
-                            max_norm=max_norm, on_nonfinite=on_nonfinite)
+    if init is None:
+        for chunk in program.chunks:  # Module.to keeps each Parameter (program.shards' ids)
+            chunk.to(groups.device)
+    return _parallel_module(traced, plan, groups, program, optimizer, rng, init,
+                            max_norm=max_norm, on_nonfinite=on_nonfinite,
+                            measure_every=measure_every)
 
 
 PARAM_DTYPES = COMPUTE_DTYPES
 
 
-def _local_trace(model: nn.Module, plan: Plan) -> TracedModel:
+@dataclass(frozen=True)
+class _LocalTrace:
+    """The trace of this rank's model copy, and the copy's buffers by ``id`` (name, tensor:
+    held so that the ids stay theirs) for naming the rewritten program's buffers."""
+
+    traced: TracedModel
+    buffers: dict[int, tuple[str, torch.Tensor]]
+
+    def buffer_keys(self, module: nn.Module) -> dict[str, str]:
+        """``module``'s buffer names -> the model's buffer keys."""
+        return {n: self.buffers[id(b)][0] for n, b in module.named_buffers() if id(b) in self.buffers}
+
+
+def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
     """The trace of this rank's copy of ``model`` in the plan's dtype (the graph the plan
     was made on: :func:`~autopar.graph.capture.trace_model`'s ``dtype``). ZeRO-3: the
     (sharded) parameters then go back to fp32 master weights; FSDP2 casts them to the
     plan's dtype when it gathers them (runtime.fsdp), so the graph computes as traced."""
     local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
     traced = trace_model(local_model, plan.seq_len)
+    buffers: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, b in local_model.named_buffers(remove_duplicate=False):
+        buffers.setdefault(id(b), (name, b))
     if plan.zero_stage == FULLY_SHARDED_STAGE:
         local_model.to(torch.float32)
-    return traced
+    return _LocalTrace(traced, buffers)
 
 
-def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankProgram,
-                     optimizer, rng: RNGStatesTracker | None = None,
-                     **step_options) -> ParallelizedModel:
-    """Step 4: this rank's chunks in a :class:`ParallelizedModel`, parameters named as in
-    the chunk module (``program``'s by-id records turned into by-name ones)."""
-    chunks = program.chunks
+def _agreed(build: Callable[[], None], groups: ParallelGroups) -> None:
+    """Run ``build`` (a local step that may raise ValueError) and agree on the outcome over
+    the world, so that a failure on one rank raises on every rank instead of hanging."""
+    error = None
+    try:
+        build()
+    except ValueError as exc:
+        error = str(exc)
+    errors: list = [None] * groups.world_size
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ValueError(f"rank {failed[0][0]}: {failed[0][1]}")
+
+
+def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
+                     program: RankProgram, optimizer, rng: RNGStatesTracker | None = None,
+                     init: Initializer | None = None, **step_options) -> ParallelizedModel:
+    """Steps 4 and 5: this rank's chunks, materialised from ``init`` when the model is on
+    meta, in a :class:`ParallelizedModel`, parameters named as in the chunk module
+    (``program``'s by-id records turned into by-name ones)."""
+    traced, chunks = local.traced, program.chunks
     module = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
     named = dict(module.named_parameters())
     shards = {name: program.shards[id(p)] for name, p in named.items() if id(p) in program.shards}
@@ -235,7 +285,13 @@ def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankPr
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
     partial_names = [name for name, p in named.items() if id(p) in program.partial_grad_params]
     tp_sharded = [name for name, spec in shards.items() if spec.dim is not None]
-    return ParallelizedModel(
+    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
+    where = dict(tp_rank=groups.tp_rank, tp=plan.tp, buffer_keys=local.buffer_keys(module))
+    if init is not None and not zero3:
+        _agreed(lambda: materialize_shards(module, shards, init, **where), groups)
+    elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
+        place_program_devices(module, init.device)
+    pm = ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params), rng,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
         seq_len=plan.seq_len, hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1],
@@ -246,6 +302,10 @@ def _parallel_module(traced, plan: Plan, groups: ParallelGroups, program: RankPr
         tp_sharded_parameter_names=tp_sharded, **step_options,
         loss_fn=_loss_fn(traced, plan, groups),
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
+    if init is not None and zero3:
+        _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
+                                                dp=plan.dp, **where), groups)
+    return pm
 
 
 def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:

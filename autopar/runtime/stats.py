@@ -6,6 +6,10 @@ counted once however many ops save it (or views of it), parameters are excluded 
 model states), and bytes are released when autograd frees the saved tensor. Tensors saved
 inside ``torch.utils.checkpoint`` regions are not stored, so they are not counted.
 
+``PeakAllocation`` keeps the peak of the bytes torch's CPU allocator holds for tensors
+allocated inside a region (a rank's ``parallelize`` and first step: what building and
+training the program adds to the process at its highest).
+
 ``CommMeter`` is a ``TorchDispatchMode`` that sees every ``c10d`` collective and p2p send
 the step issues (``dist.all_reduce`` and friends go through the dispatcher as
 ``c10d.allreduce_`` etc., including those issued by libraries such as
@@ -22,9 +26,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopar.plan import COMM_KINDS
-from autopar.runtime.compat import TorchDispatchMode, op_schema, unbox_process_group
+from autopar.runtime.compat import (TorchDispatchMode, cpu_memory_events, op_schema,
+                                    unbox_process_group)
 
-__all__ = ["SavedActivationTracker", "CommMeter"]
+__all__ = ["SavedActivationTracker", "CommMeter", "PeakAllocation"]
 
 
 def _storages(params: Iterable[nn.Parameter]) -> set[int]:
@@ -95,6 +100,34 @@ class SavedActivationTracker:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class PeakAllocation:
+    """Peak bytes of CPU tensor memory allocated and not yet freed while the context is
+    active: the running sum of the CPU allocator's allocations and frees that
+    ``torch.profiler`` records with ``profile_memory=True`` (tensors that existed before
+    entry, and their frees, are not counted). Attributes after exit: ``peak_bytes``,
+    ``end_bytes`` (still held at exit). Counts torch's CPU allocator only: not Python
+    objects, not gloo's own buffers, not another device's memory. Slows the region
+    (every op is recorded): for tests and benchmarks.
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes = self.end_bytes = 0
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True)
+
+    def __enter__(self) -> "PeakAllocation":
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        live = 0
+        for _, nbytes in cpu_memory_events(self._prof):
+            live += nbytes
+            self.peak_bytes = max(self.peak_bytes, live)
+        self.end_bytes = live
 
 
 # c10d dispatcher op -> (collective, the argument whose bytes are this rank's payload)

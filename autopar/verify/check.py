@@ -2,14 +2,16 @@
 
 On every rank of an initialised process group (world size tp·pp·dp), :func:`verify`
 
-1. checks that the plan was made for this model (traced node names, model config) and
-   that the model is materialised: ValueError before any collective;
+1. checks that the plan was made for this model (traced node names, model config):
+   ValueError before any collective;
 2. copies the model with dropout switched off (:func:`disable_dropout`): the traced graph
    bakes dropout probabilities in, so ``eval()`` cannot turn them off afterwards, and
    two programs drawing different dropout masks could never agree;
 3. builds the parallel program with :func:`autopar.runtime.parallelize.parallelize` from
    one copy, and keeps another as the single-device reference with the same optimizer
-   (default SGD);
+   (default SGD). A model on the meta device is initialised with ``seed``: the program's
+   shards by the runtime, the reference whole on the CPU by
+   :func:`~autopar.runtime.materialize.init_model` (the same rule);
 4. runs ``steps`` training steps of both on the same seeded batches (B = the plan's
    global batch, s = its seq_len, token ids below the model's vocabulary size). After
    each step it compares the global mean loss, every parameter's gradient (the
@@ -44,6 +46,7 @@ from autopar.runtime.engine import token_cross_entropy
 from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
+from autopar.runtime.materialize import InitFn, init_model, on_meta
 from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "default_batches",
@@ -187,9 +190,6 @@ def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
     (:func:`~autopar.runtime.parallelize.check_plan_matches`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("verify needs a materialised model (its parameters are on the meta "
-                         "device); build it on the CPU, e.g. outside `with torch.device('meta')`")
     if batches is not None and len(batches) < steps:
         raise ValueError(f"{len(batches)} batches given for {steps} steps")
 
@@ -197,21 +197,24 @@ def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
 def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
            optimizer: OptimizerFactory | None = None, seed: int = 0,
            batches: Sequence[Batch] | None = None, tolerances: Tolerances | None = None,
-           raise_on_failure: bool = True) -> VerifyReport:
+           raise_on_failure: bool = True, init_fn: InitFn | None = None) -> VerifyReport:
     """Train ``steps`` steps of ``plan``'s parallel program and of ``model`` on one device on
     the same batches, and compare loss, gradients and parameters (module docstring).
 
     Call on every rank of an initialised process group of tp·pp·dp ranks; ``model`` must
-    be the same materialised model on every rank (it is copied, never modified).
+    be the same model on every rank (it is copied, never modified): materialised, or on
+    the meta device, then initialised from ``seed`` (by ``init_fn``, default the model's
+    rule) on both sides; the reference needs the whole model on this process's CPU.
     optimizer: parameters -> Optimizer, the same for both sides; default SGD, lr 0.1
         (Adam amplifies rounding of near-zero gradients; loosen ``tolerances.param``).
     seed / batches: the seeded random batches of :func:`default_batches`, or your own
-        ``steps`` pairs (idx, targets) of shape (B, s) int64.
+        ``steps`` pairs (idx, targets) of shape (B, s) int64; ``seed`` also initialises a
+        meta model.
     tolerances: default :meth:`Tolerances.for_dtype` of ``plan.dtype``.
     Returns the :class:`VerifyReport` (the same on every rank).
 
-    Raises ValueError (bad steps/batches, meta model, plan made for another model; before
-    any collective), the errors of :func:`autopar.parallelize`, and
+    Raises ValueError (bad steps/batches, plan made for another model, a meta buffer the
+    init rule does not set; before any collective), the errors of :func:`autopar.parallelize`, and
     :class:`VerificationError` on every rank past tolerance when ``raise_on_failure``.
     """
     _check_inputs(model, plan, steps, batches)
@@ -223,7 +226,10 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     base = copy.deepcopy(model)
     disable_dropout(base)
     base.train()
-    pm = runtime_parallelize.parallelize(copy.deepcopy(base), plan=plan, optimizer=optimizer)
+    pm = runtime_parallelize.parallelize(copy.deepcopy(base), plan=plan, optimizer=optimizer,
+                                         seed=seed, init_fn=init_fn)
+    if on_meta(base):  # the same rule and seed as the program's shards, whole on the CPU
+        init_model(base, seed, init_fn=init_fn)
     ref_optim = optimizer(base.parameters())
     stages = _stages_of(pm)
     layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp} {plan.dtype}"
