@@ -206,11 +206,12 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     if plan is not None:  # before any collective, on the graph the rewrite will use
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)
-    _check_process_group()
-    device = rank_device()  # an accelerator backend without one fails here, before collectives
+    # an accelerator backend without an accelerator fails here, before any collective
+    device = rank_device() if dist.is_initialized() else torch.device("cpu")
     init = None
     if on_meta(model):  # buffers and rule checked before any collective (module docstring)
         init = Initializer.of(copy.deepcopy(model), seed, device=device, init_fn=init_fn)
+    _check_process_group()
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     traced = traced or _local_trace(model, plan)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout)
