@@ -183,7 +183,8 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                 global_batch_size: int | None = None, seq_len: int | None = None,
                 seed: int = 0, timeout: float | timedelta | None = None,
-                max_norm: float | None = None, on_nonfinite: str = "raise") -> ParallelizedModel:
+                max_norm: float | None = None, on_nonfinite: str = "raise",
+                measure_every: int = 100) -> ParallelizedModel:
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group, on every rank); the runtime half of :func:`autopar.parallelize`, whose
     docstring lists the arguments and errors (all but ``verify``)."""
@@ -204,7 +205,8 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     for chunk in program.chunks:  # Module.to keeps each Parameter object (program.shards' ids)
         chunk.to(groups.device)
     return _parallel_module(traced, plan, groups, program, optimizer, rng,
-                            max_norm=max_norm, on_nonfinite=on_nonfinite)
+                            max_norm=max_norm, on_nonfinite=on_nonfinite,
+                            measure_every=measure_every)
 
 
 PARAM_DTYPES = COMPUTE_DTYPES
