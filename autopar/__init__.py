@@ -70,6 +70,9 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     on_nonfinite: when the step's loss or gradient norm is NaN/inf: "raise" (every rank
         raises ``autopar.runtime.health.NonFiniteError`` naming the step, before the
         update) or "skip" (no rank applies the update; ``last_step_stats()["skipped"]``).
+    measure_every: count communication bytes and saved activations (``last_step_stats()``)
+        on step 2 and every measure_every-th step after (their hooks cost about 2x a
+        small model's step on CPU); 1 measures every step.
     Returns a :class:`~autopar.runtime.parallelize.ParallelizedModel`;
     ``train_step(idx (B, s), targets (B, s))`` takes the same global batch on every rank
     and returns the global mean loss.

@@ -145,7 +145,7 @@ def _pipelining_s(config, batch: int, seq: int, mbs: int, data) -> float:
     gpt, cut = _model(config), config.n_layer // 2
     module = _First(gpt, cut) if rank == 0 else _Last(gpt, cut)
     tied = module.wte.weight if rank == 0 else module.lm_head.weight
-    x = torch.empty(mbs, seq, config.n_embd, device="meta")
+    x = torch.empty(mbs, seq, config.n_embd, device="meta", requires_grad=True)
     stage = PipelineStage(module, rank, 2, torch.device("cpu"),
                           input_args=torch.empty(mbs, seq, dtype=torch.long, device="meta")
                           if rank == 0 else x, output_args=x)

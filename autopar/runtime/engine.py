@@ -28,8 +28,12 @@ its TP collectives inside) and implements one training step:
    stops (or skips) the step on every rank, and ``max_norm`` clips the gradient by its
    global norm.
 
-Every collective the step issues is measured by :class:`autopar.runtime.stats.CommMeter`
-(payload bytes by kind), readable with ``last_step_stats()``.
+Every collective a measured step issues is counted by :class:`autopar.runtime.stats.CommMeter`
+(payload bytes by kind) and its saved activations by ``SavedActivationTracker``, readable
+with ``last_step_stats()``. Both hook every op the step runs (a dispatch mode and
+saved-tensor hooks: about 3x the step time of a small model on CPU), so only step 2 (the
+first steady step: in step 1 the pipeline library also exchanges shapes) and every
+``measure_every``-th step after it are measured.
 
 A failure raises on the rank that saw it; the others then fail in their next
 collective (a dead peer's closed connection, or the process groups' timeout), re-raised as
@@ -38,6 +42,7 @@ collective (a dead peer's closed connection, or the process groups' timeout), re
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -119,6 +124,8 @@ class ParallelModule(nn.Module):
         max_norm: clip the gradient to this global L2 norm (None: no clipping).
         on_nonfinite: "raise" (NonFiniteError on every rank, before the update) or "skip"
             (no update on any rank) when the loss or the gradient norm is not finite.
+        measure_every: measure communication bytes and saved activations on step 2 and
+            every measure_every-th step after it (1: every step).
 
     Raises:
         ValueError: a size is not a positive int, 1F1B with m < p, interleaved 1F1B with
@@ -149,9 +156,12 @@ class ParallelModule(nn.Module):
         tp_sharded_parameter_names: Sequence[str] = (),
         max_norm: float | None = None,
         on_nonfinite: str = "raise",
+        measure_every: int = 100,
     ) -> None:
         super().__init__()
         check_step_options(max_norm, on_nonfinite)
+        check_positive_ints(measure_every=measure_every)
+        self.measure_every = measure_every
         self.max_norm, self.on_nonfinite = max_norm, on_nonfinite
         self.device = groups.device
         check_positive_ints(micro_batch_size=micro_batch_size,
@@ -267,10 +277,12 @@ class ParallelModule(nn.Module):
         self.dp_optimizer.zero_grad()  # grads stay readable until the next step
         start = time.perf_counter()
         step = self.steps_done + 1
-        meter = CommMeter(self.groups.axis_names())
+        measured = self.steps_done % self.measure_every == 1 % self.measure_every
+        meter = CommMeter(self.groups.axis_names()) if measured else contextlib.nullcontext()
+        saved = SavedActivationTracker(self.stage_module) if measured else contextlib.nullcontext()
         try:
             with meter:
-                with SavedActivationTracker(self.stage_module) as saved:
+                with saved:
                     if self.runner is None:
                         loss = self._accumulate(local_idx, local_targets)
                     else:
@@ -294,15 +306,17 @@ class ParallelModule(nn.Module):
                     self.dp_optimizer.scale_gradients(clip_coefficient(norm, self.max_norm))
                     self.dp_optimizer.step()
         except RuntimeError as exc:
-            error = as_collective_error(exc, meter.last, step, self.groups.timeout)
+            error = as_collective_error(exc, getattr(meter, "last", None), step,
+                                        self.groups.timeout, self.groups.axis_names())
             if error is None:
                 raise
             raise error from exc
-        states = self.dp_optimizer.state_bytes()
-        self._stats = {"comm_bytes": dict(meter.bytes), "model_state_bytes": states,
-                       "saved_activation_bytes": saved.peak_bytes,
-                       "step_time_s": time.perf_counter() - start,
-                       "grad_norm": norm, "skipped": skipped}
+        if measured:
+            self._stats = {"comm_bytes": dict(meter.bytes), "saved_activation_bytes":
+                           saved.peak_bytes, "measured_step": step}
+        self._stats.update(model_state_bytes=self.dp_optimizer.state_bytes(),
+                           step_time_s=time.perf_counter() - start, grad_norm=norm,
+                           skipped=skipped)
         self.steps_done += 1
         return result
 
@@ -348,5 +362,7 @@ class ParallelModule(nn.Module):
         and optimizer states held), ``saved_activation_bytes`` (peak bytes saved for
         backward) and ``step_time_s`` (wall seconds); and ``grad_norm`` (the global
         gradient L2 norm before clipping) and ``skipped`` (True when a non-finite loss or
-        norm dropped the update, on_nonfinite="skip"). Empty before the first step."""
+        norm dropped the update, on_nonfinite="skip"). ``comm_bytes`` and
+        ``saved_activation_bytes`` are those of the last measured step, ``measured_step``
+        (see ``measure_every``). Empty before the first step."""
         return dict(self._stats)

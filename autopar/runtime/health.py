@@ -85,16 +85,37 @@ def _communication_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def as_collective_error(exc: BaseException, last: str | None, step: int,
-                        timeout) -> CollectiveError | None:
-    """``exc`` (raised during step ``step``) as a :class:`CollectiveError` naming ``last``,
-    the last collective this rank issued, when it is a communication failure (see
-    :func:`_communication_cause`); None otherwise."""
-    if last is None or isinstance(exc, (NonFiniteError, CollectiveError)):
+def _failing_call(exc: BaseException, axes: dict[str, str]) -> str | None:
+    """The innermost ``torch.distributed`` function in the tracebacks of ``exc`` and its
+    causes (e.g. "all_reduce over the tp group", "_wait_batch_p2p"), read from the frames
+    after the failure: what names the collective of a step that ran unmetered."""
+    name, seen = None, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if "torch/distributed/" in frame.f_code.co_filename.replace("\\", "/"):
+                group = frame.f_locals.get("group")
+                axis = axes.get(getattr(group, "group_name", None)) if group is not None else None
+                name = frame.f_code.co_name + (f" over the {axis} group" if axis else "")
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return name
+
+
+def as_collective_error(exc: BaseException, last: str | None, step: int, timeout,
+                        axes: dict[str, str] | None = None) -> CollectiveError | None:
+    """``exc`` (raised during step ``step``) as a :class:`CollectiveError` naming the
+    collective: ``last``, the last one this rank issued on a metered step, else the
+    ``torch.distributed`` call in the traceback (``axes``: group name -> axis); None when
+    ``exc`` is no communication failure (see :func:`_communication_cause`)."""
+    if isinstance(exc, (NonFiniteError, CollectiveError)):
         return None
     cause = _communication_cause(exc)
     if cause is None:
         return None
+    last = last or _failing_call(exc, axes or {}) or "a collective"
     rank = dist.get_rank() if dist.is_initialized() else 0
     text = str(cause).strip()
     first = text.splitlines()[0] if text else type(cause).__name__

@@ -57,7 +57,8 @@ def _llama_saved(rank: int, world: int, plan) -> tuple[int, float]:
     import autopar
     from helpers import optimizer
 
-    pm = autopar.parallelize(zoo.build("llama", "tiny"), plan=plan, optimizer=optimizer("adamw"))
+    pm = autopar.parallelize(zoo.build("llama", "tiny"), plan=plan, optimizer=optimizer("adamw"),
+                             measure_every=1)  # one step, measured
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, zoo.TINY["vocab"], (zoo.BATCH, zoo.TINY_SEQ), generator=gen)
     pm.train_step(idx, torch.roll(idx, -1, dims=1))
