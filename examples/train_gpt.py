@@ -17,9 +17,9 @@ Pin decisions with ``--tp/--pp/--dp/--mbs`` (e.g. ``--tp 2 --pp 2``); by default
 solver picks the layout it predicts fastest for the local CPU profile. ``--plan FILE``
 skips solving: every rank reads the same saved plan (``autopar plan ... -o FILE`` or
 ``--save-plan FILE`` of an earlier run), and ``parallelize`` checks that all ranks hold
-the same decisions before the first collective. The process-group backend is gloo: the
-runtime keeps the stage modules on the CPU; ``--backend nccl`` is accepted for a runtime
-whose stages live on GPUs. The same seed with ``--single`` gives the loss curve the
+the same decisions before the first collective. The process-group backend decides the
+device: gloo (the default) keeps each rank on the CPU, ``--backend nccl`` puts it on
+``cuda:LOCAL_RANK`` (``autopar/runtime/device.py``; not yet run on GPUs). The same seed with ``--single`` gives the loss curve the
 distributed run should reproduce (up to rounding).
 
 Checkpoints: ``--checkpoint-dir DIR`` saves the whole training state every
@@ -91,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(for tests) after saving the checkpoint of step STEP, every rank "
                         "exits at once with status 17, like a killed job")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                   help="torch.distributed backend (default gloo: the runtime keeps the "
-                        "stages on the CPU, so CPU tensors travel over gloo)")
+                   help="torch.distributed backend: gloo keeps each rank on the CPU (the "
+                        "default), nccl puts it on cuda:LOCAL_RANK")
     return p.parse_args(argv)
 
 
