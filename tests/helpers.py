@@ -86,6 +86,19 @@ def reference(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS, seed: in
     return losses, state
 
 
+def train_eagerly(model, optim, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``model`` (returning (logits, loss)) one step per (idx, targets) of ``data`` with
+    ``optim`` in this process: (losses, detached copy of the final state dict)."""
+    losses = []
+    for idx, tgt in data:
+        _, loss = model(idx, tgt)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def reference_with_norms(opt: str, config: GPTConfig = CONFIG, steps: int = STEPS,
                          seed: int = 1234, max_norm: float | None = None):
     """:func:`reference` and the gradient's global L2 norm before clipping at every step."""

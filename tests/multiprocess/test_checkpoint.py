@@ -29,7 +29,7 @@ from autopar.models import GPT
 from autopar.runtime.checkpoint import export_consolidated
 from dist_utils import run_distributed
 from examples.nanogpt_model import GPT as NanoGPT, GPTConfig as NanoConfig
-from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, rel, seeded_gpt
+from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, rel, seeded_gpt, train_eagerly
 
 OPTIMIZERS = {"sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
               "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)}
@@ -132,15 +132,7 @@ def _jobs_worker(rank: int, world: int, jobs: list, tmp: str) -> dict:
 def _reference(opt: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
     """seeded_gpt trained ``steps`` steps in this process."""
     model = seeded_gpt()
-    optim = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for idx, tgt in batches(steps):
-        _, loss = model(idx, tgt)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, OPTIMIZERS[opt](model.parameters()), batches(steps))
 
 
 def _world2_worker(rank: int, world: int, jobs: list, full_plans: list, small_plan: str,

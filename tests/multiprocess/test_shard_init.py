@@ -30,7 +30,7 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig, gpt2_init
 from autopar.planner.megatron import megatron_placements
 from dist_utils import run_distributed
-from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, load_script, rel
+from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, load_script, rel, train_eagerly
 
 SEED, STEPS, LR = 5, 2, 0.5
 WORLD2 = {"tp2": dict(tp=2, pp=1, dp=1), "dp2 zero3": dict(tp=1, pp=1, dp=2, zero_stage=3)}
@@ -134,15 +134,8 @@ def _reference() -> tuple[dict, list[float], dict]:
     """init_model of the meta GPT on one process, then STEPS SGD steps."""
     model = autopar.init_model(_meta(), SEED, init_fn=biased_init)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optim = _sgd()(model.parameters())
-    losses = []
-    for idx, tgt in batches(STEPS):
-        _, loss = model(idx, tgt)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-    return initial, losses, {k: v.detach() for k, v in model.state_dict().items()}
+    losses, state = train_eagerly(model, _sgd()(model.parameters()), batches(STEPS))
+    return initial, losses, state
 
 
 def _check_layouts(results: list[dict], names) -> None:
