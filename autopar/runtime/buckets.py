@@ -47,8 +47,8 @@ class OverlappedAllReduce:
 
     Args:
         params: the parameters, in the order of their ranges in ``grads``.
-        grads: the flat gradient buffer (numel,), of which every parameter's ``.grad`` is
-            made a view at :meth:`start_step`.
+        grads: the flat gradient buffer (numel,), of which the caller makes every
+            parameter's ``.grad`` a view before backward.
         group: the data-parallel process group.
         accumulations: backward passes per step that reach every parameter (micro-batches).
         bucket_bytes / first_bucket_bytes: bucket sizes (bytes of gradient).
@@ -81,12 +81,7 @@ class OverlappedAllReduce:
             p.register_post_accumulate_grad_hook(self._accumulated)
 
     def start_step(self) -> None:
-        """Zero the flat gradient, make every ``.grad`` its view, and arm the hooks."""
-        self.grads.zero_()
-        offset = 0
-        for p in self.params:
-            p.grad = self.grads[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        """Arm the hooks for a step (the ``.grad`` views of ``grads`` already zeroed)."""
         for bucket in self.buckets:
             bucket.count, bucket.work = 0, None
         self._active = True

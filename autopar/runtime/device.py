@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["rank_device", "default_generators", "peak_memory_bytes", "reset_peak_memory",
-           "synchronize", "group_timeout"]
+           "synchronize"]
 
 
 def rank_device(backend: str | None = None) -> torch.device:

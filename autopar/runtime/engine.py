@@ -353,7 +353,7 @@ class ParallelModule(nn.Module):
         if g.world_size > 1:
             dist.all_reduce(share, op=dist.ReduceOp.SUM, group=g.world_group)
         loss, square = share.tolist()
-        return loss, math.sqrt(square) if square >= 0 else math.nan
+        return loss, math.sqrt(square)  # NaN and inf stay what they are
 
     def last_step_stats(self) -> dict:
         """Measured statistics of the last ``train_step`` on this rank (the keys of

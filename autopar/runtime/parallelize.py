@@ -9,9 +9,9 @@ The recipe, each step reading only the plan:
    recompute → pipeline cut, leaving this rank's model chunks;
 4. a model on the meta device: give this rank's shards their values
    (:mod:`autopar.runtime.shard_init`: each owning module initialised whole, one at a
-   time, by :mod:`autopar.runtime.materialize`'s rule, and sliced), before the optimizer copies them into its flat buffer (ZeRO-0/1/2);
-   under ZeRO-3 after FSDP2 has sharded the meta stage, so that a rank allocates only its
-   DP shard (FSDP2's meta-device recipe). The buffers and the init rule are checked
+   time, by :mod:`autopar.runtime.materialize`'s rule, and sliced), before the optimizer
+   copies them into its flat buffer (ZeRO-0/1/2); under ZeRO-3 after FSDP2 has sharded
+   the meta stage, so that a rank allocates only its DP shard (FSDP2's meta-device recipe). The buffers and the init rule are checked
    before step 1's first collective;
 5. wrap them in the runtime (:class:`ParallelizedModel`, a
    :class:`~autopar.runtime.engine.ParallelModule`): micro-batches, GPipe / 1F1B /
@@ -161,9 +161,10 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     (plan None) solved for ``cluster`` on rank 0 and broadcast; then digests compared.
 
     Collective over the world. Raises RuntimeError (no process group, or ranks disagree),
-    NotImplementedError (a plan feature the runtime cannot run), ValueError (world size != tp·pp·dp, an interleaved plan breaking
-    :func:`~autopar.support.interleaving_problem`, or plan=None without cluster,
-    global_batch_size and seq_len, or a cluster of another size than the world).
+    NotImplementedError (a plan feature the runtime cannot run), ValueError (world size
+    != tp·pp·dp, an interleaved plan breaking :func:`~autopar.support.interleaving_problem`,
+    plan=None without cluster, global_batch_size and seq_len, or a cluster of another size
+    than the world).
     """
     _check_process_group()
     world = dist.get_world_size()

@@ -119,11 +119,11 @@ class DistributedOptimizer:
             p.grad = None
         self.master.grad = None
         self._grad_shard = self._flat = self._owned = None
-        if self._overlap is not None:
-            self._overlap.start_step()
-        elif self._grads is not None:
+        if self._grads is not None:
             self._grads.zero_()
             self._bind_grads(self._grads)
+        if self._overlap is not None:
+            self._overlap.start_step()
 
     def _flat_grad(self) -> torch.Tensor:
         """The parameters' gradients in one padded flat tensor (padded_numel,); None -> 0."""
@@ -206,8 +206,9 @@ class DistributedOptimizer:
         return ranges
 
     def grad_square_sum(self, counted: set[int]) -> torch.Tensor:
-        """Sum of squares (a float64 scalar tensor on the gradient's device) of the reduced gradient elements this rank owns among
-        the parameters in ``counted`` (ids): its ZeRO slice, or under ZeRO-0 (every DP
+        """Sum of squares (a float64 scalar tensor on the gradient's device) of the reduced
+        gradient elements this rank owns among the parameters in ``counted`` (ids): its
+        ZeRO slice, or under ZeRO-0 (every DP
         rank holds the whole gradient) the whole gradient on DP rank 0 and nothing on the
         others, so that the sum over the DP group counts each element once. Call after
         :meth:`reduce_gradients`."""
