@@ -1,114 +1,157 @@
-"""Data-parallel gradient all-reduce overlapped with backward, in buckets (ZeRO-0).
+"""Data-parallel gradient reduction overlapped with backward, in buckets (ZeRO-0/1/2).
 
-What torch's ``DistributedDataParallel`` (``gradient_as_bucket_view=True``) and Megatron-LM's
-``DistributedDataParallel`` (``overlap_grad_reduce``) do, over autopar's flat gradient:
+What torch's ``DistributedDataParallel`` (``gradient_as_bucket_view=True``) does for an
+all-reduce and Megatron-LM's ``DistributedDataParallel`` (``overlap_grad_reduce`` with the
+distributed optimizer) does for a reduce-scatter, over autopar's flat parameter buffer:
 
-* The parameters' ``.grad`` are views of one persistent flat gradient buffer, so autograd
-  accumulates every micro-batch's gradient into it in place.
-* The buffer is cut into buckets, contiguous ranges of whole parameters taken from its
-  end (the last layers' gradients are ready first in backward): the first bucket of
-  about ``first_bucket_bytes``, then about ``bucket_bytes`` each (DDP's defaults, 1 MiB and
-  25 MiB: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
-* A post-accumulate-grad hook counts each parameter's accumulations; when every parameter
-  of a bucket has received its last one of the step (``accumulations`` per step: one per
-  micro-batch), the bucket's all-reduce starts asynchronously while backward goes on
-  with earlier layers. :meth:`OverlappedAllReduce.finish` waits for them all.
+* :func:`cut_buckets` cuts the buffer into buckets, contiguous ranges taken from its end
+  (the last layers' gradients are ready first in backward): the first of at least
+  ``first_bucket_bytes``, then at least ``bucket_bytes`` each (DDP's defaults, 1 MiB and
+  25 MiB: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``). Every
+  cut is a multiple of ``align`` (the DP degree d under ZeRO-1/2), so each bucket splits
+  into d equal shards and the bytes reduced are those of one collective over the whole
+  buffer: no padding beyond the buffer's own. A cut may fall inside a parameter, which then
+  belongs to two buckets.
+* The ``deferred`` region at the start of the buffer (parameters whose gradients still get
+  a sum over another group first: the tied embedding over the first and last stage, the
+  sequence-parallel partial gradients over TP) forms buckets of its own, started only by
+  :meth:`BucketReadiness.flush`, after those sums.
+* :class:`BucketReadiness` counts each parameter's gradient accumulations with a
+  post-accumulate-grad hook; when every parameter of a bucket has received its
+  ``expected`` ones, the owner's ``launch`` starts the bucket's collective asynchronously
+  while backward goes on with earlier layers.
 
-The bytes sent are those of one all-reduce of the whole gradient, as before; only their
+The bytes sent are those of one collective over the whole gradient, as before; only their
 timing changes, which is what the cost model assumes (DP communication hidden behind
 backward, Narayanan et al. 2021 section 3.3).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-__all__ = ["OverlappedAllReduce", "BUCKET_BYTES", "FIRST_BUCKET_BYTES"]
+__all__ = ["Bucket", "BucketReadiness", "cut_buckets", "BUCKET_BYTES", "FIRST_BUCKET_BYTES"]
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 @dataclass
-class _Bucket:
-    start: int  # [start, end) of the flat gradient
+class Bucket:
+    """The flat range [start, end) of a gradient buffer reduced by one collective."""
+
+    start: int
     end: int
-    params: list[nn.Parameter]
-    count: int = 0
-    work: object = field(default=None, repr=False)
+    params: list[nn.Parameter]  # every parameter with elements in [start, end)
+    deferred: bool = False  # started by flush() only
+    count: int = 0  # accumulations seen this round
+    work: object = field(default=None, repr=False)  # the collective's handle once started
+    in_backward: bool = False  # started by the hook (overlapped), not by flush()
+
+    def shard(self, d: int, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the buffer that DP rank ``rank`` of ``d`` owns in this bucket."""
+        k = (self.end - self.start) // d
+        return self.start + rank * k, self.start + (rank + 1) * k
 
 
-class OverlappedAllReduce:
-    """Bucketed asynchronous all-reduce (sum) of a flat gradient over ``group``.
+def cut_buckets(params: Sequence[nn.Parameter], offsets: Sequence[int], total: int, *,
+                element_size: int, align: int = 1, deferred_end: int = 0,
+                bucket_bytes: int = BUCKET_BYTES,
+                first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """Buckets of a flat buffer of ``total`` elements (a multiple of ``align``) holding
+    ``params`` at ``offsets``, in the order backward fills them (from the buffer's end).
+
+    Every bucket boundary is a multiple of ``align``; the elements [0, deferred_end) (the
+    deferred parameters) end a bucket at ``deferred_end`` rounded up to ``align``, and
+    buckets holding any of them are ``deferred``.
+
+    Raises ValueError when ``total`` is not a multiple of ``align``.
+    """
+    if total % align:
+        raise ValueError(f"a buffer of {total} elements does not split into {align} equal shards")
+    def up(x: int) -> int:
+        return -(-x // align) * align
+
+    cuts, end, cap = [total], total, first_bucket_bytes
+    deferred_cut = up(deferred_end)
+    for start in sorted(set(offsets), reverse=True):
+        cut = up(start)
+        if 0 < cut < end and (cut == deferred_cut or (end - cut) * element_size >= cap):
+            cuts.append(cut)
+            end, cap = cut, bucket_bytes
+    if 0 < deferred_cut < end and deferred_cut not in cuts:
+        cuts.append(deferred_cut)
+    cuts = sorted(set(cuts) | {0}, reverse=True)
+    buckets = []
+    for hi, lo in zip(cuts, cuts[1:]):
+        members = [p for p, o in zip(params, offsets) if o < hi and o + p.numel() > lo]
+        buckets.append(Bucket(lo, hi, members, deferred=lo < deferred_end))
+    return buckets
+
+
+class BucketReadiness:
+    """Starts each bucket's collective once backward has produced its gradients.
 
     Args:
-        params: the parameters, in the order of their ranges in ``grads``.
-        grads: the flat gradient buffer (numel,), of which the caller makes every
-            parameter's ``.grad`` a view before backward.
-        group: the data-parallel process group.
-        accumulations: backward passes per step that reach every parameter (micro-batches).
-        bucket_bytes / first_bucket_bytes: bucket sizes (bytes of gradient).
+        buckets: from :func:`cut_buckets`.
+        launch: starts a bucket's collective and returns its handle (``async_op=True``).
+        expected: accumulations each parameter receives per round (a step's micro-batches
+            for ZeRO-0/1; 1 for ZeRO-2, whose round is one micro-batch).
 
     Raises RuntimeError (in backward) when a parameter accumulates more often than
-    ``accumulations`` times in a step: its bucket would have been reduced too early.
+    ``expected`` times in a round: its bucket would have been reduced too early.
     """
 
-    def __init__(self, params: list[nn.Parameter], grads: torch.Tensor, group, *,
-                 accumulations: int, bucket_bytes: int = BUCKET_BYTES,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> None:
-        self.params, self.grads, self.group = params, grads, group
-        self.accumulations = accumulations
-        offsets, offset = [], 0
-        for p in params:
-            offsets.append(offset)
-            offset += p.numel()
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        end, members, cap = offset, [], first_bucket_bytes
-        for p, start in reversed(list(zip(params, offsets))):
-            members.append(p)
-            if (end - start) * grads.element_size() >= cap or start == 0:
-                bucket = _Bucket(start, end, members)
-                self.buckets.append(bucket)
-                self._bucket_of.update((id(q), bucket) for q in members)
-                end, members, cap = start, [], bucket_bytes
+    def __init__(self, buckets: list[Bucket], launch: Callable[[Bucket], object], *,
+                 expected: int) -> None:
+        self.buckets, self.launch, self.expected = buckets, launch, expected
+        self._buckets_of: dict[int, list[Bucket]] = {}
+        for bucket in buckets:
+            for p in bucket.params:
+                self._buckets_of.setdefault(id(p), []).append(bucket)
         self._active = False
-        for p in params:
+        self.started_in_backward = 0  # buckets of the last flushed round backward started
+        hooked = {id(p): p for b in buckets for p in b.params}
+        for p in hooked.values():
             p.register_post_accumulate_grad_hook(self._accumulated)
 
-    def start_step(self) -> None:
-        """Arm the hooks for a step (the ``.grad`` views of ``grads`` already zeroed)."""
+    def buckets_of(self, p: nn.Parameter) -> list[Bucket]:
+        """The buckets holding elements of ``p`` (one, or two when a cut falls inside it)."""
+        return self._buckets_of[id(p)]
+
+    def start_round(self) -> None:
+        """Arm the hooks for a round (a step, or a ZeRO-2 micro-batch)."""
         for bucket in self.buckets:
-            bucket.count, bucket.work = 0, None
+            bucket.count, bucket.work, bucket.in_backward = 0, None, False
         self._active = True
 
     def _accumulated(self, p: nn.Parameter) -> None:
         if not self._active:
             return
-        bucket = self._bucket_of[id(p)]
-        bucket.count += 1
-        expected = self.accumulations * len(bucket.params)
-        if bucket.count > expected:
-            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} accumulated its gradient "
-                               f"more than {self.accumulations} times in one step; its bucket "
-                               "was all-reduced before its last accumulation")
-        if bucket.count == expected:
-            bucket.work = self._launch(bucket)
+        for bucket in self._buckets_of[id(p)]:
+            bucket.count += 1
+            expected = self.expected * len(bucket.params)
+            if bucket.count > expected:
+                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} accumulated its "
+                                   f"gradient more than {self.expected} times in one round; "
+                                   "its bucket was reduced before its last accumulation")
+            if bucket.count == expected and not bucket.deferred:
+                bucket.in_backward = True
+                bucket.work = self.launch(bucket)
 
-    def _launch(self, bucket: _Bucket):
-        return dist.all_reduce(self.grads[bucket.start:bucket.end], op=dist.ReduceOp.SUM,
-                               group=self.group, async_op=True)
-
-    def finish(self) -> None:
-        """Start the buckets backward did not complete (parameters without a gradient this
-        step), then wait for every bucket's all-reduce."""
+    def flush(self) -> list[Bucket]:
+        """Start the deferred buckets and those backward did not complete (parameters without
+        a gradient this round), wait for every bucket's collective, disarm the hooks.
+        Returns the buckets."""
+        self.started_in_backward = sum(b.in_backward for b in self.buckets)
         for bucket in self.buckets:
             if bucket.work is None:
-                bucket.work = self._launch(bucket)
+                bucket.work = self.launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
         self._active = False
+        return self.buckets
+

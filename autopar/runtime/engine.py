@@ -14,9 +14,10 @@ its TP collectives inside) and implements one training step:
    word embedding and get a partial gradient; they are summed over
    ``groups.embedding_group`` (pp > 1).
 4. DP and the optimizer (:class:`autopar.runtime.zero.DistributedOptimizer`): gradients
-   averaged over ``groups.dp_group`` by all-reduce (ZeRO-0, in buckets started during
-   backward, then the sums of step 3 and of the SP partial gradients over TP) or
-   reduce-scatter (ZeRO-1/2, after those sums; ZeRO-2 after every micro-batch), the
+   averaged over ``groups.dp_group`` in buckets started during backward
+   (:mod:`autopar.runtime.buckets`): all-reduce (ZeRO-0, then the sums of step 3 and of the
+   SP partial gradients over TP) or reduce-scatter (ZeRO-1/2; the buckets of the
+   parameters step 3 and SP sum wait for those sums; ZeRO-2 after every micro-batch), the
    optimizer steps (the owned slice, fp32 master weights under bf16), parameters
    all-gathered back (ZeRO-1/2). ZeRO-3
    (:class:`autopar.runtime.fsdp.FullyShardedOptimizer`, pp == 1): FSDP2 shards the
@@ -188,11 +189,13 @@ class ParallelModule(nn.Module):
                 stage_module, optimizer_factory,
                 dp_mesh=groups.device_mesh["dp"] if groups.device_mesh is not None else None,
                 param_dtype=activation_dtype)
-        else:
+        else:  # ZeRO-1/2 reduce these after their sums over TP and the tied pair
+            named = dict(stage_module.named_parameters())
+            deferred = self.tied_parameters + [named[n] for n in partial_grad_parameter_names]
             self.dp_optimizer = DistributedOptimizer(
                 stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
                 zero_stage=zero_stage, master_dtype=master_dtype,
-                accumulations=num_micro_batches)
+                accumulations=num_micro_batches, deferred=deferred)
         params = dict(stage_module.named_parameters())  # after FSDP2 swapped them in
         self.partial_grad_parameters = [params[n] for n in partial_grad_parameter_names]
         self._norm_counted = self._counted_in_norm(params, set(tp_sharded_parameter_names))
@@ -289,7 +292,8 @@ class ParallelModule(nn.Module):
                         loss = self.runner.run(local_idx, local_targets)  # last stage, else None
                 # ZeRO-0 started its DP all-reduce in backward: the sums over TP and the tied
                 # pair follow it (they commute with it on the whole gradient). ZeRO-1/2 own
-                # slices of buffers laid out per stage: the sums come first, on whole tensors.
+                # shards of buffers laid out per stage: the sums come first, on whole tensors
+                # of the deferred buckets, which reduce_gradients then reduce-scatters.
                 dp_first = self.dp_optimizer.zero_stage == 0
                 if dp_first:
                     self.dp_optimizer.reduce_gradients()

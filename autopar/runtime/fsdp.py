@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from autopar.runtime.health import square_sum
 from autopar.support import FULLY_SHARDED_STAGE
 
 __all__ = ["FullyShardedOptimizer", "FULLY_SHARDED_STAGE", "layer_units", "full_tensor"]
@@ -143,7 +144,7 @@ class FullyShardedOptimizer:
         for p in self.params:
             if id(p) in counted and p.grad is not None:
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                total = total.to(grad.device) + grad.double().square().sum()
+                total = total.to(grad.device) + square_sum(grad.reshape(-1))
         return total
 
     def scale_gradients(self, factor: float) -> None:

@@ -333,6 +333,9 @@ def _loss_fn(traced, plan: Plan, groups: ParallelGroups):
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     if parse_strategy_key(plan.placements[out.name]).name != "vocab_parallel":
         return token_cross_entropy
-    local_vocab = traced.nodes[out.args[0].name].shape[-1] // plan.tp
+    logits = out.args[0]
+    while logits.name not in traced.nodes:  # a collective the TP rewrite put before the
+        logits = logits.args[0]             # output (replicated logits scattered over V)
+    local_vocab = traced.nodes[logits.name].shape[-1] // plan.tp
     return functools.partial(vocab_parallel_cross_entropy, group=groups.tp_group,
                              vocab_start=groups.tp_rank * local_vocab)

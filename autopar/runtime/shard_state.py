@@ -7,8 +7,9 @@ two ways, and :func:`dp_state` returns the matching adapter:
 
 * :class:`FlatState` (:class:`~autopar.runtime.zero.DistributedOptimizer`, ZeRO-0/1/2):
   ``p`` is a view of ``buffer[o:o + n]`` (n = p.numel()); DP rank r's optimizer owns the
-  flat range ``[lo, hi)``: its fp32 master slice and optimizer states (AdamW's
-  ``exp_avg``, ``exp_avg_sq``: (hi - lo,); ``step``: a scalar). ZeRO-0 owns everything.
+  flat ranges ``shards`` (its shard of every bucket): for each, an fp32 master piece and
+  optimizer states (AdamW's ``exp_avg``, ``exp_avg_sq``: (hi - lo,); ``step``: a scalar).
+  ZeRO-0 owns the whole buffer as one range.
 * :class:`ShardedState` (:class:`~autopar.runtime.fsdp.FullyShardedOptimizer`, ZeRO-3):
   ``p`` is a DTensor sharded on dim 0 over the DP mesh (``torch.chunk`` pieces, the last
   ones shorter or empty); its optimizer states are DTensors laid out the same way.
@@ -50,33 +51,32 @@ def _check_tensors(states: dict, where: str) -> States:
 
 class FlatState:
     """ZeRO-0/1/2: parameters are views of ``opt.buffer``; this rank's master weights and
-    optimizer states cover the flat range ``[opt.lo, opt.hi)``."""
+    optimizer states cover the flat ranges ``opt.shards`` (one per bucket from ZeRO-1 on,
+    the whole buffer under ZeRO-0), ``opt.masters[j]`` and its state covering shard j."""
 
     def __init__(self, opt) -> None:
         self.opt = opt
-        self.offset: dict[int, int] = {}  # id(param) -> its start in the flat buffer
-        start = 0
-        for p in opt.params:
-            self.offset[id(p)] = start
-            start += p.numel()
+        self.offset = {id(p): o for p, o in zip(opt.params, opt.offsets)}
 
-    def _overlap(self, p: nn.Parameter) -> tuple[int, int, int]:
-        """(o, a, b): p's start o in the buffer and the part [a, b) of it this rank owns."""
+    def _pieces(self, p: nn.Parameter) -> list[tuple[int, int, int]]:
+        """(j, a, b): the parts [a, b) of p's buffer range that this rank's shard j owns."""
         o = self.offset[id(p)]
-        return o, max(o, self.opt.lo), min(o + p.numel(), self.opt.hi)
+        return [(j, max(o, lo), min(o + p.numel(), hi)) for j, (lo, hi) in enumerate(self.opt.shards)
+                if max(o, lo) < min(o + p.numel(), hi)]
 
-    def _whole(self, flat: torch.Tensor, p: nn.Parameter, owner: int) -> torch.Tensor | None:
-        """p's elements of the per-rank flat slices ``flat`` (hi - lo,), whole (p.shape) on
-        DP rank ``owner``, None elsewhere: each rank fills its part of a zero tensor and
-        the parts are summed onto the owner (one reduce of p.numel() elements over DP;
-        none under ZeRO-0, where every rank holds everything)."""
-        sharded = self.opt.zero_stage >= 1 and self.opt.d > 1
+    def _whole(self, flats: list[torch.Tensor], p: nn.Parameter, owner: int) -> torch.Tensor | None:
+        """p's elements of the per-shard tensors ``flats`` (shard j: (hi_j - lo_j,)), whole
+        (p.shape) on DP rank ``owner``, None elsewhere: each rank fills its parts of a zero
+        tensor and the parts are summed onto the owner (one reduce of p.numel() elements
+        over DP; none under ZeRO-0, where every rank holds everything)."""
+        sharded = self.opt.sharded
         if not sharded and self.opt.dp_rank != owner:
             return None
-        o, a, b = self._overlap(p)
-        out = flat.new_zeros(p.numel())
-        if a < b:
-            out[a - o:b - o] = flat[a - self.opt.lo:b - self.opt.lo]
+        o = self.offset[id(p)]
+        out = flats[0].new_zeros(p.numel())
+        for j, a, b in self._pieces(p):
+            lo = self.opt.shards[j][0]
+            out[a - o:b - o] = flats[j][a - lo:b - lo]
         if sharded:
             dist.reduce(out, op=dist.ReduceOp.SUM, group=self.opt.group, group_dst=owner)
         return out.view(p.shape) if self.opt.dp_rank == owner else None
@@ -85,49 +85,57 @@ class FlatState:
         """p's master value (fp32 under bf16 mixed precision), whole on DP rank ``owner``."""
         if id(p) not in self.offset:  # frozen: not in the buffer, the same on every rank
             return p.detach() if self.opt.dp_rank == owner else None
-        return self._whole(self.opt.master.detach(), p, owner)
+        return self._whole([m.detach() for m in self.opt.masters], p, owner)
 
     def states(self, p: nn.Parameter, owner: int) -> dict[str, torch.Tensor | None]:
         """p's optimizer states, whole on DP rank ``owner`` (None elsewhere): per-element
         ones shaped like p, scalars (AdamW's step) as they are. Empty before the first step."""
-        state = _check_tensors(self.opt.optimizer.state.get(self.opt.master, {}), "the flat slice")
+        per_shard = [_check_tensors(self.opt.optimizer.state.get(m, {}), "a flat shard")
+                     for m in self.opt.masters]
         mine = self.opt.dp_rank == owner
-        return {name: (self._whole(v, p, owner) if v.dim() > 0 else
-                       v.detach().clone() if mine else None)
-                for name, v in sorted(state.items())}
+        out = {}
+        for name, v in sorted(per_shard[0].items()) if per_shard else ():
+            if v.dim() > 0:
+                out[name] = self._whole([st[name] for st in per_shard], p, owner)
+            else:
+                out[name] = v.detach().clone() if mine else None
+        return out
 
     @torch.no_grad()
     def write_param(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Set p to ``value`` (p.shape, any float dtype): the buffer view (rounded to its
-        dtype) and the owned part of the master copy (exact)."""
+        dtype) and the owned parts of the master copy (exact)."""
         p.copy_(value)
         if id(p) in self.offset and self.opt.master_is_copy:
-            o, a, b = self._overlap(p)
-            if a < b:
-                self.opt.master[a - self.opt.lo:b - self.opt.lo] = value.reshape(-1)[a - o:b - o]
+            o = self.offset[id(p)]
+            for j, a, b in self._pieces(p):
+                lo = self.opt.shards[j][0]
+                self.opt.masters[j][a - lo:b - lo] = value.reshape(-1)[a - o:b - o]
 
     @torch.no_grad()
     def write_states(self, states: dict[str, States], params: dict[str, nn.Parameter]) -> None:
         """Replace the optimizer's state with ``states`` (local name -> state name -> whole
-        tensor): per-element states are cut to this rank's flat range (the padding tail
-        zero), a scalar state is taken from the first parameter that has it."""
-        new: States = {}
+        tensor): per-element states are cut to this rank's shards (the padding zero), a
+        scalar state is taken from the first parameter that has it, for every shard."""
+        masters, shards = self.opt.masters, self.opt.shards
+        new: list[States] = [{} for _ in masters]
         for name in sorted(states):
             p = params[name]
             if id(p) not in self.offset:
                 continue
-            o, a, b = self._overlap(p)
+            o = self.offset[id(p)]
             for key, value in states[name].items():
-                if value.dim() == 0:
-                    new.setdefault(key, value.clone())
-                    continue
-                flat = new.setdefault(key, self.opt.master.new_zeros(self.opt.hi - self.opt.lo,
-                                                                      dtype=value.dtype))
-                if a < b:
-                    flat[a - self.opt.lo:b - self.opt.lo] = value.reshape(-1)[a - o:b - o]
-        self.opt.optimizer.state.pop(self.opt.master, None)
-        if new:
-            self.opt.optimizer.state[self.opt.master] = new
+                for j, (lo, hi) in enumerate(shards):
+                    if value.dim() == 0:
+                        new[j].setdefault(key, value.clone())
+                    else:
+                        new[j].setdefault(key, masters[j].new_zeros(hi - lo, dtype=value.dtype))
+                for j, a, b in self._pieces(p) if value.dim() > 0 else ():
+                    new[j][key][a - shards[j][0]:b - shards[j][0]] = value.reshape(-1)[a - o:b - o]
+        for m, state in zip(masters, new):
+            self.opt.optimizer.state.pop(m, None)
+            if state:
+                self.opt.optimizer.state[m] = state
 
 
 class ShardedState:

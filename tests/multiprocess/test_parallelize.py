@@ -23,8 +23,11 @@ from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 
 # (tp, pp, dp, micro_batch_size, recompute, placements): "solver" lets CP-SAT choose the TP
 # placements on a cluster where communication is nearly free (so it shards aggressively and
-# uses gathers/scatters); "megatron" forces Megatron's column/row/heads/vocab pattern.
+# uses gathers/scatters); "megatron" forces Megatron's column/row/heads/vocab pattern;
+# "scattered-logits" the solver's, with the head replicated and its logits scattered over the
+# vocabulary into the vocabulary-parallel loss (once a KeyError in the loss's set-up).
 WORLD2 = [(2, 1, 1, 2, "none", "solver"), (2, 1, 1, 4, "none", "megatron"),
+          (2, 1, 1, 2, "none", "scattered-logits"),
           (1, 2, 1, 2, "none", "solver"), (1, 1, 2, 2, "selective", "solver")]
 WORLD4 = [(2, 2, 1, 2, "full", "megatron"), (2, 2, 1, 2, "none", "solver"),
           (2, 1, 2, 2, "selective", "megatron"), (1, 2, 2, 2, "none", "solver")]
@@ -39,6 +42,10 @@ def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
         placements = megatron_placements(trace_model(meta, SEQ), tp)
         plan = dataclasses.replace(plan, placements=placements)
         plan = autopar.evaluate_plan(meta, _cluster(world), plan)
+    elif kind == "scattered-logits":
+        placements = {**plan.placements, "transformer_wte": "replicate:R", "lm_head": "replicate:R",
+                      "output": "vocab_parallel:S2"}
+        plan = autopar.evaluate_plan(meta, _cluster(world), dataclasses.replace(plan, placements=placements))
     return plan
 
 
