@@ -13,9 +13,11 @@ Three layouts of one GPT (autopar's GPT class, fp32, AdamW, gloo on local CPU pr
   same cut (embedding + first half of the layers | the rest + head), the tied embedding's
   gradient summed over the two stages in both.
 
-Each program trains 3 warm-up steps, then ``--steps`` timed ones; the script prints each
-median step time and the ratio autopar / torch (the target: every ratio <= 1.05). Run it on
-an otherwise idle machine: the ratio is the figure, the absolute times depend on the host.
+Both programs of a layout live in the same processes and take turns, a step each on the
+same batch: 3 warm-up steps, then ``--steps`` timed ones; the script prints each median
+step time and the ratio autopar / torch (the target: every ratio <= 1.05). Alternating
+keeps a drift of the host's load off the ratio; still, run it on an otherwise idle machine:
+the ratio is the figure, the absolute times depend on the host.
 """
 
 from __future__ import annotations
@@ -53,18 +55,21 @@ def _data(config: GPTConfig, batch: int, seq: int, steps: int) -> list:
              torch.randint(0, config.vocab_size, (batch, seq), generator=g)) for _ in range(steps)]
 
 
-def _median_s(step, data) -> float:
-    times = []
+def _paired_medians(ours, theirs, data) -> tuple[float, float]:
+    """Median seconds of a step of ``ours`` and of ``theirs``, their steps alternating on
+    the same batches (so that a drift of the host's load falls on both alike)."""
+    times: tuple[list, list] = ([], [])
     for k, (idx, tgt) in enumerate(data):
-        dist.barrier()
-        start = time.perf_counter()
-        step(idx, tgt)
-        if k >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for step, out in zip((ours, theirs), times):
+            dist.barrier()
+            start = time.perf_counter()
+            step(idx, tgt)
+            if k >= WARMUP:
+                out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _autopar_s(config, layout: dict, batch: int, seq: int, data) -> float:
+def _autopar_step(config, layout: dict, batch: int, seq: int):
     with torch.device("meta"):
         meta = GPT(config)
     cluster = Cluster.local_cpu(processes=2)
@@ -73,11 +78,10 @@ def _autopar_s(config, layout: dict, batch: int, seq: int, data) -> float:
     if layout.get("tp", 1) > 1:
         placements = megatron_placements(trace_model(meta, seq), layout["tp"])
         plan = autopar.evaluate_plan(meta, cluster, dataclasses.replace(plan, placements=placements))
-    pm = autopar.parallelize(_model(config), plan=plan, optimizer=ADAMW)
-    return _median_s(pm.train_step, data)
+    return autopar.parallelize(_model(config), plan=plan, optimizer=ADAMW).train_step
 
 
-def _ddp_s(config, batch: int, data) -> float:
+def _ddp_step(config, batch: int):
     model = nn.parallel.DistributedDataParallel(_model(config))
     optim = ADAMW(model.parameters())
     rows = batch // dist.get_world_size()
@@ -87,10 +91,10 @@ def _ddp_s(config, batch: int, data) -> float:
         optim.zero_grad()
         model(idx[lo:lo + rows], tgt[lo:lo + rows])[1].backward()
         optim.step()
-    return _median_s(step, data)
+    return step
 
 
-def _dtensor_tp_s(config, data) -> float:
+def _dtensor_tp_step(config):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
@@ -108,7 +112,7 @@ def _dtensor_tp_s(config, data) -> float:
         optim.zero_grad()
         model(idx, tgt)[1].backward()
         optim.step()
-    return _median_s(step, data)
+    return step
 
 
 class _First(nn.Module):
@@ -138,7 +142,7 @@ class _Last(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def _pipelining_s(config, batch: int, seq: int, mbs: int, data) -> float:
+def _pipelining_step(config, batch: int, seq: int, mbs: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank, m = dist.get_rank(), batch // mbs
@@ -163,25 +167,28 @@ def _pipelining_s(config, batch: int, seq: int, mbs: int, data) -> float:
             schedule.step(target=tgt)
         dist.all_reduce(tied.grad)  # the tied embedding's two partial gradients
         optim.step()
-    return _median_s(step, data)
+    return step
 
 
 def _worker(rank: int, world: int, config: GPTConfig, args) -> dict[str, tuple[float, float]]:
     torch.set_num_threads(1)
     data = _data(config, args.batch, args.seq_len, WARMUP + args.steps)
     b, s = args.batch, args.seq_len
-    return {
-        "dp=2 vs DistributedDataParallel": (
-            _autopar_s(config, dict(tp=1, pp=1, dp=2, micro_batch_size=b // 2), b, s, data),
-            _ddp_s(config, b, data)),
-        "tp=2 vs DTensor Colwise/Rowwise": (
-            _autopar_s(config, dict(tp=2, pp=1, dp=1, micro_batch_size=b), b, s, data),
-            _dtensor_tp_s(config, data)),
-        "pp=2 vs pipelining Schedule1F1B": (
-            _autopar_s(config, dict(tp=1, pp=2, dp=1, micro_batch_size=args.mbs,
-                                    schedule="1f1b"), b, s, data),
-            _pipelining_s(config, b, s, args.mbs, data)),
+    runs = {
+        "dp=2 vs DistributedDataParallel": lambda: (
+            _autopar_step(config, dict(tp=1, pp=1, dp=2, micro_batch_size=b // 2,
+                                       zero_stage=0), b, s),
+            _ddp_step(config, b)),
+        "tp=2 vs DTensor Colwise/Rowwise": lambda: (
+            _autopar_step(config, dict(tp=2, pp=1, dp=1, micro_batch_size=b), b, s),
+            _dtensor_tp_step(config)),
+        "pp=2 vs pipelining Schedule1F1B": lambda: (
+            _autopar_step(config, dict(tp=1, pp=2, dp=1, micro_batch_size=args.mbs,
+                                       schedule="1f1b"), b, s),
+            _pipelining_step(config, b, s, args.mbs)),
     }
+    return {name: _paired_medians(*build(), data) for name, build in runs.items()
+            if args.only in (None, name.split()[0])}
 
 
 def main() -> None:
@@ -194,6 +201,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size of the pp=2 layout")
+    p.add_argument("--only", choices=["dp=2", "tp=2", "pp=2"], help="one layout")
     args = p.parse_args()
     config = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.hidden,
                        vocab_size=args.vocab, block_size=args.seq_len)
