@@ -17,6 +17,7 @@ seconds.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 from pathlib import Path
@@ -196,8 +197,8 @@ def test_cluster_json_door(door_counts, memo_plan, tiny, tmp_path_factory, edits
             target = target[key] if isinstance(target.get(key), dict) else {}
         if value == "DELETE":
             target.pop(path[-1], None)
-        else:
-            target[path[-1]] = value
+        else:  # a copy: hypothesis hands the same sampled [] / {} to every example
+            target[path[-1]] = copy.deepcopy(value)
     path = tmp_path_factory.mktemp("cluster") / "cluster.json"
     path.write_text(json.dumps(data))
     try:
