@@ -13,11 +13,14 @@ from autopar import report  # autopar.report.write_report(plan, out_dir, hand_la
 from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
 from autopar.plan import Layout, Plan, Prediction
+from autopar.plan_check import PlanError
 from autopar.planner.decision import InfeasibleError
+from autopar.planner.search_outcome import SolverTimeLimitError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
-           "report", "load_model", "init_model", "InfeasibleError", "TraceError"]
+           "report", "load_model", "init_model", "InfeasibleError", "TraceError", "PlanError",
+           "SolverTimeLimitError"]
 
 
 def init_model(model, seed=0, *, device=None, init_fn=None):

@@ -8,6 +8,7 @@ Decision ↔ Plan (:mod:`autopar.planner.decision`) do the work.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -17,48 +18,92 @@ from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout, Plan
+from autopar.plan_check import check_plan
 from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
+from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
-from autopar.support import RUNTIME_SUPPORT
-from autopar.planner.search import SearchResult, search
+from autopar.planner.search_outcome import SolverTimeLimitError
+from autopar.support import RUNTIME_SUPPORT, check_positive_ints
+from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
 from autopar.graph.capture import trace_model
 
-__all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_search"]
+__all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_search",
+           "check_problem"]
 
 
 def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
                      global_batch_size: int, seq_len: int, model_name: str) -> Plan:
     """The Plan of the search's best decision (:func:`~autopar.planner.decision.plan_from_decision`
-    with the search's tables, strategies, per-config records and solve time)."""
-    return plan_from_decision(traced, model, cluster, result.decision, result.tables,
-                              result.strategies, global_batch_size=global_batch_size,
-                              seq_len=seq_len, model_name=model_name, seen=result.seen,
-                              solve_time_s=result.solve_time_s)
+    with the search's tables, strategies and per-config records), with what the search
+    proved (``solver``) and its wall time (``solve_wall_s``, not saved)."""
+    out = plan_from_decision(traced, model, cluster, result.decision, result.tables,
+                             result.strategies, global_batch_size=global_batch_size,
+                             seq_len=seq_len, model_name=model_name, seen=result.seen)
+    return replace(out, solver=result.solver, solve_wall_s=result.solve_time_s)
+
+
+def check_problem(model, cluster, *, global_batch_size, seq_len, layout=None,
+                  time_limit_s=DEFAULT_TIME_LIMIT_S) -> tuple[Cluster, Layout]:
+    """The inputs of :func:`plan` / :func:`evaluate` checked at the door, before tracing:
+    returns (cluster, layout), a preset name turned into its Cluster (one node) and None
+    into ``Layout()``. Raises TypeError (a model that is not an nn.Module, a cluster that
+    is neither a Cluster nor a preset name, a layout that is not a Layout) and ValueError
+    (global_batch_size or seq_len not a positive int, seq_len beyond the model's maximum
+    positions, a time limit that is not a positive number, an unknown preset)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(cluster, str):
+        cluster = Cluster.from_name(cluster)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be an autopar.Cluster or a preset name (e.g. "
+                        f"'local-cpu', 'dgx-a100'), got {type(cluster).__name__}; build one "
+                        "with autopar.Cluster.from_name(name, nodes) or Cluster.local_cpu(n)")
+    layout = Layout() if layout is None else layout
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}; "
+                        "e.g. autopar.Layout(tp=2)")
+    check_positive_ints(global_batch_size=global_batch_size, seq_len=seq_len)
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) \
+            or not math.isfinite(time_limit_s) or time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got "
+                         f"{time_limit_s!r}")
+    check_seq_len(model, seq_len)
+    return cluster, layout
 
 
 def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: int,
          layout: Layout | None = None, model_name: str = "model",
-         progress: Callable[[int, int, float | None], None] | None = None) -> Plan:
+         progress: Callable[[int, int, float | None], None] | None = None,
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
     """Find the fastest executable plan for training ``model`` on ``cluster``.
 
     model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
-        ideally on the meta device. layout: fields to pin (None = free).
+        ideally on the meta device. cluster: a :class:`Cluster` or a preset name
+        ("local-cpu", "dgx-a100" ...: one node). layout: fields to pin (None = free); a pin
+        the runtime cannot execute is refused (:func:`autopar.support.check_pins`).
     progress: optional ``progress(visited, total, best_step_time_s)`` called as the search
         visits its configs (see :func:`autopar.planner.search.search`), e.g. to draw a progress bar.
-    Raises TraceError (untraceable model), InfeasibleError (nothing fits in memory),
-    ValueError (degrees inconsistent with the cluster, heads not divisible by tp, ...).
+    time_limit_s: CP-SAT's deterministic time per config; the plan's ``solver`` says
+        whether the search proved it optimal (``plan.solver.status``).
+    Raises TypeError / ValueError (:func:`check_problem`; degrees inconsistent with the
+    cluster, heads not divisible by tp, a pin outside the runtime's space, no config left
+    by the pins: each names the rule), TraceError (untraceable model), InfeasibleError
+    (proven: nothing fits in memory; names the binding stage), SolverTimeLimitError (CP-SAT
+    stopped at its time limit with no plan: raise ``time_limit_s``).
     """
-    layout = layout or Layout()
+    cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
+                                    seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
     traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
     result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT,
-                    progress=progress)
+                    progress=progress, time_limit_s=time_limit_s)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name)
 
 
 def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
-             seq_len: int, model_name: str = "model") -> Plan:
+             seq_len: int, model_name: str = "model",
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
     """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) with the same cost
     model. Layers are split evenly over stages as Megatron does; unset recompute means
     "none", unset zero_stage 0, unset schedule "1f1b"; TP placements are Megatron's
@@ -72,7 +117,8 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
                      zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
                      schedule=layout.schedule or ("interleaved_1f1b" if (layout.virtual_stages or 1) > 1 else "1f1b"))
     traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True)
+    result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True,
+                    time_limit_s=time_limit_s)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name)
 
@@ -82,9 +128,14 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     ``cluster`` with the cost model, without solving: e.g. after editing placements by
     hand, or to price a saved plan on other hardware. Returns the plan with a new
     ``predicted`` and ``replicated_ops`` (the ops its placements leave whole). Raises
-    ValueError when a placement does not exist for this model/tp.
+    :class:`~autopar.plan_check.PlanError` (a ValueError) when the plan is not valid or
+    does not fit this model (:func:`~autopar.planner.plan_fit.check_plan_fits_model`:
+    e.g. a placement that does not exist for this model at its tp).
     """
-    traced = trace_model(model, plan.seq_len, dtype=plan.dtype)
+    cluster, _ = check_problem(model, cluster, global_batch_size=plan.global_batch_size,
+                               seq_len=plan.seq_len)
+    check_plan(plan)
+    traced = check_plan_fits_model(plan, model)
     decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=plan.global_batch_size)
@@ -118,6 +169,6 @@ def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layo
             out[label] = plan(model, new_cluster, global_batch_size=batch,
                               seq_len=chosen.seq_len, layout=layout, model_name=chosen.model,
                               progress=progress(f"what if {label}") if progress else None)
-        except (InfeasibleError, ValueError) as exc:
+        except (InfeasibleError, SolverTimeLimitError, ValueError) as exc:
             out[label] = f"no plan: {exc}"
     return out

@@ -9,14 +9,15 @@ and a saved plan can be reported or executed without solving again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "format_share",
-           "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
-           "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
+__all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
+           "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
+           "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: ``solver`` (what the search proved) added, solve times left out
 # The one definition of these names (the rules over them: autopar.support).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe, 1F1B (PipeDream-flush), interleaved 1F1B (Narayanan et al. 2021)."""
@@ -62,9 +63,11 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
                 raise ValueError(f"Layout.{name} must be a positive int or None, got {value!r}")
-        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool)
+                                            or self.zero_stage not in ZERO_STAGES):
             raise ValueError(f"Layout.zero_stage must be one of {ZERO_STAGES}, got "
                              f"{self.zero_stage!r}")
         if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
@@ -75,6 +78,9 @@ class Layout:
             raise ValueError(f"Layout.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"Layout.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise ValueError("Layout.sequence_parallel must be True, False or None, got "
+                             f"{self.sequence_parallel!r}")
 
     def is_complete(self) -> bool:
         """True when tp, pp, dp and micro_batch_size are all fixed."""
@@ -96,10 +102,15 @@ class Layout:
             value = value.strip()
             if key in ("recompute", "schedule", "dtype"):
                 kwargs[key] = value
-            elif key == "sequence_parallel":
+            elif key == "sequence_parallel" and value.lower() in ("1", "true", "yes", "on",
+                                                                  "0", "false", "no", "off"):
                 kwargs[key] = value.lower() in ("1", "true", "yes", "on")
-            else:
+            elif key != "sequence_parallel" and value.lstrip("-").isdigit():
                 kwargs[key] = int(value)
+            else:
+                want = "true or false" if key == "sequence_parallel" else "an integer"
+                raise ValueError(f"cannot parse layout item {item!r} in {text!r}; {key} "
+                                 f"takes {want}")
         return cls(**kwargs)
 
 
@@ -119,7 +130,6 @@ class Prediction:
         dp_comm, bubble, optimizer).
     comm_bytes_by_kind: payload bytes per GPU per step by collective kind.
     stage_time_s: per stage, forward+backward seconds of one micro-batch.
-    solve_time_s: seconds the solver spent (0 for evaluate of a fixed layout).
     stage_stats: per pipeline stage, what each of its ranks should measure in one step
         (the keys of ``ParallelizedModel.last_step_stats()``): comm_bytes (payload bytes
         by kind), model_state_bytes, saved_activation_bytes, step_time_s.
@@ -134,8 +144,38 @@ class Prediction:
     time_s_by_kind: dict[str, float]
     comm_bytes_by_kind: dict[str, float]
     stage_time_s: list[float]
-    solve_time_s: float = 0.0
     stage_stats: list[dict] = field(default_factory=list)
+
+
+SOLVER_STATUSES = ("OPTIMAL", "FEASIBLE")  # of a plan (INFEASIBLE, UNKNOWN: errors)
+
+
+@dataclass(frozen=True)
+class SolverStatus:
+    """What the search proved, deterministically (CP-SAT: one worker, deterministic time),
+    so it is saved in the plan; wall-clock time is not (:attr:`Plan.solve_wall_s`).
+
+    status: "OPTIMAL" (every config solved to optimality, proven unable to beat the plan or
+        pruned by a bound) or "FEASIBLE" (CP-SAT stopped at its time limit on ``stopped``
+        of the ``configs``: a faster plan may exist, by at most ``gap`` of the step time).
+    time_limit_s: CP-SAT's deterministic time limit per config (``--time-limit``).
+    """
+
+    status: str = "OPTIMAL"
+    time_limit_s: float = 1.0
+    gap: float = 0.0
+    configs: int = 0
+    stopped: int = 0
+
+    def line(self) -> str:
+        """One line for summaries and reports."""
+        if self.status == "OPTIMAL":
+            return (f"solver: OPTIMAL, the fastest of {self.configs} configs under the cost "
+                    f"model (CP-SAT limit {self.time_limit_s:g} s per config)")
+        return (f"solver: FEASIBLE, not proven optimal: CP-SAT stopped at its time limit "
+                f"({self.time_limit_s:g} s per config) on {self.stopped} of {self.configs} "
+                f"configs; a faster plan may exist, by at most {self.gap:.1%} of the step "
+                "time (gap); raise --time-limit (time_limit_s=) to prove optimality")
 
 
 @dataclass(frozen=True)
@@ -234,11 +274,9 @@ class Plan:
     B = dp · micro_batch_size · num_micro_batches.
     recompute: one mode per transformer layer (length L).
     stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
-        pp·virtual_stages contiguous chunks covering the L layers. Chunk c runs on
-        pipeline rank c % pp (Megatron-LM's round-robin for interleaved 1F1B), so rank r
-        holds chunks r, r + pp, ..., r + (v-1)·pp (:func:`rank_layers`); chunk 0 (the
-        embedding) is on rank 0 and the last chunk (head and loss) on rank pp-1. With
-        v = 1 (GPipe, 1F1B) this is one [first, last) per pipeline stage.
+        pp·v contiguous chunks covering the L layers; chunk c runs on pipeline rank c % pp
+        (Megatron-LM's round-robin), so rank r holds chunks r, r + pp, ... (:func:`rank_layers`);
+        v = 1 (GPipe, 1F1B): one [first, last) per pipeline stage.
     placements: per traced node name, its tensor-parallel strategy key
         ``"<strategy>:<output placement>"``, e.g. "column:S2", "row:P", "replicate:R"
         (read and written only by :mod:`autopar.placement`; the strategies are those of
@@ -248,6 +286,9 @@ class Plan:
     binding: human-readable binding constraints (memory, divisibility ...).
     replicated_ops: the compute ops every TP rank runs whole (:class:`ReplicatedOps`); None
         in a plan saved before autopar recorded them.
+    solver: what the search proved (:class:`SolverStatus`).
+    solve_wall_s: wall seconds the search took; not saved (``to_json`` leaves it out, so
+        the same inputs give byte-identical plan files) and not compared.
     """
 
     model: str
@@ -272,47 +313,51 @@ class Plan:
     alternatives: list[dict] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
+    solver: SolverStatus = field(default_factory=SolverStatus)
     version: int = PLAN_VERSION
+    solve_wall_s: float = field(default=0.0, compare=False)
 
     @property
-    def num_gpus(self) -> int:
+    def num_gpus(self) -> int:  # N = t·p·d
         return self.tp * self.pp * self.dp
 
     def layout(self) -> Layout:
         """The plan's layout (recompute given only when uniform across layers)."""
         modes = set(self.recompute)
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch_size=self.micro_batch_size,
-                      zero_stage=self.zero_stage, recompute=modes.pop() if len(modes) == 1 else None,
+                      zero_stage=self.zero_stage,
+                      recompute=modes.pop() if len(modes) == 1 else None,
                       schedule=self.schedule, virtual_stages=self.virtual_stages,
                       sequence_parallel=self.sequence_parallel, dtype=self.dtype)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan as JSON-able data: every field but :attr:`solve_wall_s`."""
+        data = asdict(self)
+        del data["solve_wall_s"]
+        return data
 
     def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as JSON, keys sorted (byte-identical for equal plans)."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
-        version = data.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(f"plan version {version!r} is not supported (this autopar reads "
-                             f"version {PLAN_VERSION}); re-run `autopar plan` to regenerate it")
-        data = dict(data)
-        data["predicted"] = Prediction(**data["predicted"])
-        if data.get("replicated_ops") is not None:
-            data["replicated_ops"] = ReplicatedOps.from_dict(data["replicated_ops"])
-        return cls(**data)
+    def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
+        """:meth:`to_dict` data read back through the one plan validator
+        (:func:`autopar.plan_check.plan_from_dict`: PlanError naming ``source``)."""
+        from autopar.plan_check import plan_from_dict
+
+        return plan_from_dict(data, source)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        """:meth:`to_json` text read back (:func:`autopar.plan_check.plan_from_json`)."""
+        from autopar.plan_check import plan_from_json
+
+        return plan_from_json(text, source)
 
     def decision_digest(self) -> str:
         """SHA-256 of what the runtime executes (layout, stages, recompute, placements);
         predictions and solve times are left out, so two solves of one plan agree."""
-        import hashlib
-
         keys = ("global_batch_size", "seq_len", "tp", "pp", "dp", "micro_batch_size",
                 "num_micro_batches", "schedule", "zero_stage", "recompute", "stage_layers",
                 "placements", "virtual_stages", "sequence_parallel", "dtype", "version")
@@ -320,10 +365,13 @@ class Plan:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> str:
-        """The :meth:`headline`, then (when there are any) a line naming the ops that no
-        tensor-parallel strategy splits (:meth:`ReplicatedOps.line`)."""
+        """The :meth:`headline`, the solver's line when it did not prove optimality
+        (:meth:`SolverStatus.line`), then (when there are any) a line naming the ops that
+        no tensor-parallel strategy splits (:meth:`ReplicatedOps.line`)."""
         rep = self.replicated_ops
-        return self.headline() + (f"\n{rep.line()}" if rep and rep.no_strategy else "")
+        solver = f"\n{self.solver.line()}" if self.solver.status != "OPTIMAL" else ""
+        return (self.headline() + solver
+                + (f"\n{rep.line()}" if rep and rep.no_strategy else ""))
 
     def headline(self) -> str:
         """One line: the layout and its predicted speed."""

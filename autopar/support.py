@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "interleaving_problem",
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "check_pins", "interleaving_problem",
            "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
            "divisors", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
@@ -189,6 +189,39 @@ class RuntimeSupport:
 
 
 RUNTIME_SUPPORT = RuntimeSupport()
+
+
+def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
+    """Refuse, before any search, a pinned layout field that the runtime cannot execute
+    (``autopar.plan`` only returns executable plans). Raises ValueError naming the rule:
+    a ZeRO stage, recompute mode, dtype, schedule or v outside ``support``; ZeRO-2/3 with
+    a pinned pp > 1 (:meth:`RuntimeSupport.zero_stages_for`); v > 1 with a schedule other
+    than interleaved 1F1B; interleaving with pp = 1; sequence parallelism with tp = 1."""
+    pins = [("zero_stage", layout.zero_stage, support.zero_stages),
+            ("recompute", layout.recompute, support.recompute),
+            ("dtype", layout.dtype, support.dtypes),
+            ("schedule", layout.schedule, support.schedules),
+            ("virtual_stages", layout.virtual_stages, support.virtual_stages),
+            ("sequence_parallel", layout.sequence_parallel, support.sequence_parallel)]
+    for name, value, allowed in pins:
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is outside what the autopar runtime executes "
+                             f"({name} in {allowed}); choose one of them (autopar.evaluate "
+                             "still prices it for comparison)")
+    if layout.zero_stage is not None and layout.pp is not None and \
+            layout.zero_stage not in support.zero_stages_for(layout.pp):
+        raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: ZeRO-2/3 "
+                         "reduce-scatter after every micro-batch, which the runtime runs only "
+                         "without pipelining (as DeepSpeed); pin zero_stage 0 or 1, or pp=1")
+    v, schedule = layout.virtual_stages, layout.schedule
+    if v is not None and v > 1 and schedule not in (None, "interleaved_1f1b"):
+        raise ValueError(f"virtual_stages={v} needs schedule 'interleaved_1f1b', got "
+                         f"{schedule!r}; drop one of the two pins")
+    if schedule == "interleaved_1f1b" and (layout.pp == 1 or v == 1):
+        raise ValueError(interleaving_problem(None, layout.pp or 2, v or 2, 0))
+    if layout.sequence_parallel and layout.tp == 1:
+        raise ValueError("sequence_parallel=True splits activations over the TP group but "
+                         "tp=1 is pinned; pin tp > 1 or drop sequence_parallel")
 
 
 def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:

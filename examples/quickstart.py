@@ -47,7 +47,7 @@ def plan_gpt3_175b() -> None:
     the checked-in example report (the same one ``examples/make_reports.py`` writes)."""
     plan, megatron, path = write_example(*CASES[0])
     print(f"auto plan  : {plan.summary()}")
-    print(f"solved in {format_seconds(plan.predicted.solve_time_s)}")
+    print(f"solved in {format_seconds(plan.solve_wall_s)} ({plan.solver.status})")
     print(f"Megatron-LM: {megatron.summary()}")
     speedup = megatron.predicted.step_time_s / plan.predicted.step_time_s
     print(f"auto/Megatron step time: {1 / speedup:.2f} (the auto plan is {speedup:.2f}x "

@@ -65,3 +65,27 @@ def golden(request) -> Callable[[str, str], None]:
     """``golden(name, text)``: ``text`` must equal golden/<name> beside the test file."""
     folder = Path(request.path).parent / "golden"
     return lambda name, text: _compare_golden(folder / name, text)
+
+
+# ------------------------------------------------------------ property-test door counts
+_DOOR_COUNTS: dict[str, list[int]] = {}  # door -> [inputs seen, accepted]; test-session only
+
+
+@pytest.fixture(scope="session")
+def door_counts() -> Callable[[str, bool], None]:
+    """``count(door, accepted)``: tally one generated input of a property test's door; the
+    totals are printed at the end of the run (pytest_terminal_summary)."""
+    def count(door: str, accepted: bool) -> None:
+        seen = _DOOR_COUNTS.setdefault(door, [0, 0])
+        seen[0] += 1
+        seen[1] += bool(accepted)
+    return count
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many generated inputs each door of the property tests saw."""
+    if _DOOR_COUNTS:
+        terminalreporter.section("property-test doors (generated inputs)")
+        for door, (seen, accepted) in sorted(_DOOR_COUNTS.items()):
+            terminalreporter.write_line(f"{door}: {seen} inputs, {accepted} accepted, "
+                                        f"{seen - accepted} refused with a typed error")

@@ -12,9 +12,11 @@ only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--js
 stdout then holds one JSON document and nothing else.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
-a divisibility rule) · 3 no layout fits (``autopar.InfeasibleError``) · 4 the model cannot
-be traced (``autopar.TraceError``) · 5 ``verify``: the program does not match one device ·
-1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
+a divisibility rule, a plan file that is not a valid plan: ``autopar.plan_check.PlanError``,
+an output path that cannot be written) · 3 no layout fits (``autopar.InfeasibleError``) ·
+4 the model cannot be traced (``autopar.TraceError``) · 5 ``verify``: the program does not
+match one device, or is not finite · 6 CP-SAT stopped at its time limit without a plan
+(``autopar.SolverTimeLimitError``) · 1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
 shows the traceback instead.
 """
 
@@ -37,12 +39,14 @@ from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.models import default_seq_len
 from autopar.plan import Layout, Plan
+from autopar.plan_check import read_plan
 from autopar.report import write_report
 from cost_models.hardware import Cluster
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_TRACE = 0, 1, 2, 3, 4
+EXIT_TIME_LIMIT = 6  # 5 is verify's (autopar.cli.verify.EXIT_VERIFY_FAILED)
 # Narayanan et al. 2021 (Table 1): GPT-3 175B on 1024 A100 GPUs, t=8, p=16, d=8, b=1.
 MEGATRON_GPT3 = "tp=8,pp=16,dp={dp},mbs=1,recompute=full"
 
@@ -102,6 +106,46 @@ def price_hand_layouts(layouts: dict[str, Layout], model, cluster: Cluster, *,
     return priced
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths that cannot be written before any work (ValueError, exit 2):
+    ``-o FILE`` that is a directory or under a file, ``--report DIR`` that is a file or
+    under one."""
+    output, report = getattr(args, "output", None), getattr(args, "report", None)
+    if output is not None:
+        if output.is_dir():
+            raise ValueError(f"-o {output} is a directory; give a file path, e.g. "
+                             f"{output / 'plan.json'}")
+        _check_parents(output, "-o")
+    if report is not None:
+        if report.exists() and not report.is_dir():
+            raise ValueError(f"--report {report} is a file; give a directory path")
+        _check_parents(report, "--report")
+
+
+def _check_parents(path: Path, flag: str) -> None:
+    """ValueError when an existing ancestor of ``path`` is a file (it cannot be created)."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+            return
+
+
+def save_plan(plan: Plan, path: Path) -> None:
+    """Write the plan's JSON to ``path`` whole or not at all (a temporary file renamed);
+    ValueError naming the path when it cannot be written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(plan.to_json() + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write the plan to {path} ({exc.strerror or exc}); give a "
+                         "file path you can write") from None
+
+
 def _progress(args: argparse.Namespace) -> SearchProgress | None:
     """The search's progress line on stderr: only on a terminal and never with --json."""
     return SearchProgress.for_stream(sys.stderr, enabled=not args.json)
@@ -120,8 +164,7 @@ def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str],
             print("compared with hand-written layouts:")
             print("\n".join(comparison_lines(plan, hand)))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(plan.to_json() + "\n", encoding="utf-8")
+        save_plan(plan, args.output)
         print(f"plan saved to {args.output}", file=info)
     if args.report:
         path = write_report(plan, args.report, hand_layouts=hand or None, what_ifs=what_ifs)
@@ -131,6 +174,7 @@ def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str],
 # ------------------------------------------------------------------------ commands
 def _cmd_plan(args: argparse.Namespace) -> int:
     """``autopar plan``: solve, print, save, report (with what-ifs unless --no-whatif)."""
+    check_outputs(args)
     model, name, cluster, seq_len = _load_problem(args)
     batch = dict(global_batch_size=args.global_batch_size, seq_len=seq_len)
     layouts = {f"hand `{text}`": Layout.parse(text) for text in args.megatron}
@@ -140,7 +184,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
     progress = _progress(args)
     plan = autopar.plan(model, cluster, layout=_layout(args), model_name=name,
-                        progress=progress, **batch)
+                        progress=progress, time_limit_s=args.time_limit, **batch)
     what_ifs = None
     if args.report and args.whatif:
         what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
@@ -151,30 +195,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     """``autopar evaluate``: price one fixed layout, print, save, report."""
+    check_outputs(args)
     model, name, cluster, seq_len = _load_problem(args)
     plan = autopar.evaluate(model, cluster, _layout(args), model_name=name,
-                            global_batch_size=args.global_batch_size, seq_len=seq_len)
+                            global_batch_size=args.global_batch_size, seq_len=seq_len,
+                            time_limit_s=args.time_limit)
     _emit(plan, args, {})
     return EXIT_OK
 
 
-def read_plan(path: Path) -> Plan:
-    """The Plan saved in ``path``; ValueError (bad input) when it is missing or not a plan."""
-    if not path.is_file():
-        raise ValueError(f"plan file {path} does not exist")
-    try:
-        return Plan.from_json(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON ({exc}); save a plan with "
-                         "`autopar plan ... -o FILE`") from exc
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path} is not a saved autopar plan ({type(exc).__name__}: {exc}); "
-                         "save one with `autopar plan ... -o FILE`") from exc
-
-
 def _cmd_report(args: argparse.Namespace) -> int:
     """``autopar report``: the report of a saved plan, optionally with hand layouts priced."""
-    plan = read_plan(args.plan_file)
+    plan = read_plan(args.plan_file)  # the one plan validator (autopar.plan_check)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; give a directory path")
+    _check_parents(args.out, "--out")
     hand: dict[str, Plan | str] = {}
     if args.megatron:
         layouts = {f"hand `{text}`": Layout.parse(text) for text in args.megatron}
@@ -199,7 +234,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError("compare needs at least one --megatron layout, e.g. "
                          "--megatron \"tp=8,pp=1,dp=1,mbs=1\"")
     hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
-    plan = autopar.plan(model, cluster, model_name=name, progress=_progress(args), **batch)
+    plan = autopar.plan(model, cluster, model_name=name, progress=_progress(args),
+                        time_limit_s=args.time_limit, **batch)
     result = compare(plan, hand)
     print(json.dumps(result, indent=2) if args.json else format_compare(result))
     return EXIT_OK
@@ -230,6 +266,8 @@ def _exit_code(exc: BaseException) -> tuple[int, str]:
         return EXIT_INFEASIBLE, "no layout fits"
     if isinstance(exc, getattr(autopar, "TraceError", ())):
         return EXIT_TRACE, "cannot trace the model"
+    if isinstance(exc, getattr(autopar, "SolverTimeLimitError", ())):
+        return EXIT_TIME_LIMIT, "the solver stopped at its time limit"
     if isinstance(exc, (ValueError, FileNotFoundError, ImportError)):
         return EXIT_BAD_INPUT, "error"
     return EXIT_INTERNAL, f"internal error ({type(exc).__name__}; rerun with --debug)"

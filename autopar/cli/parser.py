@@ -10,10 +10,12 @@ Flag names are shared across verbs: ``--model``, ``--cluster``, ``--nodes``,
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 from pathlib import Path
 
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
+from autopar.planner.search import DEFAULT_TIME_LIMIT_S
 from cost_models.hardware import PRESET_NAMES
 
 __all__ = ["build_parser", "EXIT_CODES_HELP"]
@@ -27,7 +29,10 @@ exit codes:
   3  infeasible: no layout fits the cluster's memory (the message names the
      binding constraint and the smallest memory any layout needs)
   4  the model cannot be traced (the message names the node)
-  5  verify: the parallel program does not match the single-device model
+  5  verify: the parallel program does not match the single-device model, or
+     a loss, gradient or parameter is NaN/inf (the message names the first step)
+  6  the solver stopped at its time limit without a plan (not an out-of-memory
+     verdict: raise --time-limit)
 """
 
 EXAMPLES = {
@@ -143,6 +148,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     """Model, cluster and batch flags shared by ``plan``, ``evaluate`` and ``compare``."""
     g = parser.add_argument_group("what to train, and where")
@@ -163,8 +179,12 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="B",
                    help="sequences per optimizer step, B = d · b · m")
     g.add_argument("--seq-len", type=_positive_int, default=None, metavar="S",
-                   help="tokens per sequence (default: the model's block_size, n_positions "
-                        "or max_position_embeddings)")
+                   help="tokens per sequence (default and maximum: the model's block_size, "
+                        "n_positions or max_position_embeddings)")
+    g.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S,
+                   metavar="S", help="CP-SAT's deterministic time limit per config, seconds "
+                   f"(default {DEFAULT_TIME_LIMIT_S:g}); a plan found at the limit is marked "
+                   "FEASIBLE with its gap, none found at all is exit code 6")
 
 
 def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -296,15 +316,16 @@ def _add_verify_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="SPEC",
                    help="preset name (gpt-tiny ...), hf:CONFIG or module:factory; default: "
                         "the plan's model")
-    g.add_argument("--steps", type=int, default=3, metavar="N", help="training steps (default 3)")
+    g.add_argument("--steps", type=_positive_int, default=3, metavar="N",
+                   help="training steps (default 3)")
     g.add_argument("--seed", type=int, default=0, help="model init and batch seed (default 0)")
     g.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    g.add_argument("--tolerance", type=float, default=None, metavar="REL",
+    g.add_argument("--tolerance", type=_positive_float, default=None, metavar="REL",
                    help="relative tolerance for loss, gradients and parameters (default: 1e-5 "
                         "for fp32 plans; bf16: 2e-2, gradients 5e-2)")
     g = parser.add_argument_group("processes and output")
-    g.add_argument("--max-processes", type=int, default=8, metavar="N",
+    g.add_argument("--max-processes", type=_positive_int, default=8, metavar="N",
                    help="refuse plans needing more local processes than this (default 8)")
-    g.add_argument("--timeout", type=float, default=600, metavar="S",
+    g.add_argument("--timeout", type=_positive_float, default=600, metavar="S",
                    help="seconds before the local processes are killed (default 600)")
     _add_common(g, "print the report as JSON")

@@ -7,8 +7,9 @@ single-device model on the same random batch, compared per step, stage and param
 Rank 0 prints the report (a table, or JSON with ``--json``). The flags are
 :mod:`autopar.cli.parser`'s.
 
-Exit codes (those of :mod:`autopar.cli.commands`, plus one): 0 the program matches · 5 it does not
-(:data:`EXIT_VERIFY_FAILED`) · 2 bad input (missing plan file, a model the plan was not
+Exit codes (those of :mod:`autopar.cli.commands`, plus one): 0 the program matches · 5 it does not,
+or a loss, gradient or parameter is NaN/inf on either side (:data:`EXIT_VERIFY_FAILED`; the
+message names the first non-finite step) · 2 bad input (missing plan file, a model the plan was not
 made for, a plan the runtime cannot execute, more processes than a local run allows) ·
 1 internal error.
 """
@@ -28,30 +29,27 @@ EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, 
 
 
 def _check_inputs(args: argparse.Namespace):
-    """(plan, model spec, tolerances): everything checked before a process is started."""
+    """(plan, model spec, tolerances): everything checked before a process is started,
+    the plan by the one plan validator (:func:`autopar.plan_check.read_plan`, executable)
+    and against the model (:func:`autopar.planner.plan_fit.check_plan_fits_model`)."""
     import autopar
-    from autopar.plan import Plan
-    from autopar.support import check_executable
-    from autopar.runtime.parallelize import check_plan_matches
+    from autopar.plan_check import read_plan
+    from autopar.planner.plan_fit import check_plan_fits_model
     from autopar.verify.check import Tolerances
+    from autopar.verify.claims import claim_problem
 
-    if not args.plan_file.is_file():
-        raise ValueError(f"plan file {args.plan_file} does not exist")
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
-    plan = Plan.from_json(args.plan_file.read_text(encoding="utf-8"))
-    try:
-        check_executable(plan)
-    except NotImplementedError as exc:
-        raise ValueError(str(exc)) from None
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
+    plan = read_plan(args.plan_file, world_size=world, executable=True)
     spec = args.model or plan.model
     meta_model, _ = autopar.load_model(spec)
-    check_plan_matches(meta_model, plan)
+    check_plan_fits_model(plan, meta_model, source=str(args.plan_file))
     tol = Tolerances.for_dtype(plan.dtype)
     if args.tolerance is not None:
         tol = Tolerances(loss=args.tolerance, grad=args.tolerance, param=args.tolerance,
                          floor=tol.floor)
-    return plan, spec, tol
+    return plan, spec, tol, claim_problem(meta_model, plan)
 
 
 def _verify_here(plan, spec: str, tol, args: argparse.Namespace) -> dict:
@@ -109,7 +107,10 @@ def run_verify(args: argparse.Namespace) -> int:
     Raises ValueError for bad input (exit 2 in autopar.cli.commands), RuntimeError / TimeoutError
     when a process fails (exit 1).
     """
-    plan, spec, tol = _check_inputs(args)
+    plan, spec, tol, claims = _check_inputs(args)
+    if claims:  # no process is started for a plan that is not what it says
+        print(f"autopar verify: FAILED before running: {claims}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
     payload = (plan, spec, tol, args)
     show = True
     if _under_torchrun():

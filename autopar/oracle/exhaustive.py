@@ -34,7 +34,7 @@ import itertools
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.memory import in_flight_micro_batches
 
@@ -394,6 +394,7 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
                               f"GiB per GPU (exhaustive check, {res.plans_covered} plans covered)")
     seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"], "reason": "",
              "feasible": s["step_time_s"] is not None} for s in res.seen]
-    return plan_from_decision(traced, model, cluster, res.decision, res.tables, res.strategies,
-                              global_batch_size=global_batch_size, seq_len=seq_len,
-                              model_name=model_name, seen=seen, solve_time_s=res.solve_time_s)
+    out = plan_from_decision(traced, model, cluster, res.decision, res.tables, res.strategies,
+                             global_batch_size=global_batch_size, seq_len=seq_len,
+                             model_name=model_name, seen=seen)
+    return replace(out, solve_wall_s=res.solve_time_s)

@@ -83,7 +83,8 @@ class ConfigModel:
 
     def __init__(self, traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
                  cluster, *, zero_stages=(0,), recompute_modes=RECOMPUTE_MODES,
-                 fixed_recompute: str | None = None, even_stages: bool = False) -> None:
+                 fixed_recompute: str | None = None, even_stages: bool = False,
+                 assume_memory: bool = False) -> None:
         self.traced, self.strategies, self.tables, self.cluster = traced, strategies, tables, cluster
         self.cfg = tables.config
         self.model = cp_model.CpModel()
@@ -91,6 +92,9 @@ class ConfigModel:
         self.recompute_modes = recompute_modes
         self.fixed_recompute = fixed_recompute
         self.even_stages = even_stages
+        # assume_memory: each memory[stage i] row enforced by a literal fits[stage i], so an
+        # INFEASIBLE solve under those assumptions names the stages that bind (its core)
+        self.memory_literals: list | None = [] if assume_memory else None
         self.section_of = {n: "pre" for n in traced.pre} | {n: "post" for n in traced.post} \
             | {n: "layer" for n in traced.layers[0]}
         self.choice: dict[str, list] = {}
@@ -270,8 +274,11 @@ class ConfigModel:
             working = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
                 working = working + terms.expr("post", "act")
-            model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit).WithName(
-                f"memory[stage {i}]")
+            row = model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit)
+            row.WithName(f"memory[stage {i}]")
+            if self.memory_literals is not None:
+                self.memory_literals.append(model.NewBoolVar(f"fits[stage {i}]"))
+                row.OnlyEnforceIf(self.memory_literals[-1])
 
     # -- objective ------------------------------------------------------------------------
     def add_objective(self) -> None:

@@ -10,7 +10,7 @@ within :data:`STAGE_SLACK` layers of an even split (:func:`stage_size_range`).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
@@ -106,16 +106,15 @@ def peak_memory_line(memory_bytes_by_stage: list[dict[str, float]], cluster) -> 
 def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                        tables: CostTables, strategies: NodeStrategies, *,
                        global_batch_size: int, seq_len: int, model_name: str,
-                       seen: list[dict] = (), solve_time_s: float = 0.0) -> Plan:
+                       seen: list[dict] = ()) -> Plan:
     """The :class:`~autopar.plan.Plan` of ``decision``: its placements (strategy keys), the
-    :func:`~autopar.planner.predict.predict` prediction (with ``solve_time_s`` seconds),
+    :func:`~autopar.planner.predict.predict` prediction,
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
     (the search's per-config records), the binding line (:func:`peak_memory_line`) and
     the ops TP leaves whole (:func:`~autopar.planner.replicated.replicated_ops`)."""
     cfg = decision.config
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=global_batch_size)
-    pred = replace(pred, solve_time_s=solve_time_s)
     placements = {name: strategies[name][k].key for name, k in decision.strategy.items()}
     feasible = sorted((s for s in seen if s["feasible"]), key=lambda s: s["step_time_s"])
     others = feasible[1:6] + [s for s in seen if s["feasible"] is False][:3]

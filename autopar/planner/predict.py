@@ -232,7 +232,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         mfu=model_flops / step / n / peak, hfu=(model_flops + rec_flops) / step / n / peak,
         peak_memory_bytes=max(sum(s.values()) for s in mem), memory_bytes_by_stage=mem,
         time_s_by_kind=breakdown, comm_bytes_by_kind=stats[slow]["comm_bytes"],
-        stage_time_s=stage_t, solve_time_s=decision.solve_time_s, stage_stats=stats)
+        stage_time_s=stage_t, stage_stats=stats)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

@@ -16,20 +16,22 @@ from typing import Callable
 
 from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
-from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
+from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout, SolverStatus
 from autopar.planner.bounds import (compute_bound_s, memory_lower_bound_bytes, memory_time_bound_s,
                                     min_layer_compute_s)
+from autopar.planner.configs import candidate_configs, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
-from autopar.planner.decision import Decision, InfeasibleError
+from autopar.planner.decision import Decision
 from autopar.planner.predict import predict
+from autopar.planner.search_outcome import (binding_stages, no_plan_error, solver_status,
+                                            unsolved)
 from autopar.planner.strategies import node_strategies
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 
-__all__ = ["candidate_configs", "search", "solve_one", "strategies_for", "validate_layout",
-           "SearchResult"]
+__all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategies_for",
+           "validate_layout", "SearchResult", "Solved", "DEFAULT_TIME_LIMIT_S"]
 
-MAX_MICRO_BATCH_SIZE = 8
 # The CP-SAT objective rounds coefficients to integer units (parameters up to 1024, times
 # to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
 # off when it cannot beat the incumbent by more than this margin, then predict decides.
@@ -37,79 +39,7 @@ CUTOFF_SLACK = 0.01
 SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the batch (fixed,
 # not the core count, so the search path and its result are the same on every machine)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
-
-
-def _heads(traced: TracedModel) -> int | None:
-    """Attention heads a of the traced model (dim 1 of its attention's output), None if it
-    has no attention node."""
-    for n in traced.layers[0] if traced.layers else []:
-        info = traced.nodes[n]
-        if info.kind == "sdpa":
-            return info.shape[1]
-    return None
-
-
-def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
-    """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
-    saying what to change)."""
-    support_rules.validate_layout(layout, num_gpus=cluster.num_gpus,
-                                  gpus_per_node=cluster.gpus_per_node, heads=_heads(traced),
-                                  num_layers=traced.num_layers,
-                                  global_batch_size=global_batch_size)
-
-
-def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
-                      support: RuntimeSupport | None = RUNTIME_SUPPORT) -> list[Config]:
-    """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
-
-    Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
-    Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
-    other schedule gets v = 1; a (schedule, p, m, v) is kept when
-    :func:`~autopar.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
-    pp > 1, L % (pp·v) == 0, m % pp == 0). ``support`` None (evaluating a hand layout): the
-    layout's schedule and v, checked by the same rule.
-    """
-    n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
-    interleave = support is not None and "interleaved_1f1b" in support.schedules
-    schedules = [layout.schedule] if layout.schedule else \
-        (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
-         ["1f1b"] + ["interleaved_1f1b"] * interleave)
-    out = []
-    for tp in divisors(n):
-        if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
-            continue
-        for pp in divisors(n // tp):
-            dp = n // (tp * pp)
-            if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
-                continue
-            if global_batch_size % dp:
-                continue
-            per_replica = global_batch_size // dp
-            for mbs in divisors(per_replica):
-                if layout.micro_batch_size not in (None, mbs) or (
-                        layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
-                    continue
-                m = per_replica // mbs
-                for sched in schedules:
-                    if support and sched not in support.schedules:
-                        continue
-                    for v in _virtual_stages(sched, layout, support, L, pp, m):
-                        if pipeline_problem(sched, pp, m, L, v):
-                            continue
-                        out.append(Config(tp, pp, dp, mbs, m, sched, v,
-                                          layout.dtype or cluster.dtype, cluster.attention,
-                                          bool(layout.sequence_parallel) and tp > 1))
-    return out
-
-
-def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,
-                    pp: int, m: int) -> tuple[int, ...]:
-    """The v to try for one (schedule, pp, m): see :func:`candidate_configs`."""
-    if schedule != "interleaved_1f1b":
-        return (1,) if (layout.virtual_stages or 1) == 1 else ()
-    if layout.virtual_stages is not None or support is None:
-        return (layout.virtual_stages or 2,)
-    return support.virtual_stages_for(schedule, L, pp, m)
+DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-limit``)
 
 
 def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: dict):
@@ -149,13 +79,15 @@ def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layou
 
 @dataclass
 class SearchResult:
-    """The best decision, its tables, and every config the search looked at."""
+    """The best decision, its tables, every config the search looked at, what the search
+    proved (:class:`~autopar.plan.SolverStatus`) and its wall time."""
 
     decision: Decision | None
     tables: object
     strategies: object
     seen: list[dict]
     solve_time_s: float
+    solver: SolverStatus = SolverStatus()
 
 
 def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tuple[int, ...]:
@@ -166,16 +98,30 @@ def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tup
     return support.zero_stages_for(pp) if support else ZERO_STAGES
 
 
-def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
-              mapping, time_limit_s: float = 1.0, even_stages: bool = False,
-              cutoff_s: float | None = None, memo: dict | None = None):
+@dataclass
+class Solved:
+    """One config's CP-SAT solve: the decision (None unless OPTIMAL or FEASIBLE), CP-SAT's
+    status name, the tables and strategies it priced, its objective bound in seconds (a
+    lower bound on the config's step time in the solver's units) and the model."""
+
+    decision: Decision | None
+    status: str
+    tables: object
+    strategies: object
+    bound_s: float
+    model: ConfigModel
+
+
+def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
+                 mapping, time_limit_s: float = DEFAULT_TIME_LIMIT_S, even_stages: bool = False,
+                 cutoff_s: float | None = None, memo: dict | None = None,
+                 assume_memory: bool = False) -> Solved:
     """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
     ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
     seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`;
     ``memo``: strategies and cost tables shared by the configs of one search
-    (:func:`strategies_for`, :func:`~autopar.planner.cost_tables.cost_tables`).
-    Returns (Decision | None, CP-SAT status name, tables, strategies): None unless the
-    status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not proven optimal)."""
+    (:func:`strategies_for`, :func:`~autopar.planner.cost_tables.cost_tables`);
+    ``assume_memory``: memory rows behind assumption literals (to name binding stages)."""
     from ortools.sat.python import cp_model
 
     memo = {} if memo is None else memo
@@ -185,31 +131,49 @@ def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupp
     modes = support.recompute if support else RECOMPUTE_MODES
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         recompute_modes=modes, fixed_recompute=layout.recompute,
-                        even_stages=even_stages)
+                        even_stages=even_stages, assume_memory=assume_memory)
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
         model.add_cutoff(cutoff_s)
+    if assume_memory:
+        return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
-    name = solver.StatusName(status)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, name, tables, strategies
-    return model.decision(solver, mapping), name, tables, strategies
+    bound_s = max(0.0, solver.BestObjectiveBound() / model.units_per_second / cfg.virtual_stages)
+    decision = (model.decision(solver, mapping)
+                if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None)
+    return Solved(decision, solver.StatusName(status), tables, strategies, bound_s, model)
+
+
+def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
+              mapping, time_limit_s: float = DEFAULT_TIME_LIMIT_S, even_stages: bool = False,
+              cutoff_s: float | None = None, memo: dict | None = None):
+    """:func:`solve_config` as (Decision | None, CP-SAT status name, tables, strategies):
+    None unless the status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not
+    proven optimal)."""
+    out = solve_config(traced, cluster, cfg, layout, support, mapping, time_limit_s,
+                       even_stages, cutoff_s, memo)
+    return out.decision, out.status, out.tables, out.strategies
 
 
 def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
            support: RuntimeSupport | None = RUNTIME_SUPPORT,
            even_stages: bool = False,
-           progress: Callable[[int, int, float | None], None] | None = None) -> SearchResult:
+           progress: Callable[[int, int, float | None], None] | None = None,
+           time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SearchResult:
     """Branch and bound over the configs of :func:`candidate_configs` for ``traced`` on
     ``cluster`` with B = ``global_batch_size``: configs in order of a compute lower bound
     (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
-    CP-SAT with the best step time so far as cutoff, then priced by ``predict``; configs
-    that reach CP-SAT are solved :data:`SOLVE_BATCH` at a time on threads, each batch with
-    the cutoff from before it, and read back in order (deterministic).
-    ``even_stages``: layers split evenly as Megatron does (hand layouts).
+    CP-SAT (``time_limit_s`` of deterministic time each) with the best step time so far as
+    cutoff, then priced by ``predict``; configs that reach CP-SAT are solved
+    :data:`SOLVE_BATCH` at a time on threads, each batch with the cutoff from before it,
+    and read back in order (deterministic). ``even_stages``: layers split evenly as
+    Megatron does (hand layouts). The result's ``solver`` says what was proven
+    (:mod:`autopar.planner.search_outcome`).
 
-    Raises ValueError (:func:`validate_layout`, or no config fits the layout) and
-    InfeasibleError when nothing fits, saying per mesh shape what the search found.
+    Raises ValueError (:func:`validate_layout`, or no config fits the layout: the message
+    names the rule), InfeasibleError when every config is proven not to fit, naming the
+    binding stage, and SolverTimeLimitError when CP-SAT stopped at its time limit without
+    any plan.
 
     progress: called as ``progress(visited, total, best_step_time_s)`` before each of the
         ``total`` configs (mesh shape and micro-batch size) is solved or pruned, and once
@@ -219,16 +183,17 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     """
     start = time.perf_counter()
     validate_layout(traced, cluster, layout, global_batch_size)
+    if support is not None:
+        support_rules.check_pins(layout, support)
     mapping = template_map(traced)
-    configs = candidate_configs(traced, cluster, global_batch_size, layout, support)
+    why: dict[str, str] = {}
+    configs = candidate_configs(traced, cluster, global_batch_size, layout, support, why)
     if not configs:
-        raise ValueError(f"no (tp, pp, dp, micro_batch_size) fits {cluster.num_gpus} GPUs, "
-                         f"global_batch_size={global_batch_size} and layout {layout}; relax "
-                         "the fixed fields or change the batch size")
+        raise ValueError(_no_config_message(cluster, global_batch_size, layout, why))
     memo: dict = {}
     bound = {c: _bounds(traced, cluster, c, memo, layout, support, 0.0) for c in configs}
     configs.sort(key=bound.get)
-    best, best_t, best_tab, seen, statuses = None, float("inf"), None, [], {}
+    best, best_t, best_tab, seen, statuses, lower = None, float("inf"), None, [], {}, {}
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:  # CP-SAT releases the GIL while it solves
         i = 0
         while i < len(configs):
@@ -241,34 +206,64 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 pruned = _pruned(traced, cluster, cfg, memo, layout, support, best_t)
                 if pruned is None:
                     batch.append((cfg, pool.submit(
-                        solve_one, traced, cluster, cfg, layout, support, mapping,
-                        even_stages=even_stages, cutoff_s=cutoff * (1 + CUTOFF_SLACK), memo=memo)))
+                        solve_config, traced, cluster, cfg, layout, support, mapping,
+                        time_limit_s, even_stages, cutoff * (1 + CUTOFF_SLACK), memo)))
                 else:
                     seen.append(pruned)
             for cfg, future in batch:  # in config order: the result never depends on timing
-                decision, status, tables, strategies = future.result()
-                statuses[cfg] = status
-                if decision is None:
-                    feasible, reason = _unsolved(status, cutoff)
+                out = future.result()
+                statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
+                if out.decision is None:
+                    feasible, reason = unsolved(out.status, cutoff)
                     seen.append({"layout": asdict(cfg), "step_time_s": None,
                                  "feasible": feasible, "reason": reason})
                     continue
-                pred = predict(traced, strategies, tables, cluster, decision,
+                pred = predict(traced, out.strategies, out.tables, cluster, out.decision,
                                global_batch_size=global_batch_size)
                 seen.append({"layout": asdict(cfg), "step_time_s": pred.step_time_s,
                              "feasible": True, "tflops_per_gpu": pred.tflops_per_gpu,
                              "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
                 if pred.step_time_s < best_t:
-                    best, best_t, best_tab = decision, pred.step_time_s, (tables, strategies)
+                    best, best_t = out.decision, pred.step_time_s
+                    best_tab = (out.tables, out.strategies)
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
-    if best is not None:
-        _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
-                            seen, even_stages, memo)
-    elapsed = time.perf_counter() - start
     if best is None:
-        raise InfeasibleError(_infeasible_message(cluster, seen, statuses))
-    return SearchResult(best, best_tab[0], best_tab[1], seen, elapsed)
+        raise no_plan_error(cluster, seen, statuses, time_limit_s, _binding(
+            traced, cluster, layout, support, mapping, memo, statuses, even_stages))
+    _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
+                        seen, even_stages, memo)
+    status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
+    return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
+                        status)
+
+
+def _no_config_message(cluster, global_batch_size: int, layout: Layout,
+                       why: dict[str, str]) -> str:
+    """No config is left: the rules that removed them (``why``), else the pins."""
+    pins = ", ".join(f"{k}={v}" for k, v in asdict(layout).items() if v is not None) or "none"
+    reasons = "; ".join(list(why.values())[:4]) or ("no (tp, pp, dp) divides the GPUs with the tp, "
+                                          "pp and dp pinned")
+    return (f"no (tp, pp, dp, micro_batch_size, schedule) of {cluster.num_gpus} GPUs fits "
+            f"global_batch_size={global_batch_size} with the pins ({pins}): {reasons}; "
+            "change or drop the pins, or the batch size")
+
+
+def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_stages) -> str | None:
+    """The stages in CP-SAT's infeasible core for the INFEASIBLE config whose mesh holds
+    the fewest parameters per GPU (the most memory-frugal one), as text; None if none."""
+    infeasible = [c for c, s in statuses.items() if s == "INFEASIBLE"]
+    if not infeasible:
+        return None
+    cfg = min(infeasible, key=lambda c: (1 / (c.tp * c.pp), c.micro_batch_size))
+    model = solve_config(traced, cluster, cfg, layout, support, mapping,
+                         even_stages=even_stages, memo=memo, assume_memory=True).model
+    stages = binding_stages(model)
+    if not stages:
+        return None
+    rows = ", ".join(f"memory[stage {i}]" for i in stages)
+    return (f"{rows} of tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} mbs={cfg.micro_batch_size} "
+            f"{cfg.schedule}")
 
 
 def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
@@ -306,7 +301,7 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
             traced, cluster, cfg, layout, support, mapping, time_limit_s=time_limit_s,
             even_stages=even_stages, memo=memo)
         if decision is None:
-            feasible, reason = _unsolved(status, float("inf"))
+            feasible, reason = unsolved(status, float("inf"))
             entry.update(feasible=feasible, reason=reason)
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
@@ -316,47 +311,3 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
                      peak_memory_bytes=pred.peak_memory_bytes,
                      reason="slower" if status == "OPTIMAL" else
                      "slower (not proven optimal: CP-SAT stopped at its time limit)")
-
-
-def _unsolved(status: str, best_t: float) -> tuple[bool | None, str]:
-    """(feasible, reason) of a config CP-SAT returned no plan for: with a cutoff
-    (``best_t`` finite) INFEASIBLE means it cannot beat the best plan; without one only the
-    memory rows can fail (:mod:`autopar.planner.cpsat`). Any other status means CP-SAT
-    stopped at its time limit: not proven infeasible (feasible None), never "does not fit"."""
-    if status == "INFEASIBLE" and best_t < float("inf"):
-        return None, (f"cannot beat the best plan ({best_t:.3f} s) within memory "
-                      f"(CP-SAT {status})")
-    if status == "INFEASIBLE":
-        return False, ("no plan fits device memory (CP-SAT INFEASIBLE: memory[stage i] "
-                       "fails on some stage for every choice)")
-    return None, (f"CP-SAT stopped at its time limit without a plan (status {status}): "
-                  "not proven infeasible")
-
-
-def _infeasible_message(cluster, seen: list[dict], statuses: dict) -> str:
-    """Why no plan was found, per mesh shape: pruned by the memory lower bound, INFEASIBLE
-    for CP-SAT, or stopped at CP-SAT's time limit (then the message says so)."""
-    bounds = [s["min_memory_bytes"] for s in seen if "min_memory_bytes" in s]
-    need = (f"the most memory-frugal mesh shape needs at least {min(bounds) / 2**30:.2f} GiB per "
-            "GPU" if bounds else "every mesh shape exceeds it once activations are counted")
-    found = []
-    if bounds:
-        found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
-                     f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
-                     f"{cluster.device.memory_gib:.1f} GiB)")
-    rank0 = sum(1 for s in seen if "memory-time lower bound" in s["reason"])
-    if rank0:
-        found.append(f"{rank0} where pipeline rank 0 cannot fit its layers with any "
-                     "recompute (memory-time lower bound of autopar.planner.bounds)")
-    infeasible = sum(1 for s in statuses.values() if s == "INFEASIBLE")
-    if infeasible:
-        found.append(f"{infeasible} INFEASIBLE for CP-SAT (memory[stage i] fails on some "
-                     "pipeline stage for every strategy, split, recompute and ZeRO choice)")
-    stopped = len(statuses) - infeasible
-    if stopped:
-        found.append(f"{stopped} stopped at CP-SAT's time limit without a plan (not proven "
-                     "infeasible: a longer solve may find one)")
-    return (f"no plan fits in {cluster.device.memory_gib:.1f} GiB per GPU "
-            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}. Of the {len(seen)} "
-            f"mesh shapes: {'; '.join(found)}. Use more GPUs, GPUs with more memory, a "
-            "smaller global batch or micro-batch, or allow ZeRO / recompute")

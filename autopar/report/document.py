@@ -27,6 +27,7 @@ formatting :mod:`autopar.report.format`; this module puts them in order. Charts
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from autopar.plan import Plan
@@ -90,10 +91,34 @@ def write_report(plan: Plan, out_dir: str | Path, *,
     embedded as data URIs in the self-contained HTML.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
-    text = render_markdown(plan, hand_layouts, title=title, charts=charts, what_ifs=what_ifs)
-    path = out_dir / "report.md"
-    path.write_text(text, encoding="utf-8")
-    write_html(text, out_dir)
+    text = render_markdown(plan, hand_layouts, title=title, what_ifs=what_ifs)  # fails first
+    created = _make_dir(out_dir)
+    try:
+        charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
+        text = render_markdown(plan, hand_layouts, title=title, charts=charts, what_ifs=what_ifs)
+        path = out_dir / "report.md"
+        path.write_text(text, encoding="utf-8")
+        write_html(text, out_dir)
+    except BaseException:  # no half-written report: remove what this call created
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     return path
+
+
+def _make_dir(out_dir: Path) -> Path | None:
+    """Create ``out_dir`` (and missing parents); returns the top folder this created (None
+    when it existed). ValueError naming the path when it is a file or cannot be created."""
+    top = None
+    for folder in [out_dir, *out_dir.parents]:
+        if folder.exists():
+            break
+        top = folder
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"report directory {out_dir} is a file; give a directory path")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create report directory {out_dir} ({exc.strerror or exc}); "
+                         "give a directory path you can write") from None
+    return top

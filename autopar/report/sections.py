@@ -92,7 +92,8 @@ def _stages_section(plan: Plan) -> list[str]:
 
 
 def prediction_section(plan: Plan) -> list[str]:
-    """Step time, TFLOP/s, MFU/HFU, peak memory against the device, solver time."""
+    """Step time, TFLOP/s, MFU/HFU, peak memory against the device, and what the solver
+    proved (a FEASIBLE plan, stopped at the time limit, says so with its gap)."""
     p, device = plan.predicted, device_memory_bytes(plan)
     peak = format_bytes(p.peak_memory_bytes)
     if device:
@@ -103,9 +104,13 @@ def prediction_section(plan: Plan) -> list[str]:
         ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
         ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
         ["peak memory per GPU", peak],
-        ["solver time", format_seconds(p.solve_time_s)],
+        ["solver", plan.solver.status if plan.solver.status == "OPTIMAL" else
+         f"{plan.solver.status} (time limit hit, gap {plan.solver.gap:.1%})"],
     ]
-    return ["## Prediction", ""] + _table(["quantity", "value"], rows, "lr")
+    lines = ["## Prediction", ""] + _table(["quantity", "value"], rows, "lr")
+    if plan.solver.status != "OPTIMAL":  # say so where the numbers are read
+        lines += [f"**Not proven optimal.** {plan.solver.line().split(': ', 2)[-1]}.", ""]
+    return lines
 
 
 def time_section(plan: Plan) -> list[str]:

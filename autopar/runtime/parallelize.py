@@ -36,7 +36,8 @@ import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import COMPUTE_DTYPES, trace_model
-from autopar.models import model_config
+from autopar.plan_check import check_plan
+from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.placement import parse_strategy_key
 from autopar.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
@@ -129,30 +130,15 @@ def _check_process_group() -> None:
 
 
 def check_plan_matches(model: nn.Module, plan: Plan, traced: TracedModel | None = None) -> None:
-    """Raise ValueError unless ``plan`` was made for ``model``: the same model config when
-    both are known (``Plan.model_config``: a wider model is refused), and the same traced
-    node names (hence layers and placements: a deeper or shallower model is refused).
-    ``traced``: ``model``'s trace when the caller has one (else it is traced here).
-    Local (no collective), so :func:`parallelize` calls it before the first collective. A
-    model without a config whose graph has the same node names but other sizes is not
-    detected here; the TP rewrite then refuses sizes that do not divide, and ``autopar
-    verify`` compares against one device."""
-    config = model_config(model)
-    if plan.model_config and config and plan.model_config != config:
-        diff = {k: (plan.model_config.get(k), config.get(k))
-                for k in sorted(set(plan.model_config) | set(config))
-                if plan.model_config.get(k) != config.get(k)}
-        raise ValueError(f"the plan was made for model {plan.model!r} with a different config "
-                         f"(plan vs model: {diff}); pass the model the plan was made for, or "
-                         "re-plan this model with `autopar plan`")
-    traced = traced or trace_model(model, plan.seq_len, dtype=plan.dtype)
-    names = {n.name for n in traced.gm.graph.nodes}
-    missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
-    if missing or extra:
-        raise ValueError(f"the plan was made for model {plan.model!r}, whose traced graph differs "
-                         f"from this model's: {len(missing)} plan nodes are not in the model "
-                         f"(e.g. {missing[:3]}), {len(extra)} model nodes are not in the plan "
-                         f"(e.g. {extra[:3]}); pass the model the plan was made for, or re-plan")
+    """Raise ValueError (:class:`~autopar.plan_check.PlanError`) unless ``plan`` fits
+    ``model``: :func:`autopar.planner.plan_fit.check_plan_fits_model` (config, seq_len
+    within the model's positions, layer count, traced node names, every placement a
+    strategy of its node at the plan's tp). ``traced``: ``model``'s trace when the caller
+    has one. Local (no collective), so :func:`parallelize` calls it before the first
+    collective. A model without a config whose graph has the same node names but other
+    sizes is not detected here; the TP rewrite then refuses sizes that do not divide, and
+    ``autopar verify`` compares against one device."""
+    check_plan_fits_model(plan, model, traced)
 
 
 def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
@@ -171,6 +157,7 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     if plan is not None:
         validate_degrees(plan.tp, plan.pp, plan.dp, world)
         check_executable(plan)
+        check_plan(plan, world_size=world, executable=True)  # the one plan validator
     else:
         if cluster is None or global_batch_size is None or seq_len is None:
             raise ValueError("parallelize(plan=None) needs cluster, global_batch_size and seq_len")
@@ -205,6 +192,8 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     timeout = as_timeout(timeout) if timeout is not None else None
     traced = None
     if plan is not None:  # before any collective, on the graph the rewrite will use
+        check_plan(plan, executable=True)  # the plan's own fields (autopar.plan_check)
+        check_seq_len(model, plan.seq_len)
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)
     # an accelerator backend without an accelerator fails here, before any collective

@@ -20,7 +20,17 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
 5. also compares every rank's *local* shard with the matching slice of the reference, so
    a replica that drifted on one TP or DP rank is caught even though the gathered
    tensors come from TP rank 0 / DP rank 0;
-6. returns a :class:`~autopar.verify.result.VerifyReport` (identical on every rank), or
+6. fails on any NaN/inf: a loss, gradient or parameter that is not finite on either side
+   is recorded (:class:`~autopar.verify.result.NonFinite`, the first one named in the
+   message) and never counts as a zero difference; a step the runtime refuses for a
+   non-finite loss or gradient norm (``NonFiniteError``, on every rank alike) ends the run
+   there;
+7. checks first that the plan claims what its decisions give
+   (:func:`autopar.verify.claims.claim_problem`: the recorded prediction against a
+   re-pricing of its exact tp/pp/dp, placements, stages and recompute), so an edited plan
+   (tp=2 over placements made for tp=1) fails instead of verifying a program that is not
+   the one the plan describes;
+8. returns a :class:`~autopar.verify.result.VerifyReport` (identical on every rank), or
    raises :class:`~autopar.verify.result.VerificationError` on every rank past tolerance.
 
 The relative measure and the default tolerances are documented in
@@ -33,6 +43,7 @@ reference model and the gathered full tensors.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -43,13 +54,16 @@ from autopar.graph.export import causal_lm_logits
 from autopar.plan import Plan
 from autopar.runtime.compat import DropoutBase
 from autopar.runtime.engine import token_cross_entropy
+from autopar.runtime.health import NonFiniteError
 from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
 from autopar.runtime.materialize import InitFn, init_model, on_meta
-from autopar.verify.result import (ParamDiff, StepLoss, Tolerances, VerificationError, VerifyReport)
+from autopar.verify.claims import claim_problem
+from autopar.verify.result import (NonFinite, ParamDiff, StepLoss, Tolerances, VerificationError,
+                                   VerifyReport, finite_or_inf)
 
-__all__ = ["verify", "full_gradients", "disable_dropout", "default_batches",
+__all__ = ["verify", "full_gradients", "disable_dropout", "default_batches", "first_nonfinite",
            "Tolerances", "VerifyReport", "VerificationError"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -143,8 +157,8 @@ def _local_drift(pm, reference: dict[str, torch.Tensor],
         ref = reference[key]
         ref = spec.local(ref, g.tp_rank, g.tp)
         local = full_tensor(pick(params[name]).detach())  # ZeRO-3: whole over DP
-        diff = (local.cpu().float() - ref.float()).abs().max().item()
-        mine[key] = max(mine.get(key, 0.0), diff)
+        diff = (local.cpu().float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        mine[key] = max(mine.get(key, 0.0), finite_or_inf(diff))
     gathered: list = [None] * g.world_size
     dist.all_gather_object(gathered, mine)
     drift: dict[str, float] = {}
@@ -164,9 +178,33 @@ def _relative(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
         if key not in full:
             raise RuntimeError(f"the parallel program has no parameter {key!r} (it holds "
                                f"{sorted(full)}); this is a bug in the rewrite")
-        diff = max((full[key].float() - b.float()).abs().max().item(), drift.get(key, 0.0))
-        out[key] = diff / max(scale[key], floor_abs, 1e-30)
+        diff = (full[key].float() - b.float()).abs().max().item() if b.numel() else 0.0
+        diff = max(finite_or_inf(diff), finite_or_inf(drift.get(key, 0.0)))
+        out[key] = diff / max(finite_or_inf(scale[key]), floor_abs, 1e-30)
     return out
+
+
+def first_nonfinite(step: int, what: str, parallel: dict[str, torch.Tensor],
+                    reference: dict[str, torch.Tensor]) -> NonFinite | None:
+    """The first key (reference order) whose tensor holds NaN/inf on either side, as a
+    :class:`~autopar.verify.result.NonFinite`, or None."""
+    for key, b in reference.items():
+        bad_a = key in parallel and not bool(torch.isfinite(parallel[key]).all())
+        bad_b = not bool(torch.isfinite(b).all())
+        if bad_a or bad_b:
+            side = "both sides" if bad_a and bad_b else (
+                "parallel program" if bad_a else "single device")
+            return NonFinite(step, what, side, f"parameter {key!r}")
+    return None
+
+
+def _loss_nonfinite(step: int, loss: float, ref_loss: float) -> NonFinite | None:
+    bad = [name for name, v in (("parallel program", loss), ("single device", ref_loss))
+           if not math.isfinite(v)]
+    if not bad:
+        return None
+    side = "both sides" if len(bad) == 2 else bad[0]
+    return NonFinite(step, "loss", side, f"parallel {loss}, single device {ref_loss}")
 
 
 # ------------------------------------------------------------------ the check
@@ -192,6 +230,29 @@ def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if batches is not None and len(batches) < steps:
         raise ValueError(f"{len(batches)} batches given for {steps} steps")
+
+
+def _compare_step(pm, base: nn.Module, ref_optim, batch: Batch, step: int, loss: float,
+                  report: VerifyReport) -> None:
+    """One reference step on ``batch``; the step's loss, gradients and parameters compared
+    into ``report`` (NaN/inf recorded as :class:`NonFinite`, never as a zero difference)."""
+    ref_loss, ref_grads = _reference_step(base, ref_optim, batch)
+    loss_diff = finite_or_inf(abs(loss - ref_loss) / max(abs(ref_loss), 1e-30))
+    report.losses.append(StepLoss(step, loss, ref_loss, loss_diff))
+    full_grads = full_gradients(pm)
+    ref_params = {k: p.detach() for k, p in base.named_parameters()}
+    full_params = pm.full_state_dict()
+    found = [_loss_nonfinite(step, loss, ref_loss),
+             first_nonfinite(step, "gradient", full_grads, ref_grads),
+             first_nonfinite(step, "parameter after the step", full_params, ref_params)]
+    report.nonfinite += [n for n in found if n is not None]
+    tol = report.tolerances
+    grads = _relative(full_grads, ref_grads, _local_drift(pm, ref_grads, _grad_or_zeros), tol.floor)
+    params = _relative(full_params, ref_params, _local_drift(pm, ref_params, lambda p: p),
+                       tol.floor)
+    for key, diff in report.params.items():
+        diff.grad.append(grads[key])
+        diff.param.append(params[key])
 
 
 def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
@@ -237,19 +298,15 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
                           tolerances=tolerances)
     for key, _ in base.named_parameters():
         report.params[key] = ParamDiff(key=key, stages=stages.get(key, []))
+    report.claims = claim_problem(model, plan)  # local and deterministic: the same on every rank
     for step, (idx, targets) in enumerate(batches):
-        loss = pm.train_step(idx, targets)
-        ref_loss, ref_grads = _reference_step(base, ref_optim, (idx, targets))
-        loss_diff = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
-        report.losses.append(StepLoss(step, loss, ref_loss, loss_diff))
-        grads = _relative(full_gradients(pm), ref_grads,
-                          _local_drift(pm, ref_grads, _grad_or_zeros), tolerances.floor)
-        ref_params = {k: p.detach() for k, p in base.named_parameters()}
-        params = _relative(pm.full_state_dict(), ref_params,
-                           _local_drift(pm, ref_params, lambda p: p), tolerances.floor)
-        for key, diff in report.params.items():
-            diff.grad.append(grads[key])
-            diff.param.append(params[key])
+        try:
+            loss = pm.train_step(idx, targets)
+        except NonFiniteError as exc:  # raised on every rank alike, before the update
+            report.nonfinite.append(NonFinite(step, "loss or gradient norm",
+                                              "parallel program", str(exc)))
+            break
+        _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
     if raise_on_failure and not report.ok:
         raise VerificationError(report)
     return report

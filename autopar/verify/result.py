@@ -11,15 +11,55 @@ tensor that is zero in exact arithmetic (a zero-initialised bias after one step,
 key bias, whose gradient vanishes because softmax ignores a per-row constant) from
 turning rounding noise into a huge ratio. The loss difference is ``|a - b| / |b|``.
 
+A difference that is not a finite number (NaN or inf on either side) counts as infinite,
+never as zero: Python's ``max`` drops NaN, so every maximum here goes through
+:func:`finite_or_inf`, and any non-finite loss, gradient or parameter is recorded as a
+:class:`NonFinite` that fails the report by itself and is named first in the message.
+
 Results are plain data so that a report can be printed on rank 0, sent between processes
 (``to_dict`` is JSON-able) and attached to the :class:`VerificationError`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Tolerances", "ParamDiff", "StepLoss", "VerifyReport", "VerificationError"]
+__all__ = ["Tolerances", "ParamDiff", "StepLoss", "NonFinite", "VerifyReport",
+           "VerificationError", "finite_or_inf"]
+
+
+def finite_or_inf(value: float) -> float:
+    """``value``, or inf when it is NaN or infinite (a difference that is not a number
+    is as bad as it gets; ``max`` over floats silently drops NaN)."""
+    return value if math.isfinite(value) else math.inf
+
+
+def _json_safe(value):
+    """Non-finite floats as the strings "nan" / "inf" (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """A NaN or inf at ``step``: ``what`` ("loss", "gradient", "parameter after the step",
+    "loss or gradient norm"), ``side`` ("parallel program", "single device" or "both"),
+    ``detail`` (the value, or the parameter key)."""
+
+    step: int
+    what: str
+    side: str
+    detail: str
+
+    def sentence(self) -> str:
+        """E.g. "step 0: the loss is not finite on the parallel program (nan)"."""
+        return f"step {self.step}: the {self.what} is not finite on the {self.side} ({self.detail})"
 
 
 @dataclass(frozen=True)
@@ -87,7 +127,9 @@ class ParamDiff:
 
     def worst(self, kind: str) -> tuple[float, int]:
         """(largest difference, step at which it occurs) of kind "grad" or "param"."""
-        values = getattr(self, kind)
+        values = [finite_or_inf(v) for v in getattr(self, kind)]
+        if not values:
+            return 0.0, 0
         step = max(range(len(values)), key=values.__getitem__)
         return values[step], step
 
@@ -98,6 +140,9 @@ class VerifyReport:
 
     layout: e.g. "tp=2 pp=1 dp=1 fp32"; optimizer: its class name.
     losses: one :class:`StepLoss` per step. params: one :class:`ParamDiff` per key.
+    nonfinite: every NaN/inf seen, in step order (any one fails the report).
+    claims: why the plan's recorded prediction does not describe its own decisions (""
+        when it does; :func:`autopar.verify.claims.claim_problem`).
     """
 
     layout: str
@@ -106,11 +151,13 @@ class VerifyReport:
     tolerances: Tolerances
     losses: list[StepLoss] = field(default_factory=list)
     params: dict[str, ParamDiff] = field(default_factory=dict)
+    nonfinite: list[NonFinite] = field(default_factory=list)
+    claims: str = ""
 
     # ------------------------------------------------------------------ summaries
     @property
     def max_loss_diff(self) -> float:
-        return max((s.diff for s in self.losses), default=0.0)
+        return max((finite_or_inf(s.diff) for s in self.losses), default=0.0)
 
     @property
     def max_grad_diff(self) -> float:
@@ -122,9 +169,10 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        """True when every loss, gradient and parameter difference is within tolerance."""
+        """True when every loss, gradient and parameter is finite on both sides, the
+        plan claims what its decisions give, and every difference is within tolerance."""
         t = self.tolerances
-        return (self.max_loss_diff <= t.loss and self.max_grad_diff <= t.grad
+        return (not self.nonfinite and not self.claims and self.max_loss_diff <= t.loss and self.max_grad_diff <= t.grad
                 and self.max_param_diff <= t.param)
 
     def _badness(self, p: ParamDiff) -> float:
@@ -151,25 +199,28 @@ class VerifyReport:
     def to_dict(self) -> dict:
         """JSON-able: summary, tolerances, per-step losses, per-stage and per-parameter diffs
         (parameters worst first)."""
-        return {
+        return _json_safe({
             "ok": self.ok, "layout": self.layout, "optimizer": self.optimizer,
+            "nonfinite": [asdict(n) for n in self.nonfinite], "claims": self.claims,
             "steps": self.steps, "tolerances": asdict(self.tolerances),
             "max_loss_diff": self.max_loss_diff, "max_grad_diff": self.max_grad_diff,
             "max_param_diff": self.max_param_diff,
             "losses": [asdict(s) for s in self.losses],
             "stages": {str(k): v for k, v in self.by_stage().items()},
             "params": [asdict(p) for p in self.worst_params()],
-        }
+        })
 
     def table(self, max_params: int | None = 20) -> str:
         """Human-readable report: verdict, losses per step, stages, worst parameters first."""
         t = self.tolerances
         verdict = "OK" if self.ok else "FAILED"
-        lines = [f"autopar verify: {self.layout}, {self.steps} {self.optimizer} steps: {verdict}",
-                 f"  max relative diff: loss {self.max_loss_diff:.1e} (tol {t.loss:.0e}), "
-                 f"grad {self.max_grad_diff:.1e} (tol {t.grad:.0e}), "
-                 f"param {self.max_param_diff:.1e} (tol {t.param:.0e})", "",
-                 f"{'step':>4}  {'loss parallel':>14}  {'loss single':>14}  {'rel diff':>9}"]
+        lines = [f"autopar verify: {self.layout}, {self.steps} {self.optimizer} steps: {verdict}"]
+        lines += [f"  not finite: {n.sentence()}" for n in self.nonfinite[:3]]
+        lines += [f"  plan: {self.claims}"] if self.claims else []
+        lines += [f"  max relative diff: loss {self.max_loss_diff:.1e} (tol {t.loss:.0e}), "
+                  f"grad {self.max_grad_diff:.1e} (tol {t.grad:.0e}), "
+                  f"param {self.max_param_diff:.1e} (tol {t.param:.0e})", "",
+                  f"{'step':>4}  {'loss parallel':>14}  {'loss single':>14}  {'rel diff':>9}"]
         lines += [f"{s.step:>4}  {s.parallel:>14.8f}  {s.reference:>14.8f}  {s.diff:>9.1e}"
                   for s in self.losses]
         lines += ["", f"{'stage':>5}  {'params':>6}  {'max grad diff':>13}  {'max param diff':>14}"]
@@ -192,6 +243,11 @@ class VerifyReport:
         """One paragraph naming the worst loss step and the worst parameter, step and stage."""
         t = self.tolerances
         parts = []
+        if self.nonfinite:  # the first NaN/inf explains the rest
+            parts.append(f"{self.nonfinite[0].sentence()} (first non-finite step; NaN or inf "
+                         "is never within tolerance)")
+        if self.claims:
+            parts.append(self.claims)
         if self.max_loss_diff > t.loss:
             s = max(self.losses, key=lambda s: s.diff)
             parts.append(f"loss differs by {s.diff:.1e} relative at step {s.step} "

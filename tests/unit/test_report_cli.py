@@ -36,7 +36,7 @@ def make_plan(tp=4, pp=4, dp=64, mbs=2, step=12.5, model="gpt3-175b", **override
                         "dp_comm": 0.5, "bubble": 0.5, "optimizer": 0.25},
         comm_bytes_by_kind={"tp_all_reduce": 3.5 * GIB, "pp_send_recv": 0.75 * GIB,
                             "dp_reduce_scatter": 2 * GIB},
-        stage_time_s=[0.031] * pp, solve_time_s=1.75)
+        stage_time_s=[0.031] * pp)
     fields = dict(
         model=model, model_config={"n_layer": layers}, cluster=Cluster.dgx_a100(128).to_dict(),
         global_batch_size=1536, seq_len=2048, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
@@ -150,7 +150,7 @@ def fake_api(monkeypatch):
     monkeypatch.setattr(autopar, "load_model", lambda spec: (object(), spec), raising=False)
 
     def fake_plan(model, cluster, *, global_batch_size, seq_len, layout=None, model_name="model",
-                  progress=None):
+                  progress=None, time_limit_s=1.0):
         calls.append(("plan", dict(cluster=cluster, layout=layout, B=global_batch_size,
                                    progress=progress)))
         if progress is not None:
@@ -158,7 +158,8 @@ def fake_api(monkeypatch):
             progress(2, 2, 12.5)
         return make_plan(model=model_name)
 
-    def fake_evaluate(model, cluster, layout, *, global_batch_size, seq_len, model_name="model"):
+    def fake_evaluate(model, cluster, layout, *, global_batch_size, seq_len, model_name="model",
+                      time_limit_s=1.0):
         calls.append(("evaluate", dict(cluster=cluster, layout=layout)))
         return make_plan(tp=layout.tp, pp=layout.pp, dp=layout.dp, mbs=layout.micro_batch_size,
                          step=15.0, model=model_name)

@@ -1,0 +1,120 @@
+"""The configs a search enumerates: mesh shapes (t, p, d), micro-batch sizes, schedules
+and virtual stages consistent with a layout's pins, the model, the cluster and what the
+runtime executes (:func:`candidate_configs`), each rule that removes one recorded so that
+an empty space is explained, not reported as "nothing fits".
+"""
+
+from __future__ import annotations
+
+from autopar import support as support_rules
+from autopar.graph.annotate import TracedModel
+from autopar.plan import Layout
+from autopar.planner.cost_tables import Config
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+
+__all__ = ["candidate_configs", "validate_layout", "MAX_MICRO_BATCH_SIZE"]
+
+MAX_MICRO_BATCH_SIZE = 8
+
+
+def _heads(traced: TracedModel) -> int | None:
+    """Attention heads a of the traced model (dim 1 of its attention's output), None if it
+    has no attention node."""
+    for n in traced.layers[0] if traced.layers else []:
+        info = traced.nodes[n]
+        if info.kind == "sdpa":
+            return info.shape[1]
+    return None
+
+
+def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
+    """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
+    saying what to change)."""
+    support_rules.validate_layout(layout, num_gpus=cluster.num_gpus,
+                                  gpus_per_node=cluster.gpus_per_node, heads=_heads(traced),
+                                  num_layers=traced.num_layers,
+                                  global_batch_size=global_batch_size)
+
+
+def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
+                      support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      why: dict[str, str] | None = None) -> list[Config]:
+    """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
+
+    Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
+    Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
+    other schedule gets v = 1; a (schedule, p, m, v) is kept when
+    :func:`~autopar.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
+    pp > 1, L % (pp·v) == 0, m % pp == 0), and a pinned ZeRO stage only with the pipeline
+    sizes the runtime runs it with. ``support`` None (evaluating a hand layout): the
+    layout's schedule and v, checked by the same rule. ``why``: filled with the first
+    reason each rule rejected a config for (the error when none is left).
+    """
+    n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
+    why = {} if why is None else why
+    interleave = support is not None and "interleaved_1f1b" in support.schedules
+    schedules = [layout.schedule] if layout.schedule else \
+        (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
+         ["1f1b"] + ["interleaved_1f1b"] * interleave)
+    out = []
+    for tp in divisors(n):
+        if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
+            continue
+        for pp in divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
+                continue
+            if support is not None and layout.zero_stage is not None and \
+                    layout.zero_stage not in support.zero_stages_for(pp):
+                why.setdefault("zero", f"zero_stage={layout.zero_stage} runs only with pp=1 "
+                                       "(ZeRO-2/3 reduce-scatter after every micro-batch)")
+                continue
+            if global_batch_size % dp:
+                why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
+                                     f"by dp={dp}")
+                continue
+            out += _micro_configs(traced, cluster, layout, support, schedules, why,
+                                  tp, pp, dp, global_batch_size // dp)
+    return out
+
+
+def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dict,
+                   tp: int, pp: int, dp: int, per_replica: int) -> list[Config]:
+    """The configs of one mesh shape (tp, pp, dp): micro-batch sizes, schedules and v."""
+    out, L = [], traced.num_layers
+    for mbs in divisors(per_replica):
+        if layout.micro_batch_size not in (None, mbs) or (
+                layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
+            continue
+        m = per_replica // mbs
+        for sched in schedules:
+            if support and sched not in support.schedules:
+                continue
+            vs = _virtual_stages(sched, layout, support, L, pp, m)
+            if not vs:  # the rule with the smallest v it could take says why
+                problem = pipeline_problem(sched, pp, m, L, max(2, layout.virtual_stages or 2))
+                why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: "
+                               f"{problem or 'no virtual_stages the runtime executes fits'}")
+            for v in vs:
+                problem = pipeline_problem(sched, pp, m, L, v)
+                if problem:
+                    why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
+                    continue
+                out.append(Config(tp, pp, dp, mbs, m, sched, v, layout.dtype or cluster.dtype,
+                                  cluster.attention,
+                                  bool(layout.sequence_parallel) and tp > 1))
+    if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
+        why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "
+                              f"the {per_replica} sequences of a replica at dp={dp} (choose "
+                              f"micro_batch_size in {divisors(per_replica)})")
+    return out
+
+
+def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,
+                    pp: int, m: int) -> tuple[int, ...]:
+    """The v to try for one (schedule, pp, m): see :func:`candidate_configs`."""
+    if schedule != "interleaved_1f1b":
+        return (1,) if (layout.virtual_stages or 1) == 1 else ()
+    if layout.virtual_stages is not None or support is None:
+        return (layout.virtual_stages or 2,)
+    return support.virtual_stages_for(schedule, L, pp, m)
