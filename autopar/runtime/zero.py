@@ -77,7 +77,9 @@ class DistributedOptimizer:
         params: the parameters in buffer order; ``offsets[i]`` is ``params[i]``'s start.
         shards: the [lo, hi) ranges of the buffer this rank's optimizer owns (ZeRO-0: the
             whole buffer), one per bucket from ZeRO-1 on; ``masters[j]`` holds the
-            weights the optimizer updates for ``shards[j]``.
+            weights the optimizer updates for ``shards[j]``; ``master_is_copy``: True when
+            they are a separate (fp32) copy, False when they view the buffer.
+        buckets: the buffer's buckets (:func:`~autopar.runtime.buckets.cut_buckets`).
 
     Raises:
         ValueError: zero_stage not in (0, 1, 2), parameters of mixed dtypes or devices.
