@@ -52,7 +52,8 @@ def _check_tensors(states: dict, where: str) -> States:
 class FlatState:
     """ZeRO-0/1/2: parameters are views of ``opt.buffer``; this rank's master weights and
     optimizer states cover the flat ranges ``opt.shards`` (one per bucket from ZeRO-1 on,
-    the whole buffer under ZeRO-0), ``opt.masters[j]`` and its state covering shard j."""
+    the whole buffer under ZeRO-0), ``opt.masters[j]`` and ``opt.shard_states()[j]`` covering
+    shard j."""
 
     def __init__(self, opt) -> None:
         self.opt = opt
@@ -90,8 +91,7 @@ class FlatState:
     def states(self, p: nn.Parameter, owner: int) -> dict[str, torch.Tensor | None]:
         """p's optimizer states, whole on DP rank ``owner`` (None elsewhere): per-element
         ones shaped like p, scalars (AdamW's step) as they are. Empty before the first step."""
-        per_shard = [_check_tensors(self.opt.optimizer.state.get(m, {}), "a flat shard")
-                     for m in self.opt.masters]
+        per_shard = [_check_tensors(state, "a flat shard") for state in self.opt.shard_states()]
         mine = self.opt.dp_rank == owner
         out = {}
         for name, v in sorted(per_shard[0].items()) if per_shard else ():
@@ -132,10 +132,7 @@ class FlatState:
                         new[j].setdefault(key, masters[j].new_zeros(hi - lo, dtype=value.dtype))
                 for j, a, b in self._pieces(p) if value.dim() > 0 else ():
                     new[j][key][a - shards[j][0]:b - shards[j][0]] = value.reshape(-1)[a - o:b - o]
-        for m, state in zip(masters, new):
-            self.opt.optimizer.state.pop(m, None)
-            if state:
-                self.opt.optimizer.state[m] = state
+        self.opt.load_shard_states(new)
 
 
 class ShardedState:

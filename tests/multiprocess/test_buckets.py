@@ -6,8 +6,9 @@ the buffer is padded (1208 is not a multiple of 3); one weight is ``deferred`` (
 after backward, as the tied embedding and SP partial gradients are). Three AdamW steps of
 m = 2 micro-batches under each ZeRO stage must equal one process training the whole
 batch: parameters, the global gradient norm, the averaged gradient ``verify`` reads, and
-the optimizer states read back (and written back) through the checkpoint adapter. Every
-bucket but the deferred one must have started its collective during backward.
+the optimizer states read back (and written back) through the checkpoint adapter, while
+the optimizer steps each owned shard in pieces of 37 elements. Every bucket but the
+deferred one must have started its collective during backward.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _rank(rank: int, world: int) -> dict:
         params = list(model.parameters())
         opt = DistributedOptimizer(params, ADAMW, dp_group=dist.group.WORLD, zero_stage=zero,
                                    accumulations=MICRO, deferred=[model[2].weight],
-                                   bucket_bytes=1200, first_bucket_bytes=400)
+                                   bucket_bytes=1200, first_bucket_bytes=400, piece_numel=37)
         counted, norms = {id(p) for p in params}, []
         for x, y in _batches():
             opt.zero_grad()
@@ -86,7 +87,8 @@ def _rank(rank: int, world: int) -> dict:
         out[zero] = {"params": [p.detach().clone() for p in params], "norms": norms,
                      "grads": [p.grad.clone() for p in params], "exp_avg": exp_avg,
                      "exp_avg_again": again, "overlapped": opt.overlapped_buckets(),
-                     "padded": opt.padded_numel, "shards": opt.shards}
+                     "padded": opt.padded_numel, "shards": opt.shards,
+                     "pieces": [[p.numel() for p in ps] for ps in opt.pieces]}
     return out
 
 
@@ -110,6 +112,9 @@ def test_bucketed_steps_equal_one_process(runs, zero: int) -> None:
     exp_avg = ranks[0][zero]["exp_avg"]
     assert all(_close(a, b) for a, b in zip(exp_avg, ref["exp_avg"]))
     assert all(_close(a, b) for a, b in zip(ranks[0][zero]["exp_avg_again"], ref["exp_avg"]))
+    for result in ranks:  # the optimizer stepped pieces, which tile each owned shard
+        assert [sum(p) for p in result[zero]["pieces"]] == [hi - lo for lo, hi in result[zero]["shards"]]
+        assert max(len(p) for p in result[zero]["pieces"]) > 1 and max(max(result[zero]["pieces"])) == 37
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
