@@ -3,12 +3,13 @@
 * A 4-rank tp2·pp2 run (TP all-reduces and pipeline sends) where rank 3 is killed, or hangs,
   at the start of step 3 (an unmetered step: the collective is named from the traceback):
   every other rank ends within the timeout given to ``parallelize`` plus a few seconds,
-  with a CollectiveError naming the step and the collective, not torch's 30-minute default. These ranks run in a harness of their own
+  with a CollectiveError naming the step and the collective, not torch's 30-minute
+  default. These ranks run in a harness of their own
   (``launch`` stops at the first dead rank; here the survivors must report).
-* SGD at lr 1000 turns the gradient norm into NaN at step 3 (single process: loss 4.16,
-  1037, 3.8e7; norm 0.80, 291, NaN): every rank raises NonFiniteError naming step 3 before
-  the update; with on_nonfinite="skip" every rank drops that update and the parameters are
-  those after step 2.
+* An SGD whose second step leaves the weights infinite makes step 3's loss and gradient
+  norm NaN (the one-process run checks it): every rank raises NonFiniteError naming step 3
+  before the update; with on_nonfinite="skip" every rank drops that update and the
+  parameters are those after step 2.
 """
 
 from __future__ import annotations
@@ -110,7 +111,24 @@ def test_a_dead_or_stuck_rank_ends_the_others_within_the_timeout(fault):
         assert elapsed < TIMEOUT_S + SLACK_S, (rank, elapsed, message)
 
 
-LR_NAN = 1000.0
+class _InfiniteAfterTwoSteps(torch.optim.SGD):
+    """SGD (lr 0.1) whose second step leaves every weight it updates infinite, so that the
+    third step's loss and gradient norm are NaN, on whatever CPU. (An overflowing learning
+    rate, 1000, reached NaN at step 3 on one CPU model and stayed finite on another.)"""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1)
+        self.steps_taken = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.steps_taken += 1
+        if self.steps_taken == 2:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.fill_(math.inf)
+        return out
 
 
 def _nan_worker(rank: int, world: int, plan_json: str) -> dict:
@@ -118,7 +136,7 @@ def _nan_worker(rank: int, world: int, plan_json: str) -> dict:
     out = {}
     for action in ("raise", "skip"):
         pm = autopar.parallelize(seeded_gpt(), plan=plan, on_nonfinite=action,
-                                 optimizer=functools.partial(torch.optim.SGD, lr=LR_NAN))
+                                 optimizer=_InfiniteAfterTwoSteps)
         losses, error, states = [], None, []
         for idx, tgt in batches(3):
             try:
@@ -135,8 +153,8 @@ def _nan_worker(rank: int, world: int, plan_json: str) -> dict:
 
 
 def test_a_nan_run_stops_at_the_first_bad_step():
-    model = seeded_gpt()  # one process, SGD at LR_NAN
-    optim = torch.optim.SGD(model.parameters(), lr=LR_NAN)
+    model = seeded_gpt()  # one process
+    optim = _InfiniteAfterTwoSteps(model.parameters())
     losses, norms = [], []
     for idx, tgt in batches(3):
         optim.zero_grad()
@@ -145,7 +163,8 @@ def test_a_nan_run_stops_at_the_first_bad_step():
         losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
         optim.step()
-    assert all(map(math.isfinite, losses + norms[:2])) and math.isnan(norms[2]), (losses, norms)
+    assert all(map(math.isfinite, losses[:2] + norms[:2])), (losses, norms)
+    assert math.isnan(losses[2]) and math.isnan(norms[2]), (losses, norms)
     plan = _plan(4, tp=2, pp=1, dp=2, micro_batch_size=2, zero_stage=1)
     per_rank = run_distributed(_nan_worker, 4, plan.to_json(), timeout_s=300)
     for rank, out in enumerate(per_rank):
