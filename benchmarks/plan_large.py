@@ -130,7 +130,8 @@ def flops_rows(case: Case) -> list[tuple[str, float, float]]:
 def reference_prediction(case: Case):
     """The plan's decisions re-priced with Megatron's placements instead of the solver's."""
     plan = case.plan
-    ref = replace(plan, placements=megatron_placements(case.traced, plan.tp))
+    ref = replace(plan, placements=megatron_placements(case.traced, plan.tp,
+                                                       sequence_parallel=plan.sequence_parallel))
     decision, tables, strategies = decision_from_plan(case.traced, case.cluster, ref)
     return predict(case.traced, strategies, tables, case.cluster, decision,
                    global_batch_size=plan.global_batch_size)
@@ -148,7 +149,8 @@ def memory_rows(case: Case) -> list[tuple[int, str, float, float, float]]:
 def placement_differences(case: Case) -> list[str]:
     """Nodes of the template layer, the embedding and head sections whose solver placement
     differs from Megatron's, as "node: reference -> chosen"."""
-    ref = megatron_placements(case.traced, case.plan.tp)
+    ref = megatron_placements(case.traced, case.plan.tp,
+                              sequence_parallel=case.plan.sequence_parallel)
     names = case.traced.pre + case.traced.layers[0] + case.traced.post
     return [f"{n}: {ref[n]} -> {case.plan.placements[n]}" for n in names
             if ref[n] != case.plan.placements[n]]

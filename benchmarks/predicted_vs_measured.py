@@ -57,7 +57,8 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
         layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
         plan = autopar.plan(_meta(), cluster, global_batch_size=BATCH, seq_len=SEQ, layout=layout)
         if kind == "megatron":
-            placements = megatron_placements(trace_model(_meta(), SEQ), tp)
+            placements = megatron_placements(trace_model(_meta(), SEQ), tp,
+                                             sequence_parallel=plan.sequence_parallel)
             plan = evaluate_plan(_meta(), cluster, dataclasses.replace(plan, placements=placements))
         plans[name] = plan
     return plans

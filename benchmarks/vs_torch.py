@@ -74,7 +74,8 @@ def _autopar_step(config, layout: dict, batch: int, seq: int):
         meta = GPT(config)
     cluster = Cluster.local_cpu(processes=2)
     plan = autopar.plan(meta, cluster, global_batch_size=batch, seq_len=seq,
-                        layout=autopar.Layout(**layout, recompute="none", dtype="fp32"))
+                        layout=autopar.Layout(**layout, recompute="none", dtype="fp32",
+                                              sequence_parallel=False))
     if layout.get("tp", 1) > 1:
         placements = megatron_placements(trace_model(meta, seq), layout["tp"])
         plan = autopar.evaluate_plan(meta, cluster, dataclasses.replace(plan, placements=placements))

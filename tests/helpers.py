@@ -195,8 +195,10 @@ def tiny_meta_gpt():
         return GPT(preset("gpt-tiny"))
 
 
-def tiny_plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0):
-    """A world tp*pp*dp fp32 plan of gpt-tiny; TP plans get Megatron's placements (real all-reduces)."""
+def tiny_plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0,
+              sequence_parallel: bool | None = None):
+    """A world tp*pp*dp fp32 plan of gpt-tiny; TP plans get Megatron's placements (real
+    all-reduces), with sequence parallelism as pinned or, unset, as the solver chose."""
     import dataclasses
 
     import autopar
@@ -206,9 +208,11 @@ def tiny_plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0):
     meta, cluster = tiny_meta_gpt(), Cluster.local_cpu(processes=tp * pp * dp)
     plan = autopar.plan(meta, cluster, global_batch_size=TINY_BATCH, seq_len=TINY_SEQ,
                         model_name="gpt-tiny",
-                        layout=autopar.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage))
+                        layout=autopar.Layout(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage,
+                                              sequence_parallel=sequence_parallel))
     if tp > 1:
-        placements = megatron_placements(trace_model(meta, TINY_SEQ), tp)
+        placements = megatron_placements(trace_model(meta, TINY_SEQ), tp,
+                                         sequence_parallel=plan.sequence_parallel)
         plan = autopar.evaluate_plan(meta, cluster, dataclasses.replace(plan, placements=placements))
     assert plan.dtype == "fp32"
     return plan

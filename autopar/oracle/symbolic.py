@@ -211,7 +211,8 @@ def _planned_placements(factory: Callable, template: GPTConfig | None) -> tuple:
     with torch.device("meta"):
         model = factory(cfg)
     chosen = plan(model, Cluster.dgx_a100(nodes=1), global_batch_size=_PLACEMENT_TP,
-                  seq_len=cfg.block_size, layout=Layout(tp=_PLACEMENT_TP, pp=1, dp=1))
+                  seq_len=cfg.block_size, layout=Layout(tp=_PLACEMENT_TP, pp=1, dp=1,
+                                                sequence_parallel=False))
     return tuple(chosen.placements.items())
 
 

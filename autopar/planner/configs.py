@@ -39,7 +39,9 @@ def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_s
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                       support: RuntimeSupport | None = RUNTIME_SUPPORT,
                       why: dict[str, str] | None = None) -> list[Config]:
-    """All (tp, pp, dp, mbs, schedule, v) consistent with ``layout`` and the runtime.
+    """All (tp, pp, dp, mbs, schedule, v, sequence_parallel) consistent with ``layout`` and
+    the runtime. Sequence parallelism is the layout's, or both (without, then with) when
+    the layout leaves it unset, a search (``support`` given) and tp > 1.
 
     Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
     Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
@@ -82,6 +84,11 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                    tp: int, pp: int, dp: int, per_replica: int) -> list[Config]:
     """The configs of one mesh shape (tp, pp, dp): micro-batch sizes, schedules and v."""
     out, L = [], traced.num_layers
+    # sequence parallelism: the layout's; free (without, then with) when it is unset, the
+    # search and tp > 1; a hand layout (support None) is priced as written
+    sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
+                         if layout.sequence_parallel is not None or support is None
+                         else (False, True))
     for mbs in divisors(per_replica):
         if layout.micro_batch_size not in (None, mbs) or (
                 layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
@@ -100,9 +107,8 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                 if problem:
                     why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
                     continue
-                out.append(Config(tp, pp, dp, mbs, m, sched, v, layout.dtype or cluster.dtype,
-                                  cluster.attention,
-                                  bool(layout.sequence_parallel) and tp > 1))
+                out += [Config(tp, pp, dp, mbs, m, sched, v, layout.dtype or cluster.dtype,
+                               cluster.attention, sp) for sp in sequence_parallel]
     if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
         why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "
                               f"the {per_replica} sequences of a replica at dp={dp} (choose "

@@ -39,7 +39,8 @@ def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
     layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
     if kind == "megatron":
-        placements = megatron_placements(trace_model(meta, SEQ), tp)
+        placements = megatron_placements(trace_model(meta, SEQ), tp,
+                                         sequence_parallel=plan.sequence_parallel)
         plan = dataclasses.replace(plan, placements=placements)
         plan = autopar.evaluate_plan(meta, _cluster(world), plan)
     elif kind == "scattered-logits":

@@ -40,7 +40,8 @@ def _plan(tp: int, pp: int, dp: int, recompute: str = "none", kind: str = "solve
     layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=2, recompute=recompute)
     plan = autopar.plan(meta, _cluster(2), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
     if kind == "megatron":
-        plan = dataclasses.replace(plan, placements=megatron_placements(trace_model(meta, SEQ), tp))
+        plan = dataclasses.replace(plan, placements=megatron_placements(
+            trace_model(meta, SEQ), tp, sequence_parallel=plan.sequence_parallel))
     return plan
 
 

@@ -27,7 +27,7 @@ def test_small_model_gets_plain_data_parallelism():
 @pytest.fixture(scope="module")
 def tp8_plan():
     return autopar.plan(_meta("gpt-8.3b"), autopar.Cluster.dgx_a100(nodes=1), global_batch_size=16,
-                        seq_len=1024, layout=autopar.Layout(tp=8, pp=1, dp=1))
+                        seq_len=1024, layout=autopar.Layout(tp=8, pp=1, dp=1, sequence_parallel=False))
 
 
 def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
@@ -148,3 +148,14 @@ def test_user_model_factory_can_be_planned():
     plan = autopar.plan(model, autopar.Cluster.local_cpu(processes=2), global_batch_size=4,
                         seq_len=8, model_name=name)
     assert plan.model == "tests_factory:tiny_gpt" and plan.tp * plan.pp * plan.dp == 2
+
+
+def test_sequence_parallelism_is_the_solvers_choice(tp8_plan):
+    """Layout.sequence_parallel unset: the search prices both and takes SP here, since
+    LayerNorm, dropout and the residual adds then run on 1/t of the sequence (Korthikanti et
+    al. 2022, section 4.2.2) for the same bytes on the wire; pinned False stays False."""
+    free = autopar.plan(_meta("gpt-8.3b"), autopar.Cluster.dgx_a100(nodes=1), global_batch_size=16,
+                        seq_len=1024, layout=autopar.Layout(tp=8, pp=1, dp=1))
+    assert free.sequence_parallel and not tp8_plan.sequence_parallel
+    assert free.predicted.step_time_s < tp8_plan.predicted.step_time_s
+    assert free.predicted.peak_memory_bytes < tp8_plan.predicted.peak_memory_bytes

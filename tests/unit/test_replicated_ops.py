@@ -92,7 +92,7 @@ def test_tp1_plan_lists_what_tp_could_not_split_and_chooses_nothing():
 
 
 def test_chosen_are_megatron_plans_replicated_ops_with_alternatives():
-    plan = tiny_plan(2, 1)  # Megatron's placements, re-priced by evaluate_plan
+    plan = tiny_plan(2, 1, sequence_parallel=False)  # Megatron's, re-priced by evaluate_plan
     traced = trace_model(tiny_meta_gpt(), plan.seq_len)
     options = node_strategies(traced, 2)
     chosen = plan.replicated_ops.chosen
@@ -141,7 +141,7 @@ def test_format_share():
 
 def test_cli_plan_prints_the_line_and_json_holds_the_list(capsys):
     args = ["plan", "--model", "tests_factory:cumsum_gpt", "--cluster", "local-cpu",
-            "--nodes", "1", "--global-batch-size", "8", "--tp", "2"]
+            "--nodes", "1", "--global-batch-size", "8", "--tp", "2", "--no-sequence-parallel"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("replicated (no TP strategy"))
