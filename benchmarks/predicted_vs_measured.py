@@ -35,7 +35,8 @@ from cost_models.hardware import Cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
 BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 5
-# name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" | "megatron")
+# name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" (its placements and
+# sequence parallelism) | "megatron" (Megatron's pattern, no sequence parallelism))
 LAYOUTS = {
     "dp2 mbs8": (1, 1, 2, 8, "none", "solver"),
     "tp2 mbs16 (solver placements)": (2, 1, 1, 16, "none", "solver"),
@@ -54,7 +55,8 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
     """One executable (fp32) plan per layout, with the cost model's prediction."""
     plans = {}
     for name, (tp, pp, dp, mbs, recompute, kind) in LAYOUTS.items():
-        layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
+        layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute,
+                                sequence_parallel=False if kind == "megatron" else None)
         plan = autopar.plan(_meta(), cluster, global_batch_size=BATCH, seq_len=SEQ, layout=layout)
         if kind == "megatron":
             placements = megatron_placements(trace_model(_meta(), SEQ), tp,

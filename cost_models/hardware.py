@@ -67,11 +67,21 @@ class DeviceSpec:
     """Fixed seconds per executed op (framework dispatch / kernel launch), added to every
     op's forward and backward. 0 on GPUs, where launches overlap on CUDA streams; measured
     by ``autopar calibrate`` on CPU processes, where eager dispatch is not hidden."""
+    optimizer_bytes_per_param: float = 32.0
+    """Device-memory bytes the Adam step moves per parameter, read + write, as the
+    optimizer that runs there implements it; the step is memory-bound. 32 (the default,
+    GPUs): one fused kernel over the fp32 master, m, v and the 16-bit parameter and
+    gradient (Megatron-LM's fused Adam; torch's ``fused=True``). A CPU process runs
+    torch's unfused AdamW (``torch/optim/adam.py`` ``_single_tensor_adam``: weight decay,
+    ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_`` and ``addcdiv_``, each
+    a pass over fp32 tensors): 80 bytes."""
 
     def __post_init__(self) -> None:
         _check_text("DeviceSpec.name", self.name, "the device model")
         if not is_number(self.op_overhead_s) or self.op_overhead_s < 0:
             raise ValueError(f"DeviceSpec.op_overhead_s must be a number >= 0, got {self.op_overhead_s!r}")
+        _set(self, "optimizer_bytes_per_param", check_positive(
+            "DeviceSpec.optimizer_bytes_per_param", self.optimizer_bytes_per_param))
         for field in ("peak_tflops", "memory_gib", "memory_bandwidth_gbps"):
             _set(self, field, check_positive(f"DeviceSpec.{field}", getattr(self, field)))
         eff = self.matmul_efficiency

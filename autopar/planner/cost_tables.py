@@ -30,7 +30,6 @@ __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "n
            "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
 
 LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
-OPTIMIZER_BYTES_PER_PARAM = 32  # Adam step: read+write fp32 master, m, v and 16-bit param/grad
 DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_cap_mb default)
 
 
@@ -166,9 +165,11 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
 
 
 def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
-    """Seconds of the (memory-bound) Adam step per parameter: OPTIMIZER_BYTES_PER_PARAM
-    over HBM bandwidth, split over d ranks from ZeRO-1 on."""
-    per_param = compute.memory_bound_time_s(OPTIMIZER_BYTES_PER_PARAM, cluster.device)
+    """Seconds of the (memory-bound) Adam step per parameter: the device's
+    ``optimizer_bytes_per_param`` (fused on GPUs, torch's unfused AdamW on CPU processes)
+    over its memory bandwidth, split over d ranks from ZeRO-1 on."""
+    dev = cluster.device
+    per_param = compute.memory_bound_time_s(dev.optimizer_bytes_per_param, dev)
     return per_param / (cfg.dp if zero_stage >= 1 else 1)
 
 

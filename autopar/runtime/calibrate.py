@@ -10,6 +10,8 @@ measure
   steady state being the median of timed repetitions after a warm-up; the device's
   ``peak_tflops`` is the best size's rate, slowest rank, with ``matmul_efficiency`` 1.0;
 * memory bandwidth from a large tensor copy (reads + writes: 2 x bytes per copy);
+* torch's default AdamW step per parameter, as the bytes per parameter it moves at that
+  bandwidth (``DeviceSpec.optimizer_bytes_per_param``);
 * gloo ``all_reduce`` of 4 B to 16 MiB, fitted by weighted least squares (relative
   residuals) to the ring model of :mod:`cost_models.comm`,
   ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``, giving the link's latency alpha (seconds)
@@ -94,8 +96,20 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
     dst = torch.empty_like(src)
     t = _median_time_s(lambda: dst.copy_(src), 0.5)
     op = _median_time_s(_tiny_chain, 0.3) / (3 * _CHAIN)  # backward ~ 2x forward ops
-    return {"matmul_tflops": flops, "copy_gbps": 2.0 * src.numel() * 4 / t / 1e9,
-            "op_overhead_s": op}
+    copy_gbps = 2.0 * src.numel() * 4 / t / 1e9
+    return {"matmul_tflops": flops, "copy_gbps": copy_gbps, "op_overhead_s": op,
+            "optimizer_bytes_per_param": _adam_s_per_param() * copy_gbps * 1e9}
+
+
+def _adam_s_per_param(numel: int = 2**19) -> float:
+    """Seconds per parameter of torch's default AdamW step on this device, for one tensor
+    of ``numel`` fp32 elements (the runtime steps ZeRO shards in pieces of this size)."""
+    import torch
+
+    param = torch.nn.Parameter(torch.ones(numel))
+    param.grad = torch.full_like(param, 1e-3)
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    return _median_time_s(opt.step, 0.3) / numel
 
 
 def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
@@ -170,6 +184,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     best = max(per_size, key=per_size.get)
     copy = min(r["compute"]["copy_gbps"] for r in results)
     overhead = max(r["compute"]["op_overhead_s"] for r in results)
+    adam = max(r["compute"]["optimizer_bytes_per_param"] for r in results)
     times = {m: max(r["all_reduce_s"][m] for r in results) for m in results[0]["all_reduce_s"]}
     alpha, bandwidth = fit_ring_all_reduce(times, processes)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes / 2**30
@@ -193,7 +208,10 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
                                                          "fp32 (read + write), slowest rank"),
                    "matmul_efficiency": num(1.0, "peak_tflops is the measured matmul rate"),
                    "op_overhead_s": num(overhead, "forward+backward of a chain of tiny ops / "
-                                                  "(3 x ops), median, slowest rank")},
+                                                  "(3 x ops), median, slowest rank"),
+                   "optimizer_bytes_per_param": num(adam, "torch.optim.AdamW step of 2**19 "
+                                                    "fp32 parameters, median seconds per "
+                                                    "parameter x copy bandwidth, slowest rank")},
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
                   "fit": {"alpha_s": alpha, "bus_bandwidth_bytes_per_s": bandwidth}},

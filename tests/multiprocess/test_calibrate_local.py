@@ -26,6 +26,9 @@ def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
     assert 1e-4 < dev.peak_tflops < 50  # one CPU thread: ~1 GFLOP/s .. tens of TFLOP/s
     assert dev.matmul_efficiency == 1.0
     assert 0.1 < dev.memory_gib < 1e5 and 0.1 < dev.memory_bandwidth_gbps < 1e4
+    # torch's unfused AdamW moves at least the 28 bytes of p, g, m, v read and p, m, v
+    # written per parameter; its temporaries make it more (about 80 B on this kind of host)
+    assert 28 <= dev.optimizer_bytes_per_param < 1000, dev.optimizer_bytes_per_param
     assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
     for source in (dev.source, link.source):
         assert "measured on" in source and "by autopar calibrate" in source
