@@ -22,23 +22,27 @@ from helpers import batches as _batches, fast_cluster as _cluster, optimizer as 
 from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 
 # (tp, pp, dp, micro_batch_size, recompute, placements): "solver" lets CP-SAT choose the TP
-# placements on a cluster where communication is nearly free (so it shards aggressively and
-# uses gathers/scatters); "megatron" forces Megatron's column/row/heads/vocab pattern;
-# "scattered-logits" the solver's, with the head replicated and its logits scattered over the
-# vocabulary into the vocabulary-parallel loss (once a KeyError in the loss's set-up).
+# placements and sequence parallelism on a cluster where communication is nearly free (so it
+# shards aggressively, uses gathers/scatters and, at tp 2, chooses SP); "megatron" forces
+# Megatron's column/row/heads/vocab pattern without SP, "megatron-sp" with it;
+# "scattered-logits" the solver's without SP, with the head replicated and its logits
+# scattered over the vocabulary into the vocabulary-parallel loss (once a KeyError in the
+# loss's set-up).
 WORLD2 = [(2, 1, 1, 2, "none", "solver"), (2, 1, 1, 4, "none", "megatron"),
           (2, 1, 1, 2, "none", "scattered-logits"),
           (1, 2, 1, 2, "none", "solver"), (1, 1, 2, 2, "selective", "solver")]
-WORLD4 = [(2, 2, 1, 2, "full", "megatron"), (2, 2, 1, 2, "none", "solver"),
+WORLD4 = [(2, 2, 1, 2, "full", "megatron-sp"), (2, 2, 1, 2, "none", "solver"),
           (2, 1, 2, 2, "selective", "megatron"), (1, 2, 2, 2, "none", "solver")]
 
 
 def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
     with torch.device("meta"):
         meta = GPT(CONFIG)
-    layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute)
+    sequence_parallel = {"solver": None, "megatron-sp": True}.get(kind, False)
+    layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute,
+                            sequence_parallel=sequence_parallel if tp > 1 else None)
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
-    if kind == "megatron":
+    if kind.startswith("megatron"):
         placements = megatron_placements(trace_model(meta, SEQ), tp,
                                          sequence_parallel=plan.sequence_parallel)
         plan = dataclasses.replace(plan, placements=placements)
@@ -54,6 +58,7 @@ def _worker(rank: int, world: int, cases):
     results = []
     for case in cases:
         plan = _plan(world, *case)
+        assert plan.sequence_parallel == (case[0] > 1 and case[5] in ("solver", "megatron-sp")), case
         for opt in ("sgd", "adamw"):
             model = _model()
             pm = autopar.parallelize(model, plan=plan, optimizer=_optimizer(opt))
@@ -70,7 +75,9 @@ def _check_stats(case, measured: dict, predicted: dict) -> None:
     exactly, model-state bytes within 1%, peak saved activations within 5% (recompute
     none: checkpointed regions keep their inputs outside the saved-tensor hooks). The
     solver's placements here gather shards into LayerNorms and Linears and slice
-    replicated tensors for row-split Linears: each kept version is priced at its size."""
+    replicated tensors for row-split Linears, and its tp-2 plans are sequence-parallel
+    (a column Linear saves the all-gathered input): each kept version is priced at the
+    placement it is saved in."""
     for kind, nbytes in measured["comm_bytes"].items():
         assert nbytes == predicted["comm_bytes"][kind], (case, kind, measured, predicted)
     states = measured["model_state_bytes"] / predicted["model_state_bytes"]

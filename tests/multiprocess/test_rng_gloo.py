@@ -37,7 +37,8 @@ _cluster = fast_cluster  # gpus_per_node = world (always 2 here)
 def _plan(tp: int, pp: int, dp: int, recompute: str = "none", kind: str = "solver") -> autopar.Plan:
     with torch.device("meta"):
         meta = GPT(CONFIG)
-    layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=2, recompute=recompute)
+    layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=2, recompute=recompute,
+                            sequence_parallel=False if kind == "megatron" else None)
     plan = autopar.plan(meta, _cluster(2), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
     if kind == "megatron":
         plan = dataclasses.replace(plan, placements=megatron_placements(
