@@ -1,14 +1,16 @@
 """The planning entry points: ``plan`` (search for the fastest layout), ``evaluate`` (price
-a hand-written layout), ``evaluate_plan`` (re-price a saved plan's decisions) and
-``what_if_plans`` (re-plan on changed inputs for the report).
+a hand-written layout as Megatron-LM runs it, no search), ``evaluate_plan`` (re-price a
+saved plan's decisions) and ``what_if_plans`` (re-plan on changed inputs for the report).
 
-Thin: tracing (:mod:`autopar.graph`), the search (:mod:`autopar.planner.search`) and
-Decision ↔ Plan (:mod:`autopar.planner.decision`) do the work.
+Thin: tracing (:mod:`autopar.graph`), the search (:mod:`autopar.planner.search`), the hand
+layout's decision (:mod:`autopar.planner.hand_layout`) and Decision ↔ Plan
+(:mod:`autopar.planner.decision`) do the work.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -17,9 +19,10 @@ import torch
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import Layout, Plan
+from autopar.plan import Layout, Plan, SolverStatus
 from autopar.plan_check import check_plan
 from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
+from autopar.planner.hand_layout import check_fits_memory, complete_hand_layout, hand_decision
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
@@ -104,23 +107,31 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
 def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
              seq_len: int, model_name: str = "model",
              time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
-    """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) with the same cost
-    model. Layers are split evenly over stages as Megatron does; unset recompute means
-    "none", unset zero_stage 0, unset schedule "1f1b"; TP placements are Megatron's
-    (the solver's optimum for the fixed degrees). Raises ValueError for an incomplete
-    layout and InfeasibleError when it does not fit in memory.
+    """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) as Megatron-LM runs
+    it, with the same cost model as :func:`plan` and no search: Megatron's TP placements
+    (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
+    vocabulary-parallel embedding; sequence parallelism as the layout says, default off),
+    layers split evenly over the stages (the embedding on the first, the head on the last),
+    the layout's recompute on every layer (unset: "none"), ZeRO stage (unset: 0), schedule
+    (unset: "1f1b", interleaved when v > 1) and v
+    (:mod:`autopar.planner.hand_layout`). The plan's ``solver.status`` is "EVALUATED";
+    ``time_limit_s`` is checked and otherwise unused (nothing is solved).
+    Raises TypeError / ValueError (:func:`check_problem`; an incomplete layout, degrees that
+    do not fit the model, cluster or batch) and InfeasibleError naming the pipeline stage
+    that does not fit in memory and its bytes.
     """
-    if not layout.is_complete():
-        raise ValueError("evaluate needs tp, pp, dp and micro_batch_size; use autopar.plan "
-                         f"to choose the rest (got {layout})")
-    layout = replace(layout, recompute=layout.recompute or "none",
-                     zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
-                     schedule=layout.schedule or ("interleaved_1f1b" if (layout.virtual_stages or 1) > 1 else "1f1b"))
+    cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
+                                    seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
+    start = time.perf_counter()
+    layout = complete_hand_layout(layout)
     traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    result = search(traced, cluster, global_batch_size, layout, support=None, even_stages=True,
-                    time_limit_s=time_limit_s)
-    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
-                            seq_len=seq_len, model_name=model_name)
+    decision, tables, strategies = hand_decision(traced, cluster, layout, global_batch_size)
+    out = plan_from_decision(traced, model, cluster, decision, tables, strategies,
+                             global_batch_size=global_batch_size, seq_len=seq_len,
+                             model_name=model_name)
+    check_fits_memory(out.predicted, cluster, layout)
+    return replace(out, solver=SolverStatus("EVALUATED", 0.0, 0.0, 1, 0),
+                   solve_wall_s=time.perf_counter() - start)
 
 
 def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:

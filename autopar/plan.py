@@ -13,6 +13,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from autopar.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
+
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
            "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
            "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
@@ -133,6 +135,10 @@ class Prediction:
     stage_stats: per pipeline stage, what each of its ranks should measure in one step
         (the keys of ``ParallelizedModel.last_step_stats()``): comm_bytes (payload bytes
         by kind), model_state_bytes, saved_activation_bytes, step_time_s.
+    stage_phase_s: per pipeline stage, seconds of one micro-batch through all its chunks by
+        phase: "forward", "backward", "recompute" (compute with its TP communication; they
+        sum to ``stage_time_s``) and "p2p" (c, one chunk boundary's send forward and back);
+        a chunk takes 1/v of each (``autopar.report.schedule``). Empty in older plans.
     """
 
     step_time_s: float
@@ -145,9 +151,10 @@ class Prediction:
     comm_bytes_by_kind: dict[str, float]
     stage_time_s: list[float]
     stage_stats: list[dict] = field(default_factory=list)
+    stage_phase_s: list[dict[str, float]] = field(default_factory=list)
 
 
-SOLVER_STATUSES = ("OPTIMAL", "FEASIBLE")  # of a plan (INFEASIBLE, UNKNOWN: errors)
+SOLVER_STATUSES = ("OPTIMAL", "FEASIBLE", "EVALUATED")  # of a plan (INFEASIBLE, UNKNOWN: errors)
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,8 @@ class SolverStatus:
 
     status: "OPTIMAL" (every config solved to optimality, proven unable to beat the plan or
         pruned by a bound) or "FEASIBLE" (CP-SAT stopped at its time limit on ``stopped``
-        of the ``configs``: a faster plan may exist, by at most ``gap`` of the step time).
+        of the ``configs``: a faster plan may exist, by at most ``gap`` of the step time)
+        or "EVALUATED" (a hand layout priced as written by ``autopar.evaluate``, no search).
     time_limit_s: CP-SAT's deterministic time limit per config (``--time-limit``).
     """
 
@@ -169,6 +177,8 @@ class SolverStatus:
 
     def line(self) -> str:
         """One line for summaries and reports."""
+        if self.status == "EVALUATED":
+            return "solver: none, a hand layout priced as written (autopar.evaluate)"
         if self.status == "OPTIMAL":
             return (f"solver: OPTIMAL, the fastest of {self.configs} configs under the cost "
                     f"model (CP-SAT limit {self.time_limit_s:g} s per config)")
@@ -369,7 +379,7 @@ class Plan:
         (:meth:`SolverStatus.line`), then (when there are any) a line naming the ops that
         no tensor-parallel strategy splits (:meth:`ReplicatedOps.line`)."""
         rep = self.replicated_ops
-        solver = f"\n{self.solver.line()}" if self.solver.status != "OPTIMAL" else ""
+        solver = f"\n{self.solver.line()}" if self.solver.status == "FEASIBLE" else ""
         return (self.headline() + solver
                 + (f"\n{rep.line()}" if rep and rep.no_strategy else ""))
 
@@ -382,18 +392,3 @@ class Plan:
                 f"recompute={rec}: step {p.step_time_s:.3f} s, {p.tflops_per_gpu:.1f} TFLOP/s/GPU, "
                 f"MFU {p.mfu:.1%}, peak memory {p.peak_memory_bytes / 2**30:.1f} GiB")
 
-
-def rank_layers(stage_layers: list[list[int]], pp: int, rank: int) -> list[int]:
-    """Layer indices pipeline rank ``rank`` runs: those of chunks rank, rank + pp, ...
-    (see :attr:`Plan.stage_layers`), ascending. v = 1: ``range(*stage_layers[rank])``."""
-    return [l for lo, hi in stage_layers[rank::pp] for l in range(lo, hi)]
-
-
-def equal_chunks(num_layers: int, num_chunks: int) -> list[list[int]]:
-    """``num_chunks`` equal [first, last) chunks of L layers (interleaved 1F1B: pp·v chunks
-    of L/(pp·v) layers, as Megatron-LM requires). ValueError when L % num_chunks != 0."""
-    if num_layers % num_chunks:
-        raise ValueError(f"{num_layers} layers do not split into {num_chunks} equal chunks; "
-                         "choose pp*virtual_stages dividing the layer count")
-    size = num_layers // num_chunks
-    return [[c * size, (c + 1) * size] for c in range(num_chunks)]

@@ -36,7 +36,10 @@ from autopar.plan import (DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES, SOLV
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem
 from cost_models.hardware import Cluster
 
-__all__ = ["PlanError", "plan_from_dict", "plan_from_json", "read_plan", "check_plan"]
+__all__ = ["PlanError", "plan_from_dict", "plan_from_json", "read_plan", "check_plan", "PHASES"]
+
+PHASES = ("forward", "backward", "recompute", "p2p")
+"""The keys of each ``Prediction.stage_phase_s`` entry (seconds per micro-batch)."""
 
 REPLAN = "re-plan with `autopar plan ... -o FILE` (or `autopar evaluate`)"
 
@@ -102,6 +105,15 @@ def _check_prediction(src: str, data, pp: int) -> Prediction:
     _expect(src, "predicted.stage_stats", stats,
             isinstance(stats, list) and all(isinstance(s, dict) for s in stats)
             and len(stats) in (0, pp), f"a list of {pp} objects")
+    phases = data.get("stage_phase_s", [])  # absent in plans saved before it existed
+    _expect(src, "predicted.stage_phase_s", phases,
+            isinstance(phases, list) and len(phases) in (0, pp), f"a list of {pp} objects")
+    for i, stage in enumerate(phases):
+        _number_map(src, f"predicted.stage_phase_s[{i}]", stage)
+        missing = sorted(set(PHASES) - set(stage))
+        if missing:
+            raise PlanError(src, f"predicted.stage_phase_s[{i}]", f"lacks {missing[0]!r} "
+                            f"(seconds by phase: {', '.join(PHASES)})")
     return Prediction(**data)
 
 

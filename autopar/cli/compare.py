@@ -44,7 +44,7 @@ def plan_table(plan: Plan) -> str:
             ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}"),
             ("peak memory", peak),
             ("solver", f"{plan.solver.status}, {format_seconds(plan.solve_wall_s)}"
-                       + (f", gap {plan.solver.gap:.1%}" if plan.solver.status != "OPTIMAL" else "")),
+                       + (f", gap {plan.solver.gap:.1%}" if plan.solver.status == "FEASIBLE" else "")),
             ("time by kind", ", ".join(f"{k} {format_seconds(v)}" for k, v in time_parts if v > 0))]
     rep = plan.replicated_ops
     if rep is not None and plan.tp > 1 and rep.chosen:  # the summary lists those with no strategy

@@ -6,13 +6,15 @@ an empty space is explained, not reported as "nothing fits".
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout
 from autopar.planner.cost_tables import Config
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 
-__all__ = ["candidate_configs", "validate_layout", "MAX_MICRO_BATCH_SIZE"]
+__all__ = ["candidate_configs", "validate_layout", "no_config_message", "MAX_MICRO_BATCH_SIZE"]
 
 MAX_MICRO_BATCH_SIZE = 8
 
@@ -124,3 +126,15 @@ def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | Non
     if layout.virtual_stages is not None or support is None:
         return (layout.virtual_stages or 2,)
     return support.virtual_stages_for(schedule, L, pp, m)
+
+
+def no_config_message(cluster, global_batch_size: int, layout: Layout,
+                      why: dict[str, str]) -> str:
+    """Why no config is left, for a ValueError: the rules that removed them (``why``, as
+    filled by :func:`candidate_configs`), else the pins."""
+    pins = ", ".join(f"{k}={v}" for k, v in asdict(layout).items() if v is not None) or "none"
+    reasons = "; ".join(list(why.values())[:4]) or (
+        "no (tp, pp, dp) divides the GPUs with the tp, pp and dp pinned")
+    return (f"no (tp, pp, dp, micro_batch_size, schedule) of {cluster.num_gpus} GPUs fits "
+            f"global_batch_size={global_batch_size} with the pins ({pins}): {reasons}; "
+            "change or drop the pins, or the batch size")

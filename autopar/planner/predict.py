@@ -191,13 +191,17 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     placements ask for a transition the strategies do not offer."""
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches
-    stage_t, mem, parts, stats = [], [], [], []
+    stage_t, mem, parts, stats, phases = [], [], [], [], []
+    hop = tables.p2p_s if p > 1 else 0.0  # c: one chunk boundary, forward and backward
     layer_costs = _layer_costs(traced, strategies, tables, decision.strategy)
     for i in range(p):  # pipeline rank i runs the layers of its v chunks
         layers = rank_layers(decision.stage_layers, p, i)
         total, rec_s, act, held, working, full_layers = _rank_costs(
             traced, strategies, tables, decision.strategy, layers, decision.recompute, i, p,
             layer_costs)
+        phases.append({"forward": total["fwd_s"] + total["tp_fwd_s"],
+                       "backward": total["bwd_s"] + total["tp_bwd_s"], "recompute": rec_s,
+                       "p2p": hop})
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
@@ -214,12 +218,12 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         st["step_time_s"] = step
     slow = max(range(p), key=lambda i: stage_t[i])
     total, rec_s, params = parts[slow]
-    hop = tables.p2p_s * cfg.virtual_stages if p > 1 else 0.0  # v boundaries per rank
+    hops = hop * cfg.virtual_stages  # v boundaries per rank
     breakdown = {
         "compute": m * (total["fwd_s"] + total["bwd_s"]), "recompute": m * rec_s,
-        "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hop,
+        "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hops,
         "dp_comm": dp_s, "optimizer": opt_s,
-        "bubble": max(0.0, pipe - m * (stage_t[slow] + hop)),
+        "bubble": max(0.0, pipe - m * (stage_t[slow] + hops)),
     }
     n = cfg.tp * p * cfg.dp
     model_flops = tables.model_flops_per_seq * global_batch_size
@@ -232,7 +236,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         mfu=model_flops / step / n / peak, hfu=(model_flops + rec_flops) / step / n / peak,
         peak_memory_bytes=max(sum(s.values()) for s in mem), memory_bytes_by_stage=mem,
         time_s_by_kind=breakdown, comm_bytes_by_kind=stats[slow]["comm_bytes"],
-        stage_time_s=stage_t, stage_stats=stats)
+        stage_time_s=stage_t, stage_stats=stats, stage_phase_s=phases)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

@@ -19,7 +19,7 @@ from autopar.graph.annotate import TracedModel
 from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout, SolverStatus
 from autopar.planner.bounds import (compute_bound_s, memory_lower_bound_bytes, memory_time_bound_s,
                                     min_layer_compute_s)
-from autopar.planner.configs import candidate_configs, validate_layout
+from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
 from autopar.planner.decision import Decision
@@ -189,7 +189,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     why: dict[str, str] = {}
     configs = candidate_configs(traced, cluster, global_batch_size, layout, support, why)
     if not configs:
-        raise ValueError(_no_config_message(cluster, global_batch_size, layout, why))
+        raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
     memo: dict = {}
     bound = {c: _bounds(traced, cluster, c, memo, layout, support, 0.0) for c in configs}
     configs.sort(key=bound.get)
@@ -236,17 +236,6 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
-
-
-def _no_config_message(cluster, global_batch_size: int, layout: Layout,
-                       why: dict[str, str]) -> str:
-    """No config is left: the rules that removed them (``why``), else the pins."""
-    pins = ", ".join(f"{k}={v}" for k, v in asdict(layout).items() if v is not None) or "none"
-    reasons = "; ".join(list(why.values())[:4]) or ("no (tp, pp, dp) divides the GPUs with the tp, "
-                                          "pp and dp pinned")
-    return (f"no (tp, pp, dp, micro_batch_size, schedule) of {cluster.num_gpus} GPUs fits "
-            f"global_batch_size={global_batch_size} with the pins ({pins}): {reasons}; "
-            "change or drop the pins, or the batch size")
 
 
 def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_stages) -> str | None:

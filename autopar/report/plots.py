@@ -1,16 +1,14 @@
 """Pictures of a plan, drawn from the plan's own numbers (the same cost model as the report).
 
-- ``timeline.png``: the pipeline schedule, one row per pipeline rank, forward and backward
-  blocks per micro-batch, idle time (the bubble) as gaps. Block start times come from
-  :func:`simulate_schedule`, a small event simulation of GPipe or 1F1B.
+- ``timeline.png``: the pipeline schedule the plan is priced with, one row per pipeline
+  rank: forward and backward blocks per micro-batch chunk (interleaved 1F1B: v chunks per
+  rank in alternating shades), the recompute at the start of each backward in its own
+  colour, the point-to-point sends in grey, idle time (the bubble) as gaps. Block times are
+  the cost model's per-stage forward, backward and recompute seconds
+  (``Prediction.stage_phase_s``) laid out by :mod:`autopar.report.schedule`.
 - ``memory.png``: memory per GPU per stage by kind, against the device memory line.
 - ``breakdown.png``: the step time split by kind (``Prediction.time_s_by_kind``).
 - ``comparison.png``: step time of the auto plan beside hand-written layouts.
-
-The cost model gives one number per stage, ``Prediction.stage_time_s[i]``: forward +
-backward of one micro-batch. The timeline splits it 1 : 2 (backward = 2 × forward: the
-backward computes gradients of both inputs and weights, two matmuls per forward matmul;
-Narayanan et al. 2021, section 3.5). Communication between stages is not drawn.
 
 Every drawing uses matplotlib's headless Agg backend; without matplotlib nothing is drawn
 and the writers return None.
@@ -22,78 +20,22 @@ from pathlib import Path
 
 from autopar.plan import Plan
 from autopar.report.format import GIB, MEMORY_KINDS, TIME_KINDS, device_memory_bytes, ordered
+from autopar.report.schedule import drawn_micro_batches, makespan_s, plan_timeline
 
-__all__ = ["simulate_schedule", "schedule_order", "write_timeline_chart", "write_memory_chart",
-           "write_breakdown_chart", "write_comparison_chart", "write_charts", "MAX_DRAWN_MICRO",
-           "TIMELINE_COLOURS", "MEMORY_COLOURS"]
+__all__ = ["write_timeline_chart", "write_memory_chart", "write_breakdown_chart",
+           "write_comparison_chart", "write_charts", "MAX_DRAWN_MICRO", "TIMELINE_COLOURS",
+           "TIMELINE_DETAIL_COLOURS", "MEMORY_COLOURS"]
 
-MAX_DRAWN_MICRO = 16  # the timeline draws at most this many micro-batches
-BACKWARD_OVER_FORWARD = 2.0  # backward = 2 x forward (see the module docstring)
+MAX_DRAWN_MICRO = 16  # the timeline draws about this many micro-batches at most
 # Colours that only the timeline and only the memory chart use (the breakdown chart takes
 # matplotlib's default cycle, the comparison green and grey), so a screenshot of the HTML
 # report can tell the two charts are on screen by counting their pixels.
 TIMELINE_COLOURS = {"F": "#4c72b0", "B": "#dd8452"}  # forward, backward
+# the recompute part of a backward, point-to-point sends, and the lighter shades of odd
+# chunks under interleaving (not counted by the screenshot test: not every plan has them)
+TIMELINE_DETAIL_COLOURS = {"R": "#c44e52", "P": "#a0a0a0", "F1": "#9fb6db", "B1": "#eebf9c"}
 MEMORY_COLOURS = {"parameters": "#8172b3", "gradients": "#937860",
                   "optimizer_states": "#64b5cd", "activations": "#da8bc3"}
-
-Op = tuple[str, int, float, float]  # (kind "F"/"B", micro-batch, start s, end s)
-
-
-# ------------------------------------------------------------------- schedule
-def schedule_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which one pipeline stage runs its forwards ("F") and backwards ("B").
-
-    GPipe: all m forwards, then all m backwards. 1F1B (PipeDream-flush, Narayanan et al.
-    2021): ``p - 1 - i`` warm-up forwards on stage i, then one forward / one backward,
-    then the remaining backwards (cool-down). Interleaved 1F1B is drawn as 1F1B.
-    """
-    if schedule == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    if schedule not in ("1f1b", "interleaved_1f1b"):
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; use 'gpipe' or '1f1b'")
-    warmup = min(pp - 1 - stage, m)
-    order = [("F", j) for j in range(warmup)]
-    for k in range(m - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    return order + [("B", j) for j in range(m - warmup, m)]
-
-
-def simulate_schedule(schedule: str, pp: int, m: int, fwd_s: list[float],
-                      bwd_s: list[float]) -> list[list[Op]]:
-    """Start and end of every forward and backward on every stage, ASAP under dependencies.
-
-    A forward of micro-batch j on stage i starts once forward j on stage i - 1 has ended
-    and stage i has finished its previous op; a backward j on stage i once backward j on
-    stage i + 1 (on the last stage: its own forward j) and the previous op have ended.
-    Returns per stage the list of ``(kind, micro_batch, start, end)`` in run order. For
-    equal stages (f, b) the makespan is ``(m + p - 1) · (f + b)`` for both schedules.
-    """
-    if len(fwd_s) != pp or len(bwd_s) != pp:
-        raise ValueError(f"need one forward and one backward time per stage (pp={pp}), "
-                         f"got {len(fwd_s)} and {len(bwd_s)}")
-    orders = [schedule_order(schedule, pp, m, i) for i in range(pp)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end time
-    timeline: list[list[Op]] = [[] for _ in range(pp)]
-    nxt, free = [0] * pp, [0.0] * pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for i in range(pp):
-            while nxt[i] < len(orders[i]):
-                kind, j = orders[i][nxt[i]]
-                dep = (("F", i - 1, j) if i > 0 else None) if kind == "F" else \
-                    (("B", i + 1, j) if i < pp - 1 else ("F", i, j))
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[i], done[dep] if dep else 0.0)
-                end = start + (fwd_s[i] if kind == "F" else bwd_s[i])
-                done[(kind, i, j)], free[i] = end, end
-                timeline[i].append((kind, j, start, end))
-                nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}")
-    return timeline
-
 
 # --------------------------------------------------------------------- charts
 def _pyplot():
@@ -123,36 +65,55 @@ def _save(plt, fig, path: str | Path) -> Path:
 
 
 def write_timeline_chart(plan: Plan, path: str | Path) -> Path | None:
-    """The pipeline schedule of one step (first 16 micro-batches when m > 16), as a PNG."""
-    plt, times = _pyplot(), plan.predicted.stage_time_s
-    if plt is None or len(times) != plan.pp:
+    """The pipeline schedule of one step as a PNG (:func:`~autopar.report.schedule.plan_timeline`;
+    the first :data:`MAX_DRAWN_MICRO` or so micro-batches when m is larger)."""
+    plt = _pyplot()
+    if plt is None or len(plan.predicted.stage_time_s) != plan.pp:
         return None
-    m = min(plan.num_micro_batches, MAX_DRAWN_MICRO)
-    fwd = [t / (1 + BACKWARD_OVER_FORWARD) for t in times]
-    bwd = [t - f for t, f in zip(times, fwd)]
-    timeline = simulate_schedule(plan.schedule, plan.pp, m, fwd, bwd)
-    makespan = max((ops[-1][3] for ops in timeline if ops), default=0.0)
-    unit, scale = _time_unit(makespan)
+    m = drawn_micro_batches(plan.schedule, plan.pp, plan.num_micro_batches, MAX_DRAWN_MICRO)
+    timeline = plan_timeline(plan, m)
+    unit, scale = _time_unit(makespan_s(timeline))
     fig, ax = plt.subplots(figsize=(min(14.0, 4 + 0.45 * m * 2), 0.45 * plan.pp + 1.6), dpi=100)
-    colours = TIMELINE_COLOURS
-    for i, ops in enumerate(timeline):
-        for kind, j, start, end in ops:
-            ax.broken_barh([(start / scale, (end - start) / scale)], (i - 0.4, 0.8),
-                           facecolors=colours[kind], edgecolor="white", linewidth=0.5)
-            ax.text((start + end) / 2 / scale, i, str(j), ha="center", va="center",
-                    fontsize=7, color="white")
+    for i, row in enumerate(timeline):
+        for blk in row:
+            _draw_block(ax, blk, i, scale)
     ax.set_yticks(range(plan.pp), [f"stage {i}" for i in range(plan.pp)])
     ax.invert_yaxis()
-    ax.set_xlim(0, makespan / scale * 1.01 or 1)
-    ax.set_xlabel(f"time ({unit}); backward = 2 × forward")
+    ax.set_xlim(0, makespan_s(timeline) / scale * 1.01 or 1)
+    ax.set_xlabel(f"time ({unit}), the cost model's forward, backward and recompute times")
     drawn = "" if m == plan.num_micro_batches else \
         f" (drawn with the first {m} of {plan.num_micro_batches} micro-batches)"
-    ax.set_title(f"{plan.schedule} pipeline, p={plan.pp}, m={plan.num_micro_batches}{drawn}",
-                 fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, ["forward", "backward"], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    chunks = f", v={plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else ""
+    ax.set_title(f"{plan.schedule} pipeline, p={plan.pp}, m={plan.num_micro_batches}{chunks}"
+                 f"{drawn}", fontsize=9)
+    shown = {"F": "forward", "B": "backward", "R": "recompute", "P": "point-to-point"}
+    blocks = [blk for row in timeline for blk in row]
+    kinds = {blk.kind for blk in blocks} | ({"R"} if any(b.recompute_s for b in blocks) else set()) \
+        | ({"P"} if any(b.send_s for b in blocks) else set())
+    colours = {**TIMELINE_COLOURS, **TIMELINE_DETAIL_COLOURS}
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in shown if k in kinds],
+              [name for k, name in shown.items() if k in kinds], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(plt, fig, path)
+
+
+def _draw_block(ax, blk, row: int, scale: float) -> None:
+    """One block: a backward's recompute part first in its own colour, then the compute
+    (odd chunks in the lighter shade), then its send; labelled with the micro-batch."""
+    colours = {**TIMELINE_COLOURS, **TIMELINE_DETAIL_COLOURS}
+    shade = blk.kind + ("1" if blk.chunk % 2 else "")
+    start = blk.start_s
+    if blk.recompute_s:
+        ax.broken_barh([(start / scale, blk.recompute_s / scale)], (row - 0.4, 0.8),
+                       facecolors=colours["R"], edgecolor="white", linewidth=0.5)
+        start += blk.recompute_s
+    ax.broken_barh([(start / scale, (blk.end_s - start) / scale)], (row - 0.4, 0.8),
+                   facecolors=colours[shade], edgecolor="white", linewidth=0.5)
+    if blk.send_s:
+        ax.broken_barh([(blk.end_s / scale, blk.send_s / scale)], (row - 0.4, 0.8),
+                       facecolors=colours["P"], linewidth=0)
+    ax.text((blk.start_s + blk.end_s) / 2 / scale, row, str(blk.micro_batch), ha="center",
+            va="center", fontsize=7, color="white")
 
 
 def write_memory_chart(plan: Plan, path: str | Path) -> Path | None:

@@ -104,11 +104,12 @@ def prediction_section(plan: Plan) -> list[str]:
         ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
         ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
         ["peak memory per GPU", peak],
-        ["solver", plan.solver.status if plan.solver.status == "OPTIMAL" else
-         f"{plan.solver.status} (time limit hit, gap {plan.solver.gap:.1%})"],
+        ["solver", {"OPTIMAL": "OPTIMAL", "EVALUATED": "EVALUATED (hand layout, no search)"}.get(
+            plan.solver.status,
+            f"{plan.solver.status} (time limit hit, gap {plan.solver.gap:.1%})")],
     ]
     lines = ["## Prediction", ""] + _table(["quantity", "value"], rows, "lr")
-    if plan.solver.status != "OPTIMAL":  # say so where the numbers are read
+    if plan.solver.status == "FEASIBLE":  # say so where the numbers are read
         lines += [f"**Not proven optimal.** {plan.solver.line().split(': ', 2)[-1]}.", ""]
     return lines
 

@@ -1,8 +1,8 @@
-"""The HTML report, its charts, the pipeline-schedule simulation and the rank map.
+"""The HTML report, its charts and the rank map.
 
-The schedule simulation is checked against the textbook makespan (m + p - 1)·(f + b) of
-GPipe and 1F1B with equal stages; the report is written for a real small plan (gpt-tiny on
-four CPU processes, pp=2) and its HTML and PNGs are checked.
+The report is written for a real small plan (gpt-tiny on four CPU processes, pp=2) and its
+HTML and PNGs are checked. The pipeline schedule the timeline draws:
+tests/unit/test_report_schedule.py.
 """
 
 from __future__ import annotations
@@ -18,49 +18,10 @@ from autopar.models import GPT, preset
 from autopar.report import write_report
 from autopar.report.format import format_seconds
 from autopar.report.html import markdown_to_html
-from autopar.report.plots import schedule_order, simulate_schedule, write_timeline_chart
+from autopar.report.plots import write_timeline_chart
 from autopar.report.ranks import rank_groups, rank_layout_section
 
 PNG = b"\x89PNG"
-
-
-# -------------------------------------------------------------------- schedule
-def _check_timeline(timeline, pp, m):
-    """Every op once, no overlap on a stage, forward/backward dependencies respected."""
-    end = {(k, i, j): e for i, ops in enumerate(timeline) for k, j, _, e in ops}
-    assert len(end) == 2 * pp * m
-    for i, ops in enumerate(timeline):
-        for (_, _, _, prev_end), (_, _, start, _) in zip(ops, ops[1:]):
-            assert start >= prev_end - 1e-12
-        for kind, j, start, _ in ops:
-            if kind == "F" and i > 0:
-                assert start >= end[("F", i - 1, j)] - 1e-12
-            if kind == "B":
-                dep = ("B", i + 1, j) if i < pp - 1 else ("F", i, j)
-                assert start >= end[dep] - 1e-12
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("pp, m", [(1, 3), (2, 2), (4, 8), (4, 2), (3, 7)])
-def test_simulate_schedule_equal_stages_makespan(schedule, pp, m):
-    f, b = 1.0, 2.0
-    timeline = simulate_schedule(schedule, pp, m, [f] * pp, [b] * pp)
-    _check_timeline(timeline, pp, m)
-    makespan = max(ops[-1][3] for ops in timeline)
-    assert makespan == pytest.approx((m + pp - 1) * (f + b))
-
-
-def test_simulate_schedule_unequal_stages_and_1f1b_order():
-    timeline = simulate_schedule("1f1b", 3, 5, [1.0, 2.0, 0.5], [2.0, 4.0, 1.0])
-    _check_timeline(timeline, 3, 5)
-    # stage 0 of p=3 warms up with p - 1 - 0 = 2 forwards, then alternates F, B
-    assert schedule_order("1f1b", 3, 5, 0)[:5] == [("F", 0), ("F", 1), ("F", 2), ("B", 0),
-                                                   ("F", 3)]
-    assert schedule_order("1f1b", 3, 5, 2)[:3] == [("F", 0), ("B", 0), ("F", 1)]
-    with pytest.raises(ValueError, match="one forward and one backward time per stage"):
-        simulate_schedule("gpipe", 2, 2, [1.0], [2.0])
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        simulate_schedule("zigzag", 1, 1, [1.0], [2.0])
 
 
 # -------------------------------------------------------------------- rank map

@@ -1,0 +1,101 @@
+"""A hand-written layout priced as written: the Decision ``autopar.evaluate`` prices.
+
+A layout such as Megatron-LM's GPT-3 175B flags (``tp=8, pp=16, dp=8, mbs=1,
+recompute=full``) fixes everything but where each op runs; Megatron-LM fixes that too:
+column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out, vocabulary-parallel
+embedding and head (Shoeybi et al. 2019, section 3; :func:`~autopar.planner.megatron.megatron_placements`),
+sequence parallelism only when the layout turns it on (Korthikanti et al. 2022), layers
+split evenly over the pipeline ranks with the embedding on the first and the head on the
+last (:func:`~autopar.stages.even_stage_layers`), one recompute mode for every layer. So
+:func:`hand_decision` builds that Decision directly, with no CP-SAT search, and
+:func:`~autopar.planner.predict.predict` prices it like any plan; :func:`check_fits_memory`
+refuses one that does not fit, naming the stage and its bytes.
+"""
+
+from __future__ import annotations
+
+from autopar.graph.annotate import TracedModel
+from autopar.plan import Layout, Prediction
+from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
+from autopar.planner.cost_tables import CostTables, cost_tables
+from autopar.planner.decision import Decision, InfeasibleError
+from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
+from autopar.stages import even_stage_layers
+
+__all__ = ["complete_hand_layout", "hand_decision", "check_fits_memory"]
+
+
+def complete_hand_layout(layout: Layout) -> Layout:
+    """``layout`` with the defaults a hand layout is priced with: recompute "none", ZeRO
+    stage 0, schedule "1f1b" (interleaved 1F1B when v > 1), sequence parallelism off.
+    Raises ValueError when tp, pp, dp or micro_batch_size is missing."""
+    if not layout.is_complete():
+        raise ValueError("evaluate needs tp, pp, dp and micro_batch_size; use autopar.plan "
+                         f"to choose the rest (got {layout})")
+    v = layout.virtual_stages or 1
+    return Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                  micro_batch_size=layout.micro_batch_size,
+                  zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
+                  recompute=layout.recompute or "none",
+                  schedule=layout.schedule or ("interleaved_1f1b" if v > 1 else "1f1b"),
+                  virtual_stages=layout.virtual_stages,
+                  sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype)
+
+
+def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_size: int
+                  ) -> tuple[Decision, CostTables, NodeStrategies]:
+    """The Decision of a complete hand ``layout`` (:func:`complete_hand_layout`) for
+    ``traced`` on ``cluster`` with B = ``global_batch_size``: Megatron-LM's placements at
+    the layout's tp and sequence parallelism, :func:`~autopar.stages.even_stage_layers`,
+    the layout's recompute on every layer and its ZeRO stage; with the cost tables and
+    strategies that price it. Raises ValueError (degrees that do not fit the model, the
+    cluster or the batch, or a pipeline rule the layout breaks: the message says what to
+    change)."""
+    validate_layout(traced, cluster, layout, global_batch_size)
+    why: dict[str, str] = {}
+    configs = candidate_configs(traced, cluster, global_batch_size, layout, None, why)
+    if not configs:
+        raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
+    cfg = configs[0]  # every field pinned: the one config
+    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
+    placements = megatron_placements(traced, cfg.tp, cfg.sequence_parallel)
+    decoded = decode_placements(traced, placements, cfg.tp, cfg.sequence_parallel)
+    L = traced.num_layers
+    decision = Decision(config=cfg, strategy={name: k for name, (k, _) in decoded.items()},
+                        stage_layers=even_stage_layers(L, cfg.pp, cfg.virtual_stages),
+                        recompute=[layout.recompute] * L, zero_stage=layout.zero_stage,
+                        objective_s=0.0, solve_time_s=0.0)
+    return decision, cost_tables(traced, strategies, cluster, cfg), strategies
+
+
+def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:
+    """Raise :class:`~autopar.planner.decision.InfeasibleError` when a pipeline stage of
+    ``pred`` needs more bytes per GPU than ``cluster``'s device holds, naming the first
+    such stage, its bytes by kind and what would lower them."""
+    limit = cluster.device.memory_bytes
+    for i, stage in enumerate(pred.memory_bytes_by_stage):
+        total = sum(stage.values())
+        if total > limit:
+            kinds = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in stage.items())
+            raise InfeasibleError(
+                f"the hand layout {_flags(layout)} does not fit: memory[stage {i}] needs "
+                f"{total / 2**30:.1f} GiB per GPU ({kinds} GiB) > "
+                f"{cluster.device.memory_gib:.0f} GiB of {cluster.device.name}; lower it with "
+                f"{', '.join(_remedies(layout))}, or let autopar.plan choose")
+
+
+def _remedies(layout: Layout) -> list[str]:
+    """What would lower a complete hand layout's memory, among the knobs it has not turned."""
+    out = ["recompute=full"] if layout.recompute != "full" else []
+    out += ["schedule=1f1b (GPipe keeps all m micro-batches)"] if layout.schedule == "gpipe" else []
+    out += ["a higher zero_stage"] if layout.zero_stage < 3 else []
+    out += ["a smaller micro_batch_size"] if layout.micro_batch_size > 1 else []
+    return out + ["more pp or tp"]
+
+
+def _flags(layout: Layout) -> str:
+    """``tp=8,pp=16,dp=8,mbs=1,...``: the layout's fixed fields."""
+    names = {"micro_batch_size": "mbs", "zero_stage": "zero", "virtual_stages": "v",
+             "sequence_parallel": "sp"}
+    return ",".join(f"{names.get(k, k)}={v}" for k, v in vars(layout).items() if v is not None)

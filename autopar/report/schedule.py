@@ -1,0 +1,177 @@
+r"""The pipeline schedule a plan is priced with, laid out in time: which forward and
+backward of which micro-batch chunk each pipeline rank runs when, for the report's timeline.
+
+Inputs are the cost model's own numbers (``Prediction.stage_phase_s``): per pipeline rank
+i, the seconds one micro-batch spends in the forward :math:`f_i`, the backward
+:math:`b_i` and the recompute :math:`r_i` of all the rank's layers (TP communication
+included), and the point-to-point time c of one chunk boundary (activation forward plus
+gradient backward). As in :mod:`cost_models.pipeline`, each of the rank's v chunks takes
+1/v of each, and every chunk's forward and backward end with a send of c/2 that keeps the
+rank busy, so a rank is busy :math:`t_i + v c` per micro-batch,
+:math:`t_i = f_i + b_i + r_i`, the cost model's :math:`M_v`. A backward block starts with
+the recompute (the forward re-run of full or selective recompute), so it is
+:math:`(b_i + r_i)/v` long.
+
+Orders (Narayanan et al. 2021, section 2.2):
+
+* GPipe: all m forwards, then all m backwards.
+* 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
+  and one backward, then the remaining backwards.
+* Interleaved 1F1B: rank i runs chunks 0..v-1 (virtual stage :math:`c p + i`, the model
+  chunk :math:`c p + i` of ``Plan.stage_layers``). Forwards go in groups of p micro-batches
+  per chunk: the k-th forward is micro-batch :math:`\lfloor k/(pv) \rfloor p + k \bmod p`
+  of chunk :math:`\lfloor k/p \rfloor \bmod v` (backwards the same, chunks from v - 1
+  down); the warm-up is :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then
+  one forward and one backward, then the remaining backwards (Megatron-LM's and
+  ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
+
+Every block starts as soon as its rank is free and its input has arrived (the forward of
+the previous virtual stage, the backward of the next one, or on the last virtual stage its
+own forward). With equal stages the drawn makespan is the cost model's pipeline time plus
+exactly c (the cost model's fill and drain cross p - 1 boundaries, the drawing charges
+every chunk's sends); :func:`makespan_s`. Pure Python: no planner, no plotting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Block", "schedule_order", "simulate_schedule", "makespan_s", "plan_phases",
+           "plan_timeline", "drawn_micro_batches", "BACKWARD_OVER_FORWARD"]
+
+BACKWARD_OVER_FORWARD = 2.0
+"""Plans saved before ``stage_phase_s`` existed are drawn with backward = 2 × forward (two
+matmuls per forward matmul; Narayanan et al. 2021, section 3.5) and no recompute."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One forward or backward of one micro-batch through one chunk on a pipeline rank.
+
+    kind: "F" (forward) or "B" (backward: the recompute first, then the backward).
+    micro_batch: j in 0..m-1. chunk: the rank's model chunk c in 0..v-1 (virtual stage
+    c·p + rank). start_s, end_s: seconds from the start of the step, compute only.
+    recompute_s: the part of a "B" spent re-running the forward. send_s: the
+    point-to-point send after ``end_s`` (c/2), the rank busy until ``end_s + send_s``.
+    """
+
+    kind: str
+    micro_batch: int
+    chunk: int
+    start_s: float
+    end_s: float
+    recompute_s: float = 0.0
+    send_s: float = 0.0
+
+
+def schedule_order(schedule: str, pp: int, m: int, rank: int,
+                   virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+    """The order in which pipeline rank ``rank`` runs its blocks: (kind "F"/"B",
+    micro-batch, chunk), see the module docstring. Raises ValueError for an unknown
+    schedule, or interleaved 1F1B with m not a multiple of p (its order needs whole groups
+    of p micro-batches)."""
+    v = virtual_stages
+    if schedule == "gpipe":
+        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
+    if schedule == "1f1b" or (schedule == "interleaved_1f1b" and v == 1):
+        warmup = min(pp - 1 - rank, m)
+        order = [("F", j, 0) for j in range(warmup)]
+        for k in range(m - warmup):
+            order += [("F", warmup + k, 0), ("B", k, 0)]
+        return order + [("B", j, 0) for j in range(m - warmup, m)]
+    if schedule != "interleaved_1f1b":
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; use 'gpipe', '1f1b' or "
+                         "'interleaved_1f1b'")
+    if m % pp:
+        raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
+                         f"m={m}, pp={pp}")
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k // pp) % v
+        return kind, (k // (pp * v)) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk
+
+    total = m * v
+    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op("F", warmup + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
+
+
+def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
+                      backward_s: list[float], *, recompute_s: list[float] | None = None,
+                      p2p_s: float = 0.0, virtual_stages: int = 1) -> list[list[Block]]:
+    """Every block of one step on every pipeline rank, as soon as possible (module
+    docstring). ``forward_s[i]``, ``backward_s[i]``, ``recompute_s[i]``: seconds of one
+    micro-batch through all of rank i's chunks (a chunk takes 1/v); ``p2p_s``: c, one
+    chunk boundary's transfer forward and backward (ignored when p = 1). Returns per rank
+    its blocks in run order. Raises ValueError (not one time per rank, an unknown schedule)
+    and RuntimeError if the order deadlocks."""
+    v, recompute_s = virtual_stages, recompute_s or [0.0] * pp
+    if not len(forward_s) == len(backward_s) == len(recompute_s) == pp:
+        raise ValueError(f"need one forward and one backward time per stage (pp={pp}), "
+                         f"got {len(forward_s)} and {len(backward_s)}")
+    orders = [schedule_order(schedule, pp, m, i, v) for i in range(pp)]
+    send = p2p_s / 2 if pp > 1 else 0.0
+    last = pp * v - 1  # the last virtual stage
+    ready: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, j) -> input sent
+    timeline: list[list[Block]] = [[] for _ in range(pp)]
+    nxt, free = [0] * pp, [0.0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(pp):
+            while nxt[i] < len(orders[i]):
+                kind, j, c = orders[i][nxt[i]]
+                stage = c * pp + i
+                dep = (("F", stage - 1, j) if stage > 0 else None) if kind == "F" else \
+                    (("B", stage + 1, j) if stage < last else ("F", stage, j))
+                if dep is not None and dep not in ready:
+                    break
+                start = max(free[i], ready[dep] if dep else 0.0)
+                rec = recompute_s[i] / v if kind == "B" else 0.0
+                end = start + (forward_s[i] / v if kind == "F" else backward_s[i] / v + rec)
+                ready[(kind, stage, j)] = free[i] = end + send
+                timeline[i].append(Block(kind, j, c, start, end, rec, send))
+                nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, v={v}")
+    return timeline
+
+
+def makespan_s(timeline: list[list[Block]]) -> float:
+    """Seconds from the first block's start to the last send's end."""
+    return max((b.end_s + b.send_s for blocks in timeline for b in blocks), default=0.0)
+
+
+def plan_phases(plan) -> tuple[list[float], list[float], list[float], float]:
+    """(forward, backward, recompute seconds per rank, c) of ``plan`` (a
+    :class:`~autopar.plan.Plan`) from ``predicted.stage_phase_s``; for a plan saved
+    without it, ``stage_time_s`` split 1 : :data:`BACKWARD_OVER_FORWARD` and c from
+    ``time_s_by_kind["pp_p2p"]`` (m·v·c)."""
+    p, pred = plan.pp, plan.predicted
+    phases = pred.stage_phase_s
+    if len(phases) == p:
+        return ([s["forward"] for s in phases], [s["backward"] for s in phases],
+                [s["recompute"] for s in phases], phases[0]["p2p"])
+    fwd = [t / (1 + BACKWARD_OVER_FORWARD) for t in pred.stage_time_s]
+    hops = plan.num_micro_batches * plan.virtual_stages
+    return (fwd, [t - f for t, f in zip(pred.stage_time_s, fwd)], [0.0] * len(fwd),
+            pred.time_s_by_kind.get("pp_p2p", 0.0) / hops)
+
+
+def drawn_micro_batches(schedule: str, pp: int, m: int, limit: int) -> int:
+    """How many micro-batches a timeline of at most about ``limit`` draws: m, or ``limit``
+    (interleaved 1F1B: a multiple of p, at least p)."""
+    if m <= limit:
+        return m
+    return max(pp, limit // pp * pp) if schedule == "interleaved_1f1b" else limit
+
+
+def plan_timeline(plan, micro_batches: int | None = None) -> list[list[Block]]:
+    """:func:`simulate_schedule` of ``plan``'s own schedule, v and phases
+    (:func:`plan_phases`), over its m micro-batches or the first ``micro_batches``."""
+    fwd, bwd, rec, c = plan_phases(plan)
+    m = plan.num_micro_batches if micro_batches is None else micro_batches
+    return simulate_schedule(plan.schedule, plan.pp, m, fwd, bwd, recompute_s=rec, p2p_s=c,
+                             virtual_stages=plan.virtual_stages)
