@@ -172,8 +172,9 @@ def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layo
                                  chosen.global_batch_size),
              "twice the global batch": (cluster, 2 * chosen.global_batch_size)}
     if "A100" in cluster.device.name:
-        cases["H100 nodes instead of A100"] = (Cluster.dgx_h100(nodes=cluster.nodes),
-                                               chosen.global_batch_size)
+        h100 = replace(Cluster.dgx_h100(nodes=cluster.nodes),  # the user's headroom kept
+                       memory_headroom_gib=cluster.memory_headroom_gib)
+        cases["H100 nodes instead of A100"] = (h100, chosen.global_batch_size)
     out: dict[str, Plan | str] = {}
     for label, (new_cluster, batch) in cases.items():
         try:

@@ -14,12 +14,14 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from autopar.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
+from autopar.plan_memory import memory_line
+from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
            "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
            "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
-PLAN_VERSION = 2  # 2: ``solver`` (what the search proved) added, solve times left out
+PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
 # The one definition of these names (the rules over them: autopar.support).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe, 1F1B (PipeDream-flush), interleaved 1F1B (Narayanan et al. 2021)."""
@@ -139,6 +141,11 @@ class Prediction:
         phase: "forward", "backward", "recompute" (compute with its TP communication; they
         sum to ``stage_time_s``) and "p2p" (c, one chunk boundary's send forward and back);
         a chunk takes 1/v of each (``autopar.report.schedule``). Empty in older plans.
+    memory_reserve_bytes_by_stage: per pipeline stage, bytes per GPU the process holds
+        besides ``memory_bytes_by_stage`` (``cost_models.reserve.RESERVE_KINDS``: CUDA
+        context, NCCL buffers, loss logits, p2p buffers, DP bucket, fragmentation, headroom).
+    memory_margin_bytes: the least over stages of device memory - reserve - peak (>= 0 when
+        the plan fits).
     """
 
     step_time_s: float
@@ -152,6 +159,8 @@ class Prediction:
     stage_time_s: list[float]
     stage_stats: list[dict] = field(default_factory=list)
     stage_phase_s: list[dict[str, float]] = field(default_factory=list)
+    memory_reserve_bytes_by_stage: list[dict[str, float]] = field(default_factory=list)
+    memory_margin_bytes: float = 0.0
 
 
 SOLVER_STATUSES = ("OPTIMAL", "FEASIBLE", "EVALUATED")  # of a plan (INFEASIBLE, UNKNOWN: errors)
@@ -186,90 +195,6 @@ class SolverStatus:
                 f"({self.time_limit_s:g} s per config) on {self.stopped} of {self.configs} "
                 f"configs; a faster plan may exist, by at most {self.gap:.1%} of the step "
                 "time (gap); raise --time-limit (time_limit_s=) to prove optimality")
-
-
-@dataclass(frozen=True)
-class ReplicatedOp:
-    """One compute op that every tensor-parallel rank runs whole (on the whole tensor).
-
-    node: the traced node's name (a key of ``Plan.placements``).
-    op: what it calls: a module class ("LayerNorm"), an op or function ("cumsum", "le").
-    kind: its node kind (:class:`~autopar.graph.annotate.NodeInfo`; "other": an op autopar
-        has no rule for, whose FLOPs count one per output element).
-    section: "pre" (before the first transformer layer) | "layer" | "post".
-    layer: the transformer layer index (None outside the layers).
-    flops: forward FLOPs per sequence. share: flops / the model's forward FLOPs.
-    per_sequence: False for work done once per micro-batch whatever its size (a causal
-        mask, position ids).
-    reason: why it is replicated ("no sharding rule for this op", "chosen by the solver" ...).
-    """
-
-    node: str
-    op: str
-    kind: str
-    section: str
-    layer: int | None
-    flops: float
-    share: float
-    per_sequence: bool = True
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class ReplicatedOps:
-    """The compute ops (forward FLOPs > 0) that tensor parallelism leaves whole on every
-    TP rank. Replication is always correct: each rank runs the op on the whole tensor (its
-    work is not divided by t), after an all-gather where its input arrives sharded.
-
-    tp: the TP size t the strategies were enumerated at: the plan's, or 2 for a plan with
-        tp = 1 (the list then says what TP could not split).
-    model_flops: forward FLOPs per sequence of the whole graph (the shares' denominator).
-    no_strategy: ops whose only strategy at t is replication (no sharding rule for the op,
-        LayerNorm without sequence parallelism, or shapes its rule cannot split at t), in
-        graph order.
-    chosen: ops that had a sharded strategy and that the plan replicated (empty at tp = 1).
-    """
-
-    tp: int
-    model_flops: float
-    no_strategy: list[ReplicatedOp] = field(default_factory=list)
-    chosen: list[ReplicatedOp] = field(default_factory=list)
-
-    @staticmethod
-    def by_op(ops: list[ReplicatedOp]) -> list[tuple[str, int, float]]:
-        """(op, count, total share) per op name, the largest share first."""
-        groups: dict[str, list[float]] = {}
-        for r in ops:
-            groups.setdefault(r.op, []).append(r.share)
-        rows = [(name, len(shares), sum(shares)) for name, shares in groups.items()]
-        return sorted(rows, key=lambda row: (-row[2], -row[1], row[0]))
-
-    def line(self, shown: int = 6) -> str:
-        """``replicated (no TP strategy at t=2): 6 ops (1 before the first layer), 0.17% of
-        FLOPs: LayerNorm (5), add (1)``: the :attr:`no_strategy` ops by op name."""
-        ops = self.no_strategy
-        groups = self.by_op(ops)
-        names = ", ".join(f"{name} ({count})" for name, count, _ in groups[:shown])
-        more = f", {len(groups) - shown} more" if len(groups) > shown else ""
-        pre = sum(r.section == "pre" for r in ops)
-        where = f" ({pre} before the first layer)" if pre else ""
-        return (f"replicated (no TP strategy at t={self.tp}): {len(ops)} ops{where}, "
-                f"{format_share(sum(r.share for r in ops))} of FLOPs: {names}{more}")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ReplicatedOps":
-        ops = {k: [ReplicatedOp(**r) for r in data.get(k, [])] for k in ("no_strategy", "chosen")}
-        return cls(tp=data["tp"], model_flops=data["model_flops"], **ops)
-
-
-def format_share(share: float) -> str:
-    """A share of FLOPs as a percentage with the digits a small one needs: ``12.3%``,
-    ``0.17%``, ``<0.01%``, ``0%``."""
-    if share <= 0:
-        return "0%"
-    if share < 1e-4:
-        return "<0.01%"
-    return f"{share:.1%}" if share >= 0.01 else f"{share:.2%}"
 
 
 @dataclass(frozen=True)
@@ -376,12 +301,13 @@ class Plan:
 
     def summary(self) -> str:
         """The :meth:`headline`, the solver's line when it did not prove optimality
-        (:meth:`SolverStatus.line`), then (when there are any) a line naming the ops that
-        no tensor-parallel strategy splits (:meth:`ReplicatedOps.line`)."""
-        rep = self.replicated_ops
+        (:meth:`SolverStatus.line`), (when there are any) a line naming the ops that no
+        tensor-parallel strategy splits (:meth:`ReplicatedOps.line`), then the memory line
+        (peak + reserve against the device, the margin: :func:`autopar.plan_memory.memory_line`)."""
+        rep, gib = self.replicated_ops, self.cluster.get("device", {}).get("memory_gib")
         solver = f"\n{self.solver.line()}" if self.solver.status == "FEASIBLE" else ""
-        return (self.headline() + solver
-                + (f"\n{rep.line()}" if rep and rep.no_strategy else ""))
+        return (self.headline() + solver + (f"\n{rep.line()}" if rep and rep.no_strategy else "")
+                + "\n" + memory_line(self.predicted, gib and gib * 2**30))
 
     def headline(self) -> str:
         """One line: the layout and its predicted speed."""

@@ -4,8 +4,10 @@
 ``evaluate_plan`` and ``parallelize``) read a plan through :func:`plan_from_dict`, which
 checks it field by field before a Plan exists:
 
-* schema: a JSON object, an autopar ``version`` this code reads, every field present with
-  its type (ints are ints, not bools or floats; numbers finite), no unknown field;
+* schema: a JSON object, an autopar ``version`` this code reads (3: older plans were
+  planned without the memory reserve and are refused with a PlanError saying so), every
+  field present with its type (ints are ints, not bools or floats; numbers finite), no
+  unknown field;
 * the layout's own arithmetic (:func:`check_plan`): positive degrees, B = d·b·m,
   ``stage_layers`` holding pp·v chunks [first, last) that cover the L layers once in
   order, one recompute mode per layer, the pipeline rule of
@@ -42,6 +44,8 @@ PHASES = ("forward", "backward", "recompute", "p2p")
 """The keys of each ``Prediction.stage_phase_s`` entry (seconds per micro-batch)."""
 
 REPLAN = "re-plan with `autopar plan ... -o FILE` (or `autopar evaluate`)"
+VERSION_NOTE = ("version 3 prices the memory reserve: plans of version 2 may not fit a real "
+                "GPU and carry no reserve or margin, so they are not read")
 
 
 class PlanError(ValueError):
@@ -101,6 +105,18 @@ def _check_prediction(src: str, data, pp: int) -> Prediction:
     for i, stage in enumerate(stages):
         _number_map(src, f"predicted.memory_bytes_by_stage[{i}]", stage)
     _number_list(src, "predicted.stage_time_s", data["stage_time_s"], pp)
+    for name in ("memory_reserve_bytes_by_stage", "memory_margin_bytes"):  # version 3
+        if name not in data:
+            raise PlanError(src, f"predicted.{name}", "is missing (a version 3 Prediction "
+                            "carries the memory reserve and margin)")
+    reserve = data["memory_reserve_bytes_by_stage"]
+    _expect(src, "predicted.memory_reserve_bytes_by_stage", reserve,
+            isinstance(reserve, list) and len(reserve) in (0, pp), f"a list of {pp} objects")
+    for i, stage in enumerate(reserve):
+        _number_map(src, f"predicted.memory_reserve_bytes_by_stage[{i}]", stage)
+    margin = data["memory_margin_bytes"]
+    _expect(src, "predicted.memory_margin_bytes", margin, _is_number(margin),
+            "a finite number (bytes; negative when the plan does not fit)")
     stats = data.get("stage_stats", [])
     _expect(src, "predicted.stage_stats", stats,
             isinstance(stats, list) and all(isinstance(s, dict) for s in stats)
@@ -234,7 +250,7 @@ def plan_from_dict(data, source: str = "plan") -> Plan:
                                         f"{keys})", "save one with `autopar plan -o FILE`")
     if data["version"] != PLAN_VERSION:
         raise PlanError(src, "version", f"is {data['version']!r}, but this autopar reads version "
-                                        f"{PLAN_VERSION}", REPLAN)
+                                        f"{PLAN_VERSION} ({VERSION_NOTE})", REPLAN)
     _check_keys(src, "", data, Plan)
     _check_fields(src, data)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["placements"].items()):

@@ -28,6 +28,7 @@ from autopar.planner.search import search
 from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
+from cost_models.reserve import MemoryReserve
 
 ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))
 
@@ -35,7 +36,8 @@ ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))
 def _memory(cluster: Cluster, gib: float | None) -> Cluster:
     if gib is None:
         return cluster
-    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=gib))
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=gib),
+                               memory_reserve=MemoryReserve.none())  # KiB-sized memories
 
 
 def cases(quick: bool) -> list[tuple]:

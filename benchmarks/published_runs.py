@@ -139,13 +139,18 @@ def cluster_for(run: PublishedRun, matmul_efficiency: float | None = None) -> au
     return cluster
 
 
-def evaluate_run(run: PublishedRun, matmul_efficiency: float | None = None) -> autopar.Plan:
-    """``autopar.evaluate`` of the run's published layout (full recompute, Megatron's even
-    stages, interleaved when v > 1) on its cluster."""
+def build_model(run: PublishedRun) -> GPT:
+    """The run's GPT on the meta device (dropout 0.1, as Megatron trains it)."""
     cfg = GPTConfig(n_layer=run.L, n_head=run.a, n_embd=run.h, vocab_size=run.V,
                     block_size=run.s, dropout=0.1)
     with torch.device("meta"):
-        model = GPT(cfg)
+        return GPT(cfg)
+
+
+def evaluate_run(run: PublishedRun, matmul_efficiency: float | None = None) -> autopar.Plan:
+    """``autopar.evaluate`` of the run's published layout (full recompute, Megatron's even
+    stages, interleaved when v > 1) on its cluster."""
+    model = build_model(run)
     layout = autopar.Layout(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch_size=run.mbs,
                             recompute="full", virtual_stages=run.v)
     return autopar.evaluate(model, cluster_for(run, matmul_efficiency), layout,
@@ -187,6 +192,48 @@ def fit_efficiency(run: PublishedRun, lo: float = 0.05, hi: float = 1.0, tol: fl
         else:
             hi = mid
     return round((lo + hi) / 2, 3)
+
+
+# ------------------------------------------------------- auto plan vs the published layout
+def auto_vs_published(run: PublishedRun) -> dict:
+    """``autopar.plan`` for the run's model, cluster, B and s beside ``autopar.evaluate`` of
+    its published layout, both priced with the cluster's memory reserve (CUDA context, NCCL
+    buffers, the step's temporaries, fragmentation: ``cost_models/reserve.py``): step times
+    (s), their ratio auto/published, peak and margin (GiB). A published layout that no
+    longer fits with the reserve keeps its InfeasibleError text under "published_error"."""
+    start = time.perf_counter()
+    auto = autopar.plan(build_model(run), cluster_for(run), global_batch_size=run.batch,
+                        seq_len=run.s, model_name=run.name)
+    row = {"run": run, "auto": auto, "auto_s": auto.predicted.step_time_s, "published_s": None,
+           "ratio": None, "published_error": None}
+    try:
+        hand = evaluate_run(run)
+    except autopar.InfeasibleError as exc:
+        row["published_error"] = str(exc)
+    else:
+        row.update(hand=hand, published_s=hand.predicted.step_time_s,
+                   ratio=auto.predicted.step_time_s / hand.predicted.step_time_s)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _memory_text(plan: autopar.Plan) -> str:
+    p = plan.predicted
+    return (f"peak {p.peak_memory_bytes / 2**30:.1f} GiB, margin "
+            f"{p.memory_margin_bytes / 2**30:.1f} GiB")
+
+
+def auto_line(row: dict) -> str:
+    """One printed line of :func:`auto_vs_published`."""
+    run, auto = row["run"], row["auto"]
+    flags = (f"tp={auto.tp} pp={auto.pp} dp={auto.dp} mbs={auto.micro_batch_size} "
+             f"{auto.schedule}" + (f" v={auto.virtual_stages}" if auto.virtual_stages > 1 else ""))
+    head = f"{run.name:34s} auto {row['auto_s']:8.2f} s ({flags}; {_memory_text(auto)})"
+    if row["published_error"]:
+        return f"{head}; published layout does not fit with the reserve: {row['published_error']}"
+    verdict = "" if row["ratio"] <= 1 + 1e-9 else "  AUTO SLOWER"
+    return (f"{head}; published {row['published_s']:8.2f} s ({_memory_text(row['hand'])}); "
+            f"auto/published {row['ratio']:.3f}{verdict}")
 
 
 # --------------------------------------------------------------------------- report
@@ -257,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPORT, help="Markdown report to write")
     parser.add_argument("--fit", action="store_true",
                         help="print the matmul_efficiency each calibration row implies")
+    parser.add_argument("--no-auto", dest="auto", action="store_false",
+                        help="skip the auto plan vs published layout section (one search per "
+                             "row: about ten minutes on two cores)")
+    parser.add_argument("--only", default=None, metavar="NAME",
+                        help="the auto-vs-published section for the rows whose name contains "
+                             "NAME only (e.g. '175B', '1008')")
     args = parser.parse_args(argv)
     if args.fit:
         for run in (r for r in RUNS if r.role == "calibration"):
@@ -271,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(rows), encoding="utf-8")
     print(f"report written to {args.out}")
+    if args.auto:
+        print("\nauto plan vs the published layout, both with the memory reserve "
+              "(predicted step time):")
+        for run in RUNS:
+            if args.only is None or args.only in run.name:
+                row = auto_vs_published(run)
+                print(f"{auto_line(row)}  ({row['seconds']:.0f} s)", flush=True)
     return 0
 
 

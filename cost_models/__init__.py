@@ -9,6 +9,8 @@ cluster; it does not read graphs.  Modules:
 * :mod:`cost_models.memory`   -- ZeRO model states, Korthikanti activations, in-flight micro-batches
 * :mod:`cost_models.comm`     -- ring alpha-beta collectives, the link a group crosses
 * :mod:`cost_models.pipeline` -- bubble fraction and pipelined step time
+* :mod:`cost_models.reserve`  -- the memory reserve: CUDA context, NCCL buffers, step temporaries,
+  fragmentation
 """
 
 from ._checks import RECOMPUTE_MODES
@@ -19,6 +21,7 @@ from .hardware import PRESET_NAMES, Cluster, DeviceSpec, LinkSpec
 from .memory import (ADAM_OPTIMIZER_BYTES_PER_PARAM, in_flight_micro_batches,
                      model_state_bytes, transformer_layer_activation_bytes)
 from .pipeline import SCHEDULES, bubble_fraction, pipeline_step_time_s
+from .reserve import RESERVE_KINDS, MemoryReserve
 
 __all__ = [
     "ADAM_OPTIMIZER_BYTES_PER_PARAM",
@@ -29,6 +32,8 @@ __all__ = [
     "Cluster",
     "DeviceSpec",
     "LinkSpec",
+    "MemoryReserve",
+    "RESERVE_KINDS",
     "all_gather_time_s",
     "all_reduce_time_s",
     "bubble_fraction",

@@ -15,7 +15,9 @@ The cluster is two-level (Megatron/DGX style): ``gpus_per_node`` GPUs joined by 
 intra-node link (NVLink/NVSwitch), ``nodes`` nodes joined by the inter-node link
 (InfiniBand).  Presets live as data in ``cost_models/presets/<name>.json``, where every
 number sits next to its own ``source`` string; :meth:`Cluster.from_dict` folds those
-per-number sources into the ``source`` field of the spec they belong to.
+per-number sources into the ``source`` field of the spec they belong to. Each preset also
+has a ``memory_reserve`` block (:mod:`cost_models.reserve`): what a process holds besides
+the cost model's peak.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ._checks import check_non_negative, check_positive, check_positive_int, is_number
+from .reserve import MemoryReserve
 
 PRESET_DIR = Path(__file__).with_name("presets")
 PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx2h-v100", "local-cpu")
@@ -152,6 +155,13 @@ class Cluster:
     """Attention kernel: "math" keeps the softmax for backward (a·s² per sequence, the
     accounting of Korthikanti et al. 2022); "flash" keeps only output and log-sum-exp
     (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do."""
+    memory_reserve: MemoryReserve = MemoryReserve()
+    """What each process holds besides the cost model's peak (CUDA context, NCCL buffers,
+    fragmentation; :mod:`cost_models.reserve`); a cluster file without it gets the GPU
+    defaults of :class:`MemoryReserve`."""
+    memory_headroom_gib: float = 0.0
+    """Device memory per GPU, GiB, the user keeps free on top of the reserve
+    (``--memory-headroom``): plans must fit in what is left."""
 
     def __post_init__(self) -> None:
         if self.attention not in ("math", "flash"):
@@ -165,6 +175,11 @@ class Cluster:
                 raise ValueError(
                     f"Cluster.{field} must be a {kind.__name__}, got {type(value).__name__}"
                 )
+        if not isinstance(self.memory_reserve, MemoryReserve):
+            raise ValueError("Cluster.memory_reserve must be a MemoryReserve, got "
+                             f"{type(self.memory_reserve).__name__}")
+        _set(self, "memory_headroom_gib",
+             check_non_negative("Cluster.memory_headroom_gib", self.memory_headroom_gib))
         check_positive_int("Cluster.gpus_per_node", self.gpus_per_node)
         check_positive_int("Cluster.nodes", self.nodes)
         _check_text("Cluster.name", self.name, "a label")
@@ -221,20 +236,26 @@ class Cluster:
         """Build a Cluster from :meth:`to_dict` output or a preset-style dict.
 
         A number may be written plain or as ``{"value": x, "source": "..."}``; in a
-        device or link, such per-number sources are appended to its ``source``.
+        device, link or ``memory_reserve``, such per-number sources are appended to its
+        ``source``. ``memory_reserve`` and ``memory_headroom_gib`` are optional (defaults:
+        :class:`~cost_models.reserve.MemoryReserve`'s GPU values, 0).
         Missing or unknown keys raise ValueError naming them.
         """
+        optional = ("name", "dtype", "attention", "memory_reserve", "memory_headroom_gib")
         fields = _read_fields("Cluster", d, ("device", "gpus_per_node", "nodes",
-                                             "intra_node", "inter_node", "name", "dtype",
-                                             "attention"),
-                              optional=("name", "dtype", "attention"))
+                                             "intra_node", "inter_node") + optional,
+                              optional=optional)
         kwargs: dict[str, Any] = {
             "device": _spec_from_dict(DeviceSpec, "Cluster.device", fields["device"]),
             "intra_node": _spec_from_dict(LinkSpec, "Cluster.intra_node", fields["intra_node"]),
             "inter_node": _spec_from_dict(LinkSpec, "Cluster.inter_node", fields["inter_node"]),
         }
-        for field in ("gpus_per_node", "nodes"):
-            kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
+        if "memory_reserve" in fields:
+            kwargs["memory_reserve"] = _spec_from_dict(MemoryReserve, "Cluster.memory_reserve",
+                                                       fields["memory_reserve"])
+        for field in ("gpus_per_node", "nodes", "memory_headroom_gib"):
+            if field in fields:
+                kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
         for field in ("name", "dtype", "attention"):
             if field in fields:
                 kwargs[field] = fields[field]
@@ -298,6 +319,6 @@ def _spec_from_dict(spec_cls: type, where: str, d: object) -> Any:
         kwargs[name], source = _unwrap(f"{where}.{name}", fields[name])
         if source is not None:
             notes.append(f"{name}: {source}")
-    if notes and isinstance(kwargs["source"], str):
+    if notes and isinstance(kwargs.get("source"), str):
         kwargs["source"] = f"{kwargs['source']} [{'; '.join(notes)}]"
     return spec_cls(**kwargs)

@@ -66,8 +66,11 @@ def load_cluster(name: str, nodes: int | None) -> Cluster:
 
 
 def _load_problem(args: argparse.Namespace):
-    """(model on meta, model name, cluster, seq_len) from the problem flags."""
+    """(model on meta, model name, cluster (with ``--memory-headroom`` when given), seq_len)
+    from the problem flags."""
     cluster = load_cluster(args.cluster, args.nodes)  # before the model: cheap checks first
+    if args.memory_headroom is not None:
+        cluster = dataclasses.replace(cluster, memory_headroom_gib=args.memory_headroom)
     model, name = autopar.load_model(args.model)
     seq_len = args.seq_len or default_seq_len(model)
     if seq_len is None:

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from autopar.plan import Plan, format_share
+from autopar.plan_memory import binding_stage
 from autopar.report.format import (GIB, TIME_KINDS, format_bytes, format_seconds,
                                    format_tflops, plan_flags)
 
@@ -36,6 +37,10 @@ def plan_table(plan: Plan) -> str:
         stages = f"{plan.pp} × {plan.virtual_stages} chunks of {counts[0]} layers (interleaved)"
     device = plan.cluster.get("device", {}).get("memory_gib")
     peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
+    if device and p.memory_reserve_bytes_by_stage:
+        reserve = p.memory_reserve_bytes_by_stage[binding_stage(p, device * GIB)]
+        peak += (f"; reserve {format_bytes(sum(reserve.values()))}, margin "
+                 f"{format_bytes(p.memory_margin_bytes)}")
     time_parts = sorted(p.time_s_by_kind.items(), key=lambda kv: -kv[1])
     rows = [("layout", plan_flags(plan)),
             ("micro-batches m", str(plan.num_micro_batches)),
@@ -72,13 +77,15 @@ def comparison_lines(plan: Plan, hand: dict[str, Plan | str]) -> list[str]:
 # -------------------------------------------------------------------------- compare
 def plan_metrics(plan: Plan) -> dict:
     """What ``compare`` reports for one plan (JSON-able): layout flags, step time,
-    TFLOP/s per GPU, MFU/HFU, peak memory, total memory per stage, time by kind."""
+    TFLOP/s per GPU, MFU/HFU, peak memory, total memory per stage, the memory margin (device
+    less reserve less peak), time by kind."""
     p = plan.predicted
     return {"layout": plan_flags(plan), "num_gpus": plan.num_gpus,
             "num_micro_batches": plan.num_micro_batches, "step_time_s": p.step_time_s,
             "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "hfu": p.hfu,
             "peak_memory_bytes": p.peak_memory_bytes,
             "memory_bytes_by_stage": [sum(stage.values()) for stage in p.memory_bytes_by_stage],
+            "memory_margin_bytes": p.memory_margin_bytes,
             "time_s_by_kind": dict(p.time_s_by_kind)}
 
 
@@ -139,7 +146,7 @@ def _cells(m: dict, row: dict | None) -> list[str]:
     ratio = "—" if row is None else f"{row['auto_over_hand']:.3f}"
     return [format_seconds(m["step_time_s"]), format_tflops(m["tflops_per_gpu"]),
             f"{m['mfu']:.1%} / {m['hfu']:.1%}", format_bytes(m["peak_memory_bytes"]),
-            _stages_text(m["memory_bytes_by_stage"]), ratio]
+            format_bytes(m["memory_margin_bytes"]), _stages_text(m["memory_bytes_by_stage"]), ratio]
 
 
 def _explain(row: dict, tag: str) -> list[str]:
@@ -161,7 +168,7 @@ def format_compare(result: dict) -> str:
              f"B={result['global_batch_size']}, s={result['seq_len']}; one cost model for all",
              f"  auto    {result['auto']['layout']}  (the solver's plan)"]
     table = [["plan", "step time", "TFLOP/s/GPU", "MFU / HFU", "peak memory",
-              "memory per stage", "auto/hand"], ["auto", *_cells(result["auto"], None)]]
+              "margin", "memory per stage", "auto/hand"], ["auto", *_cells(result["auto"], None)]]
     for i, row in enumerate(result["hand"], 1):
         tag = f"hand {i}"
         if "error" in row:

@@ -45,6 +45,8 @@ EXAMPLES = {
       --global-batch-size 1536 --seq-len 2048 -o plan.json --report reports/gpt3
   # pin tp=2 and let the solver choose the rest; JSON for scripts
   autopar plan --model gpt-tiny --cluster local-cpu --global-batch-size 8 --tp 2 --json
+  # keep 4 GiB per GPU free beyond the reserve (other processes, a safety margin)
+  autopar plan --model gpt-1.3b --nodes 1 --global-batch-size 512 --memory-headroom 4
   # a Hugging Face model by its published shape (or hf:path/to/config.json, hf:mistral)
   autopar plan --model hf:llama3-8b --cluster dgx-a100 --nodes 1 \\
       --global-batch-size 64 --seq-len 2048""",
@@ -159,6 +161,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
 def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     """Model, cluster and batch flags shared by ``plan``, ``evaluate`` and ``compare``."""
     g = parser.add_argument_group("what to train, and where")
@@ -181,6 +194,11 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=_positive_int, default=None, metavar="S",
                    help="tokens per sequence (default and maximum: the model's block_size, "
                         "n_positions or max_position_embeddings)")
+    g.add_argument("--memory-headroom", type=_non_negative_float, default=None, metavar="GIB",
+                   help="GiB per GPU to keep free on top of the memory reserve (CUDA context, "
+                        "NCCL buffers, the step's temporaries, allocator fragmentation: the "
+                        "cluster's memory_reserve); plans must fit in what is left (default: "
+                        "the cluster file's memory_headroom_gib, 0 for a preset)")
     g.add_argument("--time-limit", type=_positive_float, default=DEFAULT_TIME_LIMIT_S,
                    metavar="S", help="CP-SAT's deterministic time limit per config, seconds "
                    f"(default {DEFAULT_TIME_LIMIT_S:g}); a plan found at the limit is marked "

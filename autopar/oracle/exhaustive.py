@@ -8,7 +8,8 @@ boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of eve
 1F1B: L/p layers per rank, p·v equal chunks), per stage the numbers of full and selective
 recompute layers, and the ZeRO stage. Each plan is priced with predict's section sums and the
 per-step arithmetic of :mod:`autopar.planner.step` (as :func:`autopar.planner.predict.predict`)
-and must fit device memory; the fastest wins (ties: lower ZeRO stage, less recompute).
+and must fit device memory less the reserve (:mod:`autopar.planner.reserve`); the fastest
+wins (ties: lower ZeRO stage, less recompute).
 
 Two exact reductions keep this tractable; neither can lose the optimum.
 
@@ -45,6 +46,7 @@ from autopar.planner.cost_tables import Config, cost_tables, f_cost
 from autopar.planner.cpsat_terms import template_map
 from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
                                       stage_bounds_and_recompute, stage_splits)
+from autopar.planner.reserve import usable_bytes
 from autopar.planner.search import candidate_configs, validate_layout, zero_choices
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
                                   model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
@@ -67,7 +69,8 @@ FIELDS = ("time_s",        # forward + backward compute and TP communication (Me
           "params",        # parameter elements held
           "params_p1",     # ... minus the tied weight counted in pre too (post at p = 1)
           "act_kib", "sel_act_kib", "param_units", "param_units_p1",  # solver rounding
-          "bwd_s")         # backward compute and TP communication (what hides DP reduction)
+          "bwd_s",         # backward compute and TP communication (what hides DP reduction)
+          "temp_bytes", "temp_kib")  # the loss's fp32 temporaries (memory reserve), exact / KiB
 _I = {name: i for i, name in enumerate(FIELDS)}
 _ZERO = (0.0,) * len(FIELDS)
 
@@ -122,7 +125,7 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
     akib, ckib = math.ceil(c.saved_bytes / KIB), math.ceil(c.core_saved_bytes / KIB)
     d[7], d[8] = akib, akib - ckib
     d[9] = d[10] = math.ceil(c.param_numel / PARAM_UNIT)
-    d[11] = c.bwd_s
+    d[11], d[12], d[13] = c.bwd_s, c.temp_bytes, math.ceil(c.temp_bytes / KIB)
     if tied_post:  # predict / ConfigModel: one tied tensor when pre and post share a stage
         d[6], d[10] = 0.0, 0
     used: dict = {}  # input -> (f charged here, placements resharded to here)
@@ -232,11 +235,11 @@ class StagePlan:
 
 
 def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
-           memory_bytes: int):
+           cluster):
     """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm: what
-    bucketed DP reduction hides behind), memory bytes, fits in ``memory_bytes``) of
-    pipeline rank ``i``; with solver rounding the bytes are KiB times 1024 and the check is
-    the CP-SAT row (:func:`~autopar.planner.step.scaled_memory`)."""
+    bucketed DP reduction hides behind), memory bytes, fits in ``cluster``'s usable bytes
+    with the loss temporaries) of rank ``i``; solver rounding: the CP-SAT row."""
+    usable = usable_bytes(tables.p2p_bytes, cluster, cfg, i)
     pre, lay, post = sections
     p, n = cfg.pp, sp.layers
     first, last = i == 0, i == p - 1
@@ -254,14 +257,14 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
         states = model_state_bytes_by_kind(params, zero, cfg)
         mem = sum(states.values()) + (inflight * act + last * post["act_bytes"] + lay["act_bytes"])
-        return t, params, bwd, mem, mem <= memory_bytes
+        return t, params, bwd, mem, mem + last * post["temp_bytes"] <= usable
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
     working = lay["act_kib"] + last * post["act_kib"]
     mem_dv = scaled_memory(cfg, i, state_kib_times_d(zero, cfg) * units, act, working)
-    return (t, params, bwd, mem_dv / (cfg.dp * cfg.virtual_stages) * KIB,
-            mem_dv <= scaled_memory_limit(memory_bytes, cfg))
+    return (t, params, bwd, mem_dv / (cfg.dp * cfg.virtual_stages) * KIB, mem_dv + scaled_memory(
+        cfg, i, 0, 0, last * post["temp_kib"]) <= scaled_memory_limit(usable, cfg))
 
 
 def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
@@ -269,13 +272,13 @@ def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero:
     """Predicted step time (seconds, as :func:`autopar.planner.predict.predict`), memory
     bytes per stage and whether every stage fits, from the section vectors alone (no graph
     walk; the per-step arithmetic is :func:`autopar.planner.step.step_time_s`)."""
-    per = [_stage(sections, tables, cfg, i, sp, zero, rounding, cluster.device.memory_bytes)
+    per = [_stage(sections, tables, cfg, i, sp, zero, rounding, cluster)
            for i, sp in enumerate(stages)]
     times, params, bwds, mems, fits = zip(*per)
     return step_time_s(times, params, bwds, tables, cluster, cfg, zero)[0], list(mems), all(fits)
 
 
-def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, memory_bytes):
+def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster):
     """(stage time, parameters, backward seconds, StagePlan, pairs tried) of the feasible
     (full, selective) recompute counts of least stage time; the first four None if none fits."""
     best, tried = (None, None, None, None), 0
@@ -285,7 +288,7 @@ def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, memory_bytes
                 continue
             sp = StagePlan(n, rf, rs)
             tried += 1
-            t, pa, bwd, _, ok = _stage(sections, tables, cfg, i, sp, zero, rounding, memory_bytes)
+            t, pa, bwd, _, ok = _stage(sections, tables, cfg, i, sp, zero, rounding, cluster)
             if ok and (best[0] is None or t < best[0]):
                 best = (t, pa, bwd, sp)
     return (*best, tried)
@@ -301,8 +304,8 @@ def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, 
         if not ties_agree(*sections, groups=groups):
             continue
         for zero, split in itertools.product(zero_stages, splits):
-            stages = [_best_stage(sections, tables, cfg, i, n, zero, modes, rounding,
-                                  cluster.device.memory_bytes) for i, n in enumerate(split)]
+            stages = [_best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster)
+                      for i, n in enumerate(split)]
             covered += math.prod(s[4] for s in stages)
             if any(s[0] is None for s in stages):
                 continue
@@ -339,11 +342,10 @@ def decision_of(traced, cfg, sections, stages: list[StagePlan], zero, step, elap
     """The Decision of one priced plan: (pre, layer, post) ``sections`` options on ``cfg``,
     per-rank ``stages``, ZeRO stage, step time and wall seconds (as the CP-SAT readback)."""
     chosen = {**sections[0].choice, **sections[1].choice, **sections[2].choice}
-    mapping = template_map(traced)
     bounds, recompute = stage_bounds_and_recompute(
         [sp.layers for sp in stages], [(sp.full, sp.selective) for sp in stages],
         cfg.virtual_stages)
-    return Decision(cfg, {n: chosen[t] for n, t in mapping.items()}, bounds, recompute, zero,
+    return Decision(cfg, {n: chosen[t] for n, t in template_map(traced).items()}, bounds, recompute, zero,
                     step, elapsed)
 
 
@@ -358,13 +360,11 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     validate_layout(traced, cluster, layout, global_batch_size)
     modes = (layout.recompute,) if layout.recompute else \
         (support.recompute if support else RECOMPUTE_MODES)
-    cache: dict = {}
-    best, seen, priced = None, [], 0
+    cache, best, seen, priced = {}, None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
         strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        # node and edge costs depend on these only
-        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # costs' inputs
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
         zeros = zero_choices(layout, support, cfg.pp)

@@ -4,8 +4,9 @@ r"""Lower bounds that prune a search's configs before CP-SAT sees them (step 3 o
 schedule) in order of :func:`compute_bound_s` and skips one when a bound says it cannot beat
 the best plan found so far, or cannot fit device memory. Every bound here holds for every
 plan the CP-SAT model of :mod:`autopar.planner.cpsat` admits, so pruning never loses the
-optimum; all quantities are those of :mod:`autopar.planner.cost_tables`, per micro-batch
-and GPU, in seconds and bytes.
+optimum (memory: device memory less the reserve, :mod:`autopar.planner.reserve`); all
+quantities are those of :mod:`autopar.planner.cost_tables`, per micro-batch and GPU, in
+seconds and bytes.
 
 The pipeline step of :mod:`autopar.planner.cpsat` (v virtual stages, 1 for 1F1B and GPipe)
 is :math:`((v m - 1)\,T_{max} + \sum_i T_i)/v` plus non-negative terms, so with
@@ -119,11 +120,12 @@ def memory_time_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, la
     :math:`n_0`, where R is the least recompute (:func:`_recompute_s`) that brings rank 0's
     memory (model states of its layers and the embedding at the most sharding ZeRO allows,
     each node's least saved activations per micro-batch in flight, one working layer)
-    under ``memory_bytes``. A layer keeps at least the sum of its nodes' least saved bytes
-    (a), selective at least the least without the attention core (s), full its checkpoint
-    (c), so x full and y selective layers free at most x(a - c) + y(a - s) from n·a, at no
-    less than the least forward up to the layer's last saver resp. the least attention-core
-    forward each. inf when no n_0 fits."""
+    under ``memory_bytes`` (rank 0's :func:`~autopar.planner.reserve.usable_bytes`). A layer
+    keeps at least the sum of its nodes' least saved bytes (a), selective at least the least
+    without the attention core (s), full its checkpoint (c), so x full and y selective
+    layers free at most x(a - c) + y(a - s) from n·a, at no less than the least forward up
+    to the layer's last saver resp. the least attention-core forward each. inf when no n_0
+    fits."""
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
     layer, pre = traced.layers[0], traced.pre
     kept = _least_kept(traced, tables, layer, pre[-1])

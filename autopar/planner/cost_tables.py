@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
+from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES, TracedModel, saves_inputs
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
@@ -60,7 +61,9 @@ class StrategyCost:
 
     fwd_s / bwd_s: compute seconds; param_numel: parameter elements held;
     saved_bytes: activation bytes kept for backward; core_saved_bytes: the part selective
-    recompute drops; core_fwd_s: forward seconds selective recompute repeats.
+    recompute drops; core_fwd_s: forward seconds selective recompute repeats;
+    temp_bytes: bytes allocated and freed within the step, not kept (the loss's fp32
+    logits, :func:`cost_models.reserve.loss_temporary_bytes`): part of the memory reserve.
     """
 
     fwd_s: float
@@ -69,6 +72,7 @@ class StrategyCost:
     saved_bytes: float
     core_saved_bytes: float
     core_fwd_s: float
+    temp_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -184,19 +188,22 @@ def _param_numel(info, strat: Strategy) -> float:
 
 
 def _loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: Cluster,
-               tp_link) -> StrategyCost:
+               tp_link, act_bytes: int = ACTIVATION_BYTES, temporaries: bool = True
+               ) -> StrategyCost:
     """Cross-entropy on the last stage, as the output node's cost, for ``logits`` elements
     (b·s·V) of ``tokens`` (b·s) per micro-batch: memory-bound passes over fp32 logits and
     their saved softmax (LOSS_BYTES_PER_LOGIT each). "vocab_parallel" (Megatron's
     vocab-parallel cross-entropy, Shoeybi et al. 2019 section 3) works on this rank's V/t
     columns and all-reduces three (b, s) fp32 tensors over TP in forward (the row max, the
-    target logit and the sum of exponentials); "replicate" needs the whole logits."""
+    target logit and the sum of exponentials); "replicate" needs the whole logits. Its
+    temporaries (fp32 copies of the logits beside the saved softmax) are ``temp_bytes``
+    (0 unless ``temporaries``: the cluster's ``memory_reserve.step_temporaries``)."""
     div = tp if strat.name == "vocab_parallel" else 1
     fwd = compute.memory_bound_time_s(LOSS_BYTES_PER_LOGIT * logits / div, cluster.device)
     comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
     return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0,
                         saved_bytes=LOSS_BYTES_PER_LOGIT * logits / div, core_saved_bytes=0.0,
-                        core_fwd_s=0.0)
+                        core_fwd_s=0.0, temp_bytes=loss_temporary_bytes(logits / div, act_bytes) if temporaries else 0.0)
 
 
 def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
@@ -332,7 +339,8 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     logits = logits_node.numel * b  # (b, s, V) fed to the loss
     tokens = logits / logits_node.shape[-1]
     vocab_loss_bytes = 3 * LOSS_BYTES_PER_LOGIT * tokens  # max, target logit, sum of exp
-    node_tab[out.name] = [_loss_cost(s, logits, tokens, tp, cluster, tp_link)
+    node_tab[out.name] = [_loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
+                                     cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
     matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))

@@ -28,8 +28,10 @@ less the backward of its last micro-batch, which bucketed reduction overlaps),
 :math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
 (:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
 subject to per-GPU memory (:meth:`~ConfigModel.add_memory`)
-:math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M` for
-every rank. Products of two decision variables are exact CP-SAT multiplication constraints.
+:math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M_i`
+for every rank (:math:`M_i`: device memory less the rank's reserve,
+:mod:`autopar.planner.reserve`). Products of two decision variables are exact CP-SAT
+multiplication constraints.
 Each constraint family has one ``add_*`` method and every constraint a name; without the
 cutoff (:meth:`~ConfigModel.add_cutoff`) only the memory rows ``memory[stage i]`` can be
 unsatisfiable (replicating every node with an even split, no recompute and any ZeRO stage
@@ -63,6 +65,7 @@ from autopar.planner.cpsat_terms import (SectionTerms, int_var, precision_scale,
                                          solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
+from autopar.planner.reserve import usable_bytes
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
@@ -138,6 +141,7 @@ class ConfigModel:
                 self.terms.add(section, "act", cost.saved_bytes / KIB, xs[k])
                 self.terms.add(section, "core_act", cost.core_saved_bytes / KIB, xs[k])
                 self.terms.add(section, "param", cost.param_numel / PARAM_UNIT, xs[k])
+                self.terms.add(section, "temp", cost.temp_bytes / KIB, xs[k])
 
     def add_boundaries(self) -> None:
         r"""``boundary_replicated[n]``: :math:`x_{n,k} = 0` for every non-replicated output
@@ -236,14 +240,17 @@ class ConfigModel:
     def add_memory(self) -> None:
         r"""``memory[stage i]`` for every pipeline rank i, in KiB times d·v
         (:func:`~autopar.planner.step.scaled_memory`):
-        :math:`v \sum_z \beta_z d\, P_{i,z} + d\,(\lceil\text{inflight}_i v\rfloor A_i + v W_i)
-        \le d\,v\,M`, where :math:`P_{i,z}` = rank i's parameter units if ZeRO stage z is
-        chosen, else 0 (``params_if_zero``), :math:`\beta_z d` the state KiB per unit times
-        d (:func:`~autopar.planner.step.state_kib_times_d`), :math:`A_i` the kept
-        activations of one micro-batch (``act_stage``: plain layers, selective layers
-        without the attention core, full-recompute checkpoints, the pre section on rank 0)
-        and :math:`W_i` the working set (one layer's activations, the head and loss on the
-        last rank)."""
+        :math:`v \sum_z \beta_z d\, P_{i,z} + d\,(\lceil\text{inflight}_i v\rfloor A_i + v
+        W_i) \le d\,v\,M_i`, where :math:`M_i` is the device memory less rank i's reserve
+        (:func:`~autopar.planner.reserve.usable_bytes`: CUDA context, NCCL buffers,
+        headroom, fragmentation, pipeline receive buffers, a DP bucket), :math:`P_{i,z}` =
+        rank i's parameter units if ZeRO stage z is chosen, else 0 (``params_if_zero``),
+        :math:`\beta_z d` the state KiB per unit times d
+        (:func:`~autopar.planner.step.state_kib_times_d`), :math:`A_i` the kept activations
+        of one micro-batch (``act_stage``: plain layers, selective layers without the
+        attention core, full-recompute checkpoints, the pre section on rank 0) and
+        :math:`W_i` the working set (one layer's activations, the head and loss on the last
+        rank, with the loss's fp32 temporaries of the chosen loss strategy)."""
         cfg, terms, model = self.cfg, self.terms, self.model
         L, p = self.traced.num_layers, cfg.pp
         act_ub = terms.upper_bound("layer", "act")
@@ -251,7 +258,6 @@ class ConfigModel:
         a_sel = int_var(model, "act_layer_selective",
                           terms.expr("layer", "act") - terms.expr("layer", "core_act"), act_ub)
         ckpt = int(math.ceil(self.tables.full_ckpt_bytes / KIB))
-        limit = scaled_memory_limit(self.cluster.device.memory_bytes, cfg)
         self.params_if_zero = []
         for i in range(p):
             params, pub = self._rank_params(i)
@@ -273,7 +279,8 @@ class ConfigModel:
                                 L * act_ub * 4 + terms.upper_bound("pre", "act"))
             working = a_layer  # working set of the layer being recomputed / run
             if i == p - 1:
-                working = working + terms.expr("post", "act")
+                working = working + terms.expr("post", "act") + terms.expr("post", "temp")
+            limit = scaled_memory_limit(usable_bytes(self.tables.p2p_bytes, self.cluster, cfg, i), cfg)
             row = model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit)
             row.WithName(f"memory[stage {i}]")
             if self.memory_literals is not None:

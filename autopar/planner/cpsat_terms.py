@@ -24,8 +24,9 @@ SECTIONS = ("pre", "layer", "post")
 TIME_KEYS = ("fwd", "bwd", "core", "rec")
 """Per section: forward, backward, selective recompute (attention core forward), full
 recompute (forward up to the last saved tensor); the other keys are memory and parameters:
-"act" (saved activation KiB), "core_act" (the part selective recompute drops), "param"."""
-_KEYS = TIME_KEYS + ("act", "core_act", "param")
+"act" (saved activation KiB), "core_act" (the part selective recompute drops), "param",
+"temp" (KiB allocated and freed within the step: the loss's fp32 logits)."""
+_KEYS = TIME_KEYS + ("act", "core_act", "param", "temp")
 
 
 class SectionTerms:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
 from autopar.plan import Plan, equal_chunks, rank_layers
+from autopar.plan_memory import binding_stage, memory_line
 from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
@@ -92,15 +93,13 @@ def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],
     return bounds, recompute
 
 
-def peak_memory_line(memory_bytes_by_stage: list[dict[str, float]], cluster) -> str:
-    """The plan's binding line: the pipeline stage with the most memory per GPU, against the
-    device, and its headroom (the CP-SAT row of that stage is ``memory[stage i]``)."""
-    totals = [sum(m.values()) for m in memory_bytes_by_stage]
-    worst = max(range(len(totals)), key=totals.__getitem__)
-    headroom = cluster.device.memory_bytes - totals[worst]
-    return (f"memory[stage {worst}]: {totals[worst] / 2**30:.1f} GiB of "
-            f"{cluster.device.memory_gib:.0f} GiB per GPU (the peak-memory stage; "
-            f"{headroom / 2**30:.1f} GiB headroom)")
+def peak_memory_line(predicted, cluster) -> str:
+    """The plan's binding line: the pipeline stage with the least margin, its peak and
+    reserve against the device (the CP-SAT row of that stage is ``memory[stage i]``,
+    :func:`autopar.plan_memory.memory_line`)."""
+    device = cluster.device.memory_bytes
+    i = binding_stage(predicted, device)
+    return f"memory[stage {i}]: " + memory_line(predicted, device).split(": ", 1)[1]
 
 
 def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
@@ -126,7 +125,7 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                 stage_layers=decision.stage_layers, placements=placements, predicted=pred,
                 virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel,
                 dtype=cfg.dtype, alternatives=others,
-                binding=[peak_memory_line(pred.memory_bytes_by_stage, cluster)],
+                binding=[peak_memory_line(pred, cluster)],
                 replicated_ops=replicated_ops(traced, strategies, placements, cfg.tp,
                                               cfg.sequence_parallel))
 

@@ -72,15 +72,20 @@ def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_siz
 def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:
     """Raise :class:`~autopar.planner.decision.InfeasibleError` when a pipeline stage of
     ``pred`` needs more bytes per GPU than ``cluster``'s device holds, naming the first
-    such stage, its bytes by kind and what would lower them."""
+    such stage, its bytes by kind and what would lower them. A stage fits when its peak
+    plus its memory reserve (``pred.memory_reserve_bytes_by_stage``: context, NCCL,
+    temporaries, fragmentation, headroom; :mod:`cost_models.reserve`) is within the
+    device's memory, as the solver requires of its own plans."""
     limit = cluster.device.memory_bytes
-    for i, stage in enumerate(pred.memory_bytes_by_stage):
-        total = sum(stage.values())
-        if total > limit:
+    reserves = pred.memory_reserve_bytes_by_stage or [{} for _ in pred.memory_bytes_by_stage]
+    for i, (stage, reserve) in enumerate(zip(pred.memory_bytes_by_stage, reserves)):
+        total, held_back = sum(stage.values()), sum(reserve.values())
+        if total + held_back > limit:
             kinds = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in stage.items())
             raise InfeasibleError(
                 f"the hand layout {_flags(layout)} does not fit: memory[stage {i}] needs "
-                f"{total / 2**30:.1f} GiB per GPU ({kinds} GiB) > "
+                f"{total / 2**30:.1f} GiB per GPU ({kinds} GiB) + a reserve of "
+                f"{held_back / 2**30:.1f} GiB > "
                 f"{cluster.device.memory_gib:.0f} GiB of {cluster.device.name}; lower it with "
                 f"{', '.join(_remedies(layout))}, or let autopar.plan choose")
 

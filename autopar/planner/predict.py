@@ -17,6 +17,7 @@ from autopar.plan import Prediction, rank_layers
 from autopar.planner.comm_bytes import stage_stats
 from autopar.planner.cost_tables import CostTables, f_cost
 from autopar.planner.cpsat_edges import crosses_section
+from autopar.planner.reserve import rank_reserve
 from autopar.planner.step import (counts_tied_weight_once, model_state_bytes_by_kind, step_time_s,
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
@@ -54,7 +55,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
             out["rec_fwd_s"] += c.fwd_s
         for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("core_fwd_s", c.core_fwd_s),
                          ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
-                         ("params", c.param_numel)):
+                         ("params", c.param_numel), ("temp_bytes", c.temp_bytes)):
             out[key] += val
         strat = strategies[node.name][k]
         for j, src in enumerate(tensor_inputs(node, nodes)):
@@ -185,7 +186,9 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     """The :class:`~autopar.plan.Prediction` of ``decision`` (a
     :class:`~autopar.planner.decision.Decision` on ``tables.config``): step time (s),
     throughput (TFLOP/s per GPU, MFU, HFU over ``cluster``'s peak), memory per pipeline rank
-    by kind (bytes) and what each rank should measure (:mod:`autopar.planner.comm_bytes`).
+    by kind (bytes), each rank's memory reserve by kind and the least margin (device memory
+    less reserve less peak, :mod:`autopar.planner.reserve`) and what each rank should
+    measure (:mod:`autopar.planner.comm_bytes`).
     Per-rank sums come from walking every layer (:func:`section_cost`); the per-step
     arithmetic is :mod:`autopar.planner.step`'s. Raises ValueError when the decision's
     placements ask for a transition the strategies do not offer."""
@@ -216,6 +219,10 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         tables, cluster, cfg, decision.zero_stage)
     for st in stats:
         st["step_time_s"] = step
+    reserve = [rank_reserve(tables.p2p_bytes, cluster, cfg, i, sum(mem[i].values()),
+                            parts[i][0]["temp_bytes"]) for i in range(p)]
+    margin = min(cluster.device.memory_bytes - sum(r.values()) - sum(m.values())
+                 for r, m in zip(reserve, mem))
     slow = max(range(p), key=lambda i: stage_t[i])
     total, rec_s, params = parts[slow]
     hops = hop * cfg.virtual_stages  # v boundaries per rank
@@ -236,7 +243,8 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         mfu=model_flops / step / n / peak, hfu=(model_flops + rec_flops) / step / n / peak,
         peak_memory_bytes=max(sum(s.values()) for s in mem), memory_bytes_by_stage=mem,
         time_s_by_kind=breakdown, comm_bytes_by_kind=stats[slow]["comm_bytes"],
-        stage_time_s=stage_t, stage_stats=stats, stage_phase_s=phases)
+        stage_time_s=stage_t, stage_stats=stats, stage_phase_s=phases,
+        memory_reserve_bytes_by_stage=reserve, memory_margin_bytes=margin)
 
 
 def _sdpa_flops(traced: TracedModel) -> float:

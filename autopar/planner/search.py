@@ -24,6 +24,7 @@ from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
 from autopar.planner.decision import Decision
 from autopar.planner.predict import predict
+from autopar.planner.reserve import max_usable_bytes, p2p_bytes, usable_bytes
 from autopar.planner.search_outcome import (binding_stages, no_plan_error, solver_status,
                                             unsolved)
 from autopar.planner.strategies import node_strategies
@@ -73,7 +74,8 @@ def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layou
         return bound
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
     modes = tuple(m for m in modes if not support or m in support.recompute)
-    return max(bound, memory_time_bound_s(traced, tables, cfg, layer_s, cluster.device.memory_bytes,
+    return max(bound, memory_time_bound_s(traced, tables, cfg, layer_s,
+                                          usable_bytes(tables.p2p_bytes, cluster, cfg, 0),
                                           zero_choices(layout, support, cfg.pp), modes))
 
 
@@ -258,14 +260,16 @@ def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_sta
 def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
             support: RuntimeSupport | None, best_t: float) -> dict | None:
     """The ``seen`` entry of a config that need not be solved (the memory lower bound says
-    it does not fit, or a step-time bound of :func:`_bounds` says it cannot fit or cannot
-    beat ``best_t`` seconds), else None."""
+    it does not fit in device memory less the reserve, or a step-time bound of
+    :func:`_bounds` says it cannot fit or cannot beat ``best_t`` seconds), else None."""
     mem_lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp))
-    if mem_lb > cluster.device.memory_bytes:
+    usable = max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
+    if mem_lb > usable:
         return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
                 "min_memory_bytes": mem_lb,
                 "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
-                          f"{cluster.device.memory_gib:.0f} GiB"}
+                          f"{max(usable, 0.0) / 2**30:.1f} GiB usable "
+                          f"({cluster.device.memory_gib:.0f} GiB less the memory reserve)"}
     lb = _bounds(traced, cluster, cfg, memo, layout, support, best_t)
     if lb == float("inf"):
         return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,

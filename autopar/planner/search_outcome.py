@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from autopar.plan import SolverStatus
 from autopar.planner.decision import InfeasibleError
+from autopar.planner.reserve import reserve_text
 
 __all__ = ["SolverTimeLimitError", "STOPPED", "unsolved", "solver_status", "infeasible_message",
            "no_plan_error", "binding_stages"]
@@ -87,7 +88,7 @@ def infeasible_message(cluster, seen: list[dict], statuses: dict,
     if bounds:
         found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
                      f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
-                     f"{cluster.device.memory_gib:.1f} GiB)")
+                     f"{cluster.device.memory_gib:.1f} GiB less the reserve)")
     rank0 = sum(1 for s in seen if "memory-time lower bound" in s["reason"])
     if rank0:
         found.append(f"{rank0} where pipeline rank 0 cannot fit its layers with any "
@@ -99,9 +100,11 @@ def infeasible_message(cluster, seen: list[dict], statuses: dict,
                      "strategy, split, recompute and ZeRO choice"
                      + (f"; binding: {binding}" if binding else "") + ")")
     return (f"no plan fits in {cluster.device.memory_gib:.1f} GiB per GPU "
-            f"({cluster.device.name}, {cluster.num_gpus} GPUs): {need}. Of the {len(seen)} "
+            f"({cluster.device.name}, {cluster.num_gpus} GPUs) less the memory reserve "
+            f"({reserve_text(cluster)}): {need}. Of the {len(seen)} "
             f"mesh shapes: {'; '.join(found)}. Use more GPUs, GPUs with more memory, a "
-            "smaller global batch or micro-batch, or allow ZeRO / recompute")
+            "smaller global batch or micro-batch, a smaller --memory-headroom, or allow "
+            "ZeRO / recompute")
 
 
 def no_plan_error(cluster, seen: list[dict], statuses: dict, time_limit_s: float,

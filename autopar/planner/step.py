@@ -126,7 +126,8 @@ def scaled_memory(cfg: Config, rank: int, state_kib_d, act_kib, working_kib):
     return v * state_kib_d + d * (in_flight_times_v(cfg, rank) * act_kib + v * working_kib)
 
 
-def scaled_memory_limit(memory_bytes: int, cfg: Config) -> int:
-    """Device memory ``memory_bytes`` in KiB (rounded down) times d·v: the right-hand side
-    of :func:`scaled_memory` ≤ limit."""
-    return memory_bytes // KIB * cfg.dp * cfg.virtual_stages
+def scaled_memory_limit(memory_bytes: float, cfg: Config) -> int:
+    """``memory_bytes`` (what a rank may use: device memory less the reserve,
+    :func:`autopar.planner.reserve.usable_bytes`) in KiB, rounded down, times d·v: the
+    right-hand side of :func:`scaled_memory` ≤ limit."""
+    return int(memory_bytes // KIB) * cfg.dp * cfg.virtual_stages

@@ -13,6 +13,7 @@ Nothing here solves or prices anything.
 from __future__ import annotations
 
 from autopar.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
+from autopar.plan_memory import binding_stage, reserve_parts
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
                                    format_seconds, format_tflops, ordered, plan_flags)
@@ -104,6 +105,7 @@ def prediction_section(plan: Plan) -> list[str]:
         ["model FLOPs utilisation (MFU)", f"{p.mfu:.1%}"],
         ["hardware FLOPs utilisation (HFU)", f"{p.hfu:.1%}"],
         ["peak memory per GPU", peak],
+        *_reserve_rows(plan, device),
         ["solver", {"OPTIMAL": "OPTIMAL", "EVALUATED": "EVALUATED (hand layout, no search)"}.get(
             plan.solver.status,
             f"{plan.solver.status} (time limit hit, gap {plan.solver.gap:.1%})")],
@@ -112,6 +114,20 @@ def prediction_section(plan: Plan) -> list[str]:
     if plan.solver.status == "FEASIBLE":  # say so where the numbers are read
         lines += [f"**Not proven optimal.** {plan.solver.line().split(': ', 2)[-1]}.", ""]
     return lines
+
+
+def _reserve_rows(plan: Plan, device: float | None) -> list[list[str]]:
+    """The reserve of the stage with the least margin, and the margin (none without a
+    device size or a reserve)."""
+    p = plan.predicted
+    if not device or not p.memory_reserve_bytes_by_stage:
+        return []
+    i = binding_stage(p, device)
+    reserve = p.memory_reserve_bytes_by_stage[i]
+    return [["memory reserve per GPU", f"{format_bytes(sum(reserve.values()))} (stage {i}: "
+                                       f"{reserve_parts(reserve, shown=3)})"],
+            ["memory margin per GPU", f"{format_bytes(p.memory_margin_bytes)} (device − reserve "
+                                      "− peak)"]]
 
 
 def time_section(plan: Plan) -> list[str]:
@@ -133,10 +149,12 @@ def time_section(plan: Plan) -> list[str]:
 
 
 def memory_section(plan: Plan, chart: str | None) -> list[str]:
-    """GiB per GPU for each stage by kind (parameters, gradients, optimizer, activations)."""
+    """GiB per GPU for each stage by kind (parameters, gradients, optimizer, activations),
+    with the reserve and the margin against the device."""
     stages = plan.predicted.memory_bytes_by_stage
     kinds = ordered({k for stage in stages for k in stage}, MEMORY_KINDS)
     device = device_memory_bytes(plan)
+    reserves = plan.predicted.memory_reserve_bytes_by_stage if device else []
     largest = max((sum(stage.values()) for stage in stages), default=0.0)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     rows = []
@@ -144,11 +162,22 @@ def memory_section(plan: Plan, chart: str | None) -> list[str]:
         total = sum(stage.values())
         row = [f"{i}"] + [f"{stage.get(k, 0.0) / scale:.2f}" for k in kinds]
         row.append(f"{total / scale:.2f}")
+        if reserves:
+            reserve = sum(reserves[i].values())
+            row += [f"{reserve / scale:.2f}", f"{(device - reserve - total) / scale:.2f}"]
         rows.append(row + ([f"{total / device:.0%}"] if device else []))
-    header = ["stage"] + kinds + ["total"] + (["% of device"] if device else [])
+    header = ["stage"] + kinds + ["total"] + (["reserve", "margin"] if reserves else []) \
+        + (["% of device"] if device else [])
     lines = [f"## Memory per GPU by pipeline stage ({unit})", ""]
     if device:
         lines += [f"Device memory: {device / GIB:.0f} GiB.", ""]
+    if reserves:
+        i = binding_stage(plan.predicted, device)
+        lines += [f"*reserve* is what each process holds besides the model states and "
+                  f"activations (CUDA context, NCCL buffers, the step's temporaries, allocator "
+                  f"fragmentation, the user's headroom); *margin* = device − reserve − total. "
+                  f"Least margin: stage {i}, {format_bytes(plan.predicted.memory_margin_bytes)}; "
+                  f"its reserve: {reserve_parts(reserves[i], shown=7)}.", ""]
     lines += _table(header, rows)
     return lines + ([f"![memory per stage]({chart})", ""] if chart else [])
 
@@ -284,7 +313,8 @@ def _hand_row(name: str, hand: Plan | str, auto: Plan, device: float | None) -> 
     if not isinstance(hand, Plan):  # could not be priced: the reason is in the last column
         return [name, "–", "–", "–", "–", "–", "–", str(hand)]
     p = hand.predicted
-    fits = "yes" if device is None or p.peak_memory_bytes <= device else "**no**"
+    fits = "yes" if device is None or (p.memory_margin_bytes >= 0 if p.memory_reserve_bytes_by_stage
+                                       else p.peak_memory_bytes <= device) else "**no**"
     return [name, f"`{plan_flags(hand)}`", format_seconds(p.step_time_s),
             format_tflops(p.tflops_per_gpu), f"{p.mfu:.1%}", format_gib(p.peak_memory_bytes),
             f"{auto.predicted.step_time_s / p.step_time_s:.2f}" if p.step_time_s else "–", fits]
@@ -299,7 +329,7 @@ def hand_section(plan: Plan, hand_layouts: dict[str, Plan | str]) -> list[str]:
              "*auto/hand* is the auto plan's step time over the hand layout's: below 1 the "
              "auto plan is faster.", ""]
     lines += _table(["layout", "flags", "step time", "TFLOP/s/GPU", "MFU", "peak memory (GiB)",
-                     "auto/hand", "fits in memory"], rows, "llrrrrrl")
+                     "auto/hand", "fits with the reserve"], rows, "llrrrrrl")
     for name, hand in hand_layouts.items():
         if isinstance(hand, Plan) and hand.predicted.step_time_s:
             speedup = hand.predicted.step_time_s / plan.predicted.step_time_s

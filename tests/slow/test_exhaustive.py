@@ -34,6 +34,7 @@ from autopar.planner.strategies import (node_strategies, param_split, reshard_ki
                                 tied_groups)
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
+from cost_models.reserve import MemoryReserve
 
 WITH_ZERO = RuntimeSupport(zero_stages=(0, 1, 2, 3))
 
@@ -75,7 +76,9 @@ def _meta(cfg) -> nn.Module:
 
 
 def _memory(cluster: Cluster, gib: float) -> Cluster:
-    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=gib))
+    """``cluster`` with ``gib`` of device memory and no reserve (KiB-sized problems)."""
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=gib),
+                               memory_reserve=MemoryReserve.none())
 
 
 def _assignments(traced, strategies, names, boundary):

@@ -27,6 +27,7 @@ from autopar.planner.search import solve_one
 from autopar.planner.strategies import node_strategies, tensor_inputs
 from autopar.support import RUNTIME_SUPPORT
 from cost_models.hardware import Cluster
+from cost_models.reserve import MemoryReserve
 from helpers import fast_cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=64, block_size=16)
@@ -98,7 +99,8 @@ def test_memory_time_bound_holds_against_cp_sat():
     free = {}
     grew = False
     for gib in (8.0, 0.0006, 0.0004, 0.0003):
-        cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_gib=gib))
+        cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_gib=gib),
+                                      memory_reserve=MemoryReserve.none())
         for fields in CONFIGS:
             cfg = Config(*fields, "fp32")
             bound, step, status = _bound_and_step(traced, cluster, cfg)
