@@ -5,9 +5,9 @@ autopar).  It prices quantities -- FLOPs, bytes, group sizes -- on a described
 cluster; it does not read graphs.  Modules:
 
 * :mod:`cost_models.hardware` -- DeviceSpec, LinkSpec, Cluster and the JSON presets
-* :mod:`cost_models.compute`  -- roofline op time, GPT model FLOPs (Narayanan 2021)
+* :mod:`cost_models.compute`  -- roofline op time, GEMM tile/wave quantisation, GPT model FLOPs
 * :mod:`cost_models.memory`   -- ZeRO model states, Korthikanti activations, in-flight micro-batches
-* :mod:`cost_models.comm`     -- ring alpha-beta collectives, the link a group crosses
+* :mod:`cost_models.comm`     -- ring alpha-beta collectives, pipeline sends, the link a group crosses
 * :mod:`cost_models.pipeline` -- bubble fraction and pipelined step time
 * :mod:`cost_models.reserve`  -- the memory reserve: CUDA context, NCCL buffers, step temporaries,
   fragmentation
@@ -15,8 +15,9 @@ cluster; it does not read graphs.  Modules:
 
 from ._checks import RECOMPUTE_MODES
 from .comm import (COLLECTIVE_KINDS, all_gather_time_s, all_reduce_time_s, collective_time_s,
-                   group_link, p2p_time_s, reduce_scatter_time_s)
-from .compute import gpt_model_flops, matmul_time_s, memory_bound_time_s, op_time_s
+                   group_link, p2p_time_s, pipeline_send_time_s, reduce_scatter_time_s)
+from .compute import (gemm_efficiency, gemm_time_s, gpt_model_flops, matmul_time_s,
+                      memory_bound_time_s, op_time_s)
 from .hardware import PRESET_NAMES, Cluster, DeviceSpec, LinkSpec
 from .memory import (ADAM_OPTIMIZER_BYTES_PER_PARAM, in_flight_micro_batches,
                      model_state_bytes, transformer_layer_activation_bytes)
@@ -38,6 +39,8 @@ __all__ = [
     "all_reduce_time_s",
     "bubble_fraction",
     "collective_time_s",
+    "gemm_efficiency",
+    "gemm_time_s",
     "gpt_model_flops",
     "group_link",
     "in_flight_micro_batches",
@@ -46,6 +49,7 @@ __all__ = [
     "model_state_bytes",
     "op_time_s",
     "p2p_time_s",
+    "pipeline_send_time_s",
     "pipeline_step_time_s",
     "reduce_scatter_time_s",
     "transformer_layer_activation_bytes",

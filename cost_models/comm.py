@@ -85,6 +85,32 @@ def p2p_time_s(nbytes: float, link: LinkSpec) -> float:
     return link.latency_s + nbytes / link.bandwidth_bytes_per_s
 
 
+def pipeline_send_time_s(nbytes: float, tp: int, pp_link: LinkSpec, tp_link: LinkSpec,
+                         scatter_gather: bool = True, sequence_sharded: bool = False) -> float:
+    """One activation of ``nbytes`` (b*s*h elements, whole) sent from a pipeline stage to the
+    next, whose t = ``tp`` ranks each hold it whole (or, ``sequence_sharded``, a 1/t slice), seconds.
+
+    * ``tp == 1``, or neither option: one message of ``nbytes`` over ``pp_link``
+      (:func:`p2p_time_s`);
+    * ``scatter_gather`` (Megatron-LM's ``scatter_gather_tensors_in_pipeline``, Narayanan
+      et al. 2021, section 4.1): the t ranks of a stage hold the same tensor, so each sends
+      only its 1/t slice to its peer of the next stage over its own link, in parallel, and
+      the receivers rebuild the tensor with an all-gather over the TP link (NVLink inside
+      a node): ``p2p(nbytes/t, pp_link) + all_gather(nbytes, t, tp_link)``;
+    * ``sequence_sharded`` (sequence parallelism, Korthikanti et al. 2022: the activation
+      between layers is already split along s): each rank sends its 1/t slice and nothing
+      is gathered, ``p2p(nbytes/t, pp_link)``.
+
+    The scatter/gather pays off when ``pp_link`` is the slower inter-node link; over
+    NVLink it moves the same bytes per rank as a whole send.
+    """
+    check_positive_int("tp", tp)
+    if tp == 1 or not (scatter_gather or sequence_sharded):
+        return p2p_time_s(nbytes, pp_link)
+    send = p2p_time_s(check_non_negative("nbytes", nbytes) / tp, pp_link)
+    return send if sequence_sharded else send + all_gather_time_s(nbytes, tp, tp_link)
+
+
 def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Dispatch on ``kind`` (one of :data:`COLLECTIVE_KINDS`), seconds.
 

@@ -5,10 +5,14 @@ performance model"): an operation is bound either by arithmetic or by memory
 traffic, so its time is the larger of ``flops / sustained FLOP/s`` and
 ``bytes / memory bandwidth``.  Tensor-core GEMMs sustain a fraction of the
 datasheet peak; that fraction is ``DeviceSpec.matmul_efficiency``, one number per
-hardware profile.
+hardware profile.  On a GPU profile (``DeviceSpec.sm_count`` set) a GEMM's time also
+depends on its shape (m, n, k): :func:`gemm_time_s` prices the tile and wave
+quantisation of the kernel that runs it, so utilisation grows with the matrix sizes.
 """
 
 from __future__ import annotations
+
+import math
 
 from ._checks import RECOMPUTE_MODES, check_choice, check_non_negative, check_positive
 from .hardware import DeviceSpec
@@ -25,6 +29,72 @@ def matmul_time_s(flops: float, device: DeviceSpec) -> float:
     flops = check_non_negative("flops", flops)
     device = _check_device(device)
     return flops / (device.peak_flops * device.matmul_efficiency)
+
+
+def _check_dims(m: object, n: object, k: object, batch: object) -> tuple[int, int, int, int]:
+    dims = []
+    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"GEMM {name} must be an int >= 0, got {value!r}")
+        dims.append(value)
+    return dims[0], dims[1], dims[2], dims[3]
+
+
+def _tile_work(m: int, n: int, k: int, batch: int, device: DeviceSpec) -> float:
+    """Multiply-adds the SMs spend on ``batch`` GEMMs (m, n, k), tiles and waves included
+    (see :func:`gemm_time_s`): ``waves * sm_count * Tm * Tn * ceil(k/Tk) * Tk``, in the
+    better of the tile's two orientations."""
+    tile_m, tile_n, tile_k = device.gemm_tile
+    depth = math.ceil(k / tile_k) * tile_k
+    best = math.inf
+    for tm, tn in ((tile_m, tile_n), (tile_n, tile_m)):
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / device.sm_count)
+        best = min(best, waves * device.sm_count * tm * tn * depth)
+    return best
+
+
+def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
+    """Useful fraction of the tile work of ``batch`` GEMMs C (m x n) = A (m x k) B (k x n):
+    ``batch*m*n*k`` over the multiply-adds the SMs spend (:func:`gemm_time_s`), in (0, 1];
+    1.0 on a device without a tile model (``sm_count`` None) or for an empty GEMM."""
+    m, n, k, batch = _check_dims(m, n, k, batch)
+    device = _check_device(device)
+    if device.sm_count is None or 0 in (m, n, k, batch):
+        return 1.0
+    return batch * m * n * k / _tile_work(m, n, k, batch, device)
+
+
+def gemm_time_s(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
+    """Seconds of ``batch`` independent GEMMs C (m x n) = A (m x k) B (k x n), 2*batch*m*n*k FLOPs.
+
+    A GPU computes C in output tiles of Tm x Tn (``device.gemm_tile``), one thread block
+    per tile, each stepping through k in slices of Tk; the blocks run in *waves* of
+    ``sm_count``, one per SM (NVIDIA, "Matrix Multiplication Background User's Guide",
+    DU-09799-001, sections 2.1 and 3). Two losses follow from the shape alone:
+
+    * tile quantisation (section 3.1): a partial tile costs a whole one, so the work is
+      ``ceil(m/Tm) * ceil(n/Tn)`` tiles of ``Tm * Tn * ceil(k/Tk) * Tk`` multiply-adds;
+    * wave quantisation (section 3.2): ``T = batch * tiles`` blocks take ``ceil(T / sm_count)``
+      waves, the last one partly idle (e.g. 288 tiles on 108 SMs: 3 waves, 89% busy).
+
+    Each SM runs its tile at ``peak_flops * matmul_efficiency / sm_count`` (the one fitted
+    constant of the profile is the in-tile rate), so
+
+        time = waves * 2 * Tm * Tn * ceil(k/Tk) * Tk / (peak_flops * matmul_efficiency / sm_count)
+
+    in whichever orientation of the tile (Tm x Tn or Tn x Tm) is faster, as cuBLAS picks
+    its 256x128 or 128x256 kernel. GEMMs much narrower than a tile (a 64-wide head) are
+    priced as the padded tile: an upper bound, since the library may pick a narrower kernel.
+    On a device without a tile model (``sm_count`` None, a CPU) this is
+    ``matmul_time_s(2*batch*m*n*k)``. ValueError on negative or non-int dimensions.
+    """
+    m, n, k, batch = _check_dims(m, n, k, batch)
+    device = _check_device(device)
+    flops = 2.0 * batch * m * n * k
+    if device.sm_count is None or flops == 0:
+        return matmul_time_s(flops, device)
+    return 2.0 * _tile_work(m, n, k, batch, device) / (device.peak_flops * device.matmul_efficiency)
 
 
 def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:

@@ -63,7 +63,9 @@ class DeviceSpec:
     """Device-memory (HBM) bandwidth, GB/s (1e9 bytes/s)."""
     matmul_efficiency: float
     """Fraction of peak sustained by training GEMMs, in (0, 1]; one number per
-    hardware profile, the same for every model (a calibration knob)."""
+    hardware profile, the same for every model (a calibration knob). With a tile model
+    (``sm_count``) it is the rate inside a full GEMM tile, and tile and wave quantisation
+    come on top (:func:`cost_models.compute.gemm_time_s`)."""
     source: str
     """Where the numbers come from (spec sheet, paper + table, calibration run)."""
     op_overhead_s: float = 0.0
@@ -78,6 +80,15 @@ class DeviceSpec:
     torch's unfused AdamW (``torch/optim/adam.py`` ``_single_tensor_adam``: weight decay,
     ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, a division, ``add_`` and ``addcdiv_``, each
     a pass over fp32 tensors): 80 bytes."""
+    sm_count: int | None = None
+    """Streaming multiprocessors that run GEMM tiles concurrently (A100 108, V100 80, H100
+    SXM5 132: the NVIDIA architecture whitepapers); with ``gemm_tile`` it turns on tile and
+    wave quantisation (:func:`cost_models.compute.gemm_time_s`). None: no tile model (a CPU)."""
+    gemm_tile: tuple[int, int, int] | None = None
+    """(tile_m, tile_n, tile_k): the output tile and K step of the library's most efficient
+    tensor-core GEMM kernel (cuBLAS 256x128, e.g. ``ampere_bf16_s16816gemm_bf16_256x128_
+    ldg8_f2f_stages_32x3``; NVIDIA "Matrix Multiplication Background" guide, section 2.3),
+    usable in either orientation. None together with ``sm_count``."""
 
     def __post_init__(self) -> None:
         _check_text("DeviceSpec.name", self.name, "the device model")
@@ -93,7 +104,22 @@ class DeviceSpec:
                 f"DeviceSpec.matmul_efficiency must be a number in (0, 1], got {eff!r}"
             )
         _set(self, "matmul_efficiency", float(eff))
+        self._check_tile_model()
         _check_text("DeviceSpec.source", self.source, "where the numbers come from")
+
+    def _check_tile_model(self) -> None:
+        """``sm_count`` and ``gemm_tile`` come together (positive ints) or not at all."""
+        if (self.sm_count is None) != (self.gemm_tile is None):
+            raise ValueError("DeviceSpec.sm_count and DeviceSpec.gemm_tile go together: give "
+                             f"both or neither, got {self.sm_count!r} and {self.gemm_tile!r}")
+        if self.sm_count is None:
+            return
+        check_positive_int("DeviceSpec.sm_count", self.sm_count)
+        tile = self.gemm_tile
+        if not isinstance(tile, (tuple, list)) or len(tile) != 3:
+            raise ValueError(f"DeviceSpec.gemm_tile must be (tile_m, tile_n, tile_k), got {tile!r}")
+        _set(self, "gemm_tile", tuple(check_positive_int(f"DeviceSpec.gemm_tile[{i}]", v)
+                                      for i, v in enumerate(tile)))
 
     @property
     def memory_bytes(self) -> int:
@@ -228,8 +254,12 @@ class Cluster:
 
     # ----------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict; ``Cluster.from_dict(c.to_dict()) == c`` exactly."""
-        return dataclasses.asdict(self)
+        """A JSON-able dict of JSON types (``gemm_tile`` a list, as JSON reads it back);
+        ``Cluster.from_dict(c.to_dict()) == c`` exactly."""
+        d = dataclasses.asdict(self)
+        if d["device"]["gemm_tile"] is not None:
+            d["device"]["gemm_tile"] = list(d["device"]["gemm_tile"])
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":

@@ -17,8 +17,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, is_conv1d, linear_features,
-                               op_name, packet)
+from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
+                               linear_features, op_name, packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index"]
 
@@ -279,7 +279,8 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
             flops=_flops(node, kind, gm, numel), params=tuple(params),
             param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
             extra={"param_sizes": params,
-                   "saves_inputs": packet(node.target) in SAVES_INPUTS and kind != "other"},
+                   "saves_inputs": packet(node.target) in SAVES_INPUTS and kind != "other",
+                   **gemm_shapes(node, kind, gm, numel)},
         )
     _add_saved_bytes(gm, nodes)
     _mark_per_sequence(gm, nodes)

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 __all__ = ["SDPA_ARGS", "POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
            "MATMULS", "CREATION_OPS", "aten_kind", "linear_features", "is_conv1d", "packet",
-           "op_name"]
+           "op_name", "gemm_shapes"]
 
 aten = torch.ops.aten
 
@@ -106,3 +106,30 @@ def op_name(node, gm: nn.Module) -> str:
     op = packet(node.target)
     name = op.__name__ if op is not None else getattr(node.target, "__name__", str(node.target))
     return name.strip("_") or name
+
+
+def gemm_shapes(node, kind: str, gm: nn.Module, numel: int) -> dict:
+    """The forward GEMMs of a matmul node (``kind`` as annotation names it) for one
+    sequence, for shape-aware pricing (:func:`cost_models.compute.gemm_time_s`):
+    ``{"gemms": ((batch, m, n, k), ...),
+    "gemm_folded": bool}``, where C (m x n) = A (m x k) B (k x n), ``batch`` independent
+    ones; folded: the batch and sequence dims are folded into m (a Linear on (b, s, h):
+    m = b*s tokens), else the micro-batch multiplies ``batch`` (attention's b*heads).
+    Empty for other kinds or shapes it cannot read (they are priced by FLOPs alone)."""
+    if kind == "linear":
+        in_f, out_f, _ = linear_features(gm.get_submodule(node.target))
+        return {"gemms": ((1, numel // out_f, out_f, in_f),), "gemm_folded": True}
+    shape = lambda n: tuple(n.meta["tensor_meta"].shape)  # noqa: E731
+    if kind == "sdpa":  # Q·Kᵀ (s x s_kv, depth hd), then P·V (s x hd, depth s_kv), per head
+        _, nh, s, hd = shape(node.args[0])
+        s_kv, hd_v = shape(node.args[1])[2], shape(node.args[2])[-1]
+        return {"gemms": ((nh, s, s_kv, hd), (nh, s, hd_v, s_kv)), "gemm_folded": False}
+    if kind == "matmul" and len(node.args) >= 2:
+        a, b = shape(node.args[0]), shape(node.args[1])
+        if len(a) < 2 or len(b) < 2:
+            return {}
+        if len(b) == 2:  # x @ W: every leading dim of x is a row of one GEMM
+            return {"gemms": ((1, numel // b[1], b[1], b[0]),), "gemm_folded": True}
+        m, n = a[-2], b[-1]
+        return {"gemms": ((numel // (m * n), m, n, a[-1]),), "gemm_folded": False}
+    return {}

@@ -7,9 +7,13 @@ Assumptions (the standard ones of Megatron-LM papers, stated once):
 
 * bf16/fp16 mixed precision: 2-byte activations and communication, mixed-precision Adam
   model states (2 + 2 + 12 bytes per parameter, ZeRO paper section 3.1);
-* matmuls (linear, attention) run at the device's calibrated ``matmul_efficiency``; other
-  ops are memory-bound (read inputs + write output at HBM bandwidth);
-* backward costs twice the forward (Narayanan et al. 2021, section 5.1);
+* matmuls (linear, attention, batched matmul) run at the device's calibrated
+  ``matmul_efficiency`` inside a GEMM tile, with the tile and wave quantisation of their
+  (m, n, k) shapes on a GPU (:func:`cost_models.compute.gemm_time_s`), forward and the two
+  backward GEMMs each at its own shape; other ops are memory-bound (read inputs + write
+  output at HBM bandwidth), their backward twice the forward (Narayanan et al. 2021, 5.1);
+* a pipeline send between nodes at tp > 1 is Megatron's scatter/gather (1/t per rank over
+  InfiniBand, then an all-gather over NVLink; Narayanan et al. 2021, section 4.1);
 * the loss (cross-entropy over the vocabulary) runs in fp32 on the last stage and keeps
   its softmax (4 bytes per logit) for backward;
 * DP gradients are reduced in 25 MB buckets that overlap the backward of the last
@@ -25,6 +29,7 @@ from cost_models.hardware import Cluster
 from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES, TracedModel, saves_inputs
+from autopar.planner.matmul_cost import gemm_times_s
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
@@ -209,31 +214,40 @@ def _loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: 
 def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
               act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
     """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
-    (linear, attention) at the calibrated matmul rate, attention's softmax passes over the
-    s×s scores (``attention="math"``) and every other op memory-bound over its ``in_numel``
-    input and output elements of ``act_bytes`` bytes, plus the device's per-op overhead;
-    backward = 2 × forward (Narayanan et al. 2021, section 5.1); saved bytes divided by t
-    when the output is sharded. ``b``: micro-batch size (per-sequence nodes scale by it)."""
+    (linear, attention, batched matmul) at their GEMM shapes (:func:`gemm_times_s`: the
+    calibrated in-tile rate with tile and wave quantisation), attention's softmax passes
+    over the s×s scores (``attention="math"``), a batched matmul no faster than the memory
+    traffic of its inputs and output (roofline), every other op memory-bound over its
+    ``in_numel`` input and output elements of ``act_bytes`` bytes, plus the device's per-op
+    overhead; backward = 2 × forward for non-matmul ops (Narayanan et al. 2021, section
+    5.1); saved bytes divided by t when the output is sharded. ``b``: micro-batch size
+    (per-sequence nodes scale by it)."""
     dev = cluster.device
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
-    if info.kind in ("linear", "sdpa"):
-        fwd = compute.matmul_time_s(info.flops * b / div, dev)
+    if info.kind in ("linear", "sdpa", "matmul"):
+        fwd, bwd = gemm_times_s(info, strat, b, dev)
         if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
             passes = info.extra.get("score_passes_elems", 0)
-            fwd += compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
+            memory = compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
+            fwd, bwd = fwd + memory, bwd + 2.0 * memory
+        elif info.kind == "matmul":  # e.g. eager attention's q·kᵀ writes the s×s scores
+            memory = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+            fwd, bwd = max(fwd, memory), max(bwd, 2.0 * memory)
     elif info.kind in ("view", "transpose", "input", "output", "nontensor"):
-        fwd = 0.0
+        fwd = bwd = 0.0
     else:
         fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+        bwd = 2.0 * fwd
     if info.kind not in ("view", "transpose", "input", "output", "nontensor"):
         fwd += dev.op_overhead_s  # dispatch / launch of the op itself
+        bwd += 2.0 * dev.op_overhead_s
     sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them);
     # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
     core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
-    return StrategyCost(fwd_s=fwd, bwd_s=2.0 * fwd, param_numel=_param_numel(info, strat),
+    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=fwd if info.kind == "sdpa" else 0.0)
 
@@ -256,9 +270,15 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     if key not in memo:
         memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo)
     base = memo[key]
+    if cfg.pp == 1:
+        return replace(base, config=cfg, p2p_s=0.0)
+    # Megatron scatters a send over the TP ranks and all-gathers it over NVLink when the
+    # stages sit in different nodes; under SP the activation between layers is a 1/t slice
     pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
-    return replace(base, config=cfg,
-                   p2p_s=2.0 * comm.p2p_time_s(base.p2p_bytes, pp_link) if cfg.pp > 1 else 0.0)
+    send = comm.pipeline_send_time_s(
+        base.p2p_bytes, cfg.tp, pp_link, comm.group_link(cluster, cfg.tp, 1),
+        scatter_gather=pp_link != cluster.intra_node, sequence_sharded=cfg.sequence_parallel)
+    return replace(base, config=cfg, p2p_s=2.0 * send)
 
 
 def _node_key(info) -> tuple:
@@ -266,7 +286,8 @@ def _node_key(info) -> tuple:
     extra = info.extra
     return (info.kind, info.flops, info.per_sequence, info.numel, info.param_numel,
             info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
-            info.flash_elems, extra.get("score_passes_elems", 0),
+            info.flash_elems, extra.get("score_passes_elems", 0), extra.get("gemms"),
+            extra.get("gemm_folded"),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
 
 

@@ -1,0 +1,49 @@
+"""Seconds of a graph node's matrix multiplications at their shapes, for the cost tables.
+
+Annotation records each matmul node's forward GEMMs as ``(batch, m, n, k)`` for one
+sequence (:func:`autopar.graph.ops.gemm_shapes`); this module applies the micro-batch and
+the tensor-parallel split to those shapes and prices the forward GEMMs and the two
+backward GEMMs of each with :func:`cost_models.compute.gemm_time_s` (tile and wave
+quantisation on a GPU profile, plain FLOPs on a CPU one).
+"""
+
+from __future__ import annotations
+
+from cost_models import compute
+from cost_models.hardware import DeviceSpec
+
+from autopar.graph.annotate import NodeInfo
+from autopar.planner.strategies import Strategy
+
+__all__ = ["gemm_times_s"]
+
+
+def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of node ``info``'s GEMMs (``extra["gemms"]``, annotation)
+    for ``b`` sequences on one rank under ``strat``: a column split divides n by t, a row
+    split k, a split of heads (attention, batched matmul) the batch, a folded matmul m.
+    Backward of C = A·B runs dA = dC·Bᵀ (m x k, depth n) and dB = Aᵀ·dC (k x n, depth m),
+    each at its own shape (:func:`cost_models.compute.gemm_time_s`). A node without
+    shapes is priced by its FLOPs, backward twice the forward."""
+    div, gemms = strat.compute_divisor, info.extra.get("gemms")
+    if not gemms:
+        fwd = compute.matmul_time_s(info.flops * b / div, dev)
+        return fwd, 2.0 * fwd
+    fwd = bwd = 0.0
+    for batch, m, n, k in gemms:
+        if info.extra.get("gemm_folded"):
+            m *= b
+        else:
+            batch *= b
+        if div > 1:
+            if strat.name == "column":
+                n = -(-n // div)
+            elif strat.name == "row":
+                k = -(-k // div)
+            elif batch % div == 0:
+                batch //= div
+            else:
+                m = -(-m // div)
+        fwd += compute.gemm_time_s(m, n, k, dev, batch)
+        bwd += compute.gemm_time_s(m, k, n, dev, batch) + compute.gemm_time_s(k, n, m, dev, batch)
+    return fwd, bwd
