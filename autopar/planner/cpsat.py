@@ -337,6 +337,7 @@ class ConfigModel:
         dp_coef = {z: dp_comm_s_per_param(z, cluster, cfg) * PARAM_UNIT * ups for z in self.zero}
         opt_coef = {z: optimizer_s_per_param(z, cluster, cfg) * PARAM_UNIT * ups for z in self.zero}
         k = precision_scale(list(dp_coef.values()) + list(opt_coef.values()))
+        self.param_unit_time = max(round(dp_coef[z] * k) + round(opt_coef[z] * k) for z in self.zero) / k
         limit = 10**17 // k  # keep tdp·k far from int64 overflow (CP-SAT rejects such models)
         tdp = self.model.NewIntVar(0, limit, "t_dp")
         topt = self.model.NewIntVar(0, limit, "t_optimizer")
@@ -349,11 +350,15 @@ class ConfigModel:
         return tdp, topt
 
     def add_cutoff(self, step_time_s: float) -> None:
-        """``beats_incumbent``: only plans faster than ``step_time_s`` (seconds, the best
-        found so far) are of interest: objective ≤ step_time_s · units_per_second · v."""
-        v = self.cfg.virtual_stages
-        self.model.Add(self.objective <= int(step_time_s * self.units_per_second * v)).WithName(
-            "beats_incumbent")
+        """``beats_incumbent``: objective ≤ step_time_s·units_per_second·v (the best so far) + the
+        most that rounding parameters up adds (a PARAM_UNIT per holding node and layer copy)."""
+        v, L = self.cfg.virtual_stages, self.traced.num_layers
+        holds = {n for n, costs in self.tables.node.items() if any(c.param_numel for c in costs)}
+        count = sum(1 for n in self.section_of if n in holds and self.section_of[n] != "layer")
+        count += L * sum(1 for n in self.traced.layers[0] if n in holds)
+        rounding = v * self.param_unit_time * count
+        self.model.Add(self.objective <= int(step_time_s * self.units_per_second * v + rounding)
+                       ).WithName("beats_incumbent")
 
     # -- solve and read back --------------------------------------------------------------
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
