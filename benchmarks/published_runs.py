@@ -243,6 +243,39 @@ def auto_line(row: dict) -> str:
 
 
 # --------------------------------------------------------------------------- report
+def _peak_margin(plan: autopar.Plan) -> str:
+    """"peak / margin" in GiB of ``plan``'s prediction."""
+    p = plan.predicted
+    return f"{p.peak_memory_bytes / 2**30:.1f} / {p.memory_margin_bytes / 2**30:.1f}"
+
+
+def auto_markdown(autos: list[dict]) -> str:
+    """The report's section of :func:`auto_vs_published` rows ("" when there are none)."""
+    if not autos:
+        return ""
+    slower = [a for a in autos if a["ratio"] is not None and a["ratio"] > 1 + 1e-9]
+    lines = ["", "## autopar's plan vs the published layout, with the memory reserve", "",
+             "`autopar.plan` for each run's model, cluster, B and s beside `autopar.evaluate` "
+             "of its published layout, both under device memory less the reserve "
+             "(`cost_models/reserve.py`); predicted step seconds. Auto is predicted slower on "
+             f"{len(slower)} of {len(autos)} runs.", "",
+             "| run | auto layout | auto step s | auto peak / margin GiB | published step s | "
+             "published peak / margin GiB | auto / published |", "|---|---|---|---|---|---|---|"]
+    for a in autos:
+        auto, run = a["auto"], a["run"]
+        flags = (f"t{auto.tp} p{auto.pp} d{auto.dp} b{auto.micro_batch_size} {auto.schedule}"
+                 + (f" v={auto.virtual_stages}" if auto.virtual_stages > 1 else "")
+                 + (" SP" if auto.sequence_parallel else ""))
+        if a["published_error"]:
+            pub = ["does not fit with the reserve", "", "—"]
+        else:
+            pub = [f"{a['published_s']:.2f}", _peak_margin(a["hand"]), f"{a['ratio']:.3f}"]
+        lines.append(f"| {run.name} | {flags} | {a['auto_s']:.2f} | {_peak_margin(auto)} | "
+                     + " | ".join(pub) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
 def _fmt_kinds(kinds: dict[str, float]) -> str:
     top = sorted(((k, v) for k, v in kinds.items() if v > 0), key=lambda kv: -kv[1])[:4]
     return ", ".join(f"{k} {v:.2f}" for k, v in top)
@@ -330,16 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[-1]
         print(f"{run.name:34s} published {run.published:6.1f} predicted {r['predicted']:6.1f} "
               f"{r['error']:+7.1%}  ({r['seconds']:.1f} s){'  known gap' if run.known_gap else ''}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows), encoding="utf-8")
-    print(f"report written to {args.out}")
+    autos = []
     if args.auto:
         print("\nauto plan vs the published layout, both with the memory reserve "
               "(predicted step time):")
         for run in RUNS:
             if args.only is None or args.only in run.name:
-                row = auto_vs_published(run)
-                print(f"{auto_line(row)}  ({row['seconds']:.0f} s)", flush=True)
+                autos.append(auto_vs_published(run))
+                print(f"{auto_line(autos[-1])}  ({autos[-1]['seconds']:.0f} s)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown(rows) + auto_markdown(autos), encoding="utf-8")
+    print(f"report written to {args.out}")
     return 0
 
 
