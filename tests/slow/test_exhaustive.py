@@ -123,7 +123,7 @@ def test_pareto_options_cover_every_tp_assignment():
             sections, config_options(traced, strategies, tables)):
         for o in options:  # each option is a real assignment, priced as predict prices it
             vec = _vector(traced, strategies, tables, {**r_out, **o.choice}, names)
-            assert vec == pytest.approx(o.vec[:7] + o.vec[-1:], rel=1e-12), names
+            assert vec == pytest.approx(o.vec[:7] + (o["bwd_s"],), rel=1e-12), names
         count = 0
         for choice in _assignments(traced, strategies, names, boundary):
             if replicated and strategies[names[-1]][choice[names[-1]]].output != REPLICATE:
@@ -131,7 +131,7 @@ def test_pareto_options_cover_every_tp_assignment():
             count += 1
             vec = _vector(traced, strategies, tables, {**r_out, **choice}, names)
             ties = {(n, s) for n, s in _split(traced, strategies, choice)}
-            assert any(set(o.ties) == ties and _no_worse(o.vec[:7] + o.vec[-1:], vec)
+            assert any(set(o.ties) == ties and _no_worse(o.vec[:7] + (o["bwd_s"],), vec)
                        for o in options), choice
         assert count >= len(options) and (len(names) < 5 or count > 20), (names, count)
 
