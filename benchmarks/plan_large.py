@@ -11,8 +11,9 @@ search (``autopar.plan`` without its capture), prints the plan, and checks
 * the plan's predicted FLOPs (model FLOPs behind MFU; hardware FLOPs behind TFLOP/s, with
   the recomputed forwards) equal the closed forms of :mod:`autopar.oracle.plan_forms`;
 * its predicted memory per GPU, each pipeline rank and kind, equals the closed form when
-  the plan's TP placements are Megatron's hand pattern (the plan re-priced with
-  :func:`~autopar.planner.megatron.megatron_placements`). The solver's own
+  the plan's TP placements are Megatron's hand pattern without sequence parallelism (the
+  plan re-priced with :func:`~autopar.planner.megatron.megatron_placements`, SP off: the
+  closed forms are Korthikanti's tensor-parallel rows). The solver's own
   placements differ from that pattern where it is free to (which element-wise ops run on
   which shards): its prediction is printed beside it with the nodes that differ.
 
@@ -128,10 +129,12 @@ def flops_rows(case: Case) -> list[tuple[str, float, float]]:
 
 
 def reference_prediction(case: Case):
-    """The plan's decisions re-priced with Megatron's placements instead of the solver's."""
+    """The plan's decisions re-priced with Megatron's placements instead of the solver's,
+    without sequence parallelism (the closed forms' Korthikanti et al. 2022 Table 2 rows
+    "tensor parallel", :mod:`autopar.oracle.plan_forms`) whether or not the plan uses it."""
     plan = case.plan
-    ref = replace(plan, placements=megatron_placements(case.traced, plan.tp,
-                                                       sequence_parallel=plan.sequence_parallel))
+    ref = replace(plan, sequence_parallel=False,
+                  placements=megatron_placements(case.traced, plan.tp, sequence_parallel=False))
     decision, tables, strategies = decision_from_plan(case.traced, case.cluster, ref)
     return predict(case.traced, strategies, tables, case.cluster, decision,
                    global_batch_size=plan.global_batch_size)

@@ -25,7 +25,7 @@ from helpers import reference as _reference, rel as _rel, seeded_gpt as _model
 # placements and sequence parallelism on a cluster where communication is nearly free (so it
 # shards aggressively, uses gathers/scatters and, at tp 2, chooses SP); "megatron" forces
 # Megatron's column/row/heads/vocab pattern without SP, "megatron-sp" with it;
-# "scattered-logits" the solver's without SP, with the head replicated and its logits
+# "scattered-logits" Megatron's without SP, with the head replicated and its logits
 # scattered over the vocabulary into the vocabulary-parallel loss (once a KeyError in the
 # loss's set-up).
 WORLD2 = [(2, 1, 1, 2, "none", "solver"), (2, 1, 1, 4, "none", "megatron"),
@@ -42,15 +42,14 @@ def _plan(world, tp, pp, dp, mbs, recompute, kind) -> autopar.Plan:
     layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute,
                             sequence_parallel=sequence_parallel if tp > 1 else None)
     plan = autopar.plan(meta, _cluster(world), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
-    if kind.startswith("megatron"):
+    if kind.startswith("megatron") or kind == "scattered-logits":
         placements = megatron_placements(trace_model(meta, SEQ), tp,
                                          sequence_parallel=plan.sequence_parallel)
+        if kind == "scattered-logits":
+            placements.update(transformer_wte="replicate:R", lm_head="replicate:R",
+                              output="vocab_parallel:S2")
         plan = dataclasses.replace(plan, placements=placements)
         plan = autopar.evaluate_plan(meta, _cluster(world), plan)
-    elif kind == "scattered-logits":
-        placements = {**plan.placements, "transformer_wte": "replicate:R", "lm_head": "replicate:R",
-                      "output": "vocab_parallel:S2"}
-        plan = autopar.evaluate_plan(meta, _cluster(world), dataclasses.replace(plan, placements=placements))
     return plan
 
 

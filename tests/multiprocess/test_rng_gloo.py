@@ -37,10 +37,11 @@ _cluster = fast_cluster  # gpus_per_node = world (always 2 here)
 def _plan(tp: int, pp: int, dp: int, recompute: str = "none", kind: str = "solver") -> autopar.Plan:
     with torch.device("meta"):
         meta = GPT(CONFIG)
+    sp = {"megatron": False, "megatron-sp": True}.get(kind)
     layout = autopar.Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=2, recompute=recompute,
-                            sequence_parallel=False if kind == "megatron" else None)
+                            sequence_parallel=sp)
     plan = autopar.plan(meta, _cluster(2), global_batch_size=BATCH, seq_len=SEQ, layout=layout)
-    if kind == "megatron":
+    if kind.startswith("megatron"):
         plan = dataclasses.replace(plan, placements=megatron_placements(
             trace_model(meta, SEQ), tp, sequence_parallel=plan.sequence_parallel))
     return plan
@@ -87,7 +88,7 @@ def _without_tracker_restore(gm, layer_nodes, recompute, tracker=None):
 
 
 def _worker(rank: int, world: int, plans: dict) -> dict:
-    out: dict = {"masks": {k: _masks(plans[k]) for k in ("megatron", "solver")}}
+    out: dict = {"masks": {k: _masks(plans[k]) for k in ("megatron", "megatron-sp")}}
     for case in ("tp", "dp", "pp"):
         out[case] = [_train(plans[case], seed, 3)[0] for seed in (1, 1, 2)]
     out["recompute"] = {mode: _train(plans[mode], 1, 2) for mode in ("none", "full", "selective")}
@@ -98,7 +99,8 @@ def _worker(rank: int, world: int, plans: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
-    plans = {"megatron": _plan(2, 1, 1, kind="megatron"), "solver": _plan(2, 1, 1),
+    plans = {"megatron": _plan(2, 1, 1, kind="megatron"),
+             "megatron-sp": _plan(2, 1, 1, kind="megatron-sp"),
              "tp": _plan(2, 1, 1), "dp": _plan(1, 1, 2), "pp": _plan(1, 2, 1)}
     for mode in ("none", "full", "selective"):
         plans[mode] = _plan(2, 1, 1, mode, kind="megatron")
@@ -107,7 +109,7 @@ def runs() -> list[dict]:
 
 def test_replicated_masks_agree_and_sharded_masks_differ_across_tp(runs):
     counts = {"default": 0, "forked": 0, "forked_core": 0}
-    for kind in ("megatron", "solver"):
+    for kind in ("megatron", "megatron-sp"):
         r0, r1 = runs[0]["masks"][kind], runs[1]["masks"][kind]
         assert set(r0) == set(r1) and r0
         for name, a in r0.items():
@@ -120,8 +122,8 @@ def test_replicated_masks_agree_and_sharded_masks_differ_across_tp(runs):
             else:  # heads: the same q, k, v on both ranks, different dropout
                 assert torch.allclose(a["ref"], b["ref"]), (kind, name)
                 assert not torch.allclose(a["out"], b["out"]), (kind, name)
-    # megatron: 5 replicated dropouts + 2 cores; solver: also the 4 residual dropouts sharded
-    assert counts == {"default": 5 + 1, "forked": 4, "forked_core": 4}, counts
+    # megatron: 5 replicated dropouts + 2 cores; megatron-sp: the 5 on sequence shards + 2 cores
+    assert counts == {"default": 5, "forked": 5, "forked_core": 4}, counts
 
 
 @pytest.mark.parametrize("case", ["tp", "dp", "pp"])

@@ -42,11 +42,12 @@ def example(tmp_path_factory):
 
 
 def _table(text: str, heading: str) -> dict[str, list[str]]:
-    """The pipe table under ``heading``: first cell -> the other cells of its row."""
+    """The pipe table under ``heading``: first cell -> the other cells of its row (the
+    header row included, under its first cell)."""
     section = text.split(heading, 1)[1].split("\n#", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     return {cells[0]: cells[1:] for cells in
-            ([c.strip() for c in row.strip("|").split("|")] for row in rows[2:])}
+            ([c.strip() for c in row.strip("|").split("|")] for row in rows[:1] + rows[2:])}
 
 
 def test_sections_in_order_and_charts_in_their_sections(example):
@@ -97,7 +98,10 @@ def test_numbers_equal_the_plans(example):
     assert prediction["peak memory per GPU"][0].startswith(format_bytes(p.peak_memory_bytes))
     memory = _table(text, "## Memory per GPU by pipeline stage (GiB)")
     stage = p.memory_bytes_by_stage[0]
-    assert float(memory["0"][-2]) == pytest.approx(sum(stage.values()) / 2**30, abs=0.006)
+    row = dict(zip(memory["stage"], memory["0"]))
+    assert float(row["total"]) == pytest.approx(sum(stage.values()) / 2**30, abs=0.006)
+    reserve = sum(p.memory_reserve_bytes_by_stage[0].values())
+    assert float(row["reserve"]) == pytest.approx(reserve / 2**30, abs=0.006)
     assert float(memory["0"][0]) == pytest.approx(stage["parameters"] / 2**30, abs=0.006)
     times = _table(text, "## Where the step time goes")
     assert times["compute"][0] == format_seconds(p.time_s_by_kind["compute"])

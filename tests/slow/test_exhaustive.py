@@ -147,9 +147,11 @@ def _split(traced, strategies, choice):
             if any(n in g for g in tied_groups(traced))]
 
 
-def test_fast_pricing_equals_predict_on_random_plans():
+@pytest.mark.parametrize("attention", ["math", "flash"])  # flash: kept views of the kernel's output
+def test_fast_pricing_equals_predict_on_random_plans(attention):
     traced = trace_model(_meta(GPTConfig(6, 8, 256, 512, 128)), 128)
-    cluster, rng, groups = Cluster.dgx_a100(1), random.Random(0), tied_groups(traced)
+    cluster = dataclasses.replace(Cluster.dgx_a100(1), attention=attention)
+    rng, groups = random.Random(0), tied_groups(traced)
     configs = candidate_configs(traced, cluster, 16, autopar.Layout(), None)
     for _ in range(40):
         cfg = rng.choice(configs)
