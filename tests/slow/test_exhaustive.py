@@ -4,8 +4,8 @@ Ladder: (1) the dynamic programme over TP assignments loses no assignment (naive
 enumeration of a small model, each priced by predict.section_cost); (2) the fast stage
 pricing equals predict on random plans; (3) on a small model the exhaustive optimum equals
 a brute force over every whole plan priced by predict; (4) autopar's CP-SAT plan has the
-exhaustive optimum's predicted step time within 0.1% on GPTs of 2-8 layers, h 64-1024,
-N <= 16, with and without binding memory.
+exhaustive optimum's predicted step time within 0.1% on GPTs of 2-4 layers, h 64-256,
+N <= 16, with and without binding memory (larger cases: benchmarks/exhaustive_vs_cpsat.py).
 """
 
 from __future__ import annotations
@@ -217,17 +217,18 @@ def test_exhaustive_equals_brute_force_over_whole_plans():
         assert got.step_time_s == pytest.approx(want, rel=1e-12)
 
 
-# (model, cluster, global batch, seq_len, memory GiB or None): N <= 16, L 2-8, h 64-1024
+# (model, cluster, global batch, seq_len, memory GiB or None): N <= 16, L 2-4, h 64-256.
+# The 6- and 8-layer, h 512-1024 cases (up to 10 minutes each on 2 cores) are
+# benchmarks/exhaustive_vs_cpsat.py's, which exits 1 on a gap above 0.1%.
+_FLASH_CPU2 = dataclasses.replace(Cluster.local_cpu(2), attention="flash")
 CASES = {
     "cpu2-L2-h64": (GPTConfig(2, 4, 64, 256, 64), Cluster.local_cpu(2), 8, 64, None),
     # microsecond-scale steps (issue 13 measured a +9.4% gap here: mbs 2 chosen over mbs 4)
     "a100x16-L2-h64": (GPTConfig(2, 4, 64, 256, 64), Cluster.dgx_a100(2), 16, 64, None),
     "cpu8-L4-h256": (GPTConfig(4, 8, 256, 512, 128), Cluster.local_cpu(8), 16, 128, None),
-    "a100x8-L6-h512": (GPTConfig(6, 8, 512, 1024, 128), Cluster.dgx_a100(1), 16, 128, None),
-    "a100x16-L8-h1024": (GPTConfig(8, 16, 1024, 1024, 256), Cluster.dgx_a100(2), 16, 256, None),
     "cpu4-L4-h256-recompute": (GPTConfig(4, 8, 256, 512, 256), Cluster.local_cpu(4), 16, 256, 0.02),
-    "a100x8-L8-h1024-recompute": (GPTConfig(8, 16, 1024, 1024, 512), Cluster.dgx_a100(1), 16, 512,
-                                  0.35),
+    # flash attention: the projection's kept view of the kernel's output (planner.kept_views)
+    "cpu2-L2-h64-flash-recompute": (GPTConfig(2, 4, 64, 256, 64), _FLASH_CPU2, 8, 64, 0.004),
 }
 
 

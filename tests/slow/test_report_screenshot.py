@@ -52,7 +52,8 @@ def test_timeline_and_memory_chart_are_visible(screenshot_png):
     # 1.3B on one node: p=1, the timeline draws 16 forwards and 16 backwards
     assert counts["timeline"]["F"] > 10_000 and counts["timeline"]["B"] > 20_000, counts
     assert sum(counts["memory"].values()) > 20_000, counts
-    assert all(v > 1000 for v in counts["memory"].values()), counts  # all four kinds drawn
+    # all four kinds drawn (ZeRO shards the gradients: their bar is the thinnest, ~400 px)
+    assert all(v > 200 for v in counts["memory"].values()), counts
     assert shot.main([str(REPORT / "report.html"), str(screenshot_png)]) == 0
 
 
