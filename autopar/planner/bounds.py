@@ -1,12 +1,12 @@
 r"""Lower bounds that prune a search's configs before CP-SAT sees them (step 3 of the flow).
 
 :func:`autopar.planner.search.search` visits the configs (mesh shape, micro-batch size,
-schedule) in order of :func:`compute_bound_s` and skips one when a bound says it cannot beat
-the best plan found so far, or cannot fit device memory. Every bound here holds for every
-plan the CP-SAT model of :mod:`autopar.planner.cpsat` admits, so pruning never loses the
-optimum (memory: device memory less the reserve, :mod:`autopar.planner.reserve`); all
-quantities are those of :mod:`autopar.planner.cost_tables`, per micro-batch and GPU, in
-seconds and bytes.
+schedule) in order of :func:`step_bound_s` (with the layer's least compute) and skips one
+when a bound says it cannot beat the best plan found so far, or cannot fit device memory.
+Every bound here holds for every plan the CP-SAT model of :mod:`autopar.planner.cpsat`
+admits, so pruning never loses the optimum (memory: device memory less the reserve,
+:mod:`autopar.planner.reserve`); all quantities are those of
+:mod:`autopar.planner.cost_tables`, per micro-batch and GPU, in seconds and bytes.
 
 The pipeline step of :mod:`autopar.planner.cpsat` (v virtual stages, 1 for 1F1B and GPipe)
 is :math:`((v m - 1)\,T_{max} + \sum_i T_i)/v` plus non-negative terms, so with
@@ -15,20 +15,25 @@ is :math:`((v m - 1)\,T_{max} + \sum_i T_i)/v` plus non-negative terms, so with
 .. math:: \text{step} \ge (m - 1/v)\,T_0 + L\,\ell / v,
 
 where rank 0, holding the most micro-batches in flight and the embedding, pays for the
-recompute its memory forces (:func:`memory_time_bound_s`).
+recompute its memory forces, and every plan for its DP reduction beyond the last backward,
+its optimizer step and its sends (:func:`step_bound_s`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cost_models.memory import in_flight_micro_batches
 
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.planner.cost_tables import Config, CostTables, bytes_per_param, node_cost
+from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
+                                         node_cost, optimizer_s_per_param)
 from autopar.planner.decision import stage_size_range
+from autopar.planner.reserve import usable_bytes
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 
 __all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
-           "memory_time_bound_s"]
+           "LayerPieces", "layer_pieces", "step_bound_s"]
 
 MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound allows for it
 
@@ -58,11 +63,14 @@ def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster
     return total
 
 
-def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages) -> float:
+def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages,
+                             total_params: int | None = None) -> float:
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
-    layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints."""
-    states = traced.total_params() / (cfg.tp * cfg.pp) * min(
+    layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints.
+    ``total_params``: ``traced.total_params()`` when already known (a walk of every node)."""
+    total = traced.total_params() if total_params is None else total_params
+    states = total / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
     ckpt = cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers
@@ -75,17 +83,21 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
 
 
 def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
-                boundary: str | None) -> float:
+                boundary: str | None, selective: bool = False) -> float:
     """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
     its input ``boundary``'s; :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`):
-    per tensor, the smallest version any of them could keep."""
+    per tensor, the smallest version any of them could keep. ``selective``: at least under
+    every recompute, each edge at the smaller of ``saved_bytes`` and ``selective_saved_bytes``
+    (a view of a flash output keeps more or less once the core is dropped,
+    :mod:`autopar.planner.kept_views`)."""
     members, least = set(names), {}
     graph = {n.name: n for n in traced.gm.graph.nodes}
     for v in names:
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             if u.name not in members and u.name != boundary:
                 continue
-            sizes = [c.saved_bytes for c in tables.edge[(u.name, v, j)].values() if c is not None]
+            sizes = [min(c.saved_bytes, c.selective_saved_bytes) if selective else c.saved_bytes
+                     for c in tables.edge[(u.name, v, j)].values() if c is not None]
             if sizes and min(sizes) > 0:
                 least[u.name] = min(least.get(u.name, float("inf")), min(sizes))
     return sum(least.values())
@@ -113,37 +125,91 @@ def _recompute_s(need: float, n: int, full: tuple[float, float], sel: tuple[floa
     return best
 
 
-def memory_time_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: float,
-                        memory_bytes: float, zero_stages, modes) -> float:
-    r"""The module docstring's bound: :math:`(m - 1/v)\,T_0 + L\,\ell/v` with ``layer_s``
-    = ℓ and :math:`T_0 \ge n_0 \ell + R(n_0)`, minimised over rank 0's layer counts
-    :math:`n_0`, where R is the least recompute (:func:`_recompute_s`) that brings rank 0's
-    memory (model states of its layers and the embedding at the most sharding ZeRO allows,
-    each node's least saved activations per micro-batch in flight, one working layer)
-    under ``memory_bytes`` (rank 0's :func:`~autopar.planner.reserve.usable_bytes`). A layer
-    keeps at least the sum of its nodes' least saved bytes (a), selective at least the least
-    without the attention core (s), full its checkpoint (c), so x full and y selective
-    layers free at most x(a - c) + y(a - s) from n·a, at no less than the least forward up
-    to the layer's last saver resp. the least attention-core forward each. inf when no n_0
-    fits."""
-    L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
+@dataclass(frozen=True)
+class LayerPieces:
+    """What :func:`step_bound_s` reads of one :class:`CostTables` (it depends only on tp,
+    the micro-batch size, the dtype, attention and sequence parallelism, so a search
+    computes it once per such key): per micro-batch and GPU, bytes a layer keeps at
+    least (``act``), at least with selective recompute (``sel``; not an upper bound:
+    a kept view of a flash output may keep more under selective), full recompute's
+    (bytes freed, least seconds) per layer (``full``), selective's (``selective``), the
+    pre section's least kept bytes (``pre_act``), and the least parameter elements of a
+    layer and of the pre section (``layer_params``, ``pre_params``)."""
+
+    act: float
+    sel: float
+    full: tuple[float, float]
+    selective: tuple[float, float]
+    pre_act: float
+    layer_params: float
+    pre_params: float
+
+
+def layer_pieces(traced: TracedModel, tables: CostTables) -> LayerPieces:
+    """The :class:`LayerPieces` of ``tables``."""
     layer, pre = traced.layers[0], traced.pre
     kept = _least_kept(traced, tables, layer, pre[-1])
     act = _least(tables, layer, "saved_bytes") + kept
-    sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
+    sel = (sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer)
+           + _least_kept(traced, tables, layer, pre[-1], selective=True))
     last = last_saver_index(traced.nodes, layer)
-    full = ((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "fwd_s"))
-    selective = ((act - sel), _least(tables, layer, "core_fwd_s"))
-    per_param = min(bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
+    return LayerPieces(
+        act=act, sel=sel,
+        full=((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "fwd_s")),
+        selective=((act - sel), _least(tables, layer, "core_fwd_s")),
+        pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None),
+        layer_params=_least(tables, layer, "param_numel"),
+        pre_params=_least(tables, pre, "param_numel"))
+
+
+def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: float,
+                 cluster, zero_stages, modes, pieces: LayerPieces | None = None) -> float:
+    r"""A step time (seconds) no plan of ``cfg`` beats, with the recompute rank 0's memory
+    forces, the exposed DP reduction, the optimizer step and the pipeline sends:
+    minimised over the ZeRO stages z in ``zero_stages`` and rank 0's layer counts
+    :math:`n_0`,
+
+    .. math:: \max\big(m T_0,\ (m - 1) T_0 + \delta_z P_0\big) + \frac{(L - n_0)\,\ell}{v}
+              + (v m + p - 2)\,c + \omega_z P_0,
+
+    where :math:`T_0 \ge n_0 \ell + R_z(n_0)` (ℓ = ``layer_s``; R the least recompute,
+    :func:`_recompute_s`, that brings rank 0's memory under its usable bytes, device memory
+    less the reserve, :func:`~autopar.planner.reserve.usable_bytes`, with z's bytes per
+    parameter: model states of its layers and the embedding, each node's least saved
+    activations per micro-batch in flight, one working layer), :math:`P_0 \ge n_0 P_L +
+    P_{pre}` its parameters, c the send between stages (0 at p = 1), and
+    :math:`\delta_z, \omega_z` the DP and optimizer seconds per parameter
+    (:mod:`autopar.planner.step`). Derivation, from the step of
+    :mod:`autopar.planner.cpsat`, :math:`v\,\text{pipe} = (v m - 1) T_{max} + \sum_i T_i
+    + v (p-1) c` with :math:`T_{max} \ge T_0 + v c` and
+    :math:`\sum_{i>0} T_i \ge (L - n_0)\ell`: pipe :math:`\ge m T_0 + (L - n_0)\ell/v +
+    (vm + p - 2)c`; the exposed DP time is at least :math:`\delta_z P_0 - B_0` with rank
+    0's last backward :math:`B_0 \le T_0`, and the optimizer's at least
+    :math:`\omega_z P_0`. A layer keeps at least the sum of its nodes' least saved bytes
+    (a), selective at least the least without the attention core (s; kept views of a
+    flash output at their least under either recompute), full its checkpoint (c), so x
+    full and y selective layers keep at least n·a - x(a - c) - y(a - s) (selective frees
+    nothing here when s >= a), at no less than the least forward up to the layer's last
+    saver resp. the least attention-core forward each. inf when no (z, n_0) fits. ``pieces``:
+    :func:`layer_pieces` of ``tables`` (computed here when None)."""
+    pc = layer_pieces(traced, tables) if pieces is None else pieces
+    L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
     inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 else stage_size_range(L, p)
-    pre_act = _least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None)
-    layer_params = _least(tables, layer, "param_numel")
-    pre_params = _least(tables, pre, "param_numel")
+    sends = (v * m + p - 2) * tables.p2p_s if p > 1 else 0.0
+    memory = usable_bytes(tables.p2p_bytes, cluster, cfg, 0) * MEMORY_ROUNDING
     best = float("inf")
-    for n in range(lo, hi + 1):
-        states = (n * layer_params + pre_params) * per_param
-        used = states + inflight * (n * act + pre_act) + act
-        need = (used - memory_bytes * MEMORY_ROUNDING) / inflight
-        best = min(best, n * layer_s + _recompute_s(need, n, full, selective, modes))
-    return (m - 1 / v) * best + L * layer_s / v
+    for z in zero_stages:
+        per_param = bytes_per_param(z, cfg.dp, cfg.dtype)
+        dp_s = dp_comm_s_per_param(z, cluster, cfg)
+        opt_s = optimizer_s_per_param(z, cluster, cfg)
+        for n in range(lo, hi + 1):
+            params = n * pc.layer_params + pc.pre_params
+            used = params * per_param + inflight * (n * pc.act + pc.pre_act) + pc.act
+            t0 = n * layer_s + _recompute_s((used - memory) / inflight, n, pc.full,
+                                             pc.selective, modes)
+            if t0 == float("inf"):
+                continue
+            pipe_dp = max(m * t0, (m - 1) * t0 + dp_s * params)
+            best = min(best, pipe_dp + (L - n) * layer_s / v + sends + opt_s * params)
+    return best

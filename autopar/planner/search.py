@@ -1,10 +1,11 @@
 """The outer search: mesh shapes and micro-batch sizes, each solved by CP-SAT.
 
-Configs are visited in order of a compute lower bound (perfect TP split, no communication,
-no bubble); a config whose bound (tightened, while it is needed, by the layer's TP
-communication and the recompute its memory forces: :mod:`autopar.planner.bounds`) is
-already slower than the best plan found is skipped, so the search proves optimality over
-the enumerated space without solving every config.
+Configs are visited in order of a step-time lower bound (perfect TP split, no
+communication; the recompute rank 0's memory forces, the exposed DP reduction, the
+optimizer step and the sends: :mod:`autopar.planner.bounds`), so the first plans found are
+near the best; a config whose bound (tightened, while it is needed, by the layer's TP
+communication) is already slower than the best plan found is skipped, so the search
+proves optimality over the enumerated space without solving every config.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from typing import Callable
 from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout, SolverStatus
-from autopar.planner.bounds import (compute_bound_s, memory_lower_bound_bytes, memory_time_bound_s,
-                                    min_layer_compute_s)
+from autopar.planner.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
+                                    min_layer_compute_s, step_bound_s)
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
 from autopar.planner.decision import Decision
 from autopar.planner.predict import predict
-from autopar.planner.reserve import max_usable_bytes, p2p_bytes, usable_bytes
-from autopar.planner.search_outcome import (binding_stages, no_plan_error, solver_status,
-                                            unsolved)
+from autopar.planner.reserve import max_usable_bytes, p2p_bytes
+from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
+                                            solver_status, unsolved)
 from autopar.planner.strategies import node_strategies
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 
@@ -39,6 +40,7 @@ __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategi
 CUTOFF_SLACK = 0.01
 SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the batch (fixed,
 # not the core count, so the search path and its result are the same on every machine)
+ALTERNATIVES = 5  # runner-ups a plan lists (planner.decision.plan_from_decision)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-limit``)
 
@@ -53,30 +55,38 @@ def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: 
 
 
 def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layout,
-            support: RuntimeSupport | None, best_s: float) -> float:
+            support: RuntimeSupport | None, best_s: float, comm: bool = True) -> float:
     """The tightest step-time lower bound (seconds) of :mod:`autopar.planner.bounds` that
-    is needed: the cheap compute bound first, then with the layer's TP communication and the
-    recompute rank 0's memory forces, each computed only while the bound is below
-    ``best_s`` (per (tp, micro-batch size) pieces are shared in ``memo``)."""
+    is needed: the compute bound first (no tables), then :func:`step_bound_s` (recompute
+    forced by rank 0's memory, exposed DP, optimizer, sends) with the layer's least
+    compute, then both with the layer's least time including TP communication (a small
+    CP-SAT solve; only when ``comm``), each computed only while the bound is below
+    ``best_s``. Pieces per (tp, micro-batch size, dtype, attention, SP) are shared in ``memo``."""
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
     key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel)
     if ("compute_s",) + key not in memo:
         memo[("compute_s",) + key] = min_layer_compute_s(traced, strategies, cluster, cfg)
-    bound = compute_bound_s(traced, cfg, memo[("compute_s",) + key])
+    compute_s = memo[("compute_s",) + key]
+    bound = compute_bound_s(traced, cfg, compute_s)
     if bound >= best_s:
         return bound
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
+    if ("pieces",) + key not in memo:
+        memo[("pieces",) + key] = layer_pieces(traced, tables)
+    modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
+    modes = tuple(m for m in modes if not support or m in support.recompute)
+    zero = zero_choices(layout, support, cfg.pp)
+
+    def step_bound(layer_s: float) -> float:
+        return step_bound_s(traced, tables, cfg, layer_s, cluster, zero, modes,
+                            memo[("pieces",) + key])
+    bound = max(bound, step_bound(compute_s))
+    if bound >= best_s or not comm:
+        return bound
     if ("comm_s",) + key not in memo:
         memo[("comm_s",) + key] = min_layer_time_s(traced, strategies, tables, cluster)
     layer_s = memo[("comm_s",) + key]
-    bound = max(bound, compute_bound_s(traced, cfg, layer_s))
-    if bound >= best_s:
-        return bound
-    modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
-    modes = tuple(m for m in modes if not support or m in support.recompute)
-    return max(bound, memory_time_bound_s(traced, tables, cfg, layer_s,
-                                          usable_bytes(tables.p2p_bytes, cluster, cfg, 0),
-                                          zero_choices(layout, support, cfg.pp), modes))
+    return max(bound, compute_bound_s(traced, cfg, layer_s), step_bound(layer_s))
 
 
 @dataclass
@@ -193,19 +203,25 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
     memo: dict = {}
-    bound = {c: _bounds(traced, cluster, c, memo, layout, support, 0.0) for c in configs}
-    configs.sort(key=bound.get)
-    best, best_t, best_tab, seen, statuses, lower = None, float("inf"), None, [], {}, {}
+    bound = {c: _order_bound(traced, cluster, c, memo, layout, support) for c in configs}
+    configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
+    best, seen, statuses, lower = _Best(), [], {}, {}
+
+    def take(cfg: Config, out: Solved, cutoff: float) -> None:
+        statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
+        entry = _entry(traced, cluster, cfg, out, cutoff, global_batch_size, best)
+        old = next((k for k, s in enumerate(seen) if s["layout"] == entry["layout"]), None)
+        seen.append(entry) if old is None else seen.__setitem__(old, entry)
+
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:  # CP-SAT releases the GIL while it solves
         i = 0
         while i < len(configs):
-            batch, cutoff = [], best_t
+            batch, cutoff = [], best.step_s
             while i < len(configs) and len(batch) < SOLVE_BATCH:
                 cfg, i = configs[i], i + 1
                 if progress is not None:
-                    progress(len(seen) + len(batch), len(configs),
-                             best_t if best is not None else None)
-                pruned = _pruned(traced, cluster, cfg, memo, layout, support, best_t)
+                    progress(len(seen) + len(batch), len(configs), best.found_s)
+                pruned = _pruned(traced, cluster, cfg, memo, layout, support, best.step_s)
                 if pruned is None:
                     batch.append((cfg, pool.submit(
                         solve_config, traced, cluster, cfg, layout, support, mapping,
@@ -213,21 +229,15 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 else:
                     seen.append(pruned)
             for cfg, future in batch:  # in config order: the result never depends on timing
-                out = future.result()
-                statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
-                if out.decision is None:
-                    feasible, reason = unsolved(out.status, cutoff)
-                    seen.append({"layout": asdict(cfg), "step_time_s": None,
-                                 "feasible": feasible, "reason": reason})
-                    continue
-                pred = predict(traced, out.strategies, out.tables, cluster, out.decision,
-                               global_batch_size=global_batch_size)
-                seen.append({"layout": asdict(cfg), "step_time_s": pred.step_time_s,
-                             "feasible": True, "tflops_per_gpu": pred.tflops_per_gpu,
-                             "peak_memory_bytes": pred.peak_memory_bytes, "reason": ""})
-                if pred.step_time_s < best_t:
-                    best, best_t = out.decision, pred.step_time_s
-                    best_tab = (out.tables, out.strategies)
+                take(cfg, future.result(), cutoff)
+    # a config CP-SAT stopped at its time limit (often one solved before any cutoff) is
+    # solved once more with the best plan's cutoff, which prunes its search, in visit order
+    for cfg in [c for c in configs if statuses.get(c) in STOPPED]:
+        if lower[cfg] < best.step_s:
+            cutoff = best.step_s
+            take(cfg, solve_config(traced, cluster, cfg, layout, support, mapping, time_limit_s,
+                                   even_stages, cutoff * (1 + CUTOFF_SLACK), memo), cutoff)
+    best, best_t, best_tab = best.decision, best.step_s, best.tables
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
     if best is None:
@@ -238,6 +248,39 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
+
+
+@dataclass
+class _Best:
+    """The incumbent of a search: decision, predicted step seconds (inf: none yet) and its
+    (tables, strategies)."""
+
+    decision: Decision | None = None
+    step_s: float = float("inf")
+    tables: tuple | None = None
+
+    @property
+    def found_s(self) -> float | None:
+        """The step seconds, None while nothing fits (what ``progress`` reports)."""
+        return self.step_s if self.decision is not None else None
+
+
+def _entry(traced, cluster, cfg: Config, out: Solved, cutoff: float, global_batch_size: int,
+           best: _Best) -> dict:
+    """The ``seen`` record of a solved config (its plan priced by ``predict``, or why it
+    has none given ``cutoff``), making its plan the incumbent ``best`` when faster."""
+    if out.decision is None:
+        feasible, reason = unsolved(out.status, cutoff)
+        return {"layout": asdict(cfg), "step_time_s": None, "feasible": feasible,
+                "reason": reason}
+    pred = predict(traced, out.strategies, out.tables, cluster, out.decision,
+                   global_batch_size=global_batch_size)
+    if pred.step_time_s < best.step_s:
+        best.decision, best.step_s = out.decision, pred.step_time_s
+        best.tables = (out.tables, out.strategies)
+    return {"layout": asdict(cfg), "step_time_s": pred.step_time_s, "feasible": True,
+            "tflops_per_gpu": pred.tflops_per_gpu, "peak_memory_bytes": pred.peak_memory_bytes,
+            "reason": ""}
 
 
 def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_stages) -> str | None:
@@ -257,13 +300,38 @@ def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_sta
             f"{cfg.schedule}")
 
 
+def _order_bound(traced, cluster, cfg: Config, memo: dict, layout: Layout,
+                 support: RuntimeSupport | None) -> float:
+    """The bound configs are visited in order of (seconds): :func:`_bounds` without the
+    CP-SAT layer bound, or inf when the memory lower bound already says it does not fit
+    device memory less the reserve (it is then pruned unsolved, last)."""
+    mem_lb, usable = _memory_lb(traced, cluster, cfg, memo, layout, support)
+    if mem_lb > usable:
+        return float("inf")
+    return _bounds(traced, cluster, cfg, memo, layout, support, float("inf"), comm=False)
+
+
+def _memory_lb(traced, cluster, cfg: Config, memo: dict, layout: Layout,
+               support: RuntimeSupport | None) -> tuple[float, float]:
+    """(:func:`memory_lower_bound_bytes`, the largest usable bytes of any rank:
+    :func:`~autopar.planner.reserve.max_usable_bytes`) of ``cfg``, memoised per config in
+    ``memo`` (``traced.total_params()`` once per search)."""
+    key = ("memory_lb", cfg)
+    if key not in memo:
+        if ("total_params",) not in memo:
+            memo[("total_params",)] = traced.total_params()
+        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp),
+                                      memo[("total_params",)])
+        memo[key] = lb, max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
+    return memo[key]
+
+
 def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
             support: RuntimeSupport | None, best_t: float) -> dict | None:
     """The ``seen`` entry of a config that need not be solved (the memory lower bound says
     it does not fit in device memory less the reserve, or a step-time bound of
     :func:`_bounds` says it cannot fit or cannot beat ``best_t`` seconds), else None."""
-    mem_lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp))
-    usable = max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
+    mem_lb, usable = _memory_lb(traced, cluster, cfg, memo, layout, support)
     if mem_lb > usable:
         return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
                 "min_memory_bytes": mem_lb,
@@ -282,13 +350,15 @@ def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
 
 
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, memo: dict, count: int = 4,
+                        even_stages, memo: dict, count: int = ALTERNATIVES,
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
-    """Solve the best few configs that lost to the cutoff without it, so the report can
-    show how much slower they are (the search itself never needed their optimum), each
+    """Solve the first configs that lost to the cutoff without it, so the report can show
+    how much slower they are (the search itself never needed their optimum), until
+    ``count`` runner-ups have a plan (those the search priced on its way count), each
     within ``time_limit_s`` of deterministic time: a plan CP-SAT did not prove optimal
     is marked "slower (not proven optimal: CP-SAT stopped at its time limit)"."""
-    for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:count]:
+    missing = max(0, count + 1 - sum(1 for s in seen if s["feasible"]))  # the best is not one
+    for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:missing]:
         cfg = Config(**entry["layout"])
         decision, status, tables, strategies = solve_one(
             traced, cluster, cfg, layout, support, mapping, time_limit_s=time_limit_s,

@@ -4,8 +4,10 @@
   it reads: whole when replicated (all-gathered from a shard if need be), 1/t when a shard
   or a slice; the edge's ``saved_bytes`` says which, and a section pays for each once (a
   view of a flash kernel's output: :mod:`autopar.planner.kept_views`).
-* :mod:`autopar.planner.bounds`: the memory-time bound never exceeds the optimum CP-SAT
-  finds for a config, and says "does not fit" (inf) only where CP-SAT finds no plan.
+* :mod:`autopar.planner.bounds`: the step bound (recompute forced by memory, exposed DP,
+  optimizer, sends) never exceeds the optimum CP-SAT finds for a config, and says "does
+  not fit" (inf) only where CP-SAT finds no plan; its memory is the device's less the
+  reserve (:mod:`autopar.planner.reserve`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import autopar
 from autopar.graph.annotate import saves_inputs
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.bounds import memory_time_bound_s
+from autopar.planner.bounds import step_bound_s
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import min_layer_time_s, template_map
 from autopar.planner.decision import decision_from_plan
@@ -82,12 +84,12 @@ CONFIGS = [(2, 2, 2, 1, 4, "1f1b", 1), (1, 4, 2, 1, 4, "1f1b", 1),
 
 
 def _bound_and_step(traced, cluster, cfg: Config):
-    """(memory-time bound, predicted step of CP-SAT's optimum or None, CP-SAT status)."""
+    """(step bound, predicted step of CP-SAT's optimum or None, CP-SAT status)."""
     strategies = node_strategies(traced, cfg.tp)
     tables = cost_tables(traced, strategies, cluster, cfg)
     layer_s = min_layer_time_s(traced, strategies, tables, cluster)
-    bound = memory_time_bound_s(traced, tables, cfg, layer_s, cluster.device.memory_bytes,
-                                RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute)
+    bound = step_bound_s(traced, tables, cfg, layer_s, cluster,
+                         RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute)
     decision, status, tables, strategies = solve_one(
         traced, cluster, cfg, autopar.Layout(), RUNTIME_SUPPORT, template_map(traced),
         time_limit_s=5.0)
@@ -98,7 +100,7 @@ def _bound_and_step(traced, cluster, cfg: Config):
     return bound, step.step_time_s, status
 
 
-def test_memory_time_bound_holds_against_cp_sat():
+def test_step_bound_holds_against_cp_sat():
     """Memory from free (8 GiB) to binding (recompute chosen) to too small for some configs:
     the bound never exceeds the optimum's predicted step time, is inf only where CP-SAT
     finds no plan, and grows once memory forces recompute."""
@@ -119,3 +121,26 @@ def test_memory_time_bound_holds_against_cp_sat():
                 assert status == "OPTIMAL" and bound <= step * (1 + 1e-9), (gib, cfg, bound, step)
             assert bound < float("inf") or step is None, (gib, cfg)
     assert grew, "binding memory raises the bound of some config above its memory-free value"
+
+
+def test_step_bound_reads_memory_less_the_reserve():
+    """The bound compares rank 0's memory with the device less the reserve
+    (:func:`~autopar.planner.reserve.usable_bytes`): a 1 GiB context on a device 1 GiB
+    larger gives the bound of the smaller device without a reserve, above the bound of the
+    larger device without one where memory binds."""
+    traced, base = _traced(), Cluster.local_cpu(processes=8)
+    context = MemoryReserve(1.0, 0.0, 0, 0, "a 1 GiB context only", False)
+
+    def bound(gib: float, reserve: MemoryReserve) -> float:
+        cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_gib=gib),
+                                      memory_reserve=reserve)
+        cfg = Config(*CONFIGS[1], "fp32")  # memory binds at 0.0003 GiB
+        strategies = node_strategies(traced, cfg.tp)
+        tables = cost_tables(traced, strategies, cluster, cfg)
+        layer_s = min_layer_time_s(traced, strategies, tables, cluster)
+        return step_bound_s(traced, tables, cfg, layer_s, cluster,
+                            RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute)
+
+    small = bound(0.0003, MemoryReserve.none())
+    assert bound(1.0003, context) == pytest.approx(small, rel=1e-9)
+    assert bound(1.0003, MemoryReserve.none()) < small
