@@ -145,6 +145,28 @@ def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
             for (s, v), z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
 
 
+def pairwise(cases: list[dict], factors: tuple[str, ...]) -> list[dict]:
+    """A subset of ``cases`` in which every pair of values of two ``factors`` that occurs
+    together in some case occurs together in a chosen one (all-pairs coverage; each
+    single value too). Greedy and deterministic: repeatedly the first case that covers
+    the most pairs not yet covered (Cohen et al. 1997, the AETG system's greedy step)."""
+    def pairs(case: dict) -> set:
+        items = [(f, case[f]) for f in factors]
+        return {(a, b) for i, a in enumerate(items) for b in items[i + 1:]} | set(items)
+
+    wanted = set().union(*(pairs(c) for c in cases))
+    chosen: list[dict] = []
+    while wanted:
+        best = max(cases, key=lambda c: len(pairs(c) & wanted))
+        chosen.append(best)
+        wanted -= pairs(best)
+    return chosen
+
+
+MATRIX_FACTORS = ("schedule", "virtual_stages", "zero_stage", "recompute", "sequence_parallel")
+"""The Layout fields the technique matrix varies per (tp, pp, dp) shape."""
+
+
 # Dropout under parallelism (tests/unit/test_rng.py, tests/multiprocess/test_rng_gloo.py).
 RNG_CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16, dropout=0.3)
 

@@ -11,7 +11,9 @@ For every edge u → v (input j of v) and strategy pair (k, l) of u and v:
   partial (Megatron's f: one backward all-reduce, or reduce-scatter, of u);
 * ``kept[...]`` (:func:`add_saved_versions`): when v keeps its input for backward, the
   version of u it reads (u itself, or the copy a reshard makes) is kept once per section:
-  the activations a plan keeps are counted on its edges.
+  the activations a plan keeps are counted on its edges (with their own bytes under
+  selective recompute where v keeps a view of a flash kernel's output, or is a view on
+  its way to one: :mod:`autopar.planner.kept_views`).
 
 A reshard of u into one placement, its kept copy and f are shared by all consumers in a
 section (the rewriter inserts one collective), so each has one variable per section.

@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.models import GPT
 from autopar.support import RUNTIME_SUPPORT
-from helpers import SHAPES_4, combinations
+from helpers import MATRIX_FACTORS, SHAPES_4, combinations, pairwise
 
 
 def test_matrix_covers_the_runtime_support():
@@ -22,6 +22,20 @@ def test_matrix_covers_the_runtime_support():
                           ("sequence_parallel", RUNTIME_SUPPORT.sequence_parallel),
                           ("virtual_stages", RUNTIME_SUPPORT.virtual_stages)):
         assert {c[field] for c in seen} == set(values), field
+
+
+@pytest.mark.parametrize("shape", SHAPES_4, ids=lambda s: "tp%d-pp%d-dp%d" % s)
+def test_the_trained_matrix_covers_every_pair_of_techniques(shape):
+    """tests/multiprocess/test_matrix.py trains helpers.pairwise's subset: every two values
+    of two factors (the optimizer among them) that occur together in the full product
+    occur together in a chosen case, and the subset is smaller."""
+    factors = MATRIX_FACTORS + ("opt",)
+    cases = [dict(c, opt=o) for c in combinations(*shape) for o in ("sgd", "adamw")]
+    chosen = pairwise(cases, factors)
+    assert all(c in cases for c in chosen)
+    for f, g in [(f, g) for i, f in enumerate(factors) for g in factors[i + 1:]]:
+        assert {(c[f], c[g]) for c in chosen} == {(c[f], c[g]) for c in cases}, (f, g)
+    assert len(chosen) < len(cases)
 
 
 @pytest.mark.parametrize("model_name,nodes,batch,layout", [
