@@ -141,10 +141,10 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
             d[1] += edge.fwd_s if src_rerun[u] else 0.0
             d[11] += edge.bwd_s
             placed += (target,)
-        saved, sel = edge.saved_bytes, edge.selective_saved_bytes  # kept_views: may differ
-        copy = ("kept",) + target + (saved, sel)  # the version of u that v keeps, once
-        if (saved or sel) and copy not in done and copy not in placed:
-            for field, add in ((3, saved), (4, sel), (7, math.ceil(saved / KIB)), (8, math.ceil(sel / KIB))):
+        copy = ("kept",) + target  # the version of u that v keeps for backward, once
+        if edge.saved_bytes and copy not in done and copy not in placed:
+            kib = math.ceil(edge.saved_bytes / KIB)
+            for field, add in ((3, edge.saved_bytes), (4, edge.saved_bytes), (7, kib), (8, kib)):
                 d[field] += add
             placed += (copy,)
         if partial_grad_input(sv, j) and not flag and not f_now:

@@ -83,21 +83,17 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
 
 
 def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
-                boundary: str | None, selective: bool = False) -> float:
+                boundary: str | None) -> float:
     """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
     its input ``boundary``'s; :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`):
-    per tensor, the smallest version any of them could keep. ``selective``: at least under
-    every recompute, each edge at the smaller of ``saved_bytes`` and ``selective_saved_bytes``
-    (a view of a flash output keeps more or less once the core is dropped,
-    :mod:`autopar.planner.kept_views`)."""
+    per tensor, the smallest version any of them could keep."""
     members, least = set(names), {}
     graph = {n.name: n for n in traced.gm.graph.nodes}
     for v in names:
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             if u.name not in members and u.name != boundary:
                 continue
-            sizes = [min(c.saved_bytes, c.selective_saved_bytes) if selective else c.saved_bytes
-                     for c in tables.edge[(u.name, v, j)].values() if c is not None]
+            sizes = [c.saved_bytes for c in tables.edge[(u.name, v, j)].values() if c is not None]
             if sizes and min(sizes) > 0:
                 least[u.name] = min(least.get(u.name, float("inf")), min(sizes))
     return sum(least.values())
@@ -130,8 +126,7 @@ class LayerPieces:
     """What :func:`step_bound_s` reads of one :class:`CostTables` (it depends only on tp,
     the micro-batch size, the dtype, attention and sequence parallelism, so a search
     computes it once per such key): per micro-batch and GPU, bytes a layer keeps at
-    least (``act``), at least with selective recompute (``sel``; not an upper bound:
-    a kept view of a flash output may keep more under selective), full recompute's
+    least (``act``), at least with selective recompute (``sel``), full recompute's
     (bytes freed, least seconds) per layer (``full``), selective's (``selective``), the
     pre section's least kept bytes (``pre_act``), and the least parameter elements of a
     layer and of the pre section (``layer_params``, ``pre_params``)."""
@@ -150,8 +145,7 @@ def layer_pieces(traced: TracedModel, tables: CostTables) -> LayerPieces:
     layer, pre = traced.layers[0], traced.pre
     kept = _least_kept(traced, tables, layer, pre[-1])
     act = _least(tables, layer, "saved_bytes") + kept
-    sel = (sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer)
-           + _least_kept(traced, tables, layer, pre[-1], selective=True))
+    sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
     last = last_saver_index(traced.nodes, layer)
     return LayerPieces(
         act=act, sel=sel,
@@ -186,10 +180,9 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     (vm + p - 2)c`; the exposed DP time is at least :math:`\delta_z P_0 - B_0` with rank
     0's last backward :math:`B_0 \le T_0`, and the optimizer's at least
     :math:`\omega_z P_0`. A layer keeps at least the sum of its nodes' least saved bytes
-    (a), selective at least the least without the attention core (s; kept views of a
-    flash output at their least under either recompute), full its checkpoint (c), so x
-    full and y selective layers keep at least n·a - x(a - c) - y(a - s) (selective frees
-    nothing here when s >= a), at no less than the least forward up to the layer's last
+    (a), selective at least the least without the attention core (s), full its
+    checkpoint (c), so x full and y selective layers keep at least n·a - x(a - c) -
+    y(a - s), at no less than the least forward up to the layer's last
     saver resp. the least attention-core forward each. inf when no (z, n_0) fits. ``pieces``:
     :func:`layer_pieces` of ``tables`` (computed here when None)."""
     pc = layer_pieces(traced, tables) if pieces is None else pieces

@@ -29,7 +29,6 @@ from cost_models.hardware import Cluster
 from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES, TracedModel, saves_inputs
-from autopar.planner.kept_views import flash_view_roles, kept_version_bytes
 from autopar.planner.matmul_cost import gemm_times_s
 from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
 
@@ -91,9 +90,6 @@ class EdgeCost:
     (this rank's slice, or a reduce-scatter). A tensor costs the sum of its kept versions,
     each once (:func:`autopar.planner.predict.section_cost`); its producer's
     :class:`StrategyCost` holds only dropout masks and the attention core.
-    selective_saved_bytes: the bytes kept when selective recompute drops the attention
-    core; differs from ``saved_bytes`` only on a view of a flash kernel's output
-    (:mod:`autopar.planner.kept_views`).
     """
 
     fwd_s: float
@@ -102,7 +98,6 @@ class EdgeCost:
     bwd_kind: str | None
     nbytes: float
     saved_bytes: float = 0.0
-    selective_saved_bytes: float = 0.0
 
 
 @dataclass
@@ -305,7 +300,6 @@ def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: 
     key = ("rows", tp, sp)
     if key not in memo:
         nodes, ids, rows = traced.nodes, {}, []
-        roles = flash_view_roles(traced)
         for node in traced.gm.graph.nodes:
             info, options = nodes[node.name], strategies[node.name]
             ins = tensor_inputs(node, nodes)
@@ -316,10 +310,10 @@ def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: 
                 src_info = nodes[src.name]
                 outs = tuple(su.output for su in strategies[src.name])
                 wants = tuple(sv.inputs[j] for sv in options)
-                saves, role = saves_inputs(info), roles.get((src.name, node.name, j))
+                saves = saves_inputs(info)
                 esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
-                                       saves, role), len(ids))
-                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves, role))
+                                       saves), len(ids))
+                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves))
             rows.append((node.name, info, sig, in_numel, edges))
         memo[key] = rows
     return memo[key]
@@ -343,14 +337,13 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
             memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
                           for st in strategies[name]]
         node_tab[name] = memo[nkey]
-        for src, j, esig, numel, per_sequence, saves, role in edges:
-            role = role if attn == "flash" else None
-            ekey = ("edge", tp, sp, esig, b, act, role)
+        for src, j, esig, numel, per_sequence, saves in edges:
+            ekey = ("edge", tp, sp, esig, b, act)
             if ekey not in memo:
                 nbytes = act * numel * (b if per_sequence else 1)
                 outs = tuple(su.output for su in strategies[src])
                 wants = tuple(sv.inputs[j] for sv in strategies[name])
-                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves, role)
+                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves)
             edge_tab[(src, name, j)] = memo[ekey]
         if info.shape is not None:
             nbytes = act * info.numel * (b if info.per_sequence else 1)
@@ -380,20 +373,18 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
 
 
 def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: bool,
-                saves: bool = False, role: str | None = None) -> dict:
+                saves: bool = False) -> dict:
     """{(ku, kv): EdgeCost | None} from producer output placements ``outs`` to consumer
     input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered);
-    ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`);
-    ``role``: :func:`~autopar.planner.kept_views.flash_view_roles`'."""
+    ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`)."""
     table = {}
     for ku, src in enumerate(outs):
         for kv, dst in enumerate(wants):
             kinds = reshard_kinds(src, dst, sp)
-            kept = nbytes / (tp if dst.is_sharded else 1) if saves or role else 0.0
-            kept, selective = kept_version_bytes(kept, role, src == dst)
+            kept = nbytes / (tp if dst.is_sharded else 1) if saves else 0.0
             table[(ku, kv)] = None if kinds is None else EdgeCost(
                 fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,
                 bwd_s=comm.collective_time_s(kinds[1], nbytes, tp, tp_link) if kinds[1] else 0.0,
                 fwd_kind=kinds[0], bwd_kind=kinds[1], nbytes=nbytes,
-                saved_bytes=kept, selective_saved_bytes=selective)
+                saved_bytes=kept)
     return table

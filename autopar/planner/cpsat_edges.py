@@ -11,9 +11,7 @@ For every edge u → v (input j of v) and strategy pair (k, l) of u and v:
   partial (Megatron's f: one backward all-reduce, or reduce-scatter, of u);
 * ``kept[...]`` (:func:`add_saved_versions`): when v keeps its input for backward, the
   version of u it reads (u itself, or the copy a reshard makes) is kept once per section:
-  the activations a plan keeps are counted on its edges (with their own bytes under
-  selective recompute where v keeps a view of a flash kernel's output, or is a view on
-  its way to one: :mod:`autopar.planner.kept_views`).
+  the activations a plan keeps are counted on its edges.
 
 A reshard of u into one placement, its kept copy and f are shared by all consumers in a
 section (the rewriter inserts one collective), so each has one variable per section.
@@ -21,8 +19,7 @@ section (the rewriter inserts one collective), so each has one variable per sect
 
 from __future__ import annotations
 
-import math
-
+from autopar.graph.annotate import saves_inputs
 from autopar.planner.cost_tables import f_cost
 from autopar.planner.step import KIB
 from autopar.planner.strategies import gathers_for_partial_grad, partial_grad_input, tensor_inputs
@@ -107,53 +104,38 @@ def add_saved_versions(cm) -> None:
     traced, nodes = cm.traced, cm.traced.nodes
     readers: dict[tuple[str, str], list] = {}  # (tensor, charged section) -> its saving reads
     for v in traced.gm.graph.nodes:
-        if v.name not in cm.section_of:
+        if v.name not in cm.section_of or not saves_inputs(nodes[v.name]):
             continue
         for j, src in enumerate(tensor_inputs(v, nodes)):
-            table = cm.tables.edge[(src.name, v.name, j)]
-            if not any(c is not None and (c.saved_bytes or c.selective_saved_bytes)
-                       for c in table.values()):
-                continue  # v keeps no version of src (views on a flash output's way do)
             u = src.name if src.name in cm.choice else traced.layers[0][-1]
             section = cm.section_of[v.name if crosses_section(traced, src.name, v.name) else u]
-            readers.setdefault((u, section), []).append((v.name, j, table))
+            readers.setdefault((u, section), []).append((v.name, j, cm.tables.edge[(src.name, v.name, j)]))
     for (u, section), reads in readers.items():
-        v, j, table = reads[0]
-        size = {kv: _kept_kib(cost) for (_, kv), cost in table.items() if cost is not None}
-        if len(reads) == 1 and all(_kept_kib(c) == size[kv] for (_, kv), c in table.items()
-                                   if c is not None):
-            # one reader: the version it keeps follows from its strategy alone
-            for kv, (act, core) in size.items():
-                cm.terms.add(section, "act", act, cm.choice[v][kv])
-                cm.terms.add(section, "core_act", core, cm.choice[v][kv])
+        if len(reads) == 1:  # one reader: the version it keeps follows from its strategy alone
+            v, j, table = reads[0]
+            size = {kv: cost.saved_bytes for (_, kv), cost in table.items() if cost is not None}
+            for kv, nbytes in size.items():
+                cm.terms.add(section, "act", nbytes / KIB, cm.choice[v][kv])
             continue
         for v, j, table in reads:
             _add_shared_version(cm, u, v, j, table, section)
 
 
-def _kept_kib(cost) -> tuple[float, int]:
-    """("act", "core_act") coefficients of a kept version: its KiB, and the whole KiB that
-    selective recompute frees of them (exactly, so that act - core_act is the selective
-    KiB rounded up, as the exhaustive oracle counts it)."""
-    selective = math.ceil(cost.selective_saved_bytes / KIB)
-    return cost.saved_bytes / KIB, math.ceil(cost.saved_bytes / KIB) - selective
-
-
 def _add_shared_version(cm, u: str, v: str, j: int, table, section: str) -> None:
     """The ``kept`` rows of one of several saving reads of u (:func:`add_saved_versions`)."""
-    groups: dict[tuple, tuple[set, set]] = {}
+    groups: dict[tuple, tuple[set, set, float]] = {}
     for (ku, kv), cost in table.items():
-        if cost is None or not (cost.saved_bytes or cost.selective_saved_bytes):
+        if cost is None or not cost.saved_bytes:
             continue
         sv = cm.strategies[v][kv]
         fused = gathers_for_partial_grad(sv, j, cm.strategies[u][ku].output)
-        group = groups.setdefault((sv.inputs[j], fused, partial_grad_input(sv, j),
-                                   _kept_kib(cost)), (set(), set()))
+        group = groups.setdefault((sv.inputs[j], fused, partial_grad_input(sv, j)),
+                                  (set(), set(), cost.saved_bytes))
         group[0].add(ku)
         group[1].add(kv)
-    for (version, fused, _, (act, core)), (us, vs) in groups.items():
-        c = _shared(cm, cm.kept_copy, (u, section, version, fused, act, core),
-                    f"kept[{u},{version},{fused}]", section, {"act": act, "core_act": core})
+    for (version, fused, _), (us, vs, nbytes) in groups.items():
+        c = _shared(cm, cm.kept_copy, (u, section, version, fused),
+                    f"kept[{u},{version},{fused}]", section, {"act": nbytes / KIB})
         xu, xv = cm.choice[u], cm.choice[v]
         cm.model.Add(c >= sum(xu[k] for k in sorted(us)) + sum(xv[k] for k in sorted(vs)) - 1
                      ).WithName(f"kept[{u}->{v}]")

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from cost_models.memory import in_flight_micro_batches
 
-from autopar.graph.annotate import TracedModel, last_saver_index
+from autopar.graph.annotate import TracedModel, last_saver_index, saves_inputs
 from autopar.plan import Prediction, rank_layers
 from autopar.planner.comm_bytes import stage_stats
 from autopar.planner.cost_tables import CostTables, f_cost
@@ -68,7 +68,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                 partial.add((src.name, src_placement))
             fused = gathers_for_partial_grad(strat, j, src_placement)
             if src.name not in members and crosses_section(traced, src.name, node.name):
-                _keep(out, kept, (src.name, strat.inputs[j], fused), edge)
+                _keep(out, kept, (src.name, strat.inputs[j], fused), edge.saved_bytes)
             if (src.name, strat.inputs[j], fused) in done or not (edge.fwd_kind or edge.bwd_kind):
                 continue
             done.add((src.name, strat.inputs[j], fused))
@@ -114,15 +114,12 @@ def _layer_costs(traced, strategies, tables, choice) -> list[dict[str, float]]:
     return out
 
 
-def _keep(out: dict, kept: set, key: tuple, edge) -> None:
+def _keep(out: dict, kept: set, key: tuple, nbytes: float) -> None:
     """Count a kept version of a tensor (key: tensor, placement read, Megatron-f gather)
-    once in ``out["act_bytes"]``, and in ``out["core_act_bytes"]`` the part selective
-    recompute frees (:attr:`~autopar.planner.cost_tables.EdgeCost.selective_saved_bytes`)."""
-    key += (edge.saved_bytes, edge.selective_saved_bytes)
-    if (edge.saved_bytes or edge.selective_saved_bytes) and key not in kept:
+    once in ``out["act_bytes"]``."""
+    if nbytes and key not in kept:
         kept.add(key)
-        out["act_bytes"] += edge.saved_bytes
-        out["core_act_bytes"] += edge.saved_bytes - edge.selective_saved_bytes
+        out["act_bytes"] += nbytes
 
 
 def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
@@ -134,8 +131,9 @@ def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
     for node in traced.gm.graph.nodes:
         if node.name not in members:
             continue
-        for user in node.users:  # savers, and views on a flash output's way to one
-            if user.name not in members and crosses_section(traced, node.name, user.name):
+        for user in node.users:
+            if not saves_inputs(traced.nodes[user.name]) or (
+                    user.name not in members and crosses_section(traced, node.name, user.name)):
                 continue
             strat = strategies[user.name][choice[user.name]]
             for j, src in enumerate(tensor_inputs(user, traced.nodes)):
@@ -143,7 +141,7 @@ def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
                     continue
                 edge = tables.edge[(node.name, user.name, j)][(choice[node.name], choice[user.name])]
                 fused = gathers_for_partial_grad(strat, j, strategies[node.name][choice[node.name]].output)
-                _keep(out, kept, (node.name, strat.inputs[j], fused), edge)
+                _keep(out, kept, (node.name, strat.inputs[j], fused), edge.saved_bytes)
 
 
 def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, layer_costs):

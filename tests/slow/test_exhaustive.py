@@ -147,7 +147,7 @@ def _split(traced, strategies, choice):
             if any(n in g for g in tied_groups(traced))]
 
 
-@pytest.mark.parametrize("attention", ["math", "flash"])  # flash: kept views of the kernel's output
+@pytest.mark.parametrize("attention", ["math", "flash"])
 def test_fast_pricing_equals_predict_on_random_plans(attention):
     traced = trace_model(_meta(GPTConfig(6, 8, 256, 512, 128)), 128)
     cluster = dataclasses.replace(Cluster.dgx_a100(1), attention=attention)
@@ -227,7 +227,7 @@ CASES = {
     "a100x16-L2-h64": (GPTConfig(2, 4, 64, 256, 64), Cluster.dgx_a100(2), 16, 64, None),
     "cpu8-L4-h256": (GPTConfig(4, 8, 256, 512, 128), Cluster.local_cpu(8), 16, 128, None),
     "cpu4-L4-h256-recompute": (GPTConfig(4, 8, 256, 512, 256), Cluster.local_cpu(4), 16, 256, 0.02),
-    # flash attention: the projection's kept view of the kernel's output (planner.kept_views)
+    # flash attention (the kernel keeps its output and log-sum-exp), memory binding
     "cpu2-L2-h64-flash-recompute": (GPTConfig(2, 4, 64, 256, 64), _FLASH_CPU2, 8, 64, 0.004),
 }
 

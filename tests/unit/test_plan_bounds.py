@@ -2,8 +2,7 @@
 
 * A consumer that keeps its input for backward (a LayerNorm, a Linear) keeps the version
   it reads: whole when replicated (all-gathered from a shard if need be), 1/t when a shard
-  or a slice; the edge's ``saved_bytes`` says which, and a section pays for each once (a
-  view of a flash kernel's output: :mod:`autopar.planner.kept_views`).
+  or a slice; the edge's ``saved_bytes`` says which, and a section pays for each once.
 * :mod:`autopar.planner.bounds`: the step bound (recompute forced by memory, exposed DP,
   optimizer, sends) never exceeds the optimum CP-SAT finds for a config, and says "does
   not fit" (inf) only where CP-SAT finds no plan; its memory is the device's less the
@@ -25,7 +24,6 @@ from autopar.planner.bounds import step_bound_s
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import min_layer_time_s, template_map
 from autopar.planner.decision import decision_from_plan
-from autopar.planner.kept_views import flash_view_roles, kept_version_bytes
 from autopar.planner.predict import predict, section_cost
 from autopar.planner.search import solve_one
 from autopar.planner.strategies import node_strategies, tensor_inputs
@@ -55,23 +53,18 @@ def test_kept_versions_are_priced_on_edges_whole_or_sharded():
     decision, tables, strategies = decision_from_plan(traced, fast_cluster(2), plan)
     choice, layer = decision.strategy, traced.layers[1]
     graph = {n.name: n for n in traced.gm.graph.nodes}
-    roles = flash_view_roles(traced)  # fast_cluster's kernel is flash: its kept views
     kept, gathered = {}, 0
     for v in layer:
         strat = strategies[v][choice[v]]
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             edge = tables.edge[(u.name, v, j)][(choice[u.name], choice[v])]
-            role = roles.get((u.name, v, j))
-            if not saves_inputs(traced.nodes[v]) and role is None:
-                assert edge.saved_bytes == edge.selective_saved_bytes == 0
+            if not saves_inputs(traced.nodes[v]):
+                assert edge.saved_bytes == 0
                 continue
             whole = not strat.inputs[j].is_sharded
-            as_produced = strategies[u.name][choice[u.name]].output == strat.inputs[j]
-            want = kept_version_bytes(edge.nbytes / (1 if whole else 2), role, as_produced)
-            assert (edge.saved_bytes, edge.selective_saved_bytes) == pytest.approx(want)
+            assert edge.saved_bytes == pytest.approx(edge.nbytes / (1 if whole else 2))
             gathered += edge.fwd_kind == "all_gather"
-            if edge.saved_bytes:
-                kept[(u.name, strat.inputs[j])] = edge.saved_bytes
+            kept[(u.name, strat.inputs[j])] = edge.saved_bytes
     assert gathered, "the fast-link plan all-gathers a sharded tensor into a saver"
     own = sum(tables.node[n][choice[n]].saved_bytes for n in layer)
     cost = section_cost(traced, strategies, tables, choice, layer)
