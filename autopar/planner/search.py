@@ -40,7 +40,7 @@ __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategi
 CUTOFF_SLACK = 0.01
 SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the batch (fixed,
 # not the core count, so the search path and its result are the same on every machine)
-ALTERNATIVES = 5  # runner-ups a plan lists (planner.decision.plan_from_decision)
+ALTERNATIVES = 5  # runner-ups a plan lists (priced by _price_alternatives)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-limit``)
 
@@ -211,7 +211,10 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
         entry = _entry(traced, cluster, cfg, out, cutoff, global_batch_size, best)
         old = next((k for k, s in enumerate(seen) if s["layout"] == entry["layout"]), None)
-        seen.append(entry) if old is None else seen.__setitem__(old, entry)
+        if old is None:
+            seen.append(entry)
+        else:  # a stopped config solved again under the cutoff replaces its first record
+            seen[old] = entry
 
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:  # CP-SAT releases the GIL while it solves
         i = 0
