@@ -27,7 +27,8 @@ from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
 from autopar.planner.search_outcome import SolverTimeLimitError
-from autopar.support import RUNTIME_SUPPORT, check_positive_ints
+from autopar.frameworks.targets import target_support
+from autopar.support import check_positive_ints
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
 from autopar.graph.capture import trace_model
 
@@ -78,7 +79,7 @@ def check_problem(model, cluster, *, global_batch_size, seq_len, layout=None,
 def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: int,
          layout: Layout | None = None, model_name: str = "model",
          progress: Callable[[int, int, float | None], None] | None = None,
-         time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
+         time_limit_s: float = DEFAULT_TIME_LIMIT_S, target: str = "autopar") -> Plan:
     """Find the fastest executable plan for training ``model`` on ``cluster``.
 
     model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
@@ -89,6 +90,9 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
         visits its configs (see :func:`autopar.planner.search.search`), e.g. to draw a progress bar.
     time_limit_s: CP-SAT's deterministic time per config; the plan's ``solver`` says
         whether the search proved it optimal (``plan.solver.status``).
+    target: the runner the plan is for, "autopar" (this runtime), "megatron", "torchtitan"
+        or "deepspeed": the search stays inside what that runner executes
+        (:data:`autopar.frameworks.targets.TARGETS`), so the plan is the best it can run.
     Raises TypeError / ValueError (:func:`check_problem`; degrees inconsistent with the
     cluster, heads not divisible by tp, a pin outside the runtime's space, no config left
     by the pins: each names the rule), TraceError (untraceable model), InfeasibleError
@@ -97,8 +101,9 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     """
     cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
                                     seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
+    support = target_support(target)  # an unknown target fails before tracing
     traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    result = search(traced, cluster, global_batch_size, layout, RUNTIME_SUPPORT,
+    result = search(traced, cluster, global_batch_size, layout, support,
                     progress=progress, time_limit_s=time_limit_s)
     return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
                             seq_len=seq_len, model_name=model_name)
@@ -106,7 +111,9 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
 
 def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
              seq_len: int, model_name: str = "model",
-             time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> Plan:
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+             stage_layers: list[list[int]] | None = None,
+             recompute: list[str] | None = None) -> Plan:
     """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) as Megatron-LM runs
     it, with the same cost model as :func:`plan` and no search: Megatron's TP placements
     (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
@@ -116,16 +123,21 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     (unset: "1f1b", interleaved when v > 1) and v
     (:mod:`autopar.planner.hand_layout`). The plan's ``solver.status`` is "EVALUATED";
     ``time_limit_s`` is checked and otherwise unused (nothing is solved).
+    ``stage_layers`` (per model chunk [first, last) layers, as ``Plan.stage_layers``) and
+    ``recompute`` (one mode per layer) replace the even split and the uniform mode, e.g.
+    for Megatron-LM's ``--pipeline-model-parallel-layout`` and ``--recompute-method block``
+    (:func:`autopar.frameworks.read_megatron_args`).
     Raises TypeError / ValueError (:func:`check_problem`; an incomplete layout, degrees that
-    do not fit the model, cluster or batch) and InfeasibleError naming the pipeline stage
-    that does not fit in memory and its bytes.
+    do not fit the model, cluster or batch, stages or modes that do not fit the layout) and
+    InfeasibleError naming the pipeline stage that does not fit in memory and its bytes.
     """
     cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
                                     seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
     start = time.perf_counter()
     layout = complete_hand_layout(layout)
     traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    decision, tables, strategies = hand_decision(traced, cluster, layout, global_batch_size)
+    decision, tables, strategies = hand_decision(traced, cluster, layout, global_batch_size,
+                                                 stage_layers, recompute)
     out = plan_from_decision(traced, model, cluster, decision, tables, strategies,
                              global_batch_size=global_batch_size, seq_len=seq_len,
                              model_name=model_name)

@@ -160,9 +160,25 @@ class RuntimeSupport:
 
     schedules: pipeline schedules; zero_stages: ZeRO stages (see :meth:`zero_stages_for`
     for the ones a pipeline allows); recompute: recompute modes; sequence_parallel: allowed
-    values; virtual_stages: allowed v (v > 1 only with "interleaved_1f1b", see
-    :func:`interleaving_problem`); dtypes: training precisions ("bf16": bf16
-    parameters, gradients and activations with fp32 master weights).
+    values at tp > 1 (tp = 1 runs without); virtual_stages: allowed v (v > 1 only with
+    "interleaved_1f1b", see :func:`interleaving_problem`); dtypes: training precisions
+    ("bf16": bf16 parameters, gradients and activations with fp32 master weights).
+
+    The fields below describe what another framework's runner can express
+    (:mod:`autopar.frameworks.targets`); their defaults are the autopar runtime's:
+
+    name: the target ("autopar", "megatron", "torchtitan", "deepspeed").
+    placements: "any" (the solver's tensor-parallel placements, per op) or "megatron"
+        (Megatron-LM's pattern only: :func:`autopar.planner.megatron.megatron_placements`,
+        which a framework with a fixed TP plan runs).
+    recompute_layout: "per_layer" (any mode per layer), "block" (Megatron-LM: one
+        granularity, full recompute of the first k layers of every pipeline stage,
+        ``--recompute-method block --recompute-num-layers k``, or selective on every layer;
+        one mode for all layers under interleaving) or "uniform" (one mode for all layers).
+    even_stages: layers split evenly over the stages (a runner that cannot cut them
+        unevenly: :func:`~autopar.stages.even_stage_layers`).
+    max_tp: the largest tensor-parallel size the runner executes (None: no limit but the
+        node and the heads).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -171,6 +187,11 @@ class RuntimeSupport:
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] = (1, 2)
     dtypes: tuple[str, ...] = DTYPES
+    name: str = "autopar"
+    placements: str = "any"
+    recompute_layout: str = "per_layer"
+    even_stages: bool = False
+    max_tp: int | None = None
 
     def zero_stages_for(self, pp: int) -> tuple[int, ...]:
         """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 (DistributedOptimizer)
@@ -203,11 +224,16 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
             ("schedule", layout.schedule, support.schedules),
             ("virtual_stages", layout.virtual_stages, support.virtual_stages),
             ("sequence_parallel", layout.sequence_parallel, support.sequence_parallel)]
+    if layout.tp == 1:  # no tensor parallelism: nothing to split over sequences
+        pins = [pin for pin in pins if pin[0] != "sequence_parallel" or pin[1]]
     for name, value, allowed in pins:
         if value is not None and value not in allowed:
-            raise ValueError(f"{name}={value!r} is outside what the autopar runtime executes "
-                             f"({name} in {allowed}); choose one of them (autopar.evaluate "
-                             "still prices it for comparison)")
+            raise ValueError(f"{name}={value!r} is outside what the {support.name} runtime "
+                             f"executes ({name} in {allowed}); choose one of them "
+                             "(autopar.evaluate still prices it for comparison)")
+    if support.max_tp is not None and layout.tp is not None and layout.tp > support.max_tp:
+        raise ValueError(f"tp={layout.tp} is outside what the {support.name} runtime executes "
+                         f"(tp <= {support.max_tp}); pin tp <= {support.max_tp}")
     if layout.zero_stage is not None and layout.pp is not None and \
             layout.zero_stage not in support.zero_stages_for(layout.pp):
         raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: ZeRO-2/3 "
@@ -239,7 +265,7 @@ def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
     for name, value, allowed in checks:
         if value not in allowed:
             raise NotImplementedError(
-                f"the autopar runtime cannot execute {name}={value!r} yet (supported: "
+                f"the {support.name} runtime cannot execute {name}={value!r} (supported: "
                 f"{allowed}); re-plan with autopar.plan, which only emits executable plans")
     chunks = plan.pp * plan.virtual_stages
     if len(plan.stage_layers) != chunks:

@@ -6,8 +6,11 @@ Each report is the auto plan beside a hand-written Megatron-LM layout priced by 
 cost model: GPT-3 175B on 128 DGX A100 nodes (Narayanan et al. 2021: t=8, p=16, d=8, b=1,
 full recompute), a 1T-parameter GPT on 384 nodes (the same paper's Table 1 row: t=8, p=64,
 d=6, b=1), and a 1.3B GPT on one node (plain data parallelism, b=4), each with what-ifs
-(twice the nodes, H100 nodes, twice the batch). A few minutes on two CPU cores; nothing is
-allocated (models are built on the meta device).
+(twice the nodes, H100 nodes, twice the batch) and, for each of Megatron-LM, torchtitan and
+DeepSpeed that cannot run the plan as it is, the best plan that framework runs
+(``autopar.plan(..., target=)``). Each directory also holds the plans as JSON (plan.json,
+plan-<framework>.json). A few minutes on two CPU cores; nothing is allocated (models are
+built on the meta device).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import autopar
+import autopar.frameworks
 from autopar.api import what_if_plans
 
 ROOT = Path(__file__).resolve().parents[1] / "reports"
@@ -42,10 +46,20 @@ def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, h
     plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq, model_name=name)
     megatron = autopar.evaluate(model, cluster, autopar.Layout.parse(hand),
                                 global_batch_size=batch, seq_len=seq, model_name=name)
+    targets = {}  # the best plan each framework runs, where this plan is outside its space
+    for framework in autopar.frameworks.FRAMEWORKS:
+        if autopar.frameworks.outside_target(plan, framework):
+            targets[framework] = autopar.plan(model, cluster, global_batch_size=batch,
+                                              seq_len=seq, model_name=name, target=framework)
+    out = Path(out_root) / directory
     path = autopar.report.write_report(
-        plan, Path(out_root) / directory, hand_layouts={f"Megatron-LM `{hand}`": megatron},
+        plan, out, hand_layouts={f"Megatron-LM `{hand}`": megatron},
         title=f"{name} on {nodes} DGX A100 node{'s' if nodes > 1 else ''}",
-        what_ifs=what_if_plans(model, cluster, plan))
+        what_ifs=what_if_plans(model, cluster, plan), framework_plans=targets)
+    (out / "plan.json").write_text(plan.to_json() + "\n", encoding="utf-8")
+    for framework, target_plan in targets.items():
+        (out / f"plan-{framework}.json").write_text(target_plan.to_json() + "\n",
+                                                    encoding="utf-8")
     return plan, megatron, path
 
 

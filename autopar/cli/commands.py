@@ -31,13 +31,15 @@ import traceback
 from pathlib import Path
 
 import autopar
+import autopar.frameworks
 from autopar.api import what_if_plans
 from autopar.cli.verify import run_verify
 from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
 from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
-from autopar.models import default_seq_len
+from autopar.frameworks.model_shape import build_model, model_shape
+from autopar.models import default_seq_len, model_config
 from autopar.plan import Layout, Plan
 from autopar.plan_check import read_plan
 from autopar.report import write_report
@@ -175,9 +177,42 @@ def _emit(plan: Plan, args: argparse.Namespace, hand: dict[str, Plan | str],
 
 
 # ------------------------------------------------------------------------ commands
+def _check_emit(args: argparse.Namespace) -> str:
+    """The target of ``plan`` (``--target``, else the ``--emit`` framework, else autopar);
+    ValueError before any work for --emit with --json but no --emit-to, or an --emit-to
+    that cannot be written."""
+    if args.emit is None and args.emit_to is not None:
+        raise ValueError("--emit-to needs --emit megatron|torchtitan|deepspeed")
+    if args.emit and args.json and args.emit_to is None:
+        raise ValueError("--emit with --json prints the plan's JSON on stdout; give "
+                         "--emit-to FILE for the framework's configuration")
+    if args.emit_to is not None:
+        if args.emit_to.is_dir():
+            raise ValueError(f"--emit-to {args.emit_to} is a directory; give a file path")
+        _check_parents(args.emit_to, "--emit-to")
+    return args.target or args.emit or "autopar"
+
+
+def _write_emitted(plan: Plan, args: argparse.Namespace) -> None:
+    """The ``--emit`` configuration, printed or written to ``--emit-to``."""
+    text = autopar.frameworks.emit(plan, args.emit)
+    if args.emit_to is None:
+        print(f"{args.emit} configuration:\n{text}", end="")
+        return
+    try:
+        args.emit_to.parent.mkdir(parents=True, exist_ok=True)
+        args.emit_to.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.emit_to} ({exc.strerror or exc})") from None
+    print(f"{args.emit} configuration written to {args.emit_to}",
+          file=sys.stderr if args.json else sys.stdout)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """``autopar plan``: solve, print, save, report (with what-ifs unless --no-whatif)."""
+    """``autopar plan``: solve, print, save, report (with what-ifs unless --no-whatif), and
+    the ``--emit`` configuration of the plan (searched within ``--target``)."""
     check_outputs(args)
+    target = _check_emit(args)
     model, name, cluster, seq_len = _load_problem(args)
     batch = dict(global_batch_size=args.global_batch_size, seq_len=seq_len)
     layouts = {f"hand `{text}`": Layout.parse(text) for text in args.megatron}
@@ -187,12 +222,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
     progress = _progress(args)
     plan = autopar.plan(model, cluster, layout=_layout(args), model_name=name,
-                        progress=progress, time_limit_s=args.time_limit, **batch)
+                        progress=progress, time_limit_s=args.time_limit, target=target, **batch)
     what_ifs = None
     if args.report and args.whatif:
         what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
                                  progress=progress.relabel if progress else None)
     _emit(plan, args, hand, what_ifs)
+    if args.emit:
+        _write_emitted(plan, args)
     return EXIT_OK
 
 
@@ -227,16 +264,67 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _megatron_runs(args: argparse.Namespace, cluster: Cluster) -> dict:
+    """Each ``--megatron-args`` read (:func:`autopar.frameworks.read_megatron_args`), by a
+    short name; the first also fills in --model (its shape), --global-batch-size and
+    --seq-len when they are not given."""
+    runs = {}
+    for i, source in enumerate(args.megatron_args, 1):
+        run = autopar.frameworks.read_megatron_args(source, cluster.num_gpus)
+        label = source if len(source) <= 40 and "\n" not in source else f"flags {i}"
+        runs[f"Megatron-LM args `{label}`"] = run
+    return runs
+
+
+def _compare_problem(args: argparse.Namespace, runs: dict):
+    """(model, name, cluster, seq_len, global_batch_size) of ``compare``: the flags, else
+    the first --megatron-args run's model, batch and sequence length."""
+    cluster = load_cluster(args.cluster, args.nodes)
+    if args.memory_headroom is not None:
+        cluster = dataclasses.replace(cluster, memory_headroom_gib=args.memory_headroom)
+    first = next(iter(runs.values()), None)
+    if args.model is None and first is None:
+        raise ValueError("compare needs --model (or --megatron-args, whose flags give the shape)")
+    if args.model is not None:
+        model, name = autopar.load_model(args.model)
+        shape = model_shape(model_config(model)) if runs else {}
+        for label, run in runs.items():
+            differ = [k for k in ("num_layers", "hidden_size", "num_attention_heads")
+                      if k in run.model and run.model[k] != shape.get(k)]
+            if differ:
+                raise ValueError(f"{label} states {', '.join(f'{k}={run.model[k]}' for k in differ)} "
+                                 f"but --model {args.model} has "
+                                 f"{', '.join(f'{k}={shape.get(k)}' for k in differ)}; drop "
+                                 "--model to price the flags' own shape")
+    else:
+        model, name = build_model(first.model)
+    seq_len = args.seq_len or (first.seq_len if first else None) or default_seq_len(model)
+    batch = args.global_batch_size or (first.global_batch_size if first else None)
+    if seq_len is None or batch is None:
+        raise ValueError(f"compare needs {'--seq-len' if seq_len is None else '--global-batch-size'}")
+    return model, name, cluster, seq_len, batch
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
-    """``autopar compare``: solve, price the hand layouts, print them side by side."""
-    model, name, cluster, seq_len = _load_problem(args)
-    batch = dict(global_batch_size=args.global_batch_size, seq_len=seq_len)
+    """``autopar compare``: solve, price the hand layouts (``--megatron``, each
+    ``--megatron-args`` launch as written), print them side by side."""
+    runs = _megatron_runs(args, load_cluster(args.cluster, args.nodes))
+    model, name, cluster, seq_len, batch_size = _compare_problem(args, runs)
+    batch = dict(global_batch_size=batch_size, seq_len=seq_len)
     layouts = ({f"`{text}`": Layout.parse(text) for text in args.megatron}
-               or default_hand_layouts(name, cluster))
-    if not layouts:
+               or ({} if runs else default_hand_layouts(name, cluster)))
+    if not layouts and not runs:
         raise ValueError("compare needs at least one --megatron layout, e.g. "
-                         "--megatron \"tp=8,pp=1,dp=1,mbs=1\"")
+                         "--megatron \"tp=8,pp=1,dp=1,mbs=1\", or --megatron-args")
     hand = price_hand_layouts(layouts, model, cluster, model_name=name, **batch)
+    for label, run in runs.items():
+        try:
+            hand[label] = autopar.frameworks.price_run(run, cluster, model=model,
+                                                        model_name=name, **batch)
+        except autopar.InfeasibleError as exc:
+            hand[label] = f"infeasible: {exc}"
+        if run.ignored:
+            print(f"{label}: not priced: {'; '.join(run.ignored)}", file=sys.stderr)
     plan = autopar.plan(model, cluster, model_name=name, progress=_progress(args),
                         time_limit_s=args.time_limit, **batch)
     result = compare(plan, hand)

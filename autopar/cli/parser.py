@@ -14,9 +14,12 @@ import math
 import textwrap
 from pathlib import Path
 
+from autopar.frameworks.targets import FRAMEWORKS, TARGETS
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S
 from cost_models.hardware import PRESET_NAMES
+
+TARGET_NAMES = tuple(TARGETS)
 
 __all__ = ["build_parser", "EXIT_CODES_HELP"]
 
@@ -49,7 +52,10 @@ EXAMPLES = {
   autopar plan --model gpt-1.3b --nodes 1 --global-batch-size 512 --memory-headroom 4
   # a Hugging Face model by its published shape (or hf:path/to/config.json, hf:mistral)
   autopar plan --model hf:llama3-8b --cluster dgx-a100 --nodes 1 \\
-      --global-batch-size 64 --seq-len 2048""",
+      --global-batch-size 64 --seq-len 2048
+  # the best plan Megatron-LM can run, written as its pretrain_gpt.py flags
+  autopar plan --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
+      --global-batch-size 1536 --seq-len 2048 --emit megatron --emit-to megatron.args""",
     "evaluate": """\
   # Megatron-LM's published GPT-3 layout, priced by the planner's cost model
   autopar evaluate --model gpt3-175b --cluster dgx-a100 --nodes 128 \\
@@ -62,7 +68,10 @@ EXAMPLES = {
       --global-batch-size 1536 --seq-len 2048 \\
       --megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"
   autopar compare --model gpt-tiny --cluster local-cpu --global-batch-size 8 \\
-      --megatron "tp=2,pp=1,dp=2,mbs=1" --megatron "tp=1,pp=2,dp=2,mbs=1" --json""",
+      --megatron "tp=2,pp=1,dp=2,mbs=1" --megatron "tp=1,pp=2,dp=2,mbs=1" --json
+  # a Megatron-LM launch's own flags (the model, batch and sequence come from them)
+  autopar compare --cluster dgx-a100 --nodes 128 \\
+      --megatron-args examples/megatron/gpt3_175b.args""",
     "report": """\
   autopar plan --model gpt-1.3b --nodes 1 --global-batch-size 512 -o plan.json
   autopar report plan.json --out reports/again
@@ -172,10 +181,11 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_problem_args(parser: argparse.ArgumentParser) -> None:
-    """Model, cluster and batch flags shared by ``plan``, ``evaluate`` and ``compare``."""
+def _add_problem_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """Model, cluster and batch flags shared by ``plan``, ``evaluate`` and ``compare``
+    (``required`` False: ``compare`` may take the model and batch from --megatron-args)."""
     g = parser.add_argument_group("what to train, and where")
-    g.add_argument("--model", required=True, metavar="SPEC",
+    g.add_argument("--model", required=required, metavar="SPEC",
                    help="a preset name (gpt-tiny, gpt2-124m, gpt-1.3b, gpt-8.3b, gpt3-175b, "
                         "gpt-1t); 'hf:CONFIG', a Hugging Face causal LM from a config.json "
                         "path, a published shape (hf:gpt2, hf:gpt2-medium, hf:gpt2-large, "
@@ -189,7 +199,7 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
                         "(default: dgx-a100)")
     g.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
                    help="number of nodes (default: 1 for a preset, the file's value for a file)")
-    g.add_argument("--global-batch-size", type=_positive_int, required=True, metavar="B",
+    g.add_argument("--global-batch-size", type=_positive_int, required=required, metavar="B",
                    help="sequences per optimizer step, B = d · b · m")
     g.add_argument("--seq-len", type=_positive_int, default=None, metavar="S",
                    help="tokens per sequence (default and maximum: the model's block_size, "
@@ -290,6 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(plan)
     _add_layout_args(plan, required=False)
     _add_output_args(plan, search=True)
+    g = plan.add_argument_group("frameworks (Megatron-LM, torchtitan, DeepSpeed)")
+    g.add_argument("--target", choices=TARGET_NAMES, default=None,
+                   help="search only plans that runner executes (default: the --emit "
+                        "framework, else autopar's own runtime): e.g. megatron recomputes "
+                        "the first k layers of every stage, deepspeed has no TP or interleaving")
+    g.add_argument("--emit", choices=FRAMEWORKS, default=None,
+                   help="write the plan as that framework's configuration: Megatron-LM "
+                        "pretrain_gpt.py flags, a torchtitan job TOML or a DeepSpeed config JSON")
+    g.add_argument("--emit-to", type=Path, default=None, metavar="FILE",
+                   help="write the --emit configuration to FILE (default: print it; needed "
+                        "with --json)")
 
     evaluate = _verb(sub, "evaluate", "price one fixed layout")
     _add_problem_args(evaluate)
@@ -297,9 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_args(evaluate, search=False)
 
     cmp = _verb(sub, "compare", "the auto plan beside hand layouts, and where they differ")
-    _add_problem_args(cmp)
+    _add_problem_args(cmp, required=False)
     g = cmp.add_argument_group("hand layouts and output")
     _add_megatron(g, " (default: the published Megatron-LM layout where one is known)")
+    g.add_argument("--megatron-args", action="append", default=[], metavar="FILE_OR_FLAGS",
+                   help="a Megatron-LM launch: its pretrain_gpt.py flags, or a file holding "
+                        "them (a launch script with its variables substituted); priced as "
+                        "written (stages, recompute method, virtual stages, SP, distributed "
+                        "optimizer) and shown beside the plan; it also gives --model (its "
+                        "shape), --global-batch-size and --seq-len when those are not given; "
+                        "the flags it does not price are listed. Repeat for several")
     _add_common(g, "print the comparison as JSON on stdout; no progress is drawn")
 
     report = _verb(sub, "report", "write the report of a saved plan, without solving")

@@ -64,6 +64,8 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     for tp in divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
             continue
+        if support is not None and support.max_tp is not None and tp > support.max_tp:
+            continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
@@ -90,7 +92,7 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     # search and tp > 1; a hand layout (support None) is priced as written
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
                          if layout.sequence_parallel is not None or support is None
-                         else (False, True))
+                         else tuple(sp for sp in (False, True) if sp in support.sequence_parallel))
     for mbs in divisors(per_replica):
         if layout.micro_batch_size not in (None, mbs) or (
                 layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):

@@ -61,7 +61,7 @@ from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
-from autopar.planner.cpsat_terms import (SectionTerms, int_var, precision_scale, product_var,
+from autopar.planner.cpsat_terms import (SectionTerms, add_recompute_rows, int_var, precision_scale, product_var,
                                          solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
@@ -87,7 +87,8 @@ class ConfigModel:
     def __init__(self, traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
                  cluster, *, zero_stages=(0,), recompute_modes=RECOMPUTE_MODES,
                  fixed_recompute: str | None = None, even_stages: bool = False,
-                 assume_memory: bool = False) -> None:
+                 recompute_layout: str = "per_layer", assume_memory: bool = False,
+                 allowed: dict[str, set[str]] | None = None) -> None:
         self.traced, self.strategies, self.tables, self.cluster = traced, strategies, tables, cluster
         self.cfg = tables.config
         self.model = cp_model.CpModel()
@@ -95,6 +96,8 @@ class ConfigModel:
         self.recompute_modes = recompute_modes
         self.fixed_recompute = fixed_recompute
         self.even_stages = even_stages
+        self.recompute_layout = recompute_layout  # autopar.support.RuntimeSupport's
+        self.allowed = allowed  # node -> strategy keys it may take (None: any)
         # assume_memory: each memory[stage i] row enforced by a literal fits[stage i], so an
         # INFEASIBLE solve under those assumptions names the stages that bind (its core)
         self.memory_literals: list | None = [] if assume_memory else None
@@ -125,11 +128,15 @@ class ConfigModel:
     def add_strategy_choice(self) -> None:
         r"""``one_strategy[n]``: :math:`\sum_k x_{n,k} = 1` for every pre, template-layer
         and post node; each choice adds its forward, backward, recompute, activation and
-        parameter coefficients to its section's terms."""
+        parameter coefficients to its section's terms; ``allowed_strategy[n]``: a strategy
+        outside ``allowed`` (a target's placements) is not taken."""
         ups = self.units_per_second
         for name in self.section_of:
             xs = [self.model.NewBoolVar(f"x[{name},{k}]") for k in range(len(self.strategies[name]))]
             self.model.AddExactlyOne(xs).WithName(f"one_strategy[{name}]")
+            for x, strategy in zip(xs, self.strategies[name]):
+                if self.allowed is not None and strategy.key not in self.allowed[name]:
+                    self.model.Add(x == 0).WithName(f"allowed_strategy[{name}]")
             self.choice[name] = xs
             section = self.section_of[name]
             for k, cost in enumerate(self.tables.node[name]):
@@ -175,8 +182,8 @@ class ConfigModel:
         :data:`~autopar.planner.decision.STAGE_SLACK` of L/p; ``equal_chunks``
         (interleaved): :math:`n_i = L/p`; ``even_stages`` (hand layouts, as Megatron):
         :math:`n_i = \lfloor L/p \rfloor + [i < L \bmod p]`;
-        ``recompute_within_stage[i]``: :math:`r^{full}_i + r^{sel}_i \le n_i`, and
-        ``recompute_mode[i]`` pins the counts to the allowed or fixed modes. Raises
+        and the recompute counts of :func:`~autopar.planner.cpsat_terms.add_recompute_rows`
+        (``recompute_layout`` "block" is "uniform" under interleaving). Raises
         ValueError for p > L or a schedule :func:`~autopar.support.pipeline_problem` rejects."""
         cfg, L, model = self.cfg, self.traced.num_layers, self.model
         p = cfg.pp
@@ -196,22 +203,10 @@ class ConfigModel:
         if self.even_stages:  # hand layouts: Megatron splits layers evenly
             for i in range(p):
                 model.Add(n[i] == L // p + (1 if i < L % p else 0)).WithName("even_stages")
-        self.recompute_full, self.recompute_selective = [], []
         modes = self.recompute_modes if self.fixed_recompute is None else (self.fixed_recompute,)
-        for i in range(p):
-            rf = model.NewIntVar(0, L, f"recompute_full[{i}]")
-            rs = model.NewIntVar(0, L, f"recompute_selective[{i}]")
-            model.Add(rf + rs <= n[i]).WithName(f"recompute_within_stage[{i}]")
-            if "full" not in modes:
-                model.Add(rf == 0).WithName(f"recompute_mode[{i}]")
-            if "selective" not in modes:
-                model.Add(rs == 0).WithName(f"recompute_mode[{i}]")
-            if modes == ("full",):
-                model.Add(rf == n[i]).WithName(f"recompute_mode[{i}]")
-            if modes == ("selective",):
-                model.Add(rs == n[i]).WithName(f"recompute_mode[{i}]")
-            self.recompute_full.append(rf)
-            self.recompute_selective.append(rs)
+        layout = "uniform" if v > 1 and self.recompute_layout == "block" else self.recompute_layout
+        self.recompute_full, self.recompute_selective = add_recompute_rows(model, n, L, modes,
+                                                                           layout)
 
     def add_zero(self) -> None:
         r"""``one_zero_stage``: :math:`\sum_z \zeta_z = 1` over the allowed ZeRO stages."""

@@ -18,7 +18,11 @@ from autopar.planner.step import PARAM_UNIT
 from autopar.planner.strategies import tied_groups
 
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
-           "product_var", "tied_param_units", "solve_deterministic"]
+           "product_var", "tied_param_units", "solve_deterministic", "add_recompute_rows",
+           "RECOMPUTE_LAYOUTS"]
+
+RECOMPUTE_LAYOUTS = ("per_layer", "block", "uniform")
+"""How recompute modes may be laid over the layers (``RuntimeSupport.recompute_layout``)."""
 
 SECTIONS = ("pre", "layer", "post")
 TIME_KEYS = ("fwd", "bwd", "core", "rec")
@@ -112,3 +116,58 @@ def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"autopar built an invalid CP-SAT model: {model.Validate()}")
     return status, solver
+
+
+def add_recompute_rows(model: cp_model.CpModel, layers: list, num_layers: int,
+                       modes: tuple[str, ...], layout: str = "per_layer") -> tuple[list, list]:
+    r"""Per pipeline rank i, the counts :math:`r^{full}_i, r^{sel}_i` of its ``layers[i]``
+    (:math:`n_i`, CP-SAT variables) recomputed fully and selectively; returns (full,
+    selective) lists of variables. Rows: ``recompute_within_stage[i]``
+    :math:`r^{full}_i + r^{sel}_i \le n_i`; ``recompute_mode[i]`` keeps the counts to the
+    allowed ``modes`` (one mode: every layer); ``layout``
+    (:data:`RECOMPUTE_LAYOUTS`):
+
+    * "per_layer": nothing more;
+    * "uniform": ``recompute_uniform[i]``, one mode for every layer of every rank
+      (booleans :math:`u_{full}, u_{sel}`, :math:`u_{full} + u_{sel} \le 1`,
+      :math:`r_i = n_i u`);
+    * "block" (Megatron-LM's ``--recompute-method block --recompute-num-layers k``;
+      ``--recompute-granularity`` is one of full and selective): ``recompute_block[i]``
+      :math:`r^{full}_i = \min(k, n_i)` with one k for every stage, and selective on every
+      layer or none, never both granularities.
+
+    Raises ValueError for an unknown ``layout``."""
+    if layout not in RECOMPUTE_LAYOUTS:
+        raise ValueError(f"recompute_layout must be one of {RECOMPUTE_LAYOUTS}, got {layout!r}")
+    L = num_layers
+    full, selective = [], []
+    if layout != "per_layer":
+        use_full, use_sel = model.NewBoolVar("recompute_uses_full"), model.NewBoolVar(
+            "recompute_uses_selective")
+        model.Add(use_full + use_sel <= 1).WithName("recompute_one_granularity")
+        k = model.NewIntVar(0, L, "recompute_num_layers") if layout == "block" else None
+        if k is not None:
+            model.Add(k == 0).WithName("recompute_block_k").OnlyEnforceIf(use_full.Not())
+    for i, n in enumerate(layers):
+        rf = model.NewIntVar(0, L, f"recompute_full[{i}]")
+        rs = model.NewIntVar(0, L, f"recompute_selective[{i}]")
+        model.Add(rf + rs <= n).WithName(f"recompute_within_stage[{i}]")
+        if "full" not in modes:
+            model.Add(rf == 0).WithName(f"recompute_mode[{i}]")
+        if "selective" not in modes:
+            model.Add(rs == 0).WithName(f"recompute_mode[{i}]")
+        if modes == ("full",):
+            model.Add(rf == n).WithName(f"recompute_mode[{i}]")
+        if modes == ("selective",):
+            model.Add(rs == n).WithName(f"recompute_mode[{i}]")
+        if layout != "per_layer":
+            model.Add(rs == n).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_sel)
+            model.Add(rs == 0).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_sel.Not())
+            if k is None:
+                model.Add(rf == n).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_full)
+            else:
+                model.AddMinEquality(rf, [k, n]).WithName(f"recompute_block[{i}]")
+            model.Add(rf == 0).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_full.Not())
+        full.append(rf)
+        selective.append(rs)
+    return full, selective

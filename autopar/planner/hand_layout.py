@@ -15,7 +15,7 @@ refuses one that does not fit, naming the stage and its bytes.
 from __future__ import annotations
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import Layout, Prediction
+from autopar.plan import RECOMPUTE_MODES, Layout, Prediction
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import CostTables, cost_tables
 from autopar.planner.decision import Decision, InfeasibleError
@@ -43,14 +43,18 @@ def complete_hand_layout(layout: Layout) -> Layout:
                   sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype)
 
 
-def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_size: int
+def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_size: int,
+                  stage_layers: list[list[int]] | None = None,
+                  recompute: list[str] | None = None
                   ) -> tuple[Decision, CostTables, NodeStrategies]:
     """The Decision of a complete hand ``layout`` (:func:`complete_hand_layout`) for
     ``traced`` on ``cluster`` with B = ``global_batch_size``: Megatron-LM's placements at
     the layout's tp and sequence parallelism, :func:`~autopar.stages.even_stage_layers`,
     the layout's recompute on every layer and its ZeRO stage; with the cost tables and
-    strategies that price it. Raises ValueError (degrees that do not fit the model, the
-    cluster or the batch, or a pipeline rule the layout breaks: the message says what to
+    strategies that price it. ``stage_layers`` / ``recompute`` (per layer) replace the even
+    split and the layout's one mode. Raises ValueError (degrees that do not fit the model,
+    the cluster or the batch, a pipeline rule the layout breaks, stages that are not pp·v
+    contiguous chunks of the L layers, modes not one per layer: the message says what to
     change)."""
     validate_layout(traced, cluster, layout, global_batch_size)
     why: dict[str, str] = {}
@@ -62,11 +66,30 @@ def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_siz
     placements = megatron_placements(traced, cfg.tp, cfg.sequence_parallel)
     decoded = decode_placements(traced, placements, cfg.tp, cfg.sequence_parallel)
     L = traced.num_layers
+    stage_layers = stage_layers or even_stage_layers(L, cfg.pp, cfg.virtual_stages)
+    recompute = recompute or [layout.recompute] * L
+    _check_stages(stage_layers, recompute, L, cfg.pp * cfg.virtual_stages)
     decision = Decision(config=cfg, strategy={name: k for name, (k, _) in decoded.items()},
-                        stage_layers=even_stage_layers(L, cfg.pp, cfg.virtual_stages),
-                        recompute=[layout.recompute] * L, zero_stage=layout.zero_stage,
-                        objective_s=0.0, solve_time_s=0.0)
+                        stage_layers=stage_layers, recompute=list(recompute),
+                        zero_stage=layout.zero_stage, objective_s=0.0, solve_time_s=0.0)
     return decision, cost_tables(traced, strategies, cluster, cfg), strategies
+
+
+def _check_stages(stage_layers: list[list[int]], recompute: list[str], num_layers: int,
+                  chunks: int) -> None:
+    """ValueError unless ``stage_layers`` is ``chunks`` contiguous non-empty [first, last)
+    chunks covering the ``num_layers`` layers and ``recompute`` names one known mode per
+    layer."""
+    flat = [edge for chunk in stage_layers for edge in chunk]
+    ok = (len(stage_layers) == chunks and flat[:1] == [0] and flat[-1:] == [num_layers]
+          and all(lo < hi for lo, hi in stage_layers)
+          and all(a[1] == b[0] for a, b in zip(stage_layers, stage_layers[1:])))
+    if not ok:
+        raise ValueError(f"stage_layers {stage_layers} must be pp*v = {chunks} contiguous "
+                         f"non-empty [first, last) chunks of the {num_layers} layers")
+    if len(recompute) != num_layers or set(recompute) - set(RECOMPUTE_MODES):
+        raise ValueError(f"recompute must name one of {RECOMPUTE_MODES} for each of the "
+                         f"{num_layers} layers, got {recompute}")
 
 
 def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:

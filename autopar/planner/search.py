@@ -24,6 +24,7 @@ from autopar.planner.configs import candidate_configs, no_config_message, valida
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
 from autopar.planner.decision import Decision
+from autopar.planner.megatron import allowed_strategies
 from autopar.planner.predict import predict
 from autopar.planner.reserve import max_usable_bytes, p2p_bytes
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
@@ -142,8 +143,12 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
     zero = zero_choices(layout, support, cfg.pp)
     modes = support.recompute if support else RECOMPUTE_MODES
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
+                        allowed=allowed_strategies(traced, strategies, cfg.tp,
+                                                   cfg.sequence_parallel, memo, support),
                         recompute_modes=modes, fixed_recompute=layout.recompute,
-                        even_stages=even_stages, assume_memory=assume_memory)
+                        even_stages=even_stages or bool(support and support.even_stages),
+                        recompute_layout=support.recompute_layout if support else "per_layer",
+                        assume_memory=assume_memory)
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
         model.add_cutoff(cutoff_s)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from autopar.plan import Plan
 from autopar.report.format import cluster_line
+from autopar.report.frameworks import frameworks_section
 from autopar.report.html import write_html
 from autopar.report.plots import write_charts
 from autopar.report.ranks import rank_layout_section
@@ -46,7 +47,8 @@ __all__ = ["render_markdown", "write_report"]
 def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = None, *,
                     title: str | None = None, memory_chart: str | None = None,
                     charts: dict[str, str] | None = None,
-                    what_ifs: dict[str, Plan | str] | None = None) -> str:
+                    what_ifs: dict[str, Plan | str] | None = None,
+                    framework_plans: dict[str, Plan | str] | None = None) -> str:
     """The whole report as Markdown.
 
     hand_layouts: name -> a :class:`Plan` from ``autopar.evaluate`` of a hand-written layout,
@@ -57,6 +59,8 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
         of the image drawn by :func:`autopar.report.plots.write_charts`.
     what_ifs: label -> re-planned Plan (or why none), from
         :func:`autopar.api.what_if_plans`, rendered as a "What if" section.
+    framework_plans: framework -> the plan searched for it (``autopar.plan(...,
+        target=framework)``, or why none), shown where this plan is outside its space.
     """
     charts = charts or {}
     title = title or f"autopar plan: {plan.model} on {cluster_line(plan)}"
@@ -68,6 +72,7 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
     lines += time_section(plan) + image("step time by kind", charts.get("breakdown"))
     lines += rank_layout_section(plan) + comm_section(plan) + replicated_section(plan)
     lines += why_section(plan)
+    lines += frameworks_section(plan, framework_plans)
     if hand_layouts:
         lines += hand_section(plan, hand_layouts)
         lines += image("auto vs hand step time", charts.get("comparison"))
@@ -80,22 +85,26 @@ def render_markdown(plan: Plan, hand_layouts: dict[str, Plan | str] | None = Non
 def write_report(plan: Plan, out_dir: str | Path, *,
                  hand_layouts: dict[str, Plan | str] | None = None,
                  title: str | None = None, chart: bool = True,
-                 what_ifs: dict[str, Plan | str] | None = None) -> Path:
+                 what_ifs: dict[str, Plan | str] | None = None,
+                 framework_plans: dict[str, Plan | str] | None = None) -> Path:
     """Write ``out_dir/report.md`` and ``out_dir/report.html``; return the Markdown path.
 
     what_ifs: label -> re-planned Plan (or why none), from
     :func:`autopar.api.what_if_plans`, rendered as a "What if" section.
+    framework_plans: framework -> ``autopar.plan(..., target=framework)`` (or why none),
+    shown with its configuration where ``plan`` is outside that framework's space.
 
     With ``chart`` (and matplotlib importable) the PNG charts of
     :mod:`autopar.report.plots` are drawn beside them, linked from the Markdown and
     embedded as data URIs in the self-contained HTML.
     """
     out_dir = Path(out_dir)
-    text = render_markdown(plan, hand_layouts, title=title, what_ifs=what_ifs)  # fails first
+    extra = dict(title=title, what_ifs=what_ifs, framework_plans=framework_plans)
+    text = render_markdown(plan, hand_layouts, **extra)  # fails first
     created = _make_dir(out_dir)
     try:
         charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
-        text = render_markdown(plan, hand_layouts, title=title, charts=charts, what_ifs=what_ifs)
+        text = render_markdown(plan, hand_layouts, charts=charts, **extra)
         path = out_dir / "report.md"
         path.write_text(text, encoding="utf-8")
         write_html(text, out_dir)

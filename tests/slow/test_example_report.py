@@ -23,6 +23,7 @@ SECTIONS = ["# gpt-1.3b on 1 DGX A100 node", "## Chosen plan", "### Pipeline sta
             "## Rank layout", "## Communication per GPU per step",
             "## Ops every tensor-parallel rank runs whole", "## Why this plan",
             "### Binding constraints", "### Best alternatives the search priced",
+            "## Run this plan with Megatron-LM, torchtitan or DeepSpeed",
             "## Hand-written layouts priced by the same cost model", "## What if",
             "## How the cost model is checked"]
 # each chart sits in its section: timeline under the chosen plan, memory under memory ...

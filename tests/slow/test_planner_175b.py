@@ -71,3 +71,21 @@ def test_plan_json_round_trip_is_exact(gpt3_plan):
     again = autopar.Plan.from_json(auto.to_json())
     assert again == auto
     assert again.to_json() == auto.to_json()
+
+
+def test_megatron_args_of_gpt3_price_as_the_published_layout(gpt3_plan):
+    """`autopar compare --megatron-args` on the published GPT-3 175B flags
+    (examples/megatron/gpt3_175b.args) gives the same prediction as
+    `--megatron "tp=8,pp=16,dp=8,mbs=1,recompute=full"`, on the model its flags state."""
+    from pathlib import Path
+
+    from autopar.frameworks import price_run, read_megatron_args
+
+    flags = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "gpt3_175b.args"
+    cluster = autopar.Cluster.dgx_a100(nodes=128)
+    run = read_megatron_args(str(flags), cluster.num_gpus)
+    hand = gpt3_plan[1]
+    assert run.layout == hand.layout()
+    priced = price_run(run, cluster)
+    assert priced.predicted == hand.predicted
+    assert priced.stage_layers == hand.stage_layers and priced.recompute == hand.recompute

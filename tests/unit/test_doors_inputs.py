@@ -98,14 +98,14 @@ def memo_plan(monkeypatch_module):
     real, cache = autopar.plan, {}
 
     def plan(model, cluster, *, global_batch_size, seq_len, layout=None, model_name="model",
-             progress=None, time_limit_s=1.0):
+             progress=None, time_limit_s=1.0, target="autopar"):
         key = (model_name, json.dumps(cluster.to_dict(), sort_keys=True), global_batch_size,
-               seq_len, layout, time_limit_s)
+               seq_len, layout, time_limit_s, target)
         if key not in cache:
             try:
                 cache[key] = real(model, cluster, global_batch_size=global_batch_size,
                                   seq_len=seq_len, layout=layout, model_name=model_name,
-                                  time_limit_s=time_limit_s)
+                                  time_limit_s=time_limit_s, target=target)
             except Exception as exc:  # noqa: BLE001 - replayed to the caller, typed or not
                 cache[key] = exc
         if isinstance(cache[key], Exception):

@@ -150,9 +150,9 @@ def fake_api(monkeypatch):
     monkeypatch.setattr(autopar, "load_model", lambda spec: (object(), spec), raising=False)
 
     def fake_plan(model, cluster, *, global_batch_size, seq_len, layout=None, model_name="model",
-                  progress=None, time_limit_s=1.0):
+                  progress=None, time_limit_s=1.0, target="autopar"):
         calls.append(("plan", dict(cluster=cluster, layout=layout, B=global_batch_size,
-                                   progress=progress)))
+                                   progress=progress, target=target)))
         if progress is not None:
             progress(0, 2, None)
             progress(2, 2, 12.5)

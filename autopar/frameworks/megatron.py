@@ -1,0 +1,325 @@
+"""Megatron-LM's pretraining flags: read a launch script's, and write a plan's.
+
+:func:`read_megatron_args` reads ``pretrain_gpt.py`` flags (a string, a file, a launch
+script whose bash arrays or variables hold them) into a :class:`FrameworkRun`;
+:func:`megatron_args` writes a plan as the flags that run it. The flags (Megatron-LM's
+``megatron/training/arguments.py``; megatron-core's ``TransformerConfig`` field of the same
+name with underscores):
+
+* parallel sizes: ``--tensor-model-parallel-size`` t, ``--pipeline-model-parallel-size`` p
+  (d = GPUs / (t·p)), ``--sequence-parallel``, ``--use-distributed-optimizer`` (ZeRO-1);
+* batch: ``--micro-batch-size`` b, ``--global-batch-size`` B (default d·b);
+* pipeline: ``--num-layers-per-virtual-pipeline-stage`` n (v = L / (p·n)) or
+  ``--num-virtual-stages-per-pipeline-rank`` v (interleaved 1F1B when v > 1);
+  ``--pipeline-model-parallel-layout "Et*3|t*4|t*4|t*5L"`` (stages split by ``|``, ``t`` a
+  transformer layer, ``E`` the embedding, ``L`` the loss, ``x*k`` and ``(..)*k`` repeats)
+  or ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` for
+  uneven stages; otherwise L / p layers per stage;
+* recompute: ``--recompute-granularity full|selective``, ``--recompute-method uniform|block``,
+  ``--recompute-num-layers`` k (block: the first k layers of every stage recomputed),
+  ``--recompute-activations`` (selective); the 2021 names ``--checkpoint-activations``,
+  ``--activations-checkpoint-method`` and ``--activations-checkpoint-num-layers`` of the SC21
+  scripts mean full recompute;
+* precision: ``--bf16``, ``--fp16`` (priced as bf16: the same bytes and tensor-core rate),
+  neither: fp32;
+* model: ``--num-layers --hidden-size --num-attention-heads --ffn-hidden-size
+  --num-query-groups --seq-length --vocab-size`` (or ``--padded-vocab-size``), ``--swiglu``,
+  ``--untie-embeddings-and-output-weights``, ``--hidden-dropout`` (Megatron-LM's default
+  0.1; ``--attention-dropout`` is read with it).
+
+Every other flag is listed in ``FrameworkRun.ignored``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from autopar.frameworks.model_shape import model_shape
+from autopar.frameworks.targets import FrameworkRun, megatron_block_layers
+from autopar.models import pad_vocab_size
+from autopar.plan import Layout
+from autopar.stages import equal_chunks
+
+__all__ = ["read_megatron_args", "megatron_args", "format_megatron_args", "parse_pp_layout",
+           "pp_layout"]
+
+_INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
+        "global-batch-size", "num-layers", "hidden-size", "num-attention-heads",
+        "ffn-hidden-size", "num-query-groups", "seq-length", "vocab-size", "padded-vocab-size",
+        "recompute-num-layers", "activations-checkpoint-num-layers",
+        "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
+        "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+        "max-position-embeddings", "make-vocab-size-divisible-by")
+_TEXT = ("recompute-granularity", "recompute-method", "activations-checkpoint-method",
+         "pipeline-model-parallel-layout")
+_FLOAT = ("hidden-dropout", "attention-dropout")
+_BOOL = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "swiglu",
+         "group-query-attention", "untie-embeddings-and-output-weights",
+         "recompute-activations", "checkpoint-activations")
+
+
+def _tokens(source: str) -> list[str]:
+    """The words of ``source`` (flags text, or the path of a file holding it), comments
+    and line continuations removed."""
+    text = source
+    if not source.lstrip().startswith("-") and not any(c.isspace() for c in source.strip()):
+        path = Path(source)  # one word, not a flag: a file
+        if not path.is_file():
+            raise ValueError(f"{source!r} is neither Megatron-LM flags nor a file holding them")
+        text = path.read_text(encoding="utf-8")
+    lines = [re.sub(r"(^|\s)#.*$", "", line) for line in text.splitlines()]  # comments
+    return shlex.split("\n".join(lines).replace("\\\n", " "))
+
+
+def _flags(words: list[str]) -> tuple[dict, list[str]]:
+    """{flag: value} (True for a switch) of the words, and the flags not known here."""
+    out, unknown, i = {}, [], 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue  # a command, a bash array's name, a value of an unknown flag
+        name, eq, inline = word[2:].partition("=")
+        if name in _BOOL:
+            out[name] = True
+            continue
+        takes = name in _INT or name in _TEXT or name in _FLOAT or not (
+            i >= len(words) or words[i].startswith("--"))
+        value = inline if eq else (words[i] if takes and i < len(words) else None)
+        i += 0 if eq or not takes else 1
+        if name in _FLOAT:
+            try:
+                out[name] = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"--{name} {value}: expected a number") from None
+        elif name in _INT or name in _TEXT:
+            if value is None or "$" in value:
+                raise ValueError(f"--{name} {value or ''}: "
+                                 + ("a shell variable; substitute the script's variables "
+                                    "first" if value else "needs a value"))
+            if name in _INT:
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"--{name} {value}: expected a positive integer")
+                value = int(value)
+            out[name] = value
+        else:
+            unknown.append(f"--{name}" + (f" {value}" if value is not None else ""))
+    return out, unknown
+
+
+def parse_pp_layout(text: str, num_layers: int, pp: int) -> list[int]:
+    """Transformer layers per stage of ``--pipeline-model-parallel-layout`` ``text`` for p =
+    ``pp`` stages (v = 1). Raises ValueError (stage count not p, a count that does not add up
+    to ``num_layers``, the embedding not on the first stage or the loss not on the last, a
+    symbol other than E, t, L)."""
+    expanded = text.replace(",", "").replace(" ", "")
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while group.search(expanded):
+        expanded = group.sub(lambda m: m.group(1) * int(m.group(2)), expanded)
+    expanded = re.sub(r"([EtL])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
+    stages = expanded.split("|")
+    if expanded.endswith("|") and len(stages) == pp + 1 and stages[-1] == "":
+        stages = stages[:-1]
+    if len(stages) != pp or set(expanded) - set("EtL|"):
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: expected {pp} stages of "
+                         "E, t and L separated by '|' (autopar reads transformer layers, "
+                         "the embedding and the loss; interleaved layouts use "
+                         "--num-layers-per-virtual-pipeline-stage)")
+    if "E" not in stages[0] or "L" not in stages[-1] or expanded.count("E") != 1 \
+            or expanded.count("L") != 1:
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: autopar places the "
+                         "embedding (E) on the first stage and the loss (L) on the last")
+    counts = [stage.count("t") for stage in stages]
+    if sum(counts) != num_layers:
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r} holds {sum(counts)} "
+                         f"transformer layers, --num-layers is {num_layers}")
+    return counts
+
+
+def pp_layout(counts: list[int]) -> str:
+    """``--pipeline-model-parallel-layout`` of stages with ``counts`` layers each (the
+    embedding on the first, the loss on the last): e.g. [3, 4, 4, 5] -> "Et*3|t*4|t*4|t*5L"."""
+    stages = [f"t*{n}" if n else "" for n in counts]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
+
+
+def _stages(flags: dict, L: int, p: int, v: int) -> list[list[int]] | None:
+    """``stage_layers`` when the flags cut the stages unevenly, else None (L / p each)."""
+    first, last = (flags.get("decoder-first-pipeline-num-layers"),
+                   flags.get("decoder-last-pipeline-num-layers"))
+    if "pipeline-model-parallel-layout" in flags:
+        if v > 1:
+            raise ValueError("--pipeline-model-parallel-layout with virtual stages: autopar "
+                             "reads interleaved layouts from "
+                             "--num-layers-per-virtual-pipeline-stage")
+        counts = parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)
+    elif first or last:
+        inner = L - (first or 0) - (last or 0)
+        middle = p - bool(first) - bool(last)
+        if inner < 0 or (middle and inner % middle) or (not middle and inner):
+            raise ValueError(f"--decoder-first/last-pipeline-num-layers {first}/{last}: the "
+                             f"other {max(middle, 0)} stages cannot share {inner} of the {L} "
+                             "layers evenly")
+        counts = ([first] if first else []) + [inner // middle if middle else 0] * middle \
+            + ([last] if last else [])
+    else:
+        if L % (p * v):
+            raise ValueError(f"--num-layers {L} is not divisible by pp*v = {p * v}; Megatron-LM "
+                             "needs --pipeline-model-parallel-layout for uneven stages")
+        return None
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append([start, start + n])
+        start += n
+    return bounds
+
+
+def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | None]:
+    """(granularity "none" | "full" | "selective", method, k) of the recompute flags."""
+    granularity = flags.get("recompute-granularity")
+    method = flags.get("recompute-method") or flags.get("activations-checkpoint-method")
+    k = flags.get("recompute-num-layers") or flags.get("activations-checkpoint-num-layers")
+    if granularity is None and flags.get("recompute-activations"):
+        granularity = "selective"
+    if granularity is None and (flags.get("checkpoint-activations")
+                                or "activations-checkpoint-method" in flags):
+        granularity = "full"
+        ignored.append("--activations-checkpoint-method / --checkpoint-activations: the 2021 "
+                       "names, read as --recompute-granularity full")
+    if granularity not in (None, "full", "selective"):
+        raise ValueError(f"--recompute-granularity {granularity}: expected full or selective")
+    if granularity == "full" and method not in ("uniform", "block"):
+        raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
+                         f"block (got {method}); Megatron-LM refuses it without")
+    return granularity or "none", method, k
+
+
+def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun:
+    """The run Megatron-LM flags state (``source``: the flags, or a file holding them; see
+    the module docstring). d = ``num_gpus`` / (t·p) when ``num_gpus`` is given, else None.
+    Raises ValueError naming the flag: a missing ``--micro-batch-size`` or
+    ``--num-layers``, an unsubstituted shell variable, a value Megatron-LM refuses (L not
+    divisible by p without a layout, full recompute without a method), or GPUs not
+    divisible by t·p."""
+    flags, unknown = _flags(_tokens(source))
+    ignored = unknown
+    for need in ("micro-batch-size", "num-layers"):
+        if need not in flags:
+            raise ValueError(f"the Megatron-LM flags give no --{need}")
+    t, p = flags.get("tensor-model-parallel-size", 1), flags.get("pipeline-model-parallel-size", 1)
+    L, b = flags["num-layers"], flags["micro-batch-size"]
+    if num_gpus is not None and num_gpus % (t * p):
+        raise ValueError(f"{num_gpus} GPUs are not divisible by tp*pp = {t}*{p}; give the "
+                         "cluster the flags were written for")
+    d = num_gpus // (t * p) if num_gpus is not None else None
+    v = flags.get("num-virtual-stages-per-pipeline-rank") or 1
+    if "num-layers-per-virtual-pipeline-stage" in flags:
+        per = flags["num-layers-per-virtual-pipeline-stage"]
+        if L % (p * per):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per}: {L} layers do "
+                             f"not split into pp={p} ranks of chunks of {per}")
+        v = L // (p * per)
+    stages = _stages(flags, L, p, v)
+    granularity, method, k = _recompute(flags, ignored)
+    recompute, per_layer = (granularity if granularity != "full" or method == "uniform"
+                            else None), None
+    if recompute is None:  # block: the first k layers of every chunk (Megatron-LM)
+        chunks = stages or equal_chunks(L, p * v)
+        per_layer = ["none"] * L
+        for lo, hi in chunks:
+            for layer in range(lo, min(hi, lo + (k or 0))):
+                per_layer[layer] = "full"
+    dtype = "bf16" if flags.get("bf16") or flags.get("fp16") else "fp32"
+    if flags.get("fp16"):
+        ignored.append("--fp16: priced as bf16 (the same bytes and tensor-core peak)")
+    sp = bool(flags.get("sequence-parallel")) and t > 1
+    layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b,
+                    zero_stage=1 if flags.get("use-distributed-optimizer") else 0,
+                    recompute=recompute, schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                    virtual_stages=v, sequence_parallel=sp, dtype=dtype)
+    h = flags.get("hidden-size")
+    shape = {"num_layers": L, "hidden_size": h, "num_attention_heads": flags.get("num-attention-heads"),
+             "ffn_hidden_size": flags.get("ffn-hidden-size") or (
+                 None if flags.get("swiglu") or h is None else 4 * h),
+             "num_query_groups": flags.get("num-query-groups"),
+             "seq_length": flags.get("max-position-embeddings") or flags.get("seq-length"),
+             "vocab_size": flags.get("padded-vocab-size") or flags.get("vocab-size"),
+             "swiglu": bool(flags.get("swiglu")),
+             "dropout": flags.get("hidden-dropout", 0.1),  # Megatron-LM's default
+             "untied": bool(flags.get("untie-embeddings-and-output-weights"))}
+    if shape["vocab_size"] is None and any(w.startswith("--vocab-file") for w in unknown):
+        shape["vocab_size"] = pad_vocab_size(50257, flags.get("make-vocab-size-divisible-by", 128) * t)
+        ignored.append(f"--vocab-file: GPT-2's 50,257 tokens padded to {shape['vocab_size']} "
+                       "(--make-vocab-size-divisible-by x tp, as Megatron-LM pads)")
+    batch = flags.get("global-batch-size") or (d * b if d else None)
+    return FrameworkRun("megatron", layout, stages, per_layer,
+                        {k2: val for k2, val in shape.items() if val is not None}, batch,
+                        flags.get("seq-length"), ignored)
+
+
+def megatron_args(plan) -> list[str]:
+    """The Megatron-LM flags that run ``plan`` (a :class:`~autopar.plan.Plan`): model shape,
+    parallel sizes, batch, pipeline split, recompute, optimizer sharding and precision, in
+    that order. Raises ValueError when the plan is outside Megatron-LM's space
+    (:func:`~autopar.frameworks.targets.outside_target`)."""
+    from autopar.frameworks.targets import outside_target
+
+    problem = outside_target(plan, "megatron")
+    if problem:
+        raise ValueError(problem)
+    shape = model_shape(plan.model_config)
+    out = ["--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
+           "--num-attention-heads", str(shape["num_attention_heads"]),
+           "--ffn-hidden-size", str(shape["ffn_hidden_size"])]
+    if shape["num_query_groups"] != shape["num_attention_heads"]:
+        out += ["--group-query-attention", "--num-query-groups", str(shape["num_query_groups"])]
+    if shape["swiglu"]:
+        out += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                "--disable-bias-linear"]
+    if shape["untied"]:
+        out += ["--untie-embeddings-and-output-weights"]
+    out += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
+            str(shape.get("seq_length") or plan.seq_len), "--vocab-size", str(shape["vocab_size"]),
+            "--hidden-dropout", f"{shape.get('dropout', 0.0):g}",
+            "--attention-dropout", f"{shape.get('dropout', 0.0):g}",
+            "--tensor-model-parallel-size", str(plan.tp),
+            "--pipeline-model-parallel-size", str(plan.pp)]
+    out += ["--sequence-parallel"] if plan.sequence_parallel else []
+    out += ["--micro-batch-size", str(plan.micro_batch_size),
+            "--global-batch-size", str(plan.global_batch_size)]
+    L, v = len(plan.recompute), plan.virtual_stages
+    if v > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage", str(L // (plan.pp * v))]
+    elif plan.stage_layers != (equal_chunks(L, plan.pp) if L % plan.pp == 0 else None):
+        out += ["--pipeline-model-parallel-layout", pp_layout([hi - lo for lo, hi in plan.stage_layers])]
+    modes = set(plan.recompute)
+    if modes == {"selective"}:
+        out += ["--recompute-granularity", "selective"]
+    elif modes == {"full"}:
+        out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"]
+    elif "full" in modes:
+        k = megatron_block_layers(plan.recompute, plan.stage_layers)
+        out += ["--recompute-granularity", "full", "--recompute-method", "block",
+                "--recompute-num-layers", str(k)]
+    out += ["--use-distributed-optimizer"] if plan.zero_stage == 1 else []
+    out += ["--bf16"] if plan.dtype == "bf16" else []
+    return out
+
+
+def format_megatron_args(plan) -> str:
+    """:func:`megatron_args` as a launch fragment: a comment naming the plan and the GPUs,
+    then one flag (with its value) per line, continued with backslashes."""
+    args, lines, i = megatron_args(plan), [], 0
+    while i < len(args):
+        takes = i + 1 < len(args) and not args[i + 1].startswith("--")
+        lines.append(" ".join(shlex.quote(a) for a in args[i:i + 1 + takes]))
+        i += 1 + takes
+    head = (f"# autopar plan for {plan.model} on {plan.num_gpus} GPUs "
+            f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}): predicted step "
+            f"{plan.predicted.step_time_s:.3f} s\n"
+            f"# torchrun --nnodes <nodes> --nproc-per-node <GPUs per node> pretrain_gpt.py \\\n")
+    return head + " \\\n".join(f"    {line}" for line in lines) + "\n"

@@ -1,0 +1,89 @@
+"""A model's shape in Megatron-LM's names, and the model built back from one.
+
+Frameworks state a model by its shape (``--num-layers 96 --hidden-size 12288 ...``), so a
+plan is emitted with its model's shape and a framework's run is priced on a model built
+from the shape it states: autopar's :class:`~autopar.models.GPT` (GPT-2/3: LayerNorm, GELU,
+a 4h MLP, learned positions, tied head) or, with SwiGLU, a Llama-family model from
+``transformers`` (RMSNorm, rotary positions, grouped-query attention, untied head), both on
+the meta device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.models import GPT, GPTConfig
+
+__all__ = ["model_shape", "build_model", "SHAPE_KEYS"]
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "num_query_groups", "seq_length", "vocab_size", "swiglu", "untied", "dropout")
+"""The shape's keys (Megatron-LM's flag names with underscores; swiglu and untied: bool;
+dropout: the hidden dropout probability, which the cost model prices as a saved mask)."""
+
+
+def model_shape(model_config: dict) -> dict:
+    """The shape of ``model_config`` (``Plan.model_config``: a :class:`GPTConfig` dict or a
+    Hugging Face config dict) in :data:`SHAPE_KEYS`. Raises ValueError for a config that
+    states no layer count, hidden size or head count."""
+    c = model_config
+    if "n_layer" in c and "n_embd" in c:  # autopar's GPT, nanoGPT, HF GPT-2
+        h = c["n_embd"]
+        shape = {"num_layers": c["n_layer"], "hidden_size": h, "num_attention_heads": c["n_head"],
+                 "ffn_hidden_size": c.get("n_inner") or 4 * h,
+                 "num_query_groups": c["n_head"],
+                 "seq_length": c.get("block_size") or c.get("n_positions"),
+                 "vocab_size": c["vocab_size"], "swiglu": False, "untied": False,
+                 "dropout": c.get("dropout", c.get("resid_pdrop", 0.0))}
+    elif "num_hidden_layers" in c and "hidden_size" in c:  # Llama family
+        shape = {"num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
+                 "num_attention_heads": c["num_attention_heads"],
+                 "ffn_hidden_size": c.get("intermediate_size") or 4 * c["hidden_size"],
+                 "num_query_groups": c.get("num_key_value_heads") or c["num_attention_heads"],
+                 "seq_length": c.get("max_position_embeddings"), "vocab_size": c["vocab_size"],
+                 "swiglu": c.get("hidden_act", "silu") == "silu",
+                 "untied": not c.get("tie_word_embeddings", True)}
+    else:
+        raise ValueError(f"cannot read a model shape from config keys {sorted(c)[:12]}; "
+                         "autopar emits framework configurations for GPT-2/3 and "
+                         "Llama-family models")
+    return {k: v for k, v in shape.items() if v is not None}
+
+
+def build_model(shape: dict) -> tuple[torch.nn.Module, str]:
+    """The model ``shape`` states, on the meta device, and its name. Without SwiGLU:
+    autopar's GPT (ValueError unless ffn_hidden_size is 4·hidden_size and the query groups
+    equal the heads, as GPT has); with SwiGLU: ``transformers``' LlamaForCausalLM
+    (ImportError naming the package when it is missing). Needs num_layers, hidden_size,
+    num_attention_heads, seq_length and vocab_size (ValueError naming the missing flag)."""
+    need = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+            "num_attention_heads": "--num-attention-heads", "seq_length": "--seq-length",
+            "vocab_size": "--vocab-size"}
+    missing = [flag for key, flag in need.items() if not shape.get(key)]
+    if missing:
+        raise ValueError(f"the model's shape needs {', '.join(missing)}; give them (or the "
+                         "model with --model)")
+    L, h, a = shape["num_layers"], shape["hidden_size"], shape["num_attention_heads"]
+    s, V = shape["seq_length"], shape["vocab_size"]
+    ffn, groups = shape.get("ffn_hidden_size") or 4 * h, shape.get("num_query_groups") or a
+    name = f"megatron-shape L{L} h{h} a{a}"
+    if not shape.get("swiglu"):
+        if ffn != 4 * h or groups != a:
+            raise ValueError(f"--ffn-hidden-size {ffn} / --num-query-groups {groups}: autopar's "
+                             f"GPT has a 4h MLP ({4 * h}) and one key/value head per query "
+                             "head; add --swiglu for a Llama-family model, or give --model")
+        with torch.device("meta"):
+            return GPT(GPTConfig(n_layer=L, n_head=a, n_embd=h, vocab_size=V, block_size=s,
+                                 dropout=shape.get("dropout", 0.0))), name
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("a SwiGLU (Llama-family) shape is built with transformers; "
+                          "pip install 'transformers>=5,<6' or give --model") from None
+    config = transformers.LlamaConfig(
+        hidden_size=h, intermediate_size=ffn, num_hidden_layers=L, num_attention_heads=a,
+        num_key_value_heads=groups, vocab_size=V, max_position_embeddings=s,
+        tie_word_embeddings=not shape.get("untied", True))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model, name + " swiglu"

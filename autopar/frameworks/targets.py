@@ -1,0 +1,174 @@
+"""What each training framework can execute, and a framework's run read back.
+
+A *target* is the space of plans one runner executes, as a
+:class:`~autopar.support.RuntimeSupport`; ``autopar.plan(..., target=)`` searches only
+inside it, so the plan a user takes to Megatron-LM is the best plan Megatron-LM can run,
+priced by the same cost model:
+
+* ``autopar``: the autopar runtime (:data:`~autopar.support.RUNTIME_SUPPORT`).
+* ``megatron`` (Megatron-LM / megatron-core): Megatron's tensor-parallel pattern
+  (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
+  vocabulary-parallel embedding and head; Shoeybi et al. 2019, section 3), 1F1B or
+  interleaved 1F1B (``--num-layers-per-virtual-pipeline-stage``), uneven stages
+  (``--pipeline-model-parallel-layout``), recompute as one granularity: full on the first k
+  layers of every stage (``--recompute-method block --recompute-num-layers k``) or selective
+  everywhere; under interleaving one mode for all layers; ZeRO-1 as the distributed
+  optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free.
+* ``torchtitan``: Megatron's pattern through its Llama TP plan, which always runs norms on
+  sequence shards (sequence parallelism on at tp > 1), GPipe, 1F1B or interleaved 1F1B with
+  any stage split (``module_fqns_per_model_part``), activation checkpointing "none" or "full"
+  on every layer (its "selective" is op-level, which autopar does not price), DDP (ZeRO-0)
+  or FSDP2 (ZeRO-3, without pipelining here as in the autopar runtime).
+* ``deepspeed``: DeepSpeed's engine and pipeline engine: no tensor parallelism, 1F1B-style
+  pipeline (``TrainSchedule``) without interleaving, stages of equal layer counts
+  (``partition_method="type:..."``), ZeRO 0-3 (2 and 3 only without pipelining),
+  activation checkpointing on every layer or none.
+
+Every target is a subset of what the cost model prices; each restriction is one field of
+:class:`~autopar.support.RuntimeSupport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+
+__all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
+           "megatron_block_layers"]
+
+TARGETS: dict[str, RuntimeSupport] = {
+    "autopar": RUNTIME_SUPPORT,
+    "megatron": RuntimeSupport(
+        name="megatron", schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 1),
+        recompute=RECOMPUTE_MODES, sequence_parallel=(False, True),
+        virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, placements="megatron",
+        recompute_layout="block"),
+    "torchtitan": RuntimeSupport(
+        name="torchtitan", schedules=SCHEDULES, zero_stages=(0, 3), recompute=("none", "full"),
+        sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
+        placements="megatron", recompute_layout="uniform"),
+    "deepspeed": RuntimeSupport(
+        name="deepspeed", schedules=("1f1b",), zero_stages=(0, 1, 2, 3),
+        recompute=("none", "full"), sequence_parallel=(False,), virtual_stages=(1,),
+        dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1),
+}
+"""Target name -> the plans its runner executes (module docstring)."""
+
+FRAMEWORKS = ("megatron", "torchtitan", "deepspeed")
+"""The frameworks autopar emits configurations for (``--emit``)."""
+
+
+def target_support(target: str) -> RuntimeSupport:
+    """The :class:`~autopar.support.RuntimeSupport` of ``target``; ValueError naming the
+    targets for an unknown one."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    return TARGETS[target]
+
+
+@dataclass(frozen=True)
+class FrameworkRun:
+    """One training run as a framework's configuration states it, in autopar's terms.
+
+    framework: "megatron" | "torchtitan" | "deepspeed".
+    layout: the parallel layout (tp, pp, dp, micro_batch_size, zero_stage, schedule,
+        virtual_stages, sequence_parallel, dtype; ``recompute`` when one mode covers every
+        layer, else None and :attr:`recompute` lists them).
+    stage_layers: per model chunk [first, last) layers (``Plan.stage_layers``), or None for
+        the framework's even split.
+    recompute: the mode of every layer (length L), or None when ``layout.recompute`` holds.
+    model: the model's shape, Megatron's names: num_layers, hidden_size,
+        num_attention_heads, ffn_hidden_size, num_query_groups, seq_length (the longest
+        sequence, Megatron-LM's --max-position-embeddings), vocab_size, swiglu (bool),
+        untied (bool), dropout; absent keys were not stated.
+    global_batch_size: B sequences per step, or None.
+    seq_len: s tokens per sequence, or None.
+    ignored: the flags or keys read but not priced (data, optimiser, logging ...), and
+        notes on how a stated value was read.
+    """
+
+    framework: str
+    layout: Layout
+    stage_layers: list[list[int]] | None = None
+    recompute: list[str] | None = None
+    model: dict = field(default_factory=dict)
+    global_batch_size: int | None = None
+    seq_len: int | None = None
+    ignored: list[str] = field(default_factory=list)
+
+    def recompute_modes(self, num_layers: int) -> list[str]:
+        """The mode of each of ``num_layers`` layers ("none" when nothing was stated)."""
+        if self.recompute is not None:
+            return list(self.recompute)
+        return [self.layout.recompute or "none"] * num_layers
+
+
+def megatron_block_layers(recompute: list[str], stage_layers: list[list[int]]) -> int | None:
+    """k when ``recompute`` is Megatron's block method over ``stage_layers``: full on the
+    first min(k, n) layers of every chunk and "none" elsewhere (k = 0: no recompute); None
+    when it is not (a mix of granularities, or a full layer after a plain one)."""
+    if set(recompute) - {"none", "full"}:
+        return None
+    counts = []
+    for lo, hi in stage_layers:
+        modes = recompute[lo:hi]
+        k = modes.count("full")
+        if modes != ["full"] * k + ["none"] * (len(modes) - k):
+            return None
+        counts.append((k, hi - lo))
+    k = max((c for c, _ in counts), default=0)
+    return k if all(c == min(k, n) for c, n in counts) else None
+
+
+def outside_target(plan, target: str) -> str | None:
+    """Why ``plan`` (a :class:`~autopar.plan.Plan`) is outside what ``target`` executes, or
+    None: its schedule, ZeRO stage, v, sequence parallelism, dtype, tp, recompute layout
+    or stage split against :data:`TARGETS` (placements are not checked: a framework with a
+    fixed TP plan runs its own, Megatron's). The message says to re-plan with the target."""
+    support = target_support(target)
+    fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
+    checks = [("schedule", plan.schedule, support.schedules),
+              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp)),
+              ("virtual_stages", plan.virtual_stages, support.virtual_stages),
+              ("dtype", plan.dtype, support.dtypes)]
+    if plan.tp > 1:
+        checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
+    checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            return f"{target} cannot run {name}={value!r} (it runs {allowed}){fix}"
+    if support.max_tp is not None and plan.tp > support.max_tp:
+        return f"{target} cannot run tp={plan.tp} (tp <= {support.max_tp}){fix}"
+    uniform = len(set(plan.recompute)) <= 1
+    if support.recompute_layout == "uniform" and not uniform:
+        return f"{target} runs one recompute mode for every layer, the plan mixes them{fix}"
+    if support.recompute_layout == "block" and not uniform and (
+            plan.virtual_stages > 1 or megatron_block_layers(plan.recompute,
+                                                              plan.stage_layers) is None):
+        counts = "+".join(f"{m}×{plan.recompute.count(m)}" for m in RECOMPUTE_MODES
+                          if m in plan.recompute)
+        return (f"{target} recomputes the first k layers of every stage fully (--recompute-"
+                f"method block) or every layer selectively; the plan's per-layer recompute "
+                f"({counts}, by stage {_by_stage(plan)}) is neither{fix}")
+    if support.even_stages:
+        from autopar.stages import even_stage_layers
+        if plan.stage_layers != even_stage_layers(len(plan.recompute), plan.pp,
+                                                  plan.virtual_stages):
+            return f"{target} splits the layers evenly over the stages, the plan does not{fix}"
+    return None
+
+
+def _by_stage(plan) -> str:
+    """Per model chunk, its recompute modes in order, e.g. "[full×2 none×4] [none×6]"."""
+    out = []
+    for lo, hi in plan.stage_layers:
+        runs, modes = [], plan.recompute[lo:hi]
+        for mode in modes:
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += 1
+            else:
+                runs.append([mode, 1])
+        out.append("[" + " ".join(f"{m}×{n}" for m, n in runs) + "]")
+    return " ".join(out[:8]) + (" ..." if len(out) > 8 else "")
