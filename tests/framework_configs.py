@@ -5,7 +5,7 @@ show that such a configuration is accepted by the code those frameworks use to r
 CPU and without a process group of the real size. Each one returns the framework's parsed
 object and raises whatever the framework raises when it rejects the configuration.
 
-The pinned versions (megatron-core 0.16.1, torchtitan 0.3.0, deepspeed 0.19.8) are
+The pinned versions (megatron-core 0.16.1, torchtitan 0.2.2, deepspeed 0.19.8) are
 installed next to torch 2.13.0 CPU by ``tests/install_frameworks.sh``.
 
 - Megatron: :func:`megatron_config` builds megatron-core's ``TransformerConfig`` (which
@@ -13,10 +13,9 @@ installed next to torch 2.13.0 CPU by ``tests/install_frameworks.sh``.
   pipeline stage builds; :func:`megatron_fields_from_flags` turns Megatron-LM command-line
   flags into those fields the way ``megatron/training/arguments.py`` does (the wheel has no
   ``megatron.training``); :func:`megatron_microbatches` is megatron-core's microbatch count.
-- torchtitan 0.3.0 has no TOML job files any more: a job is ``--module M --config F`` (a
-  function of M's ``config_registry`` returning a ``Trainer.Config``) plus command-line
-  overrides, parsed by ``torchtitan.config.ConfigManager``. :func:`torchtitan_config` runs
-  that parser and, given the world size, torchtitan's own mesh and pipeline-split checks.
+- torchtitan 0.2.2 (the last release with job TOML files: 0.3.0 replaced them by Python
+  config registries): :func:`torchtitan_config` runs its ``ConfigManager`` on a TOML and,
+  given the world size, its own mesh and pipeline-split checks.
 - DeepSpeed: :func:`deepspeed_config` builds ``deepspeed.runtime.config.DeepSpeedConfig``
   with the data-parallel world size a real run would give it.
 """
@@ -99,12 +98,19 @@ def _megatron_flag_parser():
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length"):
         p.add_argument(flag, type=int)
+    for flag in ("--vocab-size", "--max-position-embeddings"):  # GPTModel's, not the config's
+        p.add_argument(flag, type=int)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        p.add_argument(flag, type=float)
+    p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     p.add_argument("--pipeline-model-parallel-layout", type=str)
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
     for flag in ("--sequence-parallel", "--bf16", "--fp16", "--group-query-attention",
                  "--recompute-activations", "--account-for-embedding-in-pipeline-split",
-                 "--account-for-loss-in-pipeline-split", "--use-distributed-optimizer"):
+                 "--account-for-loss-in-pipeline-split", "--use-distributed-optimizer",
+                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
         p.add_argument(flag, action="store_true")
     return p
 
@@ -126,8 +132,11 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
 
     Only the flags of :func:`_megatron_flag_parser` are known (another is an
     ``argparse.ArgumentError``); ``--use-distributed-optimizer``, ``--micro-batch-size``,
-    ``--global-batch-size`` and ``--seq-length`` are read but belong to other configs
-    (``DistributedDataParallelConfig``/``OptimizerConfig``, the microbatch calculator).
+    ``--global-batch-size``, ``--seq-length``, ``--vocab-size``, ``--max-position-embeddings``,
+    ``--position-embedding-type`` and ``--untie-embeddings-and-output-weights`` are read but
+    belong to other configs (``DistributedDataParallelConfig``/``OptimizerConfig``, the
+    microbatch calculator, ``GPTModel``); ``--swiglu`` sets ``gated_linear_unit`` and SiLU,
+    ``--disable-bias-linear`` ``add_bias_linear=False``, the dropouts their fields.
     """
     args, unknown = _megatron_flag_parser().parse_known_args(list(argv))
     if unknown:
@@ -181,9 +190,17 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
         "account_for_loss_in_pipeline_split": args.account_for_loss_in_pipeline_split,
         "bf16": args.bf16,
         "fp16": args.fp16,
+        "normalization": args.normalization,
+        "gated_linear_unit": args.swiglu,  # arguments.py: --swiglu -> a SiLU-gated MLP
+        "add_bias_linear": not args.disable_bias_linear,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
     }
+    if args.swiglu:
+        fields["activation_func"] = torch.nn.functional.silu
+    for name in ("hidden_dropout", "attention_dropout"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
     return fields
 
 
@@ -202,69 +219,77 @@ def megatron_microbatches(global_batch_size: int, micro_batch_size: int, data_pa
 
 
 # --------------------------------------------------------------------------------------
-# torchtitan 0.3.0
+# torchtitan 0.2.2 (the last release that reads job TOML files; 0.3.0 has none)
 # --------------------------------------------------------------------------------------
 
-def torchtitan_config(args: Sequence[str], world_size: int | None = None):
-    """torchtitan's ``Trainer.Config`` for a job's command line, parsed by torchtitan.
+def torchtitan_config(toml_text: str, world_size: int | None = None):
+    """torchtitan's ``JobConfig`` for a job TOML, parsed by torchtitan 0.2.2's own
+    ``ConfigManager().parse_args(["--job.config_file", path])`` (what ``torchtitan.train``
+    runs): it refuses an unknown section or field and a value of the wrong type (not the
+    value of a string choice such as ``activation_checkpoint.mode``).
 
-    ``args`` is what follows ``torchrun ... -m torchtitan.train``: ``--module llama3 --config
-    llama3_8b`` picks the base config (a function in ``torchtitan.models.llama3.
-    config_registry``), then ``--section.field value`` overrides (``-`` or ``_`` in names,
-    booleans as ``--section.flag`` / ``--section.no-flag``, list fields as one
-    comma-separated word per element) and, last (later options would be its own), an optional
-    ``activation-checkpoint:{selective,full,memory-budget,none}`` subcommand.
-    ``torchtitan.config.ConfigManager().parse_args`` (tyro) rejects an unknown field, a value
-    of the wrong type or outside a ``Literal``, and whatever the config dataclasses'
-    ``__post_init__`` reject; tyro's ``SystemExit`` becomes a ``ValueError`` carrying its
-    message.
-
-    With ``world_size``, torchtitan's start-up checks that need no devices run too:
-    ``ParallelDims.from_config`` (``dp_replicate * dp_shard * cp * tp * pp == world_size``,
-    ``dp_shard = -1`` filled in) and, with pipeline parallelism, the split of
-    :func:`torchtitan_stage_modules`.
+    With ``world_size``, the start-up checks of torchtitan that need no devices run too,
+    by torchtitan's code where it has a function for them: ``ParallelDims`` (``dp_replicate
+    * dp_shard * cp * tp * pp == world_size``), the schedule name
+    (``get_schedule_class``), and with pipeline parallelism the rules ``pipeline_llm`` and
+    ``build_pipeline_schedule`` apply: the model chunks of :func:`torchtitan_stage_modules`
+    divisible by pp, one per rank for a single-stage schedule and at least two for a looped
+    one, ``local_batch_size`` divisible by ``pipeline_parallel_microbatch_size``.
     """
+    import os
+    import tempfile
+
     from torchtitan.config import ConfigManager
 
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(toml_text)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            config = ConfigManager().parse_args(list(args))
+            config = ConfigManager().parse_args(["--job.config_file", f.name])
     except SystemExit as e:
-        raise ValueError(f"torchtitan rejected {list(args)}:\n{err.getvalue()}") from e
+        raise ValueError(f"torchtitan rejected the job TOML:\n{err.getvalue()}") from e
+    finally:
+        os.unlink(f.name)
     if world_size is not None:
         torchtitan_stage_modules(config, world_size)
     return config
 
 
 def torchtitan_stage_modules(config, world_size: int) -> list[list[str]]:
-    """Module names of each pipeline stage (virtual stages in order) as torchtitan splits them.
-
-    ``parallelism.module_fqns_per_model_part`` when given, else torchtitan's own split
-    (``pipeline_parallel_layers_per_stage`` or the schedule's default of 1 stage per rank
-    for single-stage schedules and 2 for looped ones, with the first/last stage
-    ``..._less_layers`` weights). Also runs ``ParallelDims.from_config`` and, with pipeline
-    parallelism, the schedule-name lookup and the stage-to-rank placement torchtitan's
-    ``pipeline_llm`` does (stages divisible by pp; 1 stage per rank for single-stage
-    schedules, 2 for V schedules). A one-stage job gives one part.
-    """
-    from torch.distributed.pipelining.schedules import get_schedule_class
+    """Module names of each model chunk (chunk c on pipeline rank c % pp), as torchtitan
+    0.2.2's ``pipeline_llm`` takes them: ``parallelism.module_fqns_per_model_part``, else
+    its own split (``generate_llm_fqn_per_model_part`` of the schedule's default chunk
+    count, with the model's layer count from its flavor). Raises what torchtitan raises
+    (``ParallelDims``: AssertionError; an unknown schedule: ValueError) and ValueError for
+    the chunk rules in :func:`torchtitan_config`'s docstring."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import pipeline_parallel as pp_mod
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
-    parallelism = config.parallelism
-    dims = ParallelDims.from_config(parallelism, world_size)
-    model = config.model_spec.model
+    par = config.parallelism
+    dims = ParallelDims(dp_replicate=par.data_parallel_replicate_degree,
+                        dp_shard=par.data_parallel_shard_degree, cp=par.context_parallel_degree,
+                        tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                        ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree,
+                        world_size=world_size)
+    parts = par.module_fqns_per_model_part
     if dims.pp == 1:
-        return pp_mod._generate_llm_fqn_per_model_part(1, len(model.layers))
-    get_schedule_class(parallelism.pipeline_parallel_schedule)
-    stages, layers, first, last = pp_mod._get_pipeline_metadata(dims, parallelism, model)
-    parts = parallelism.module_fqns_per_model_part
+        return parts or [["tok_embeddings", "layers", "norm", "output"]]
+    single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
     if parts is None:
-        parts = pp_mod._generate_llm_fqn_per_model_part(stages, layers, first, last)
-    for rank in range(dims.pp):
-        pp_mod._get_pp_rank_to_stage_indices_mapping(rank, dims.pp, parallelism.pipeline_parallel_schedule,
-                                                     len(parts))
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        layers = get_train_spec(config.model.name).model_args[config.model.flavor].n_layers
+        parts = generate_llm_fqn_per_model_part(dims.pp * (1 if single else 2), layers)
+    per_rank, rest = divmod(len(parts), dims.pp)
+    if rest or (single and per_rank != 1) or (not single and per_rank < 2):
+        raise ValueError(f"{len(parts)} model chunks on pp={dims.pp} ranks: "
+                         f"{par.pipeline_parallel_schedule} runs "
+                         f"{'one chunk' if single else 'two or more chunks'} per rank")
+    if config.training.local_batch_size % par.pipeline_parallel_microbatch_size:
+        raise ValueError(f"Batch size {config.training.local_batch_size} must be divisible by "
+                         f"microbatch_size {par.pipeline_parallel_microbatch_size}")
     return parts
 
 

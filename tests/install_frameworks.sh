@@ -6,7 +6,9 @@
 # everything goes in with --no-deps, the three frameworks plus exactly what importing their
 # configuration code needs that this environment lacks (the rest, numpy, pydantic, pandas,
 # huggingface-hub and so on, is already here). Kept out on purpose: wandb, torch_checkpointing,
-# transformer-engine, apex. datasets 4.7 states huggingface-hub<2 and fsspec<=2026.2, which
+# transformer-engine, apex. torchtitan is 0.2.2, the last release that reads job TOML
+# files (0.3.0 replaced them by Python config registries); it imports triton on import.
+# datasets 4.7 states huggingface-hub<2 and fsspec<=2026.2, which
 # would downgrade what transformers uses; it imports fine with the newer ones.
 #
 # DeepSpeed is an sdist: built against the installed torch (--no-build-isolation), no CUDA
@@ -24,12 +26,12 @@ import importlib.metadata as md
 import importlib.util
 import sys
 
-want = {"megatron-core": "0.16.1", "torchtitan": "0.3.0", "deepspeed": "0.19.8"}
+want = {"megatron-core": "0.16.1", "torchtitan": "0.2.2", "deepspeed": "0.19.8"}
 try:
     ok = all(md.version(name) == version for name, version in want.items())
 except md.PackageNotFoundError:
     ok = False
-modules = ["tyro", "spmd_types", "triton", "tensorboard", "torchdata", "datasets", "pyarrow", "dill",
+modules = ["tyro", "triton", "tensorboard", "torchdata", "datasets", "pyarrow", "dill",
            "xxhash", "multiprocess", "httpx", "psutil", "hjson", "einops", "msgpack"]
 ok = ok and all(importlib.util.find_spec(m) is not None for m in modules)
 if ok:  # read the file, not the module: importing deepspeed takes seconds
@@ -51,9 +53,8 @@ pip=("$PYTHON" -m pip install -q --no-deps --root-user-action=ignore)
 
 "${pip[@]}" \
     megatron-core==0.16.1 \
-    torchtitan==0.3.0 \
+    torchtitan==0.2.2 \
     tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.0 \
-    spmd_types==0.2.3 \
     triton==3.9.0 \
     tensorboard==2.21.0 \
     torchdata==0.11.0 \
@@ -73,7 +74,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 import megatron.core.transformer.transformer_config  # noqa: F401
-import torchtitan.models.llama3.config_registry  # noqa: F401
+import torchtitan.config  # noqa: F401
 import deepspeed.runtime.config  # noqa: F401
 EOF
 installed

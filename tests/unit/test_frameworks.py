@@ -322,3 +322,70 @@ def test_cli_emit_flags_refused_before_planning(argv, match, capsys):
                      "--global-batch-size", "8", *argv])
     assert code == 2
     assert match in capsys.readouterr().err
+
+
+# ------------------------------------------ accepted by the frameworks' own configuration code
+def _accepted_by_the_framework(plan: Plan, framework: str) -> None:
+    """``emit(plan, framework)`` handed to the framework's own configuration code
+    (tests/framework_configs.py): megatron-core's TransformerConfig builds the plan's layers
+    per (pipeline rank, virtual stage) and its micro-batch calculator the plan's m;
+    torchtitan's parser and start-up checks split the model into the plan's chunks;
+    DeepSpeedConfig takes the batch, accumulation, ZeRO stage and precision."""
+    import shlex
+
+    import framework_configs as fc
+
+    text, p, v = emit(plan, framework), plan.pp, plan.virtual_stages
+    counts = [[hi - lo for lo, hi in plan.stage_layers[r::p]] for r in range(p)]
+    if framework == "megatron":
+        lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+        argv = shlex.split(" ".join(lines).replace("\\", " "))
+        config = fc.megatron_config(fc.megatron_fields_from_flags(argv))
+        assert fc.megatron_stage_layers(config) == counts
+        assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                config.sequence_parallel) == (plan.tp, p, plan.sequence_parallel)
+        assert fc.megatron_microbatches(plan.global_batch_size, plan.micro_batch_size,
+                                        plan.dp) == plan.num_micro_batches
+    elif framework == "torchtitan":
+        config = fc.torchtitan_config(text, world_size=plan.num_gpus)
+        parts = fc.torchtitan_stage_modules(config, plan.num_gpus)
+        if p > 1:
+            assert [len([m for m in part if m.startswith("layers.")]) for part in parts] == \
+                [hi - lo for lo, hi in plan.stage_layers]
+        assert config.activation_checkpoint.mode == plan.recompute[0]
+    else:
+        config = fc.deepspeed_config(json.loads(text), plan.num_gpus, pipeline_parallel_size=p)
+        assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                config.gradient_accumulation_steps, config.zero_optimization_stage) == (
+            plan.global_batch_size, plan.micro_batch_size, plan.num_micro_batches,
+            plan.zero_stage)
+        assert config.bfloat16_config.enabled == (plan.dtype == "bf16")
+
+
+@pytest.mark.parametrize("target", FRAMEWORKS)
+def test_emitted_configurations_are_accepted_by_the_frameworks(base_plan, target):
+    """40 random plans inside each target's space, emitted and handed to the framework's
+    own configuration code (installed by tests/install_frameworks.sh)."""
+    checked = []
+
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(target_plans(base_plan, target))
+    def check(plan):
+        _accepted_by_the_framework(plan, target)
+        checked.append(plan)
+    check()
+    assert len(checked) == 40
+    print(f"{target}: {len(checked)} emitted configurations accepted")
+
+
+def test_example_plans_are_accepted_by_the_frameworks():
+    """Every example report's plan that a framework runs, in that framework's own code."""
+    accepted = 0
+    for path in sorted((REPO / "reports").glob("*/plan*.json")):
+        plan = Plan.from_json(path.read_text(), str(path))
+        for framework in FRAMEWORKS:
+            if outside_target(plan, framework) is None:
+                _accepted_by_the_framework(plan, framework)
+                accepted += 1
+    assert accepted >= 9
