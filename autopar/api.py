@@ -167,8 +167,8 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
 
 
 def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layout | None = None,
-                  progress: Callable[[str], Callable | None] | None = None
-                  ) -> dict[str, Plan | str]:
+                  progress: Callable[[str], Callable | None] | None = None,
+                  target: str = "autopar") -> dict[str, Plan | str]:
     """Re-plan ``model`` for three changed inputs, for the report's "What if" section
     (:func:`autopar.report.whatif.what_if_markdown`): twice the nodes, twice the global
     batch and, on an A100 cluster, DGX H100 nodes of the same count. Three more searches,
@@ -178,6 +178,7 @@ def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layo
         fits, e.g. dp with twice the nodes, makes that what-if a "no plan: ..." string).
     progress: ``progress(label)`` returns the :func:`plan` progress callback for the
         what-if named ``label`` (or None for no display).
+    target: the runner ``chosen`` was planned for (:func:`plan`'s ``target``), kept.
     Returns label -> Plan, or the reason there is none (InfeasibleError or ValueError text).
     """
     cases = {"twice the nodes": (replace(cluster, nodes=2 * cluster.nodes),
@@ -192,7 +193,8 @@ def what_if_plans(model: torch.nn.Module, cluster, chosen: Plan, *, layout: Layo
         try:
             out[label] = plan(model, new_cluster, global_batch_size=batch,
                               seq_len=chosen.seq_len, layout=layout, model_name=chosen.model,
-                              progress=progress(f"what if {label}") if progress else None)
+                              progress=progress(f"what if {label}") if progress else None,
+                              target=target)
         except (InfeasibleError, SolverTimeLimitError, ValueError) as exc:
             out[label] = f"no plan: {exc}"
     return out

@@ -225,7 +225,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         progress=progress, time_limit_s=args.time_limit, target=target, **batch)
     what_ifs = None
     if args.report and args.whatif:
-        what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args),
+        what_ifs = what_if_plans(model, cluster, plan, layout=_layout(args), target=target,
                                  progress=progress.relabel if progress else None)
     _emit(plan, args, hand, what_ifs)
     if args.emit:

@@ -389,3 +389,20 @@ def test_example_plans_are_accepted_by_the_frameworks():
                 _accepted_by_the_framework(plan, framework)
                 accepted += 1
     assert accepted >= 9
+
+
+def test_megatron_gpt3_175b_example_script_reads_as_written():
+    """NVIDIA/Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, as it stands (bash
+    arrays, shell variables in flags autopar does not price, comments): its layout on 1024
+    GPUs, no recompute (the script sets none), fp16 read as bf16, the rest listed."""
+    run = read_megatron_args(str(DATA / "megatron_train_gpt3_175b_distributed.sh"), 1024)
+    assert run.layout == autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1, zero_stage=0,
+                                        recompute="none", schedule="1f1b", virtual_stages=1,
+                                        sequence_parallel=False, dtype="bf16")
+    assert (run.global_batch_size, run.seq_len) == (1536, 2048)
+    assert {k: run.model[k] for k in ("num_layers", "hidden_size", "num_attention_heads")} == \
+        {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96}
+    ignored = " ".join(run.ignored)
+    for flag in ("--step-batch-size-schedule", "--data-path", "--lr", "--attention-backend",
+                 "--fp16: priced as bf16"):
+        assert flag in ignored, flag
