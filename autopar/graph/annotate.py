@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
                                linear_features, op_name, packet)
 
-__all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index"]
+__all__ = ["layer_of_nodes", "NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index"]
 
 ACTIVATION_BYTES = 2  # 16-bit activations
 MASK_BYTES = 1        # dropout masks
@@ -222,6 +222,13 @@ def _layer_of(node: fx.Node, prefix: str) -> int | None:
         if path.startswith(prefix + "."):
             return int(path[len(prefix) + 1:].split(".")[0])
     return None
+
+
+def layer_of_nodes(gm: fx.GraphModule) -> list[int | None]:
+    """Per node of ``gm`` in graph order, the index of the transformer layer whose module
+    it runs in (module paths ``P.<i>.…`` under the layer stack's prefix), or None."""
+    prefix = _layer_prefix(gm)
+    return [_layer_of(node, prefix) if prefix else None for node in gm.graph.nodes]
 
 
 def _layer_prefix(gm: fx.GraphModule) -> str:

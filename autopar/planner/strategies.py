@@ -206,10 +206,33 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
     Tied parameters (the lm_head sharing the token embedding) must be split the same way;
     the solver enforces that with :func:`tied_groups`.
     """
-    gm = traced.gm
-    return {node.name: _strategies_for(node, traced.nodes[node.name], traced.nodes, gm, tp,
-                                       sequence_parallel)
-            for node in gm.graph.nodes}
+    gm, twins = traced.gm, _layer_twins(traced)
+    out: NodeStrategies = {}
+    for node in gm.graph.nodes:  # a twin's layer comes first in graph order
+        twin = twins.get(node.name)
+        out[node.name] = out[twin] if twin is not None else _strategies_for(
+            node, traced.nodes[node.name], traced.nodes, gm, tp, sequence_parallel)
+    return out
+
+
+def _layer_twins(traced: TracedModel) -> dict[str, str]:
+    """Node of layer k >= 2 -> the node at its place in layer 1, where the two layers hold
+    the same ops on the same shapes and parameters: its strategies are the same (a node's
+    strategies read only its own and its inputs' shapes, and layer k reads layer k - 1 as
+    layer 1 reads layer 0), so they are computed once (GPT-3's 96 layers: 1 s a TP size)."""
+    if len(traced.layers) < 3:
+        return {}
+    nodes = traced.nodes
+
+    def signature(name: str) -> tuple:
+        info = nodes[name]
+        return info.kind, info.shape, info.flops, info.param_numel, info.numel
+    model = [signature(n) for n in traced.layers[1]]
+    twins: dict[str, str] = {}
+    for layer in traced.layers[2:]:
+        if [signature(n) for n in layer] == model:
+            twins.update(zip(layer, traced.layers[1]))
+    return twins
 
 
 def strategies_by_key(options: list[Strategy], key: str, node: str, tp: int) -> Strategy:
