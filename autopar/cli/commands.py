@@ -328,6 +328,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     plan = autopar.plan(model, cluster, model_name=name, progress=_progress(args),
                         time_limit_s=args.time_limit, **batch)
     result = compare(plan, hand)
+    for row in result["hand"]:  # what each Megatron-LM launch said that was not priced
+        if row["name"] in runs:
+            row["ignored"] = runs[row["name"]].ignored
     print(json.dumps(result, indent=2) if args.json else format_compare(result))
     return EXIT_OK
 

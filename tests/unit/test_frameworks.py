@@ -307,6 +307,7 @@ def test_cli_plan_emits_and_compare_reads_megatron_args(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["global_batch_size"] == 16 and result["seq_len"] == 64
     (row,) = result["hand"]
+    assert row["ignored"] == []  # autopar's own flags are all priced
     assert row["layout"] == result["auto"]["layout"] or row["auto_over_hand"] <= 1 + 1e-9
     assert row["step_time_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-12)
 
