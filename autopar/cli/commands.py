@@ -292,16 +292,17 @@ def _compare_problem(args: argparse.Namespace, runs: dict):
             differ = [k for k in ("num_layers", "hidden_size", "num_attention_heads")
                       if k in run.model and run.model[k] != shape.get(k)]
             if differ:
-                raise ValueError(f"{label} states {', '.join(f'{k}={run.model[k]}' for k in differ)} "
-                                 f"but --model {args.model} has "
-                                 f"{', '.join(f'{k}={shape.get(k)}' for k in differ)}; drop "
-                                 "--model to price the flags' own shape")
+                stated = ", ".join(f"{k}={run.model[k]}" for k in differ)
+                has = ", ".join(f"{k}={shape.get(k)}" for k in differ)
+                raise ValueError(f"{label} states {stated} but --model {args.model} has {has}; "
+                                 "drop --model to price the flags' own shape")
     else:
         model, name = build_model(first.model)
     seq_len = args.seq_len or (first.seq_len if first else None) or default_seq_len(model)
     batch = args.global_batch_size or (first.global_batch_size if first else None)
     if seq_len is None or batch is None:
-        raise ValueError(f"compare needs {'--seq-len' if seq_len is None else '--global-batch-size'}")
+        missing = "--seq-len" if seq_len is None else "--global-batch-size"
+        raise ValueError(f"compare needs {missing} (the --megatron-args flags do not give it)")
     return model, name, cluster, seq_len, batch
 
 

@@ -241,7 +241,8 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
                     recompute=recompute, schedule="interleaved_1f1b" if v > 1 else "1f1b",
                     virtual_stages=v, sequence_parallel=sp, dtype=dtype)
     h = flags.get("hidden-size")
-    shape = {"num_layers": L, "hidden_size": h, "num_attention_heads": flags.get("num-attention-heads"),
+    shape = {"num_layers": L, "hidden_size": h,
+             "num_attention_heads": flags.get("num-attention-heads"),
              "ffn_hidden_size": flags.get("ffn-hidden-size") or (
                  None if flags.get("swiglu") or h is None else 4 * h),
              "num_query_groups": flags.get("num-query-groups"),
@@ -251,7 +252,8 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
              "dropout": flags.get("hidden-dropout", 0.1),  # Megatron-LM's default
              "untied": bool(flags.get("untie-embeddings-and-output-weights"))}
     if shape["vocab_size"] is None and any(w.startswith("--vocab-file") for w in unknown):
-        shape["vocab_size"] = pad_vocab_size(50257, flags.get("make-vocab-size-divisible-by", 128) * t)
+        multiple = flags.get("make-vocab-size-divisible-by", 128) * t
+        shape["vocab_size"] = pad_vocab_size(50257, multiple)
         ignored.append(f"--vocab-file: GPT-2's 50,257 tokens padded to {shape['vocab_size']} "
                        "(--make-vocab-size-divisible-by x tp, as Megatron-LM pads)")
     batch = flags.get("global-batch-size") or (d * b if d else None)
@@ -294,7 +296,8 @@ def megatron_args(plan) -> list[str]:
     if v > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", str(L // (plan.pp * v))]
     elif plan.stage_layers != (equal_chunks(L, plan.pp) if L % plan.pp == 0 else None):
-        out += ["--pipeline-model-parallel-layout", pp_layout([hi - lo for lo, hi in plan.stage_layers])]
+        counts = [hi - lo for lo, hi in plan.stage_layers]
+        out += ["--pipeline-model-parallel-layout", pp_layout(counts)]
     modes = set(plan.recompute)
     if modes == {"selective"}:
         out += ["--recompute-granularity", "selective"]

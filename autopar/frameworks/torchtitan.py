@@ -96,7 +96,8 @@ def _stage_layers(parts: list[list[str]]) -> list[list[int]]:
     for c, part in enumerate(parts):
         layers = [int(m.split(".", 1)[1]) for m in part if m.startswith("layers.")]
         extra = [m for m in part if not m.startswith("layers.")]
-        want = (["tok_embeddings"] if c == 0 else []) + (["norm", "output"] if c == len(parts) - 1 else [])
+        want = ((["tok_embeddings"] if c == 0 else [])
+                + (["norm", "output"] if c == len(parts) - 1 else []))
         if layers != list(range(nxt, nxt + len(layers))) or not layers or extra != want:
             raise ValueError(f"module_fqns_per_model_part[{c}] = {part}: autopar reads chunks "
                              "of consecutive layers.i, tok_embeddings in the first and norm, "
@@ -137,7 +138,8 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
         raise ValueError(f"module_fqns_per_model_part has {len(stages)} chunks, not a "
                          f"multiple of pipeline_parallel_degree={p}")
     v = len(stages) // p if stages else 1
-    b = par.get("pipeline_parallel_microbatch_size", 1) if p > 1 else train.get("local_batch_size", 8)
+    b = (par.get("pipeline_parallel_microbatch_size", 1) if p > 1
+         else train.get("local_batch_size", 8))
     d = replicate * shard
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
                     recompute=ac, schedule=schedules[name], virtual_stages=v,

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
                                linear_features, op_name, packet)
 
-__all__ = ["layer_of_nodes", "NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index"]
+__all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index",
+           "layer_of_nodes"]
 
 ACTIVATION_BYTES = 2  # 16-bit activations
 MASK_BYTES = 1        # dropout masks

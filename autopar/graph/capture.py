@@ -233,7 +233,8 @@ class RepeatedLayerShapeProp(ShapeProp):
             def meta(a):
                 return fx.node.map_arg(a, lambda x: (x.meta.get("tensor_meta"), x.meta.get("type")))
             if meta(n.args) == meta(twin.args) and meta(n.kwargs) == meta(twin.kwargs):
-                n.meta["tensor_meta"], n.meta["type"] = twin.meta["tensor_meta"], twin.meta.get("type")
+                n.meta["tensor_meta"] = twin.meta["tensor_meta"]
+                n.meta["type"] = twin.meta.get("type")
                 result = self.outputs.pop(twin)
                 self.outputs[n] = result
                 return result

@@ -61,8 +61,9 @@ from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
-from autopar.planner.cpsat_terms import (SectionTerms, add_recompute_rows, int_var, precision_scale, product_var,
-                                         solve_deterministic, template_map, tied_param_units)
+from autopar.planner.cpsat_terms import (SectionTerms, add_recompute_rows, int_var,
+                                         precision_scale, product_var, solve_deterministic,
+                                         template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.reserve import usable_bytes
