@@ -37,7 +37,7 @@ import shlex
 from pathlib import Path
 
 from autopar.frameworks.model_shape import model_shape
-from autopar.frameworks.targets import FrameworkRun, megatron_block_layers
+from autopar.frameworks.targets import FrameworkRun, megatron_block_layers, outside_target
 from autopar.models import pad_vocab_size
 from autopar.plan import Layout
 from autopar.stages import equal_chunks
@@ -267,8 +267,6 @@ def megatron_args(plan) -> list[str]:
     parallel sizes, batch, pipeline split, recompute, optimizer sharding and precision, in
     that order. Raises ValueError when the plan is outside Megatron-LM's space
     (:func:`~autopar.frameworks.targets.outside_target`)."""
-    from autopar.frameworks.targets import outside_target
-
     problem = outside_target(plan, "megatron")
     if problem:
         raise ValueError(problem)

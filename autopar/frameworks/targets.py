@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
+from autopar.report.format import recompute_counts
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
@@ -147,8 +148,7 @@ def outside_target(plan, target: str) -> str | None:
     if support.recompute_layout == "block" and not uniform and (
             plan.virtual_stages > 1 or megatron_block_layers(plan.recompute,
                                                               plan.stage_layers) is None):
-        counts = "+".join(f"{m}×{plan.recompute.count(m)}" for m in RECOMPUTE_MODES
-                          if m in plan.recompute)
+        counts = recompute_counts(plan.recompute)
         return (f"{target} recomputes the first k layers of every stage fully (--recompute-"
                 f"method block) or every layer selectively; the plan's per-layer recompute "
                 f"({counts}, by stage {_by_stage(plan)}) is neither{fix}")

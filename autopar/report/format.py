@@ -13,7 +13,7 @@ from typing import Iterable
 
 from autopar.plan import Layout, Plan
 
-__all__ = ["GIB", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_NOTES", "format_seconds",
+__all__ = ["GIB", "recompute_counts", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_NOTES", "format_seconds",
            "format_bytes", "format_gib", "format_tflops", "format_layout", "plan_flags",
            "cluster_line", "device_memory_bytes", "ordered"]
 
@@ -82,9 +82,13 @@ def plan_flags(plan: Plan) -> str:
     text = format_layout(plan.layout())
     modes = plan.recompute
     if len(set(modes)) > 1:
-        counts = "+".join(f"{m}×{modes.count(m)}" for m in sorted(set(modes)))
-        text += f" recompute={counts}"
+        text += f" recompute={recompute_counts(modes)}"
     return text
+
+
+def recompute_counts(modes: list[str]) -> str:
+    """Per-layer recompute modes counted, e.g. ``none×90+full×6`` (modes in name order)."""
+    return "+".join(f"{m}×{modes.count(m)}" for m in sorted(set(modes)))
 
 
 def cluster_line(plan: Plan) -> str:
