@@ -2,8 +2,10 @@
 
     python benchmarks/predicted_vs_measured.py
 
-1. calibrates this machine (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32 matmul
-   rate, copy bandwidth, gloo all-reduce alpha/beta) and uses it as the cluster;
+1. calibrates this machine (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32
+   linear-layer and attention rates, per-node dispatch and checkpointing overheads, copy
+   bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
+   uses it as the cluster;
 2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
    for comparison, in bf16 mixed precision as on GPUs;
@@ -100,8 +102,12 @@ def main() -> None:
     cluster = Cluster.from_dict(calibrate_local(2))
     dev, link = cluster.device, cluster.intra_node
     print(f"calibrated in {time.perf_counter() - start:.1f} s: {dev.peak_tflops * 1e3:.1f} GFLOP/s "
-          f"fp32 matmul per rank, {dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha "
-          f"{link.latency_s * 1e6:.0f} us, bus bandwidth {link.bandwidth_gbps:.2f} GB/s")
+          f"fp32 linear-layer GEMMs per rank, attention {dev.attention_tflops * 1e3:.1f} GFLOP/s, "
+          f"{dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha {link.latency_s * 1e6:.0f} us, "
+          f"bus bandwidth {link.bandwidth_gbps:.2f} GB/s, overlap {dev.comm_overlap:.2f}; per graph "
+          f"node {dev.op_overhead_s * 1e6:.1f} us dispatch (x3 forward + backward), "
+          f"{dev.recompute_overhead_s * 1e6:.1f} us checkpointing; Adam "
+          f"{dev.optimizer_bytes_per_param:.0f} B/param")
     plans = make_plans(cluster)
     bf16 = {n: evaluate_plan(_meta(), cluster, dataclasses.replace(p, dtype="bf16"))
             for n, p in plans.items()}

@@ -97,6 +97,17 @@ def gemm_time_s(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> f
     return 2.0 * _tile_work(m, n, k, batch, device) / (device.peak_flops * device.matmul_efficiency)
 
 
+def attention_time_s(flops: float, device: DeviceSpec) -> float | None:
+    """Seconds of ``flops`` FLOPs of fused attention (Q·Kᵀ and P·V, counted in full) at the
+    device's measured ``attention_tflops``; None when the device has no such rate (its
+    attention GEMMs are priced by :func:`gemm_time_s`)."""
+    flops = check_non_negative("flops", flops)
+    device = _check_device(device)
+    if device.attention_tflops is None:
+        return None
+    return flops / (device.attention_tflops * 1e12)
+
+
 def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:
     """Seconds to move ``nbytes`` through device memory: ``nbytes / (memory_bandwidth_gbps * 1e9)``."""
     nbytes = check_non_negative("nbytes", nbytes)

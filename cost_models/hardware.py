@@ -56,7 +56,9 @@ class DeviceSpec:
     name: str
     """Human-readable model name, e.g. "NVIDIA A100-SXM4-80GB"."""
     peak_tflops: float
-    """Dense 16-bit (bf16/fp16) tensor-core peak, TFLOP/s (1e12 FLOP/s)."""
+    """Dense 16-bit (bf16/fp16) tensor-core peak, TFLOP/s (1e12 FLOP/s). A calibrated CPU
+    process: the fp32 rate of a linear layer's three training GEMMs (forward, input and
+    weight gradients) measured by ``autopar calibrate``."""
     memory_gib: float
     """Device memory, GiB (2**30 bytes)."""
     memory_bandwidth_gbps: float
@@ -69,9 +71,36 @@ class DeviceSpec:
     source: str
     """Where the numbers come from (spec sheet, paper + table, calibration run)."""
     op_overhead_s: float = 0.0
-    """Fixed seconds per executed op (framework dispatch / kernel launch), added to every
-    op's forward and backward. 0 on GPUs, where launches overlap on CUDA streams; measured
-    by ``autopar calibrate`` on CPU processes, where eager dispatch is not hidden."""
+    """Host seconds per executed graph node and micro-batch (framework dispatch: Python,
+    the module call, the aten dispatcher, autograd recording), charged once in forward
+    and twice in backward (the autograd engine runs the node's backward function and
+    accumulates its gradients); views and transposes included. Measured by ``autopar
+    calibrate`` on CPU processes, where the ops run on the dispatching thread, as the
+    forward + backward of transformer blocks of negligible size over 3 x their graph
+    nodes. 0 on GPUs: kernel launches are asynchronous, so the host's dispatch runs ahead
+    of the device and only binds when kernels are shorter than their launch, which the
+    GPU presets' large GEMMs are not (cost_models.compute.host_bound_time_s)."""
+    recompute_overhead_s: float = 0.0
+    """Host seconds per graph node of a recomputed layer and micro-batch that activation
+    checkpointing adds besides re-running the node's forward (PyTorch's non-reentrant
+    ``torch.utils.checkpoint``: a pack hook per saved tensor in forward, an unpack hook
+    and the recomputation's bookkeeping in backward). Measured by ``autopar calibrate``
+    (checkpointed against plain transformer blocks of negligible size); 0 on GPUs, where
+    it runs on the host ahead of the kernels (see ``op_overhead_s``)."""
+    comm_overlap: float = 1.0
+    """Fraction of a collective's time that can run while the device computes, in [0, 1];
+    the cost model lets that much of the DP gradient reduction hide behind the last
+    backward (:func:`autopar.planner.step.exposed_dp_s`). 1 on GPUs: NCCL's kernels and
+    the copy engines run beside the compute kernels, the overlap PyTorch DDP and Megatron
+    build on. CPU processes over gloo move the bytes with the cores they compute on;
+    ``autopar calibrate`` measures the fraction (a gradient-sized all-reduce started
+    before a burst of matmuls, against each alone)."""
+    attention_tflops: float | None = None
+    """Rate of the fused attention kernel (``scaled_dot_product_attention``), TFLOP/s
+    counted as 4·b·a·s·s_kv·hd per forward (Q·Kᵀ and P·V) and twice that in backward.
+    None: its GEMMs are priced like any other (the GPU presets: tensor-core tiles). A CPU
+    process runs it as many small GEMMs with an exp per score, far below the linear
+    layers' rate; ``autopar calibrate`` measures it (causal, 64-wide heads, s = 128)."""
     optimizer_bytes_per_param: float = 32.0
     """Device-memory bytes the Adam step moves per parameter, read + write, as the
     optimizer that runs there implements it; the step is memory-bound. 32 (the default,
@@ -92,8 +121,14 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         _check_text("DeviceSpec.name", self.name, "the device model")
-        if not is_number(self.op_overhead_s) or self.op_overhead_s < 0:
-            raise ValueError(f"DeviceSpec.op_overhead_s must be a number >= 0, got {self.op_overhead_s!r}")
+        for field in ("op_overhead_s", "recompute_overhead_s"):
+            _set(self, field, check_non_negative(f"DeviceSpec.{field}", getattr(self, field)))
+        if not is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"DeviceSpec.comm_overlap must be a number in [0, 1], got "
+                             f"{self.comm_overlap!r}")
+        if self.attention_tflops is not None:
+            _set(self, "attention_tflops", check_positive("DeviceSpec.attention_tflops",
+                                                          self.attention_tflops))
         _set(self, "optimizer_bytes_per_param", check_positive(
             "DeviceSpec.optimizer_bytes_per_param", self.optimizer_bytes_per_param))
         for field in ("peak_tflops", "memory_gib", "memory_bandwidth_gbps"):

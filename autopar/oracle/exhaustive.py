@@ -119,7 +119,7 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
     ``predict.section_cost``); None when an input transition is not offered. Returns (delta, {input: (f charged, placement)})."""
     c, sv = tables.node[v][kv], strategies[v][kv]
     d = [0.0] * len(FIELDS)
-    d[0], d[1], d[2] = c.fwd_s + c.bwd_s, c.fwd_s if node_rerun else 0.0, c.core_fwd_s
+    d[0], d[1], d[2] = c.fwd_s + c.bwd_s, c.rec_s if node_rerun else 0.0, c.core_fwd_s
     d[3], d[4] = c.saved_bytes, c.saved_bytes - c.core_saved_bytes
     d[5] = d[6] = c.param_numel
     akib, ckib = math.ceil(c.saved_bytes / KIB), math.ceil(c.core_saved_bytes / KIB)

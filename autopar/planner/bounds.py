@@ -149,7 +149,7 @@ def layer_pieces(traced: TracedModel, tables: CostTables) -> LayerPieces:
     last = last_saver_index(traced.nodes, layer)
     return LayerPieces(
         act=act, sel=sel,
-        full=((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "fwd_s")),
+        full=((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "rec_s")),
         selective=((act - sel), _least(tables, layer, "core_fwd_s")),
         pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None),
         layer_params=_least(tables, layer, "param_numel"),
@@ -178,7 +178,8 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     + v (p-1) c` with :math:`T_{max} \ge T_0 + v c` and
     :math:`\sum_{i>0} T_i \ge (L - n_0)\ell`: pipe :math:`\ge m T_0 + (L - n_0)\ell/v +
     (vm + p - 2)c`; the exposed DP time is at least :math:`\delta_z P_0 - B_0` with rank
-    0's last backward :math:`B_0 \le T_0`, and the optimizer's at least
+    0's last backward :math:`B_0 \le T_0`, and at least :math:`(1 - f)\delta_z P_0`
+    (f: the device's ``comm_overlap``), and the optimizer's at least
     :math:`\omega_z P_0`. A layer keeps at least the sum of its nodes' least saved bytes
     (a), selective at least the least without the attention core (s), full its
     checkpoint (c), so x full and y selective layers keep at least n·a - x(a - c) -
@@ -203,6 +204,7 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
                                              pc.selective, modes)
             if t0 == float("inf"):
                 continue
-            pipe_dp = max(m * t0, (m - 1) * t0 + dp_s * params)
+            serial = (1.0 - cluster.device.comm_overlap) * dp_s * params
+            pipe_dp = max(m * t0 + serial, (m - 1) * t0 + dp_s * params)
             best = min(best, pipe_dp + (L - n) * layer_s / v + sends + opt_s * params)
     return best

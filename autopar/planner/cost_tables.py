@@ -26,16 +26,16 @@ from dataclasses import dataclass, replace
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
-from cost_models.reserve import loss_temporary_bytes
 
-from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES, TracedModel, saves_inputs
-from autopar.planner.matmul_cost import gemm_times_s
-from autopar.planner.strategies import NodeStrategies, Strategy, f_kind, reshard_kinds, tensor_inputs
+from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
+from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
+                                       node_cost)
+from autopar.planner.strategies import NodeStrategies, f_kind, reshard_kinds, tensor_inputs
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
-           "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT"]
+           "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
+           "dispatches"]
 
-LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
 DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_cap_mb default)
 
 
@@ -58,26 +58,6 @@ class Config:
     def activation_bytes(self) -> int:
         """Bytes per activation/communicated element: 2 (bf16) or 4 (fp32)."""
         return ACTIVATION_BYTES if self.dtype == "bf16" else 4
-
-
-@dataclass(frozen=True)
-class StrategyCost:
-    """Cost of one node under one strategy, for one micro-batch on one GPU.
-
-    fwd_s / bwd_s: compute seconds; param_numel: parameter elements held;
-    saved_bytes: activation bytes kept for backward; core_saved_bytes: the part selective
-    recompute drops; core_fwd_s: forward seconds selective recompute repeats;
-    temp_bytes: bytes allocated and freed within the step, not kept (the loss's fp32
-    logits, :func:`cost_models.reserve.loss_temporary_bytes`): part of the memory reserve.
-    """
-
-    fwd_s: float
-    bwd_s: float
-    param_numel: float
-    saved_bytes: float
-    core_saved_bytes: float
-    core_fwd_s: float
-    temp_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +89,8 @@ class CostTables:
     consumer makes u's gradient partial, f_rs_s[u] the reduce-scatter that replaces it when
     u arrives sharded (:func:`f_cost`); p2p_s: one activation send between stages, fwd+bwd;
     vocab_loss_bytes: payload of the vocabulary-parallel cross-entropy's three all-reduces
-    per micro-batch. The cross-entropy itself is priced as the output node (:func:`_loss_cost`).
+    per micro-batch. The cross-entropy itself is priced as the output node
+    (:func:`~autopar.planner.node_cost.loss_cost`).
     """
 
     config: Config
@@ -150,106 +131,48 @@ def bytes_per_param(zero_stage: int, dp: int, dtype: str = "bf16") -> float:
 
 
 def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
-    """Seconds of DP communication per parameter per step: a ring all-reduce of the
-    gradients (ZeRO-1: reduce-scatter + all-gather, the same bytes); ZeRO-2 reduce-scatters
-    after each of the m micro-batches, as DeepSpeed's stage 2 and our runtime do
-    ((m + 1)/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`) all-gathers the
-    parameters in forward and again in backward and reduce-scatters the gradients in every
-    micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per micro-batch, 1.5·m per step,
-    the counts :func:`autopar.planner.comm_bytes.dp_comm_bytes` predicts in bytes (there the root unit, kept
-    gathered through backward, saves one all-gather of the embeddings; not priced here)."""
+    """Seconds per parameter per step of the DP communication that backward can hide: a
+    ring all-reduce of the gradients; ZeRO-1 its reduce-scatter half (the all-gather of
+    the updated parameters follows the optimizer step: :func:`optimizer_s_per_param`);
+    ZeRO-2 reduce-scatters after each of the m micro-batches, as DeepSpeed's stage 2 and
+    our runtime do (m/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`)
+    all-gathers the parameters in forward and again in backward and reduce-scatters the
+    gradients in every micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per
+    micro-batch, 1.5·m per step, the counts :func:`autopar.planner.comm_bytes.dp_comm_bytes`
+    predicts in bytes (there the root unit, kept gathered through backward, saves one
+    all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
         return 0.0
-    link = comm.group_link(cluster, cfg.dp, cfg.tp)
-    grad_bytes = state_bytes(cfg.dtype)[1]
-    # gradients are reduced in buckets (PyTorch DDP's bucket_cap_mb=25 default; Megatron's
-    # contiguous grad buffer is coarser still), so one ring latency per 25 MB bucket
-    bucket_params = DP_BUCKET_BYTES / grad_bytes
-    per_param = comm.all_reduce_time_s(DP_BUCKET_BYTES, cfg.dp, link) / bucket_params
+    per_param = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg)
+    if zero_stage == 1:
+        return per_param / 2
     if zero_stage == 2:
-        return per_param * (cfg.num_micro_batches + 1) / 2
+        return per_param * cfg.num_micro_batches / 2
     if zero_stage == 3:
         return per_param * 1.5 * cfg.num_micro_batches
     return per_param
 
 
+def _bucketed_s_per_param(collective, cluster: Cluster, cfg: Config) -> float:
+    """Seconds per parameter of ``collective`` over the DP group, in buckets: gradients are
+    reduced in 25 MB buckets (PyTorch DDP's bucket_cap_mb=25 default; Megatron's
+    contiguous grad buffer is coarser still), so one ring latency per bucket."""
+    link = comm.group_link(cluster, cfg.dp, cfg.tp)
+    return collective(DP_BUCKET_BYTES, cfg.dp, link) * state_bytes(cfg.dtype)[1] / DP_BUCKET_BYTES
+
+
 def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
-    """Seconds of the (memory-bound) Adam step per parameter: the device's
-    ``optimizer_bytes_per_param`` (fused on GPUs, torch's unfused AdamW on CPU processes)
-    over its memory bandwidth, split over d ranks from ZeRO-1 on."""
+    """Seconds of the optimizer step per parameter: the (memory-bound) Adam step, the
+    device's ``optimizer_bytes_per_param`` (fused on GPUs, torch's unfused AdamW on CPU
+    processes) over its memory bandwidth, split over d ranks from ZeRO-1 on; ZeRO-1/2 end
+    the step with the all-gather of the updated parameter shards, which nothing overlaps
+    (:meth:`autopar.runtime.zero.DistributedOptimizer.step`)."""
     dev = cluster.device
     per_param = compute.memory_bound_time_s(dev.optimizer_bytes_per_param, dev)
-    return per_param / (cfg.dp if zero_stage >= 1 else 1)
-
-
-def _param_numel(info, strat: Strategy) -> float:
-    """Parameter elements held under ``strat``: a row-parallel Linear shards its weight but
-    keeps the whole bias (added once after the all-reduce); other splits shard everything."""
-    sizes = info.extra.get("param_sizes", {})
-    if strat.name == "row":
-        return sum(n if name.endswith("bias") else n / strat.param_divisor
-                   for name, n in sizes.items())
-    return info.param_numel / strat.param_divisor
-
-
-def _loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: Cluster,
-               tp_link, act_bytes: int = ACTIVATION_BYTES, temporaries: bool = True
-               ) -> StrategyCost:
-    """Cross-entropy on the last stage, as the output node's cost, for ``logits`` elements
-    (b·s·V) of ``tokens`` (b·s) per micro-batch: memory-bound passes over fp32 logits and
-    their saved softmax (LOSS_BYTES_PER_LOGIT each). "vocab_parallel" (Megatron's
-    vocab-parallel cross-entropy, Shoeybi et al. 2019 section 3) works on this rank's V/t
-    columns and all-reduces three (b, s) fp32 tensors over TP in forward (the row max, the
-    target logit and the sum of exponentials); "replicate" needs the whole logits. Its
-    temporaries (fp32 copies of the logits beside the saved softmax) are ``temp_bytes``
-    (0 unless ``temporaries``: the cluster's ``memory_reserve.step_temporaries``)."""
-    div = tp if strat.name == "vocab_parallel" else 1
-    fwd = compute.memory_bound_time_s(LOSS_BYTES_PER_LOGIT * logits / div, cluster.device)
-    comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
-    return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0,
-                        saved_bytes=LOSS_BYTES_PER_LOGIT * logits / div, core_saved_bytes=0.0,
-                        core_fwd_s=0.0, temp_bytes=loss_temporary_bytes(logits / div, act_bytes) if temporaries else 0.0)
-
-
-def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
-              act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
-    """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
-    (linear, attention, batched matmul) at their GEMM shapes (:func:`gemm_times_s`: the
-    calibrated in-tile rate with tile and wave quantisation), attention's softmax passes
-    over the s×s scores (``attention="math"``), a batched matmul no faster than the memory
-    traffic of its inputs and output (roofline), every other op memory-bound over its
-    ``in_numel`` input and output elements of ``act_bytes`` bytes, plus the device's per-op
-    overhead; backward = 2 × forward for non-matmul ops (Narayanan et al. 2021, section
-    5.1); saved bytes divided by t when the output is sharded. ``b``: micro-batch size
-    (per-sequence nodes scale by it)."""
-    dev = cluster.device
-    div = strat.compute_divisor
-    b = b if info.per_sequence else 1
-    if info.kind in ("linear", "sdpa", "matmul"):
-        fwd, bwd = gemm_times_s(info, strat, b, dev)
-        if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
-            passes = info.extra.get("score_passes_elems", 0)
-            memory = compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
-            fwd, bwd = fwd + memory, bwd + 2.0 * memory
-        elif info.kind == "matmul":  # e.g. eager attention's q·kᵀ writes the s×s scores
-            memory = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
-            fwd, bwd = max(fwd, memory), max(bwd, 2.0 * memory)
-    elif info.kind in ("view", "transpose", "input", "output", "nontensor"):
-        fwd = bwd = 0.0
-    else:
-        fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
-        bwd = 2.0 * fwd
-    if info.kind not in ("view", "transpose", "input", "output", "nontensor"):
-        fwd += dev.op_overhead_s  # dispatch / launch of the op itself
-        bwd += 2.0 * dev.op_overhead_s
-    sharded = strat.output.is_sharded
-    # the attention core's bytes are part of what the layer saves (selective drops them);
-    # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
-    core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
-    saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
-    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
-                        saved_bytes=saved, core_saved_bytes=core,
-                        core_fwd_s=fwd if info.kind == "sdpa" else 0.0)
+    if zero_stage == 0 or cfg.dp == 1:
+        return per_param
+    gather = _bucketed_s_per_param(comm.all_gather_time_s, cluster, cfg) if zero_stage in (1, 2) else 0.0
+    return per_param / cfg.dp + gather
 
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
@@ -360,7 +283,7 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     logits = logits_node.numel * b  # (b, s, V) fed to the loss
     tokens = logits / logits_node.shape[-1]
     vocab_loss_bytes = 3 * LOSS_BYTES_PER_LOGIT * tokens  # max, target logit, sum of exp
-    node_tab[out.name] = [_loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
+    node_tab[out.name] = [loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
                                      cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
     matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))

@@ -61,9 +61,9 @@ from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
-from autopar.planner.cpsat_terms import (SectionTerms, add_recompute_rows, int_var,
-                                         precision_scale, product_var, solve_deterministic,
-                                         template_map, tied_param_units)
+from autopar.planner.cpsat_terms import (SectionTerms, add_exposed_dp, add_recompute_rows,
+                                         int_var, precision_scale, product_var,
+                                         solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.reserve import usable_bytes
@@ -145,7 +145,7 @@ class ConfigModel:
                 self.terms.add(section, "bwd", cost.bwd_s * ups, xs[k])
                 self.terms.add(section, "core", cost.core_fwd_s * ups, xs[k])
                 if self.position.get(name, len(self.position)) <= self.last_saver:
-                    self.terms.add(section, "rec", cost.fwd_s * ups, xs[k])
+                    self.terms.add(section, "rec", cost.rec_s * ups, xs[k])
                 self.terms.add(section, "act", cost.saved_bytes / KIB, xs[k])
                 self.terms.add(section, "core_act", cost.core_saved_bytes / KIB, xs[k])
                 self.terms.add(section, "param", cost.param_numel / PARAM_UNIT, xs[k])
@@ -301,8 +301,8 @@ class ConfigModel:
         fb = int_var(model, "fwd_bwd_layer", fl + bl, ub("layer", "fwd") + ub("layer", "bwd"))
         p2p = int(math.ceil(self.tables.p2p_s * self.units_per_second))
         v = cfg.virtual_stages  # the objective is v × step time (exact integers)
-        t_ub = L * (ub("layer", "fwd") * 2 + ub("layer", "bwd")) + sum(
-            ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + 1
+        t_ub = L * (ub("layer", "fwd") + ub("layer", "bwd") + max(ub("layer", k) for k in (
+            "fwd", "rec", "core"))) + sum(ub(s, k) for s in ("pre", "post") for k in ("fwd", "bwd")) + 1
         self.rank_time, self.rank_bwd = [], []
         n, rf, rs = self.layers_on_rank, self.recompute_full, self.recompute_selective
         for i in range(cfg.pp):
@@ -339,8 +339,8 @@ class ConfigModel:
         topt = self.model.NewIntVar(0, limit, "t_optimizer")
         for i, s_iz in enumerate(self.params_if_zero):
             # DP reduction overlaps the last micro-batch's backward (bucketed DDP)
-            self.model.Add(tdp * k >= sum(round(dp_coef[z] * k) * s for z, s in s_iz.items())
-                           - k * self.rank_bwd[i]).WithName(f"t_dp[{i}]")
+            add_exposed_dp(self.model, tdp, k, dp_coef, s_iz, self.rank_bwd[i],
+                           cluster.device.comm_overlap, i)
             self.model.Add(topt * k >= sum(round(opt_coef[z] * k) * s for z, s in s_iz.items())
                            ).WithName(f"t_optimizer[{i}]")
         return tdp, topt

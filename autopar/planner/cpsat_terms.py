@@ -18,8 +18,8 @@ from autopar.planner.step import PARAM_UNIT
 from autopar.planner.strategies import tied_groups
 
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
-           "product_var", "tied_param_units", "solve_deterministic", "add_recompute_rows",
-           "RECOMPUTE_LAYOUTS"]
+           "product_var", "tied_param_units", "add_exposed_dp", "solve_deterministic",
+           "add_recompute_rows", "RECOMPUTE_LAYOUTS"]
 
 RECOMPUTE_LAYOUTS = ("per_layer", "block", "uniform")
 """How recompute modes may be laid over the layers (``RuntimeSupport.recompute_layout``)."""
@@ -102,6 +102,21 @@ def tied_param_units(traced: TracedModel, tables, choice: dict[str, list]) -> ob
             for k, cost in enumerate(tables.node[last]):
                 expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * choice[last][k]
     return expr
+
+
+def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: dict, bwd,
+                   overlap: float, i: int) -> None:
+    r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.step.
+    exposed_dp_s`), scaled by k: ``t_dp[i]`` :math:`K T_{dp} \ge \sum_z K\delta_z P_{i,z} - K B_i`
+    (the reduction hides behind the last backward ``bwd``) and, when the device overlaps
+    only a fraction f = ``overlap`` < 1 of it, ``t_dp_serial[i]``
+    :math:`K T_{dp} \ge \sum_z K(1 - f)\delta_z P_{i,z}`. ``dp_coef[z]``: δ_z in time units per
+    parameter unit; ``s_iz[z]``: rank i's parameter units if ZeRO stage z is chosen, else 0."""
+    model.Add(tdp * k >= sum(round(dp_coef[z] * k) * s for z, s in s_iz.items())
+              - k * bwd).WithName(f"t_dp[{i}]")
+    if overlap < 1:
+        model.Add(tdp * k >= sum(round((1.0 - overlap) * dp_coef[z] * k) * s
+                                 for z, s in s_iz.items())).WithName(f"t_dp_serial[{i}]")
 
 
 def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int, cp_model.CpSolver]:

@@ -24,8 +24,13 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tu
     split k, a split of heads (attention, batched matmul) the batch, a folded matmul m.
     Backward of C = A·B runs dA = dC·Bᵀ (m x k, depth n) and dB = Aᵀ·dC (k x n, depth m),
     each at its own shape (:func:`cost_models.compute.gemm_time_s`). A node without
-    shapes is priced by its FLOPs, backward twice the forward."""
+    shapes is priced by its FLOPs, backward twice the forward; so is fused attention on a
+    device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`)."""
     div, gemms = strat.compute_divisor, info.extra.get("gemms")
+    if info.kind == "sdpa":  # a fused kernel with its own measured rate (a CPU process)
+        fwd = compute.attention_time_s(info.flops * b / div, dev)
+        if fwd is not None:
+            return fwd, 2.0 * fwd
     if not gemms:
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
         return fwd, 2.0 * fwd

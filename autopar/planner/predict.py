@@ -52,7 +52,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
         k = choice[node.name]
         c = tables.node[node.name][k]
         if position[node.name] <= last:  # full recompute re-runs this node's forward
-            out["rec_fwd_s"] += c.fwd_s
+            out["rec_fwd_s"] += c.rec_s
         for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("core_fwd_s", c.core_fwd_s),
                          ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
                          ("params", c.param_numel), ("temp_bytes", c.temp_bytes)):

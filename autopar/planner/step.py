@@ -5,8 +5,11 @@ For pipeline rank i holding :math:`P_i` parameters (the tied weight counted once
 p = 1, :func:`counts_tied_weight_once`), whose last micro-batch's backward takes
 :math:`B_i` seconds, under ZeRO stage z over d data-parallel ranks:
 
-* exposed DP time :math:`T_{dp} = \max_i \max(0,\ \delta_z P_i - B_i)`: bucketed gradient
-  reduction overlaps the last backward and only the rest shows (PyTorch DDP / Megatron),
+* exposed DP time :math:`T_{dp} = \max_i \max((1 - f)\,\delta_z P_i,\ \delta_z P_i - B_i)`:
+  bucketed gradient reduction overlaps the last backward and only the rest shows (PyTorch
+  DDP / Megatron), as far as the device lets communication run beside compute (the
+  fraction f, ``DeviceSpec.comm_overlap``: 1 on GPUs, where this is
+  :math:`\max(0, \delta_z P_i - B_i)`),
   :math:`\delta_z` = :func:`~autopar.planner.cost_tables.dp_comm_s_per_param`;
 * optimizer time :math:`T_{opt} = \max_i \omega_z P_i`,
   :math:`\omega_z` = :func:`~autopar.planner.cost_tables.optimizer_s_per_param`;
@@ -56,11 +59,14 @@ def tied_param_numel(traced, tables: CostTables, choice: dict[str, int]) -> floa
 def exposed_dp_s(zero_stage: int, cluster, cfg: Config, params: list[float],
                  bwd_s: list[float | tuple[float, ...]]) -> float:
     """Seconds of DP communication not hidden behind the backward of the last micro-batch,
-    max over pipeline ranks: :math:`\\max_i \\max(0, \\delta_z P_i - B_i)`. ``params``:
-    :math:`P_i` (elements); ``bwd_s``: :math:`B_i`, backward compute + TP communication of
-    one micro-batch on rank i (seconds), or its parts, subtracted one after the other."""
+    max over pipeline ranks: :math:`\\max_i \\max((1 - f)\\delta_z P_i, \\delta_z P_i - B_i)`
+    with f the device's ``comm_overlap``. ``params``: :math:`P_i` (elements); ``bwd_s``:
+    :math:`B_i`, backward compute + TP communication of one micro-batch on rank i
+    (seconds), or its parts, subtracted one after the other."""
     per_param = dp_comm_s_per_param(zero_stage, cluster, cfg)
-    return max(max(0.0, _minus(per_param * pa, bw)) for pa, bw in zip(params, bwd_s))
+    serial = 1.0 - cluster.device.comm_overlap
+    return max(max(serial * per_param * pa, _minus(per_param * pa, bw))
+               for pa, bw in zip(params, bwd_s))
 
 
 def _minus(x: float, parts: float | tuple[float, ...]) -> float:

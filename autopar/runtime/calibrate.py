@@ -6,12 +6,26 @@ ranks (one torch thread each, as the gloo tests and examples run them) are start
 127.0.0.1 by :func:`autopar.runtime.launch.launch` and, all at once so that they share cores and memory the way training does,
 measure
 
-* fp32 ``torch.matmul`` throughput of square n x n x n products (2·n³ FLOPs each), the
-  steady state being the median of timed repetitions after a warm-up; the device's
-  ``peak_tflops`` is the best size's rate, slowest rank, with ``matmul_efficiency`` 1.0;
+* the GEMM rate of training's linear layers: forward and backward of ``nn.Linear`` layers
+  (the forward GEMM and the input- and weight-gradient GEMMs, 6·m·k·n FLOPs, bias and
+  autograd included) at a transformer's shapes, timed as a sustained rate (elapsed time
+  over back-to-back repetitions after a warm-up, as for every compute figure below:
+  :func:`_mean_time_s`); the device's ``peak_tflops`` is the median over the shapes,
+  slowest rank, with ``matmul_efficiency`` 1.0 (square ``torch.matmul`` products are
+  recorded in the notes for comparison);
+* the fused attention kernel's rate (``attention_tflops``): causal
+  ``scaled_dot_product_attention`` forward and backward, 3 x 4·b·a·s²·hd FLOPs;
+* the host's per-node overhead (``op_overhead_s``): forward and backward of transformer
+  blocks of :class:`autopar.models.GPT` at negligible size (h = 8, s = 8), per block the
+  difference between 5 blocks and 1, over 3 x the block's graph nodes (one forward, two
+  backward shares, as the cost model charges them); and the same blocks under
+  non-reentrant activation checkpointing (``recompute_overhead_s``: the extra time per
+  node beyond re-running its forward);
 * memory bandwidth from a large tensor copy (reads + writes: 2 x bytes per copy);
 * torch's default AdamW step per parameter, as the bytes per parameter it moves at that
   bandwidth (``DeviceSpec.optimizer_bytes_per_param``);
+* how much of a gloo all-reduce overlaps compute (``comm_overlap``): a 4 MiB all-reduce
+  started asynchronously before a burst of matmuls of about its length, against each alone;
 * gloo ``all_reduce`` of 4 B to 16 MiB, fitted by weighted least squares (relative
   residuals) to the ring model of :mod:`cost_models.comm`,
   ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``, giving the link's latency alpha (seconds)
@@ -34,70 +48,130 @@ from pathlib import Path
 
 from autopar.runtime.launch import launch
 
-__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce"]
+__all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "tiny_block_nodes",
+           "TINY_GPT"]
 
 
 @dataclass(frozen=True)
 class CalibrationSizes:
     """What to measure; the defaults take about 15-25 s on a 2-core host.
 
-    matmul_sizes: n of the n x n fp32 products timed.
-    matmul_seconds: wall seconds spent timing each matmul size (after one warm-up run).
+    matmul_sizes: n of the n x n fp32 products timed (recorded in the notes).
+    matmul_seconds: wall seconds spent timing each matmul size or linear layer shape
+        (after one warm-up run).
+    linear_shapes: (tokens, in_features, out_features) of the nn.Linear layers timed
+        forward and backward for ``peak_tflops``: a transformer's projections and MLP at
+        h = 256 over 1024 tokens.
+    attention_shape: (heads x batch, s, head dim) of the causal attention timed.
+    overhead_seconds: wall seconds spent timing each tiny-block variant.
+    overlap_bytes: bytes of the all-reduce whose overlap with matmuls is measured (a
+        gradient bucket's order of size).
     copy_bytes: bytes of the tensor copied to measure memory bandwidth.
     all_reduce_bytes: message sizes of the gloo all-reduce sweep, bytes (fp32 elements x 4).
     all_reduce_seconds: wall seconds spent per all-reduce size (at least 3 repetitions).
     timeout_s: the spawned ranks are killed after this many seconds.
     """
 
-    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
-    matmul_seconds: float = 1.0
+    matmul_sizes: tuple[int, ...] = (256, 512)
+    matmul_seconds: float = 0.6
+    linear_shapes: tuple[tuple[int, int, int], ...] = ((1024, 256, 256), (1024, 256, 1024),
+                                                       (1024, 1024, 256))
+    attention_shape: tuple[int, int, int] = (16, 128, 64)
+    overhead_seconds: float = 0.6
+    overlap_bytes: int = 4 * 2**20
     copy_bytes: int = 256 * 2**20
     all_reduce_bytes: tuple[int, ...] = tuple(4 * 4**k for k in range(12))  # 4 B .. 16 MiB
     all_reduce_seconds: float = 0.4
     timeout_s: float = 120.0
 
 
-def _median_time_s(fn, seconds: float, min_reps: int = 3) -> float:
-    """Median wall time of ``fn()`` over repetitions filling ``seconds`` (after a warm-up)."""
+def _mean_time_s(fn, seconds: float, min_reps: int = 3) -> float:
+    """Sustained wall seconds per ``fn()``: after a warm-up, repetitions back to back for
+    ``seconds`` (at least ``min_reps``), elapsed time over repetitions. A training step
+    lasts tens to hundreds of milliseconds and so pays its share of whatever else the
+    host runs meanwhile; the mean over a window of similar length pays it too (a median
+    of short repetitions would pass over it)."""
     fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
+    reps, start = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < seconds:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        reps += 1
+    return (time.perf_counter() - start) / reps
 
 
-_CHAIN = 50
+TINY_GPT = dict(n_head=2, n_embd=8, vocab_size=16, block_size=8)
+"""The reference GPT at negligible size whose blocks measure the host's per-node overhead."""
+_BLOCKS = (1, 5)  # block counts timed; their difference isolates the blocks
 
 
-def _tiny_chain() -> None:
-    """Forward and backward through a chain of tiny element-wise ops: all dispatch and
-    autograd bookkeeping, no arithmetic to speak of."""
+def _linear_tflops(tokens: int, k: int, n: int, seconds: float) -> float:
+    """TFLOP/s of an ``nn.Linear(k, n)``'s forward and backward over ``tokens`` rows
+    (y = x Wᵀ + b, dx = dy W, dW = dyᵀ x: 6·tokens·k·n FLOPs)."""
     import torch
 
-    x = torch.ones(8, requires_grad=True)
-    y = x
-    for _ in range(_CHAIN):
-        y = y * 1.0001
-    y.sum().backward()
+    x = torch.randn(tokens, k, requires_grad=True)
+    layer, grad = torch.nn.Linear(k, n), torch.randn(tokens, n)
+    return 6.0 * tokens * k * n / _mean_time_s(lambda: layer(x).backward(grad), seconds) / 1e12
+
+
+def _attention_tflops(shape: tuple[int, int, int], seconds: float) -> float:
+    """TFLOP/s of causal ``scaled_dot_product_attention`` forward and backward on
+    (1, heads, s, hd) tensors, counted as the cost model counts it: 3 x 4·heads·s²·hd."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, s, hd = shape
+    q, k, v = (torch.randn(1, heads, s, hd, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, s, hd)
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+    return 3 * 4.0 * heads * s * s * hd / _mean_time_s(run, seconds) / 1e12
+
+
+def _tiny_blocks_s(seconds: float) -> dict[str, float]:
+    """Seconds per tiny GPT block (:data:`TINY_GPT`) of forward + backward, plain and under
+    non-reentrant checkpointing (``torch.utils.checkpoint``, as full recompute runs it):
+    the time of 5 blocks less that of 1, over 4."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from autopar.models import Block, GPTConfig
+
+    config = GPTConfig(n_layer=max(_BLOCKS), **TINY_GPT)
+    blocks = [Block(config) for _ in range(max(_BLOCKS))]
+    x = torch.randn(1, config.block_size, config.n_embd, requires_grad=True)
+
+    def run(n: int, ckpt: bool):
+        y = x
+        for block in blocks[:n]:
+            y = checkpoint(block, y, use_reentrant=False) if ckpt else block(y)
+        y.sum().backward()
+    out = {}
+    for ckpt in (False, True):
+        few, many = (_mean_time_s(lambda n=n: run(n, ckpt), seconds) for n in _BLOCKS)
+        out["checkpointed" if ckpt else "plain"] = (many - few) / (max(_BLOCKS) - min(_BLOCKS))
+    return out
 
 
 def _measure_compute(sizes: CalibrationSizes) -> dict:
-    """fp32 matmul TFLOP/s per size and copy bandwidth (GB/s) of this process."""
+    """This process's GEMM rates (TFLOP/s: square matmuls per n, linear layers per shape,
+    attention), tiny-block seconds, copy bandwidth (GB/s) and optimizer bytes per param."""
     import torch
 
     flops = {}
     for n in sizes.matmul_sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t = _median_time_s(lambda: torch.matmul(a, b), sizes.matmul_seconds)
+        t = _mean_time_s(lambda: torch.matmul(a, b), sizes.matmul_seconds)
         flops[n] = 2.0 * n**3 / t / 1e12
+    linear = {shape: _linear_tflops(*shape, sizes.matmul_seconds) for shape in sizes.linear_shapes}
+    attention = _attention_tflops(sizes.attention_shape, sizes.matmul_seconds)
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = _median_time_s(lambda: dst.copy_(src), 0.5)
-    op = _median_time_s(_tiny_chain, 0.3) / (3 * _CHAIN)  # backward ~ 2x forward ops
+    t = _mean_time_s(lambda: dst.copy_(src), 0.5)
     copy_gbps = 2.0 * src.numel() * 4 / t / 1e9
-    return {"matmul_tflops": flops, "copy_gbps": copy_gbps, "op_overhead_s": op,
+    return {"matmul_tflops": flops, "linear_tflops": linear, "attention_tflops": attention,
+            "copy_gbps": copy_gbps, "block_s": _tiny_blocks_s(sizes.overhead_seconds),
             "optimizer_bytes_per_param": _adam_s_per_param() * copy_gbps * 1e9}
 
 
@@ -109,7 +183,7 @@ def _adam_s_per_param(numel: int = 2**19) -> float:
     param = torch.nn.Parameter(torch.ones(numel))
     param.grad = torch.full_like(param, 1e-3)
     opt = torch.optim.AdamW([param], lr=1e-3)
-    return _median_time_s(opt.step, 0.3) / numel
+    return _mean_time_s(opt.step, 0.3) / numel
 
 
 def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
@@ -142,6 +216,45 @@ def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
     return out
 
 
+def _synced_median_s(fn, trials: int) -> float:
+    """Median wall seconds of ``fn()`` over ``trials`` runs, each started after a barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_overlap(nbytes: int, trials: int = 5) -> float:
+    """Fraction of a gloo all-reduce of ``nbytes`` that runs while this rank computes:
+    (T_compute + T_all_reduce - T_both) / min(T_compute, T_all_reduce), clamped to [0, 1],
+    where T_both starts the all-reduce asynchronously, runs the matmuls, then waits; the
+    matmul burst is sized (agreed over the ranks) to last about as long as the all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    x, a, b = torch.ones(nbytes // 4), torch.randn(256, 256), torch.randn(256, 256)
+    t_ar = _synced_median_s(lambda: dist.all_reduce(x), trials)
+    one = _mean_time_s(lambda: torch.matmul(a, b), 0.1)
+    reps = torch.tensor([max(1, round(t_ar / one))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)
+
+    def burst():
+        for _ in range(int(reps.item())):
+            torch.matmul(a, b)
+
+    def both():
+        work = dist.all_reduce(x, async_op=True)
+        burst()
+        work.wait()
+    t_c, t_both = _synced_median_s(burst, trials), _synced_median_s(both, trials)
+    return min(1.0, max(0.0, (t_c + t_ar - t_both) / min(t_c, t_ar)))
+
+
 def _measure(rank: int, world: int, sizes: CalibrationSizes) -> dict:
     """One rank's measurements (run by :func:`autopar.runtime.launch.launch` on every rank):
     after a barrier so that all ranks start together, compute first, then the all-reduce
@@ -149,7 +262,8 @@ def _measure(rank: int, world: int, sizes: CalibrationSizes) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    return {"compute": _measure_compute(sizes), "all_reduce_s": _measure_all_reduce(sizes)}
+    return {"compute": _measure_compute(sizes), "all_reduce_s": _measure_all_reduce(sizes),
+            "overlap": _measure_overlap(sizes.overlap_bytes)}
 
 
 def fit_ring_all_reduce(times_s: dict[int, float], group_size: int) -> tuple[float, float]:
@@ -179,12 +293,18 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     """The cluster JSON (preset format: every number with its source)."""
     from cost_models.hardware import Cluster
 
-    per_size = {n: min(r["compute"]["matmul_tflops"][n] for r in results)
-                for n in sorted(results[0]["compute"]["matmul_tflops"])}
-    best = max(per_size, key=per_size.get)
+    def slowest(key):  # per entry of a measured dict, the slowest rank's rate
+        return {k: min(r["compute"][key][k] for r in results) for k in results[0]["compute"][key]}
+    per_size, linear = slowest("matmul_tflops"), slowest("linear_tflops")
+    rate = statistics.median(linear.values())
+    attention = min(r["compute"]["attention_tflops"] for r in results)
     copy = min(r["compute"]["copy_gbps"] for r in results)
-    overhead = max(r["compute"]["op_overhead_s"] for r in results)
+    blocks = {k: max(r["compute"]["block_s"][k] for r in results) for k in ("plain", "checkpointed")}
+    nodes = tiny_block_nodes()
+    overhead = blocks["plain"] / (3 * nodes)
+    recompute = max(0.0, (blocks["checkpointed"] - blocks["plain"]) / nodes - overhead)
     adam = max(r["compute"]["optimizer_bytes_per_param"] for r in results)
+    overlap = min(r["overlap"] for r in results)
     times = {m: max(r["all_reduce_s"][m] for r in results) for m in results[0]["all_reduce_s"]}
     alpha, bandwidth = fit_ring_all_reduce(times, processes)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes / 2**30
@@ -201,21 +321,50 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
         "name": "local-cpu-calibrated", "gpus_per_node": num(processes, "ranks spawned"),
         "nodes": num(1, "one host"), "dtype": nominal.dtype, "attention": nominal.attention,
         "device": {"name": "CPU process (1 thread)", "source": source,
-                   "peak_tflops": num(per_size[best],
-                                      f"fp32 torch.matmul {best}^3, median, slowest rank"),
+                   "peak_tflops": num(rate, "fp32 nn.Linear forward + backward (6·m·k·n FLOPs) "
+                                      f"at (tokens, in, out) = {', '.join(map(str, linear))}, "
+                                      "median over the shapes, slowest rank"),
+                   "attention_tflops": num(attention, "fp32 causal scaled_dot_product_attention "
+                                           f"forward + backward, (heads, s, hd) = "
+                                           f"{sizes.attention_shape}, slowest rank"),
                    "memory_gib": num(mem, f"physical memory / {processes} processes"),
                    "memory_bandwidth_gbps": num(copy, f"copy of {sizes.copy_bytes} B "
                                                          "fp32 (read + write), slowest rank"),
                    "matmul_efficiency": num(1.0, "peak_tflops is the measured matmul rate"),
-                   "op_overhead_s": num(overhead, "forward+backward of a chain of tiny ops / "
-                                                  "(3 x ops), median, slowest rank"),
+                   "op_overhead_s": num(overhead, f"forward + backward of a GPT block at "
+                                        f"{TINY_GPT} over 3 x its {nodes} graph nodes, slowest "
+                                        "rank"),
+                   "recompute_overhead_s": num(recompute, "the same blocks checkpointed "
+                                               "(non-reentrant) less plain, per node, less "
+                                               "op_overhead_s (the re-run forward)"),
+                   "comm_overlap": num(overlap, f"all-reduce of {sizes.overlap_bytes} B started "
+                                       "before a burst of matmuls of about its length: (T_mm + "
+                                       "T_ar - T_both) / min(T_mm, T_ar), median of 5, least rank"),
                    "optimizer_bytes_per_param": num(adam, "torch.optim.AdamW step of 2**19 "
-                                                    "fp32 parameters, median seconds per "
+                                                    "fp32 parameters, seconds per "
                                                     "parameter x copy bandwidth, slowest rank")},
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
+                  "linear_tflops_by_shape": {str(k): v for k, v in linear.items()},
+                  "tiny_block_s": blocks,
                   "fit": {"alpha_s": alpha, "bus_bandwidth_bytes_per_s": bandwidth}},
     }
+
+
+def tiny_block_nodes() -> int:
+    """Graph nodes of one :data:`TINY_GPT` block that the cost model charges the host's
+    per-node overhead (:func:`autopar.planner.node_cost.dispatches`), from autopar's own
+    trace of the model on the meta device."""
+    import torch
+
+    from autopar.graph.capture import trace_model
+    from autopar.models import GPT, GPTConfig
+    from autopar.planner.node_cost import dispatches
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=1, **TINY_GPT))
+    traced = trace_model(model, TINY_GPT["block_size"])
+    return sum(1 for n in traced.layers[0] if dispatches(traced.nodes[n]))
 
 
 def calibrate_local(processes: int = 2, out_path: str | None = None,

@@ -12,8 +12,10 @@ from cost_models.hardware import Cluster
 
 
 QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=8 * 2**20,
+                         linear_shapes=((128, 64, 64), (128, 64, 256)), attention_shape=(4, 32, 16),
+                         overhead_seconds=0.1, overlap_bytes=2**20,
                          all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
-                         timeout_s=60)
+                         timeout_s=90)
 
 
 def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
@@ -30,6 +32,11 @@ def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
     # written per parameter; its temporaries make it more (about 80 B on this kind of host)
     assert 28 <= dev.optimizer_bytes_per_param < 1000, dev.optimizer_bytes_per_param
     assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
+    # the host terms: a graph node's dispatch costs microseconds (a block of 22 nodes forward
+    # and backward); checkpointing adds to it; attention runs no faster than the linear layers
+    # would let it by orders of magnitude; the overlap is a fraction
+    assert 1e-7 < dev.op_overhead_s < 1e-3 and 0.0 <= dev.recompute_overhead_s < 1e-2
+    assert 1e-5 < dev.attention_tflops < 50 and 0.0 <= dev.comm_overlap <= 1.0
     for source in (dev.source, link.source):
         assert "measured on" in source and "by autopar calibrate" in source
     # the fitted ring reproduces the measured all-reduce times: the median ratio is within

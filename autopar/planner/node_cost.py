@@ -1,0 +1,135 @@
+"""What one graph node costs under one strategy, for one micro-batch on one GPU.
+
+:func:`node_cost` is the per-node cost function that :mod:`autopar.planner.cost_tables`
+tabulates for the CP-SAT model, :func:`~autopar.planner.predict.predict` and the
+exhaustive oracle alike (they read the same tables), and that the search's bounds call
+directly; :func:`loss_cost` prices the cross-entropy as the graph's output node. The
+assumptions are :mod:`autopar.planner.cost_tables`' (GEMMs at their shapes, other ops
+memory-bound, backward twice the forward), plus the host's per-node dispatch and
+checkpointing overheads of the device (``DeviceSpec.op_overhead_s``,
+``DeviceSpec.recompute_overhead_s``: measured on CPU processes, 0 on GPU presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import comm, compute
+from cost_models.hardware import Cluster
+from cost_models.reserve import loss_temporary_bytes
+
+from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES
+from autopar.planner.matmul_cost import gemm_times_s
+from autopar.planner.strategies import Strategy
+
+__all__ = ["StrategyCost", "node_cost", "loss_cost", "dispatches", "LOSS_BYTES_PER_LOGIT"]
+
+LOSS_BYTES_PER_LOGIT = 4        # fp32 softmax kept by cross-entropy
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """Cost of one node under one strategy, for one micro-batch on one GPU.
+
+    fwd_s / bwd_s: compute seconds; param_numel: parameter elements held;
+    saved_bytes: activation bytes kept for backward; core_saved_bytes: the part selective
+    recompute drops; core_fwd_s: forward seconds selective recompute repeats;
+    temp_bytes: bytes allocated and freed within the step, not kept (the loss's fp32
+    logits, :func:`cost_models.reserve.loss_temporary_bytes`): part of the memory reserve;
+    rec_s: seconds full recompute spends on the node (its forward again plus the
+    checkpoint's bookkeeping, ``DeviceSpec.recompute_overhead_s``).
+    """
+
+    fwd_s: float
+    bwd_s: float
+    param_numel: float
+    saved_bytes: float
+    core_saved_bytes: float
+    core_fwd_s: float
+    temp_bytes: float = 0.0
+    rec_s: float = 0.0
+
+
+def _param_numel(info, strat: Strategy) -> float:
+    """Parameter elements held under ``strat``: a row-parallel Linear shards its weight but
+    keeps the whole bias (added once after the all-reduce); other splits shard everything."""
+    sizes = info.extra.get("param_sizes", {})
+    if strat.name == "row":
+        return sum(n if name.endswith("bias") else n / strat.param_divisor
+                   for name, n in sizes.items())
+    return info.param_numel / strat.param_divisor
+
+
+def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: Cluster,
+               tp_link, act_bytes: int = ACTIVATION_BYTES, temporaries: bool = True
+               ) -> StrategyCost:
+    """Cross-entropy on the last stage, as the output node's cost, for ``logits`` elements
+    (b·s·V) of ``tokens`` (b·s) per micro-batch: memory-bound passes over fp32 logits and
+    their saved softmax (LOSS_BYTES_PER_LOGIT each). "vocab_parallel" (Megatron's
+    vocab-parallel cross-entropy, Shoeybi et al. 2019 section 3) works on this rank's V/t
+    columns and all-reduces three (b, s) fp32 tensors over TP in forward (the row max, the
+    target logit and the sum of exponentials); "replicate" needs the whole logits; plus the
+    device's ``op_overhead_s`` (one op: forward once, backward twice). Its
+    temporaries (fp32 copies of the logits beside the saved softmax) are ``temp_bytes``
+    (0 unless ``temporaries``: the cluster's ``memory_reserve.step_temporaries``)."""
+    div, dev = (tp if strat.name == "vocab_parallel" else 1), cluster.device
+    fwd = compute.memory_bound_time_s(LOSS_BYTES_PER_LOGIT * logits / div, dev) + dev.op_overhead_s
+    comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
+    temp = loss_temporary_bytes(logits / div, act_bytes) if temporaries else 0.0
+    return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0, core_fwd_s=0.0,
+                        saved_bytes=LOSS_BYTES_PER_LOGIT * logits / div, core_saved_bytes=0.0,
+                        temp_bytes=temp, rec_s=fwd + comm_s)
+
+
+def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
+              act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
+    """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
+    (linear, attention, batched matmul) at their GEMM shapes (:func:`gemm_times_s`: the
+    calibrated in-tile rate with tile and wave quantisation), attention's softmax passes
+    over the s×s scores (``attention="math"``), a batched matmul no faster than the memory
+    traffic of its inputs and output (roofline), every other op memory-bound over its
+    ``in_numel`` input and output elements of ``act_bytes`` bytes (views, transposes and
+    dropout with p = 0 move none), plus the device's per-node host overhead
+    (``op_overhead_s``, :func:`dispatches`); backward = 2 × forward for non-matmul ops
+    (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
+    device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
+    saved bytes divided by t when the output is sharded. ``b``: micro-batch size
+    (per-sequence nodes scale by it)."""
+    dev = cluster.device
+    div = strat.compute_divisor
+    b = b if info.per_sequence else 1
+    if info.kind in ("linear", "sdpa", "matmul"):
+        fwd, bwd = gemm_times_s(info, strat, b, dev)
+        if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
+            passes = info.extra.get("score_passes_elems", 0)
+            memory = compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
+            fwd, bwd = fwd + memory, bwd + 2.0 * memory
+        elif info.kind == "matmul":  # e.g. eager attention's q·kᵀ writes the s×s scores
+            memory = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+            fwd, bwd = max(fwd, memory), max(bwd, 2.0 * memory)
+    elif info.kind in ("view", "transpose", "input", "output", "nontensor") or (
+            info.kind == "dropout" and not info.mask_elems):  # p = 0: the input passes through
+        fwd = bwd = 0.0
+    else:
+        fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+        bwd = 2.0 * fwd
+    rec = fwd
+    if dispatches(info):  # the host's dispatch of the node (0 on GPU profiles)
+        fwd += dev.op_overhead_s
+        bwd += 2.0 * dev.op_overhead_s
+        rec = fwd + dev.recompute_overhead_s
+    sharded = strat.output.is_sharded
+    # the attention core's bytes are part of what the layer saves (selective drops them);
+    # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
+    core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
+    saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
+    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
+                        saved_bytes=saved, core_saved_bytes=core,
+                        core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec)
+
+
+def dispatches(info) -> bool:
+    """Does node ``info`` run an op of its own at run time (every tensor node, views and
+    transposes included; not the graph's inputs, outputs or non-tensor values), so that
+    the device's ``op_overhead_s`` applies to it?"""
+    return info.kind not in ("input", "output", "nontensor")

@@ -1,0 +1,119 @@
+"""What a CPU process pays that a GPU hides (issue 13): the host's per-node dispatch, the
+checkpoint's bookkeeping under full recompute, fused attention at its own measured rate,
+communication that does not overlap compute, and ZeRO-1/2's parameter all-gather after the
+optimizer step. Each term against a hand-computed value; the GPU presets price none of the
+host terms (their fields default to 0 / None / full overlap)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.planner.cost_tables import (Config, dp_comm_s_per_param, node_cost,
+                                         optimizer_s_per_param)
+from autopar.planner.node_cost import dispatches
+from autopar.planner.step import exposed_dp_s
+from autopar.planner.strategies import node_strategies
+from cost_models import comm
+from cost_models.hardware import Cluster
+from helpers import tiny_meta_gpt
+
+CPU = Cluster.local_cpu(2)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    from autopar.graph.capture import trace_model
+
+    return trace_model(tiny_meta_gpt(), 16, name="gpt-tiny")
+
+
+def _cost(traced, cluster, name, b=1):
+    info = traced.nodes[name]
+    strat = node_strategies(traced, 1, False)[name][0]
+    node = next(n for n in traced.gm.graph.nodes if n.name == name)
+    in_numel = sum(traced.nodes[a.name].numel for a in node.all_input_nodes
+                   if traced.nodes[a.name].shape is not None)
+    return node_cost(info, strat, b, cluster, 1, in_numel, 4, cluster.attention)
+
+
+def _first(traced, kind):
+    return next(n for n in traced.layers[0] if traced.nodes[n].kind == kind)
+
+
+def test_views_pay_dispatch_and_move_no_bytes(traced):
+    dev = CPU.device
+    for kind in ("view", "transpose"):
+        c = _cost(traced, CPU, _first(traced, kind))
+        assert dispatches(traced.nodes[_first(traced, kind)])
+        assert (c.fwd_s, c.bwd_s) == pytest.approx((dev.op_overhead_s, 2 * dev.op_overhead_s))
+    # gpt-tiny has no dropout (p = 0): the module passes its input through, one dispatch
+    drop = _first(traced, "dropout")
+    assert traced.nodes[drop].mask_elems == 0
+    assert _cost(traced, CPU, drop).fwd_s == pytest.approx(dev.op_overhead_s)
+    # on a GPU preset the host terms are 0: a view is free, as before
+    a100 = Cluster.dgx_a100()
+    assert _cost(traced, a100, _first(traced, "view")).fwd_s == 0.0
+
+
+def test_full_recompute_repeats_the_forward_plus_the_checkpoint_bookkeeping(traced):
+    dev = CPU.device
+    assert dev.recompute_overhead_s > 0
+    for name in traced.layers[0]:
+        c = _cost(traced, CPU, name)
+        extra = dev.recompute_overhead_s if dispatches(traced.nodes[name]) else 0.0
+        assert c.rec_s == pytest.approx(c.fwd_s + extra)
+    sdpa = _cost(traced, CPU, _first(traced, "sdpa"))
+    assert sdpa.core_fwd_s == pytest.approx(sdpa.rec_s)  # selective re-runs it under checkpoint
+    gpu = _cost(traced, Cluster.dgx_a100(), _first(traced, "linear"))
+    assert gpu.rec_s == gpu.fwd_s
+
+
+def test_fused_attention_at_its_measured_rate(traced):
+    name = _first(traced, "sdpa")
+    info, dev = traced.nodes[name], CPU.device
+    c = _cost(traced, CPU, name, b=2)
+    fwd = 2 * info.flops / (dev.attention_tflops * 1e12)
+    assert c.fwd_s == pytest.approx(fwd + dev.op_overhead_s)
+    assert c.bwd_s == pytest.approx(2 * fwd + 2 * dev.op_overhead_s)
+    # without a measured rate its GEMMs are priced like any other (the GPU presets)
+    plain = dataclasses.replace(CPU, device=dataclasses.replace(dev, attention_tflops=None))
+    gemm = 2 * info.flops / (dev.peak_flops * dev.matmul_efficiency)
+    assert _cost(traced, plain, name, b=2).fwd_s == pytest.approx(gemm + dev.op_overhead_s)
+
+
+def test_dp_reduction_hides_only_as_far_as_the_device_overlaps():
+    cfg = Config(tp=1, pp=1, dp=2, micro_batch_size=1, num_micro_batches=1, dtype="fp32")
+    delta = dp_comm_s_per_param(0, CPU, cfg)
+    params, bwd = 1e6, 1.0  # a backward far longer than the reduction
+    assert CPU.device.comm_overlap == 0.0  # gloo's copies run on the cores that compute
+    assert exposed_dp_s(0, CPU, cfg, [params], [bwd]) == pytest.approx(delta * params)
+    half = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, comm_overlap=0.5))
+    assert exposed_dp_s(0, half, cfg, [params], [bwd]) == pytest.approx(0.5 * delta * params)
+    full = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, comm_overlap=1.0))
+    assert exposed_dp_s(0, full, cfg, [params], [bwd]) == 0.0
+    assert exposed_dp_s(0, full, cfg, [params], [0.0]) == pytest.approx(delta * params)
+
+
+def test_zero_parameter_all_gather_follows_the_optimizer_step():
+    cfg = Config(tp=1, pp=1, dp=2, micro_batch_size=1, num_micro_batches=3, dtype="fp32")
+    link, bucket = CPU.intra_node, 25 * 2**20
+    all_reduce = comm.all_reduce_time_s(bucket, 2, link) * 4 / bucket
+    gather = comm.all_gather_time_s(bucket, 2, link) * 4 / bucket
+    adam = CPU.device.optimizer_bytes_per_param / (CPU.device.memory_bandwidth_gbps * 1e9)
+    assert dp_comm_s_per_param(0, CPU, cfg) == pytest.approx(all_reduce)
+    assert dp_comm_s_per_param(1, CPU, cfg) == pytest.approx(all_reduce / 2)  # reduce-scatter
+    assert dp_comm_s_per_param(2, CPU, cfg) == pytest.approx(all_reduce * 3 / 2)
+    assert optimizer_s_per_param(0, CPU, cfg) == pytest.approx(adam)
+    for z in (1, 2):
+        assert optimizer_s_per_param(z, CPU, cfg) == pytest.approx(adam / 2 + gather)
+    assert optimizer_s_per_param(3, CPU, cfg) == pytest.approx(adam / 2)
+
+
+def test_device_fields_refuse_bad_values():
+    dev = CPU.device
+    for field, bad in (("comm_overlap", 1.5), ("comm_overlap", -0.1), ("recompute_overhead_s", -1),
+                       ("attention_tflops", 0.0)):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(dev, **{field: bad})
