@@ -10,8 +10,8 @@
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
    for comparison, in bf16 mixed precision as on GPUs;
 3. runs every plan with ``autopar.parallelize`` in 2 spawned processes (one torch thread
-   each): AdamW, 2 warm-up steps, then the median over 5 timed ``train_step`` calls of the
-   slowest rank;
+   each): AdamW, 2 warm-up rounds, then 9 timed rounds of one ``train_step`` of every
+   layout in turn, and takes per layout the median of the slowest rank's step;
 4. prints layout, predicted, measured, error and whether the predicted ranking of the
    layouts equals the measured one. A benchmark: it prints figures, it asserts nothing.
 """
@@ -36,7 +36,7 @@ from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
-BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 5
+BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 9
 # name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" (its placements and
 # sequence parallelism) | "megatron" (Megatron's pattern, no sequence parallelism))
 LAYOUTS = {
@@ -69,28 +69,30 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
 
 
 def _measure(rank: int, world: int, plans: dict) -> dict[str, float]:
-    """Per layout, the median over the timed steps of the slowest rank's train_step (s)."""
+    """Per layout, the median over the timed rounds of the slowest rank's train_step (s).
+    Every layout's program is built first; each round then runs one step of every layout
+    in turn, so that a slow spell of the shared host falls on all layouts alike."""
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
              torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g))
-    out = {}
+    programs = {}
     for name, plan in plans.items():
         torch.manual_seed(0)
-        pm = autopar.parallelize(GPT(CONFIG), plan=plan,
-                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-        times = []
-        for step in range(WARMUP + TIMED):
+        programs[name] = autopar.parallelize(
+            GPT(CONFIG), plan=plan, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for step in range(WARMUP + TIMED):
+        for name, pm in programs.items():
             dist.barrier()
             t0 = time.perf_counter()
             pm.train_step(*batch)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= WARMUP:
-                times.append(dt.item())
-        out[name] = statistics.median(times)
-    return out
+                times[name].append(dt.item())
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _ranking(times: dict[str, float]) -> list[str]:
@@ -115,8 +117,8 @@ def main() -> None:
     measured = launch(_measure, 2, plans, timeout_s=600, pg_timeout_s=600)[0]
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
-          f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} steps after "
-          f"{WARMUP} warm-up; host load average {load:.2f} on {os.cpu_count()} CPUs before the "
+          f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} rounds (a step of "
+          f"every layout in turn) after {WARMUP} warm-up; host load average {load:.2f} on {os.cpu_count()} CPUs before the "
           "run (other work shares the cores the ranks use)\n")
     print("| layout | predicted fp32 (s) | measured (s) | error | predicted bf16 (s) |")
     print("|---|---:|---:|---:|---:|")

@@ -67,9 +67,12 @@ def all_gather_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
 def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Ring reduce-scatter of a ``nbytes`` input (each rank keeps nbytes/n), seconds.
 
-    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
+    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw); a whole
+    all-reduce where the backend runs it as one (``LinkSpec.reduce_scatter_as_all_reduce``:
+    gloo).
     """
-    return _ring_time_s(nbytes, group_size, link, rounds=1)
+    return _ring_time_s(nbytes, group_size, link,
+                        rounds=2 if link.reduce_scatter_as_all_reduce else 1)
 
 
 def p2p_time_s(nbytes: float, link: LinkSpec) -> float:

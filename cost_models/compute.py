@@ -115,6 +115,16 @@ def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:
     return nbytes / (device.memory_bandwidth_gbps * 1e9)
 
 
+def elementwise_time_s(nbytes: float, transcendentals: float, device: DeviceSpec) -> float:
+    """Seconds of an element-wise op moving ``nbytes`` that evaluates ``transcendentals``
+    functions (erf, exp): the larger of its memory time and its compute time at the
+    device's ``transcendental_gelems_per_s`` (memory time alone when that is None)."""
+    device = _check_device(device)
+    rate = device.transcendental_gelems_per_s
+    count = check_non_negative("transcendentals", transcendentals)
+    return max(memory_bound_time_s(nbytes, device), count / (rate * 1e9) if rate else 0.0)
+
+
 def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec) -> float:
     """Roofline time of one operation, seconds: the larger of its compute and memory times."""
     return max(matmul_time_s(flops, device), memory_bound_time_s(bytes_moved, device))

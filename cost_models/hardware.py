@@ -64,8 +64,8 @@ class DeviceSpec:
     memory_bandwidth_gbps: float
     """Device-memory (HBM) bandwidth, GB/s (1e9 bytes/s)."""
     matmul_efficiency: float
-    """Fraction of peak sustained by training GEMMs, in (0, 1]; one number per
-    hardware profile, the same for every model (a calibration knob). With a tile model
+    """Fraction of peak sustained by training GEMMs, in (0, 1]; one number per hardware
+    profile, the same for every model (a calibration knob). With a tile model
     (``sm_count``) it is the rate inside a full GEMM tile, and tile and wave quantisation
     come on top (:func:`cost_models.compute.gemm_time_s`)."""
     source: str
@@ -101,6 +101,10 @@ class DeviceSpec:
     None: its GEMMs are priced like any other (the GPU presets: tensor-core tiles). A CPU
     process runs it as many small GEMMs with an exp per score, far below the linear
     layers' rate; ``autopar calibrate`` measures it (causal, 64-wide heads, s = 128)."""
+    transcendental_gelems_per_s: float | None = None
+    """1e9 elements/s of an element-wise op with a transcendental per element (erf-GELU,
+    log-softmax's exp), forward + backward counted as 3 forwards. None: memory-bound
+    (GPUs); a CPU core computes erf slower than it streams (``autopar calibrate``)."""
     optimizer_bytes_per_param: float = 32.0
     """Device-memory bytes the Adam step moves per parameter, read + write, as the
     optimizer that runs there implements it; the step is memory-bound. 32 (the default,
@@ -126,9 +130,9 @@ class DeviceSpec:
         if not is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"DeviceSpec.comm_overlap must be a number in [0, 1], got "
                              f"{self.comm_overlap!r}")
-        if self.attention_tflops is not None:
-            _set(self, "attention_tflops", check_positive("DeviceSpec.attention_tflops",
-                                                          self.attention_tflops))
+        for field in ("attention_tflops", "transcendental_gelems_per_s"):
+            if getattr(self, field) is not None:
+                _set(self, field, check_positive(f"DeviceSpec.{field}", getattr(self, field)))
         _set(self, "optimizer_bytes_per_param", check_positive(
             "DeviceSpec.optimizer_bytes_per_param", self.optimizer_bytes_per_param))
         for field in ("peak_tflops", "memory_gib", "memory_bandwidth_gbps"):
@@ -179,9 +183,16 @@ class LinkSpec:
     """Per-message (per ring hop) latency, seconds (the alpha term)."""
     source: str
     """Where the numbers come from."""
+    reduce_scatter_as_all_reduce: bool = False
+    """The backend reduce-scatters by all-reducing the whole tensor: torch's gloo (a ZeRO-1
+    step's profile shows ``gloo:all_reduce`` under each ``c10d::_reduce_scatter_base_``).
+    False: NCCL's ring reduce-scatter, half an all-reduce."""
 
     def __post_init__(self) -> None:
         _check_text("LinkSpec.name", self.name, "the link kind")
+        if not isinstance(self.reduce_scatter_as_all_reduce, bool):
+            raise ValueError("LinkSpec.reduce_scatter_as_all_reduce must be true or false, got "
+                             f"{self.reduce_scatter_as_all_reduce!r}")
         _set(self, "bandwidth_gbps", check_positive("LinkSpec.bandwidth_gbps", self.bandwidth_gbps))
         _set(self, "latency_s", check_non_negative("LinkSpec.latency_s", self.latency_s))
         _check_text("LinkSpec.source", self.source, "where the numbers come from")

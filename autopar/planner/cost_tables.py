@@ -22,6 +22,7 @@ Assumptions (the standard ones of Megatron-LM papers, stated once):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from cost_models import comm, compute
@@ -30,7 +31,8 @@ from cost_models.hardware import Cluster
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
 from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
                                        node_cost)
-from autopar.planner.strategies import NodeStrategies, f_kind, reshard_kinds, tensor_inputs
+from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
+                                        tied_groups)
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
            "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
@@ -90,7 +92,10 @@ class CostTables:
     u arrives sharded (:func:`f_cost`); p2p_s: one activation send between stages, fwd+bwd;
     vocab_loss_bytes: payload of the vocabulary-parallel cross-entropy's three all-reduces
     per micro-batch. The cross-entropy itself is priced as the output node
-    (:func:`~autopar.planner.node_cost.loss_cost`).
+    (:func:`~autopar.planner.node_cost.loss_cost`). step_end_s: the collectives that end
+    every step after the pipeline (:func:`step_end_s`); dp_latency_s[z]: the DP
+    collectives' latency that the per-parameter rate leaves out under ZeRO stage z
+    (:func:`dp_latency_s`).
     """
 
     config: Config
@@ -105,6 +110,8 @@ class CostTables:
     full_ckpt_bytes: float
     model_flops_per_seq: float
     layer_fwd_flops_per_seq: float
+    step_end_s: float = 0.0
+    dp_latency_s: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 
 
 def f_cost(tables: CostTables, u: str, placement: str) -> tuple[str, float]:
@@ -144,10 +151,9 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     if cfg.dp == 1:
         return 0.0
     per_param = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg)
-    if zero_stage == 1:
-        return per_param / 2
-    if zero_stage == 2:
-        return per_param * cfg.num_micro_batches / 2
+    if zero_stage in (1, 2):  # gloo reduce-scatters as a whole all-reduce (LinkSpec)
+        rs = _bucketed_s_per_param(comm.reduce_scatter_time_s, cluster, cfg)
+        return rs * (cfg.num_micro_batches if zero_stage == 2 else 1)
     if zero_stage == 3:
         return per_param * 1.5 * cfg.num_micro_batches
     return per_param
@@ -193,15 +199,58 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     if key not in memo:
         memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo)
     base = memo[key]
+    end = step_end_s(traced, base, cluster, cfg)
+    lat = tuple(dp_latency_s(z, cluster, cfg, traced.num_layers) for z in range(4))
     if cfg.pp == 1:
-        return replace(base, config=cfg, p2p_s=0.0)
+        return replace(base, config=cfg, p2p_s=0.0, step_end_s=end, dp_latency_s=lat)
     # Megatron scatters a send over the TP ranks and all-gathers it over NVLink when the
     # stages sit in different nodes; under SP the activation between layers is a 1/t slice
     pp_link = comm.group_link(cluster, cfg.pp, cfg.tp * cfg.dp)
     send = comm.pipeline_send_time_s(
         base.p2p_bytes, cfg.tp, pp_link, comm.group_link(cluster, cfg.tp, 1),
         scatter_gather=pp_link != cluster.intra_node, sequence_sharded=cfg.sequence_parallel)
-    return replace(base, config=cfg, p2p_s=2.0 * send)
+    return replace(base, config=cfg, p2p_s=2.0 * send, step_end_s=end, dp_latency_s=lat)
+
+
+def dp_latency_s(zero_stage: int, cluster: Cluster, cfg: Config, num_layers: int) -> float:
+    """Seconds of DP collective latency per step beyond the bucketed rate of
+    :func:`dp_comm_s_per_param` (one ring latency per 25 MiB), all exposed: the runtime's
+    first bucket of 1 MiB (``autopar.runtime.buckets``; torch DDP's) is one reduction more,
+    and under ZeRO-1/2 one all-gather more (ZeRO-2: its reduce-scatter per micro-batch);
+    FSDP2 under ZeRO-3 runs, per micro-batch and unit (a layer each, plus the root), an
+    all-gather in forward, one in backward and a reduce-scatter, each paying its latency."""
+    if cfg.dp == 1:
+        return 0.0
+    link = comm.group_link(cluster, cfg.dp, cfg.tp)
+    step = (cfg.dp - 1) * link.latency_s  # one pass of a ring
+    reduce_scatter = 2 * step if link.reduce_scatter_as_all_reduce else step
+    if zero_stage == 3:
+        return cfg.num_micro_batches * (num_layers + 1) * (2 * step + reduce_scatter)
+    if zero_stage == 0:
+        return 2 * step
+    return step + reduce_scatter * (cfg.num_micro_batches if zero_stage == 2 else 1)
+
+
+def step_end_s(traced: TracedModel, tables: CostTables, cluster: Cluster, cfg: Config) -> float:
+    """Seconds of the collectives that end every step after the pipeline drains, which
+    nothing overlaps (:class:`autopar.runtime.engine.Engine`): with p > 1, the all-reduce of
+    the tied embedding's gradient between the first and the last stage (Megatron's
+    embedding group; priced at the vocabulary-parallel shard, the tied node's smallest
+    strategy, so that the term depends on the config alone); then the float64 loss and
+    squared-gradient-norm all-reduce over the world (16 B: latency-bound, priced as a tree
+    of 2·ceil(log2 n) link latencies, as NCCL's tree all-reduce; gloo's ring at n = 2 is
+    the same two steps)."""
+    world = cfg.tp * cfg.pp * cfg.dp
+    end = 0.0
+    if world > 1:
+        end += 2 * math.ceil(math.log2(world)) * comm.group_link(cluster, world, 1).latency_s
+    if cfg.pp > 1:
+        numel = sum(min(c.param_numel for c in tables.node[g[-1]]) for g in tied_groups(traced)
+                    if g[-1] in traced.post)
+        if numel:
+            link = comm.group_link(cluster, 2, cfg.tp * cfg.dp * (cfg.pp - 1))
+            end += comm.all_reduce_time_s(numel * state_bytes(cfg.dtype)[1], 2, link)
+    return end
 
 
 def _node_key(info) -> tuple:

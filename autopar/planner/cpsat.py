@@ -21,10 +21,11 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
 * ZeRO stage :math:`z_j`, one-hot (:meth:`~ConfigModel.add_zero`);
 
 minimising the 1F1B/GPipe step time (:meth:`~ConfigModel.add_objective`)
-:math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp} + T_{opt}` with
+:math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp} + T_{opt} + T_{end}` with
 :math:`T_{max} \ge T_i + c_{p2p}`, :math:`T_{dp} \ge D_i - B_i` (rank i's gradient reduction
 less the backward of its last micro-batch, which bucketed reduction overlaps),
-:math:`T_{opt} \ge O_i` (its optimizer step; :mod:`autopar.planner.step`),
+:math:`T_{opt} \ge O_i` (its optimizer step; :mod:`autopar.planner.step`), :math:`T_{end}` the
+closing all-reduces (``CostTables.step_end_s``, a constant of the config) and
 :math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
 (:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
 subject to per-GPU memory (:meth:`~ConfigModel.add_memory`)
@@ -46,7 +47,7 @@ of L/(p·v), as Megatron-LM requires, chunk c on rank c % p (``Plan.stage_layers
 and per rank the recompute counts (a rank's memory sums its v chunks; in-flight
 micro-batches from ``cost_models.memory.in_flight_micro_batches``). The objective is then
 :math:`v \times` the interleaved step time of ``cost_models.pipeline``,
-:math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt})` with
+:math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt} + T_{end})` with
 :math:`T_{max} \ge T_i + v\,c_{p2p}` (integer coefficients; v = 1 is the formula above).
 Ties are broken toward the lower ZeRO stage (1 unit per stage: simpler runtime, equal cost).
 """
@@ -290,8 +291,8 @@ class ConfigModel:
         :math:`K T_{dp} \ge \sum_z K\delta_z P_{i,z} - K B_i` and ``t_optimizer[i]``
         :math:`K T_{opt} \ge \sum_z K\omega_z P_{i,z}` (:math:`\delta_z, \omega_z`:
         :mod:`autopar.planner.step`'s per-parameter seconds in time units per parameter
-        unit, K = :func:`~autopar.planner.cpsat_terms.precision_scale`), plus 1 unit per
-        ZeRO stage to break ties toward the lower stage."""
+        unit, K = :func:`~autopar.planner.cpsat_terms.precision_scale`), plus the chosen ZeRO
+        stage's DP latency (``CostTables.dp_latency_s``) and 1 unit per stage (ties: lower)."""
         cfg, L, terms, model = self.cfg, self.traced.num_layers, self.terms, self.model
         ub = terms.upper_bound
         fl = int_var(model, "fwd_layer", terms.expr("layer", "fwd"), ub("layer", "fwd"))
@@ -322,9 +323,11 @@ class ConfigModel:
         for i, t in enumerate(self.rank_time):
             model.Add(tmax >= t + v * p2p).WithName(f"t_max[{i}]")
         tdp, topt = self._add_dp_and_optimizer()
-        ties = sum(z * zb for z, zb in self.zero.items())
+        ties = sum((z + v * int(math.ceil(self.tables.dp_latency_s[z] * self.units_per_second)))
+                   * zb for z, zb in self.zero.items())  # and each stage's DP latency
+        end = int(math.ceil(self.tables.step_end_s * self.units_per_second))  # a constant
         self.objective = (v * cfg.num_micro_batches - 1) * tmax + sum(self.rank_time) \
-            + v * (cfg.pp - 1) * p2p + v * (tdp + topt) + ties
+            + v * (cfg.pp - 1) * p2p + v * (tdp + topt + end) + ties
         model.Minimize(self.objective)
 
     def _add_dp_and_optimizer(self):

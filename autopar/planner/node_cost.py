@@ -64,8 +64,8 @@ def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: C
                tp_link, act_bytes: int = ACTIVATION_BYTES, temporaries: bool = True
                ) -> StrategyCost:
     """Cross-entropy on the last stage, as the output node's cost, for ``logits`` elements
-    (b·s·V) of ``tokens`` (b·s) per micro-batch: memory-bound passes over fp32 logits and
-    their saved softmax (LOSS_BYTES_PER_LOGIT each). "vocab_parallel" (Megatron's
+    (b·s·V) of ``tokens`` (b·s) per micro-batch: passes over fp32 logits and their saved
+    softmax (LOSS_BYTES_PER_LOGIT each), no faster than an exp per logit. "vocab_parallel" (Megatron's
     vocab-parallel cross-entropy, Shoeybi et al. 2019 section 3) works on this rank's V/t
     columns and all-reduces three (b, s) fp32 tensors over TP in forward (the row max, the
     target logit and the sum of exponentials); "replicate" needs the whole logits; plus the
@@ -73,7 +73,8 @@ def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: C
     temporaries (fp32 copies of the logits beside the saved softmax) are ``temp_bytes``
     (0 unless ``temporaries``: the cluster's ``memory_reserve.step_temporaries``)."""
     div, dev = (tp if strat.name == "vocab_parallel" else 1), cluster.device
-    fwd = compute.memory_bound_time_s(LOSS_BYTES_PER_LOGIT * logits / div, dev) + dev.op_overhead_s
+    fwd = compute.elementwise_time_s(LOSS_BYTES_PER_LOGIT * logits / div, logits / div,
+                                     dev) + dev.op_overhead_s  # an exp per logit
     comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
     temp = loss_temporary_bytes(logits / div, act_bytes) if temporaries else 0.0
     return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0, core_fwd_s=0.0,
@@ -89,7 +90,8 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     over the s×s scores (``attention="math"``), a batched matmul no faster than the memory
     traffic of its inputs and output (roofline), every other op memory-bound over its
     ``in_numel`` input and output elements of ``act_bytes`` bytes (views, transposes and
-    dropout with p = 0 move none), plus the device's per-node host overhead
+    dropout with p = 0 move none; erf-GELU no faster than an erf per element:
+    :func:`cost_models.compute.elementwise_time_s`), plus the device's per-node host overhead
     (``op_overhead_s``, :func:`dispatches`); backward = 2 × forward for non-matmul ops
     (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
     device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
@@ -110,8 +112,9 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     elif info.kind in ("view", "transpose", "input", "output", "nontensor") or (
             info.kind == "dropout" and not info.mask_elems):  # p = 0: the input passes through
         fwd = bwd = 0.0
-    else:
-        fwd = compute.memory_bound_time_s(act_bytes * (in_numel + info.numel) * b / div, dev)
+    else:  # erf-GELU computes an erf per element (DeviceSpec.transcendental_gelems_per_s)
+        erf = info.numel * b / div if info.kind == "gelu" else 0.0
+        fwd = compute.elementwise_time_s(act_bytes * (in_numel + info.numel) * b / div, erf, dev)
         bwd = 2.0 * fwd
     rec = fwd
     if dispatches(info):  # the host's dispatch of the node (0 on GPU profiles)

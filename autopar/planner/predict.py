@@ -229,7 +229,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     breakdown = {
         "compute": m * (total["fwd_s"] + total["bwd_s"]), "recompute": m * rec_s,
         "tp_comm": m * (total["tp_fwd_s"] + total["tp_bwd_s"]), "pp_p2p": m * hops,
-        "dp_comm": dp_s, "optimizer": opt_s,
+        "dp_comm": dp_s, "optimizer": opt_s, "step_end": tables.step_end_s,
         "bubble": max(0.0, pipe - m * (stage_t[slow] + hops)),
     }
     n = cfg.tp * p * cfg.dp

@@ -87,12 +87,13 @@ def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
     """(step, pipeline, exposed DP, optimizer) seconds of one optimizer step from per-rank
     forward+backward seconds of one micro-batch ``stage_s``, parameters and backward
     seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
-    ``cfg``'s schedule, m micro-batches, v chunks and the stage-to-stage send ``p2p_s``."""
+    ``cfg``'s schedule, m micro-batches, v chunks and the stage-to-stage send ``p2p_s``;
+    the DP time adds ``tables.dp_latency_s``, the step the closing ``tables.step_end_s``."""
     pipe = pipeline_step_time_s(stage_s, cfg.num_micro_batches, cfg.schedule,
                                 cfg.virtual_stages, tables.p2p_s)
-    dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s)
+    dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s) + tables.dp_latency_s[zero_stage]
     opt_s = optimizer_s(zero_stage, cluster, cfg, params)
-    return pipe + dp_s + opt_s, pipe, dp_s, opt_s
+    return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s
 
 
 def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config) -> dict[str, float]:

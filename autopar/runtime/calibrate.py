@@ -2,37 +2,31 @@
 
 The local-cpu preset is nominal; this replaces it with numbers measured on the spot, each
 with the source "measured on <hostname> <date> by autopar calibrate". ``processes`` CPU
-ranks (one torch thread each, as the gloo tests and examples run them) are started on
-127.0.0.1 by :func:`autopar.runtime.launch.launch` and, all at once so that they share cores and memory the way training does,
-measure
+ranks (one torch thread each, as the tests run them) on 127.0.0.1 (:func:`autopar.runtime.
+launch.launch`) measure all at once, sharing cores and memory as training does:
 
-* the GEMM rate of training's linear layers: forward and backward of ``nn.Linear`` layers
-  (the forward GEMM and the input- and weight-gradient GEMMs, 6·m·k·n FLOPs, bias and
-  autograd included) at a transformer's shapes, timed as a sustained rate (elapsed time
-  over back-to-back repetitions after a warm-up, as for every compute figure below:
-  :func:`_mean_time_s`); the device's ``peak_tflops`` is the median over the shapes,
-  slowest rank, with ``matmul_efficiency`` 1.0 (square ``torch.matmul`` products are
-  recorded in the notes for comparison);
+* the GEMM rate of training's linear layers: ``nn.Linear`` forward and backward (6·m·k·n
+  FLOPs, bias and autograd included) at a transformer's shapes, as a sustained rate
+  (:func:`_mean_time_s`, as every compute figure below); ``peak_tflops`` is the median over
+  the shapes, slowest rank, ``matmul_efficiency`` 1.0 (square matmuls go to the notes);
 * the fused attention kernel's rate (``attention_tflops``): causal
   ``scaled_dot_product_attention`` forward and backward, 3 x 4·b·a·s²·hd FLOPs;
-* the host's per-node overhead (``op_overhead_s``): forward and backward of transformer
-  blocks of :class:`autopar.models.GPT` at negligible size (h = 8, s = 8), per block the
-  difference between 5 blocks and 1, over 3 x the block's graph nodes (one forward, two
-  backward shares, as the cost model charges them); and the same blocks under
-  non-reentrant activation checkpointing (``recompute_overhead_s``: the extra time per
-  node beyond re-running its forward);
+* erf-GELU forward and backward per element (``transcendental_gelems_per_s``);
+* the host's per-node overhead (``op_overhead_s``): forward and backward of
+  :class:`autopar.models.GPT` blocks at h = s = 8, 5 blocks less 1, over 3 x the block's
+  graph nodes (one forward, two backward shares); and the same blocks checkpointed
+  (non-reentrant: ``recompute_overhead_s``, the extra per node beyond the re-run forward);
 * memory bandwidth from a large tensor copy (reads + writes: 2 x bytes per copy);
 * torch's default AdamW step per parameter, as the bytes per parameter it moves at that
   bandwidth (``DeviceSpec.optimizer_bytes_per_param``);
-* how much of a gloo all-reduce overlaps compute (``comm_overlap``): a 4 MiB all-reduce
-  started asynchronously before a burst of matmuls of about its length, against each alone;
-* gloo ``all_reduce`` of 4 B to 16 MiB, fitted by weighted least squares (relative
-  residuals) to the ring model of :mod:`cost_models.comm`,
-  ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``, giving the link's latency alpha (seconds)
-  and bus bandwidth B (bytes/s).
+* how much of a gloo all-reduce overlaps compute (``comm_overlap``): a 4 MiB one started
+  before matmuls of about its length, against each alone;
+* gloo ``all_reduce`` of 4 B to 16 MiB, each after a burst of compute as in a step
+  (:func:`_measure_all_reduce`), fitted by least squares on relative residuals to the
+  ring model of :mod:`cost_models.comm`, ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``:
+  the link's latency alpha (seconds) and bus bandwidth B (bytes/s).
 
-Memory per process is the host's physical memory divided by ``processes``. The profile
-loads with :meth:`cost_models.hardware.Cluster.from_json_file`.
+Memory per process is physical memory / ``processes``. Load with ``Cluster.from_json_file``.
 """
 
 from __future__ import annotations
@@ -68,7 +62,8 @@ class CalibrationSizes:
         gradient bucket's order of size).
     copy_bytes: bytes of the tensor copied to measure memory bandwidth.
     all_reduce_bytes: message sizes of the gloo all-reduce sweep, bytes (fp32 elements x 4).
-    all_reduce_seconds: wall seconds spent per all-reduce size (at least 3 repetitions).
+    all_reduce_seconds: wall seconds spent per all-reduce size and trial.
+    all_reduce_gap_s: seconds of matmuls before each timed all-reduce.
     timeout_s: the spawned ranks are killed after this many seconds.
     """
 
@@ -82,6 +77,7 @@ class CalibrationSizes:
     copy_bytes: int = 256 * 2**20
     all_reduce_bytes: tuple[int, ...] = tuple(4 * 4**k for k in range(12))  # 4 B .. 16 MiB
     all_reduce_seconds: float = 0.4
+    all_reduce_gap_s: float = 2e-3
     timeout_s: float = 120.0
 
 
@@ -156,8 +152,9 @@ def _tiny_blocks_s(seconds: float) -> dict[str, float]:
 
 def _measure_compute(sizes: CalibrationSizes) -> dict:
     """This process's GEMM rates (TFLOP/s: square matmuls per n, linear layers per shape,
-    attention), tiny-block seconds, copy bandwidth (GB/s) and optimizer bytes per param."""
+    attention), GELU's 1e9 elements/s, tiny-block s, copy GB/s, optimizer bytes/param."""
     import torch
+    import torch.nn.functional as F
 
     flops = {}
     for n in sizes.matmul_sizes:
@@ -166,11 +163,14 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
         flops[n] = 2.0 * n**3 / t / 1e12
     linear = {shape: _linear_tflops(*shape, sizes.matmul_seconds) for shape in sizes.linear_shapes}
     attention = _attention_tflops(sizes.attention_shape, sizes.matmul_seconds)
+    x = torch.randn(2**20, requires_grad=True)  # forward + backward: 3 forward shares each
+    gelu = 3e-9 * x.numel() / _mean_time_s(lambda: F.gelu(x).sum().backward(), 0.3)
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     t = _mean_time_s(lambda: dst.copy_(src), 0.5)
     copy_gbps = 2.0 * src.numel() * 4 / t / 1e9
     return {"matmul_tflops": flops, "linear_tflops": linear, "attention_tflops": attention,
+            "gelu_gelems_per_s": gelu,
             "copy_gbps": copy_gbps, "block_s": _tiny_blocks_s(sizes.overhead_seconds),
             "optimizer_bytes_per_param": _adam_s_per_param() * copy_gbps * 1e9}
 
@@ -187,29 +187,37 @@ def _adam_s_per_param(numel: int = 2**19) -> float:
 
 
 def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
-    """Seconds per gloo all_reduce of each size (slowest rank): back-to-back repetitions
-    after a barrier, the per-operation time of the median of three trials."""
+    """Seconds per gloo all_reduce of each size as a step meets one (slowest rank): each
+    repetition runs matmuls for about ``sizes.all_reduce_gap_s`` (a layer's compute between
+    collectives), then the all-reduce; (burst + all-reduce) less the burst alone, median of
+    five trials. Back to back, small ones take 3-10x less on a 2-core VM (the peer's
+    thread awake, both arriving together); after compute the waiting rank's thread sleeps,
+    its virtual CPU idles and the ranks have drifted apart, as at every step's collective."""
     import torch
     import torch.distributed as dist
 
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    reps = torch.tensor([max(1, round(sizes.all_reduce_gap_s / _mean_time_s(
+        lambda: torch.matmul(a, b), 0.05)))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # every rank runs the same burst
+
+    def burst():
+        for _ in range(int(reps.item())):
+            torch.matmul(a, b)
     out = {}
     for nbytes in sizes.all_reduce_bytes:
         x = torch.ones(max(1, nbytes // 4))
-        dist.all_reduce(x)
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        one = max(time.perf_counter() - t0, 1e-6)
-        guess = max(3, min(200, int(sizes.all_reduce_seconds / 3 / one)))
-        agreed = torch.tensor([guess])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank must run as many
-        reps = int(agreed.item())
+
+        def both():
+            burst()
+            dist.all_reduce(x)
+        n = torch.tensor([max(3, int(sizes.all_reduce_seconds / 2 / _mean_time_s(both, 0, 1)))])
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)  # as many all-reduces on every rank
         trials = []
-        for _ in range(3):
+        for _ in range(5):
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                dist.all_reduce(x)
-            trials.append((time.perf_counter() - t0) / reps)
+            t_both = _mean_time_s(both, 0.0, int(n.item()))  # exactly n + 1 on every rank
+            trials.append(max(1e-6, t_both - _mean_time_s(burst, sizes.all_reduce_seconds / 4)))
         t = torch.tensor([statistics.median(trials)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[nbytes] = t.item()
@@ -316,7 +324,8 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     link = {"name": "gloo over loopback TCP", "source": source,
             "bandwidth_gbps": num(bandwidth / 1e9, f"ring all-reduce fit of {len(times)} sizes "
                                   f"{min(times)} B..{max(times)} B (bus bandwidth)"),
-            "latency_s": num(alpha, "ring all-reduce fit (per ring step)")}
+            "latency_s": num(alpha, "ring all-reduce fit (per ring step)"),
+            "reduce_scatter_as_all_reduce": num(True, "gloo's reduce_scatter_tensor (LinkSpec)")}
     return {
         "name": "local-cpu-calibrated", "gpus_per_node": num(processes, "ranks spawned"),
         "nodes": num(1, "one host"), "dtype": nominal.dtype, "attention": nominal.attention,
@@ -327,6 +336,9 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
                    "attention_tflops": num(attention, "fp32 causal scaled_dot_product_attention "
                                            f"forward + backward, (heads, s, hd) = "
                                            f"{sizes.attention_shape}, slowest rank"),
+                   "transcendental_gelems_per_s": num(min(
+                       r["compute"]["gelu_gelems_per_s"] for r in results), "fp32 F.gelu (erf) "
+                       "forward + backward of 2**20 elements, 3 forward shares each, slowest rank"),
                    "memory_gib": num(mem, f"physical memory / {processes} processes"),
                    "memory_bandwidth_gbps": num(copy, f"copy of {sizes.copy_bytes} B "
                                                          "fp32 (read + write), slowest rank"),

@@ -32,11 +32,13 @@ def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
     # written per parameter; its temporaries make it more (about 80 B on this kind of host)
     assert 28 <= dev.optimizer_bytes_per_param < 1000, dev.optimizer_bytes_per_param
     assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
+    assert link.reduce_scatter_as_all_reduce  # gloo reduce-scatters as a whole all-reduce
     # the host terms: a graph node's dispatch costs microseconds (a block of 22 nodes forward
     # and backward); checkpointing adds to it; attention runs no faster than the linear layers
     # would let it by orders of magnitude; the overlap is a fraction
     assert 1e-7 < dev.op_overhead_s < 1e-3 and 0.0 <= dev.recompute_overhead_s < 1e-2
     assert 1e-5 < dev.attention_tflops < 50 and 0.0 <= dev.comm_overlap <= 1.0
+    assert 1e-3 < dev.transcendental_gelems_per_s < 1e3  # erf-GELU: ~0.5e9 elements/s per core
     for source in (dev.source, link.source):
         assert "measured on" in source and "by autopar calibrate" in source
     # the fitted ring reproduces the measured all-reduce times: the median ratio is within

@@ -1,7 +1,8 @@
 """What a CPU process pays that a GPU hides (issue 13): the host's per-node dispatch, the
 checkpoint's bookkeeping under full recompute, fused attention at its own measured rate,
 communication that does not overlap compute, and ZeRO-1/2's parameter all-gather after the
-optimizer step. Each term against a hand-computed value; the GPU presets price none of the
+optimizer step, gloo's reduce-scatter run as an all-reduce, and the all-reduces that close
+every step. Each term against a hand-computed value; the GPU presets price none of the
 host terms (their fields default to 0 / None / full overlap)."""
 
 from __future__ import annotations
@@ -103,8 +104,14 @@ def test_zero_parameter_all_gather_follows_the_optimizer_step():
     gather = comm.all_gather_time_s(bucket, 2, link) * 4 / bucket
     adam = CPU.device.optimizer_bytes_per_param / (CPU.device.memory_bandwidth_gbps * 1e9)
     assert dp_comm_s_per_param(0, CPU, cfg) == pytest.approx(all_reduce)
-    assert dp_comm_s_per_param(1, CPU, cfg) == pytest.approx(all_reduce / 2)  # reduce-scatter
-    assert dp_comm_s_per_param(2, CPU, cfg) == pytest.approx(all_reduce * 3 / 2)
+    # gloo reduce-scatters as a whole all-reduce: ZeRO-1 pays one, ZeRO-2 one per micro-batch
+    assert CPU.intra_node.reduce_scatter_as_all_reduce
+    assert dp_comm_s_per_param(1, CPU, cfg) == pytest.approx(all_reduce)
+    assert dp_comm_s_per_param(2, CPU, cfg) == pytest.approx(all_reduce * 3)
+    nccl = dataclasses.replace(CPU, intra_node=dataclasses.replace(
+        link, reduce_scatter_as_all_reduce=False))
+    assert dp_comm_s_per_param(1, nccl, cfg) == pytest.approx(all_reduce / 2)  # ring RS
+    assert dp_comm_s_per_param(2, nccl, cfg) == pytest.approx(all_reduce * 3 / 2)
     assert optimizer_s_per_param(0, CPU, cfg) == pytest.approx(adam)
     for z in (1, 2):
         assert optimizer_s_per_param(z, CPU, cfg) == pytest.approx(adam / 2 + gather)
@@ -117,3 +124,33 @@ def test_device_fields_refuse_bad_values():
                        ("attention_tflops", 0.0)):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(dev, **{field: bad})
+
+
+def test_reduce_scatter_costs_an_all_reduce_where_the_backend_runs_one():
+    link = CPU.intra_node
+    ring = dataclasses.replace(link, reduce_scatter_as_all_reduce=False)
+    for nbytes in (4.0, 2.0**20):
+        assert comm.reduce_scatter_time_s(nbytes, 2, link) == comm.all_reduce_time_s(nbytes, 2, link)
+        assert comm.reduce_scatter_time_s(nbytes, 2, ring) == pytest.approx(
+            comm.all_reduce_time_s(nbytes, 2, ring) / 2)
+    assert not Cluster.dgx_a100().intra_node.reduce_scatter_as_all_reduce  # NCCL
+    with pytest.raises(ValueError, match="reduce_scatter_as_all_reduce"):
+        dataclasses.replace(link, reduce_scatter_as_all_reduce="yes")
+
+
+def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient_sum(traced):
+    from autopar.planner.cost_tables import cost_tables, state_bytes
+    from autopar.planner.strategies import tied_groups
+
+    alpha = CPU.intra_node.latency_s
+
+    def end(tp, pp, dp):
+        cfg = Config(tp=tp, pp=pp, dp=dp, micro_batch_size=1, num_micro_batches=2, dtype="fp32")
+        return cost_tables(traced, node_strategies(traced, tp, False), CPU, cfg).step_end_s
+    assert end(1, 1, 1) == 0.0  # one rank: no collective
+    assert end(1, 1, 2) == pytest.approx(2 * alpha)  # 16 B over 2 ranks: two latencies
+    tied = [g[-1] for g in tied_groups(traced) if g[-1] in traced.post]
+    assert tied  # gpt-tiny ties lm_head to the token embedding
+    numel = sum(traced.nodes[n].param_numel for n in tied)
+    sync = comm.all_reduce_time_s(numel * state_bytes("fp32")[1], 2, CPU.intra_node)
+    assert end(1, 2, 1) == pytest.approx(2 * alpha + sync)
