@@ -154,3 +154,39 @@ def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient
     numel = sum(traced.nodes[n].param_numel for n in tied)
     sync = comm.all_reduce_time_s(numel * state_bytes("fp32")[1], 2, CPU.intra_node)
     assert end(1, 2, 1) == pytest.approx(2 * alpha + sync)
+
+
+def test_dp_latency_the_bucketed_rate_leaves_out():
+    from autopar.planner.cost_tables import dp_latency_s
+
+    alpha = CPU.intra_node.latency_s  # gloo: a reduce-scatter is a whole all-reduce
+    cfg = Config(tp=1, pp=1, dp=2, micro_batch_size=1, num_micro_batches=3, dtype="fp32")
+    assert dp_latency_s(0, CPU, cfg, 4) == pytest.approx(2 * alpha)  # the 1 MiB first bucket
+    assert dp_latency_s(1, CPU, cfg, 4) == pytest.approx(alpha + 2 * alpha)  # + its all-gather
+    assert dp_latency_s(2, CPU, cfg, 4) == pytest.approx(alpha + 3 * 2 * alpha)
+    # FSDP2: per micro-batch and unit (4 layers + root) two all-gathers and a reduce-scatter
+    assert dp_latency_s(3, CPU, cfg, 4) == pytest.approx(3 * 5 * (2 * alpha + 2 * alpha))
+    one = Config(tp=2, pp=1, dp=1, micro_batch_size=1, num_micro_batches=3, dtype="fp32")
+    assert all(dp_latency_s(z, CPU, one, 4) == 0.0 for z in range(4))
+
+
+def test_gelu_and_the_loss_pay_a_transcendental_per_element(traced):
+    from autopar.planner.cost_tables import loss_cost
+    from cost_models import compute
+
+    name = _first(traced, "gelu")
+    info = traced.nodes[name]
+    slow = dataclasses.replace(CPU, device=dataclasses.replace(
+        CPU.device, transcendental_gelems_per_s=1e-3, op_overhead_s=0.0))  # 1e6 erf/s
+    assert _cost(traced, slow, name).fwd_s == pytest.approx(info.numel / 1e6)
+    assert _cost(traced, slow, name).bwd_s == pytest.approx(2 * info.numel / 1e6)
+    fast = dataclasses.replace(slow, device=dataclasses.replace(
+        slow.device, transcendental_gelems_per_s=None))  # memory-bound, as on a GPU
+    assert _cost(traced, fast, name).fwd_s < info.numel / 1e6
+    assert compute.elementwise_time_s(8.0, 0.0, slow.device) == compute.memory_bound_time_s(
+        8.0, slow.device)
+    strat = node_strategies(traced, 1, False)[name][0]  # not vocab-parallel: whole logits
+    loss = loss_cost(strat, 1000.0, 10.0, 1, slow, slow.intra_node)
+    assert loss.fwd_s == pytest.approx(1000 / 1e6) and loss.bwd_s == pytest.approx(2000 / 1e6)
+    with pytest.raises(ValueError, match="transcendental_gelems_per_s"):
+        dataclasses.replace(CPU.device, transcendental_gelems_per_s=0.0)
