@@ -2,7 +2,8 @@
 
     python benchmarks/predicted_vs_measured.py
 
-1. calibrates this machine (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32
+1. calibrates this machine three times and takes each number's median
+   (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32
    linear-layer and attention rates, per-node dispatch and checkpointing overheads, copy
    bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
    uses it as the cluster;
@@ -37,6 +38,7 @@ from cost_models.hardware import Cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
 BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 9
+CALIBRATIONS = 3  # the cluster is the median of this many calibrations
 # name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" (its placements and
 # sequence parallelism) | "megatron" (Megatron's pattern, no sequence parallelism))
 LAYOUTS = {
@@ -99,11 +101,26 @@ def _ranking(times: dict[str, float]) -> list[str]:
     return sorted(times, key=times.get)
 
 
+def median_profile(profiles: list[dict]) -> dict:
+    """The cluster profile whose every measured number is the median of ``profiles``' (the
+    same keys; sources and notes from the first). One calibration's terms vary by 10-40%
+    between runs on a shared 2-core VM; the median of three steadies them."""
+    def merge(items):
+        first = items[0]
+        if isinstance(first, dict) and type(first.get("value")) in (int, float):
+            return {**first, "value": statistics.median(i["value"] for i in items)}
+        if isinstance(first, dict):
+            return {k: first[k] if k == "notes" else merge([i[k] for i in items]) for k in first}
+        return first
+    return merge(profiles)
+
+
 def main() -> None:
     start = time.perf_counter()
-    cluster = Cluster.from_dict(calibrate_local(2))
+    cluster = Cluster.from_dict(median_profile([calibrate_local(2) for _ in range(CALIBRATIONS)]))
     dev, link = cluster.device, cluster.intra_node
-    print(f"calibrated in {time.perf_counter() - start:.1f} s: {dev.peak_tflops * 1e3:.1f} GFLOP/s "
+    print(f"calibrated {CALIBRATIONS} times in {time.perf_counter() - start:.1f} s, medians: "
+          f"{dev.peak_tflops * 1e3:.1f} GFLOP/s "
           f"fp32 linear-layer GEMMs per rank, attention {dev.attention_tflops * 1e3:.1f} GFLOP/s, "
           f"{dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha {link.latency_s * 1e6:.0f} us, "
           f"bus bandwidth {link.bandwidth_gbps:.2f} GB/s, overlap {dev.comm_overlap:.2f}; per graph "
