@@ -71,7 +71,7 @@ def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layou
     bound = compute_bound_s(traced, cfg, compute_s)
     if bound >= best_s:
         return bound
-    tables = cost_tables(traced, strategies, cluster, cfg, memo)
+    tables = cost_tables(traced, strategies, cluster, cfg, memo, template_only=True)
     if ("pieces",) + key not in memo:
         memo[("pieces",) + key] = layer_pieces(traced, tables)
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
