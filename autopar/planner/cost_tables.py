@@ -182,7 +182,8 @@ def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> flo
 
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
-                cfg: Config, memo: dict | None = None) -> CostTables:
+                cfg: Config, memo: dict | None = None,
+                template_only: bool = False) -> CostTables:
     """Price every node strategy and every edge transition for ``cfg`` on ``cluster``:
     seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
     :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point).
@@ -192,12 +193,16 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     or v share everything but the point-to-point cost, and nodes or edges with equal
     inputs (the same op in every layer) are priced once. The tables are the same with or
     without it; the solver and the predictor only read them, so entries may be shared.
+    template_only: price only the nodes of the pre section, the template layer and the
+    post section (and the edges into them), what the search's bounds read (the same
+    prices; ``predict`` needs the full tables).
     """
     memo = {} if memo is None else memo
     key = ("tables", cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
-           cfg.sequence_parallel)
+           cfg.sequence_parallel, template_only)
     if key not in memo:
-        memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo)
+        names = set(traced.pre + traced.layers[0] + traced.post) if template_only else None
+        memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo, names)
     base = memo[key]
     end = step_end_s(traced, base, cluster, cfg)
     lat = tuple(dp_latency_s(z, cluster, cfg, traced.num_layers) for z in range(4))
@@ -264,15 +269,18 @@ def _node_key(info) -> tuple:
 
 
 def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: bool,
-                  memo: dict) -> list[tuple]:
+                  memo: dict, names: set[str] | None = None) -> list[tuple]:
     """Per node, once per (tp, sequence parallelism): (name, info, node signature, input
     elements, [(source, j, edge signature, source elements, per sequence)]), where a
     signature is a small int naming one pricing problem (equal ones: the same op in every
-    layer), so that :func:`_tp_tables` looks prices up instead of hashing them anew."""
-    key = ("rows", tp, sp)
+    layer), so that :func:`_tp_tables` looks prices up instead of hashing them anew.
+    ``names``: rows of these nodes only (signatures then number their own problems)."""
+    key = ("rows", tp, sp, names is not None)
     if key not in memo:
         nodes, ids, rows = traced.nodes, {}, []
         for node in traced.gm.graph.nodes:
+            if names is not None and node.name not in names:
+                continue
             info, options = nodes[node.name], strategies[node.name]
             ins = tensor_inputs(node, nodes)
             in_numel = sum(nodes[n.name].numel for n in ins)
@@ -292,9 +300,10 @@ def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: 
 
 
 def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster, cfg: Config,
-               memo: dict) -> CostTables:
+               memo: dict, names: set[str] | None = None) -> CostTables:
     """:func:`cost_tables` of ``cfg`` without the pipeline's point-to-point time (what
-    depends only on tp, the micro-batch size, the dtype, attention and sequence parallelism)."""
+    depends only on tp, the micro-batch size, the dtype, attention and sequence parallelism);
+    ``names``: only these nodes (and the edges into them), None: every node."""
     b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
     tp_link = comm.group_link(cluster, tp, 1)
     sp, act, attn = cfg.sequence_parallel, cfg.activation_bytes, cfg.attention
@@ -303,14 +312,16 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     f_s: dict[str, float] = {}
     f_bytes: dict[str, float] = {}
     f_rs_s: dict[str, float] = {}
-    for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, memo):
-        nkey = ("node", tp, sp, sig, b, act, attn)
+    scope = names is not None  # signatures of template rows number their own problems
+    for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, memo,
+                                                          names):
+        nkey = ("node", tp, sp, scope, sig, b, act, attn)
         if nkey not in memo:
             memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
                           for st in strategies[name]]
         node_tab[name] = memo[nkey]
         for src, j, esig, numel, per_sequence, saves in edges:
-            ekey = ("edge", tp, sp, esig, b, act)
+            ekey = ("edge", tp, sp, scope, esig, b, act)
             if ekey not in memo:
                 nbytes = act * numel * (b if per_sequence else 1)
                 outs = tuple(su.output for su in strategies[src])

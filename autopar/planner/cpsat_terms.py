@@ -104,6 +104,16 @@ def tied_param_units(traced: TracedModel, tables, choice: dict[str, list]) -> ob
     return expr
 
 
+def hint_strategies(cm, strategy: dict[str, int]) -> None:
+    """Hint CP-SAT toward ``strategy`` (node name -> strategy index, e.g. the Decision of an
+    already solved config with the same strategies): every strategy boolean of ``cm`` (a
+    ConfigModel) of a node in it. A hint only steers the search; the optimum is the same."""
+    for name, xs in cm.choice.items():
+        if name in strategy:
+            for k, x in enumerate(xs):
+                cm.model.AddHint(x, k == strategy[name])
+
+
 def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: dict, bwd,
                    overlap: float, i: int) -> None:
     r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.step.

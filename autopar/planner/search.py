@@ -23,6 +23,7 @@ from autopar.planner.bounds import (compute_bound_s, layer_pieces, memory_lower_
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
+from autopar.planner.cpsat_terms import hint_strategies
 from autopar.planner.decision import Decision
 from autopar.planner.megatron import allowed_strategies
 from autopar.planner.predict import predict
@@ -71,7 +72,7 @@ def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layou
     bound = compute_bound_s(traced, cfg, compute_s)
     if bound >= best_s:
         return bound
-    tables = cost_tables(traced, strategies, cluster, cfg, memo)
+    tables = cost_tables(traced, strategies, cluster, cfg, memo, template_only=True)
     if ("pieces",) + key not in memo:
         memo[("pieces",) + key] = layer_pieces(traced, tables)
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
@@ -128,13 +129,14 @@ class Solved:
 def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
                  mapping, time_limit_s: float = DEFAULT_TIME_LIMIT_S, even_stages: bool = False,
                  cutoff_s: float | None = None, memo: dict | None = None,
-                 assume_memory: bool = False) -> Solved:
+                 assume_memory: bool = False, hint: dict[str, int] | None = None) -> Solved:
     """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
     ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
     seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`;
     ``memo``: strategies and cost tables shared by the configs of one search
     (:func:`strategies_for`, :func:`~autopar.planner.cost_tables.cost_tables`);
-    ``assume_memory``: memory rows behind assumption literals (to name binding stages)."""
+    ``assume_memory``: memory rows behind assumption literals (to name binding stages);
+    ``hint``: strategy indices per node to try first (:func:`hint_strategies`)."""
     from ortools.sat.python import cp_model
 
     memo = {} if memo is None else memo
@@ -152,6 +154,8 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
         model.add_cutoff(cutoff_s)
+    if hint:
+        hint_strategies(model, hint)
     if assume_memory:
         return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
@@ -182,10 +186,11 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
     CP-SAT (``time_limit_s`` of deterministic time each) with the best step time so far as
     cutoff, then priced by ``predict``; configs that reach CP-SAT are solved
-    :data:`SOLVE_BATCH` at a time on threads, each batch with the cutoff from before it,
-    and read back in order (deterministic). ``even_stages``: layers split evenly as
-    Megatron does (hand layouts). The result's ``solver`` says what was proven
-    (:mod:`autopar.planner.search_outcome`).
+    :data:`SOLVE_BATCH` at a time on threads, each batch with the cutoff from before it
+    and hinted with the strategies of the last plan of an earlier batch with the same
+    (tp, SP, micro-batch size, dtype, attention), and read back in order (deterministic).
+    ``even_stages``: layers split evenly as Megatron does (hand layouts). The result's
+    ``solver`` says what was proven (:mod:`autopar.planner.search_outcome`).
 
     Raises ValueError (:func:`validate_layout`, or no config fits the layout: the message
     names the rule), InfeasibleError when every config is proven not to fit, naming the
@@ -210,10 +215,12 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     memo: dict = {}
     bound = {c: _order_bound(traced, cluster, c, memo, layout, support) for c in configs}
     configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
-    best, seen, statuses, lower = _Best(), [], {}, {}
+    best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
 
     def take(cfg: Config, out: Solved, cutoff: float) -> None:
         statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
+        if out.decision is not None:
+            hints[_hint_key(cfg)] = out.decision.strategy
         entry = _entry(traced, cluster, cfg, out, cutoff, global_batch_size, best)
         old = next((k for k, s in enumerate(seen) if s["layout"] == entry["layout"]), None)
         if old is None:
@@ -233,7 +240,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 if pruned is None:
                     batch.append((cfg, pool.submit(
                         solve_config, traced, cluster, cfg, layout, support, mapping,
-                        time_limit_s, even_stages, cutoff * (1 + CUTOFF_SLACK), memo)))
+                        time_limit_s, even_stages, cutoff * (1 + CUTOFF_SLACK), memo,
+                        False, hints.get(_hint_key(cfg)))))
                 else:
                     seen.append(pruned)
             for cfg, future in batch:  # in config order: the result never depends on timing
@@ -244,7 +252,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         if lower[cfg] < best.step_s:
             cutoff = best.step_s
             take(cfg, solve_config(traced, cluster, cfg, layout, support, mapping, time_limit_s,
-                                   even_stages, cutoff * (1 + CUTOFF_SLACK), memo), cutoff)
+                                   even_stages, cutoff * (1 + CUTOFF_SLACK), memo, False,
+                                   hints.get(_hint_key(cfg))), cutoff)
     best, best_t, best_tab = best.decision, best.step_s, best.tables
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
@@ -256,6 +265,11 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
+
+
+def _hint_key(cfg: Config) -> tuple:
+    """The configs whose plans hint each other's solves (the same strategies and prices)."""
+    return cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.dtype, cfg.attention
 
 
 @dataclass
