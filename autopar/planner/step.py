@@ -10,10 +10,12 @@ p = 1, :func:`counts_tied_weight_once`), whose last micro-batch's backward takes
   DDP / Megatron), as far as the device lets communication run beside compute (the
   fraction f, ``DeviceSpec.comm_overlap``: 1 on GPUs, where this is
   :math:`\max(0, \delta_z P_i - B_i)`),
-  :math:`\delta_z` = :func:`~autopar.planner.cost_tables.dp_comm_s_per_param`;
+  :math:`\delta_z` = :func:`~autopar.planner.cost_tables.dp_comm_s_per_param`, plus the
+  latency the bucketed rate leaves out (``CostTables.dp_latency_s[z]``);
 * optimizer time :math:`T_{opt} = \max_i \omega_z P_i`,
   :math:`\omega_z` = :func:`~autopar.planner.cost_tables.optimizer_s_per_param`;
-* step time = pipeline time (``cost_models.pipeline``) + :math:`T_{dp}` + :math:`T_{opt}`;
+* step time = pipeline time (``cost_models.pipeline``) + :math:`T_{dp}` + :math:`T_{opt}` +
+  the all-reduces closing the step (``CostTables.step_end_s``);
 * memory of rank i, bytes: model states by kind (Rajbhandari et al. 2020, Fig. 1: ZeRO
   shards optimizer states from stage 1, gradients from 2, parameters at 3) + activations.
 
