@@ -135,8 +135,8 @@ def main() -> None:
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
           f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} rounds (a step of "
-          f"every layout in turn) after {WARMUP} warm-up; host load average {load:.2f} on {os.cpu_count()} CPUs before the "
-          "run (other work shares the cores the ranks use)\n")
+          f"every layout in turn) after {WARMUP} warm-up; host load average {load:.2f} on "
+          f"{os.cpu_count()} CPUs before the run (other work shares the cores the ranks use)\n")
     print("| layout | predicted fp32 (s) | measured (s) | error | predicted bf16 (s) |")
     print("|---|---:|---:|---:|---:|")
     for n in plans:
