@@ -71,8 +71,22 @@ def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> flo
     all-reduce where the backend runs it as one (``LinkSpec.reduce_scatter_as_all_reduce``:
     gloo).
     """
-    return _ring_time_s(nbytes, group_size, link,
-                        rounds=2 if link.reduce_scatter_as_all_reduce else 1)
+    return _ring_time_s(nbytes, group_size, link, rounds=_rounds("reduce_scatter", link))
+
+
+def _rounds(kind: str, link: LinkSpec) -> int:
+    """Passes of (n-1) ring steps a ring collective of ``kind`` makes on ``link``."""
+    if kind == "reduce_scatter":
+        return 2 if link.reduce_scatter_as_all_reduce else 1
+    return {"all_reduce": 2, "all_gather": 1}[kind]
+
+
+def ring_latency_s(kind: str, group_size: int, link: LinkSpec) -> float:
+    """The latency part of a ring collective of ``kind`` ("all_reduce", "all_gather" or
+    "reduce_scatter") over ``group_size`` ranks, seconds: rounds · (n-1) · alpha, what one
+    more collective of any size costs beyond its bytes."""
+    check_choice("ring collective kind", kind, COLLECTIVE_KINDS[:3])
+    return _rounds(kind, link) * (check_positive_int("group_size", group_size) - 1) * link.latency_s
 
 
 def p2p_time_s(nbytes: float, link: LinkSpec) -> float:

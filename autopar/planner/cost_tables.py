@@ -227,13 +227,13 @@ def dp_latency_s(zero_stage: int, cluster: Cluster, cfg: Config, num_layers: int
     if cfg.dp == 1:
         return 0.0
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
-    step = (cfg.dp - 1) * link.latency_s  # one pass of a ring
-    reduce_scatter = 2 * step if link.reduce_scatter_as_all_reduce else step
+    gather, reduce_scatter = (comm.ring_latency_s(kind, cfg.dp, link)
+                              for kind in ("all_gather", "reduce_scatter"))
     if zero_stage == 3:
-        return cfg.num_micro_batches * (num_layers + 1) * (2 * step + reduce_scatter)
+        return cfg.num_micro_batches * (num_layers + 1) * (2 * gather + reduce_scatter)
     if zero_stage == 0:
-        return 2 * step
-    return step + reduce_scatter * (cfg.num_micro_batches if zero_stage == 2 else 1)
+        return comm.ring_latency_s("all_reduce", cfg.dp, link)
+    return gather + reduce_scatter * (cfg.num_micro_batches if zero_stage == 2 else 1)
 
 
 def step_end_s(traced: TracedModel, tables: CostTables, cluster: Cluster, cfg: Config) -> float:

@@ -323,11 +323,12 @@ class ConfigModel:
         for i, t in enumerate(self.rank_time):
             model.Add(tmax >= t + v * p2p).WithName(f"t_max[{i}]")
         tdp, topt = self._add_dp_and_optimizer()
-        ties = sum((z + v * int(math.ceil(self.tables.dp_latency_s[z] * self.units_per_second)))
-                   * zb for z, zb in self.zero.items())  # and each stage's DP latency
-        end = int(math.ceil(self.tables.step_end_s * self.units_per_second))  # a constant
+        ups = self.units_per_second  # per ZeRO stage: v × its DP latency, + 1 unit per stage
+        zero_terms = sum((z + v * int(math.ceil(self.tables.dp_latency_s[z] * ups))) * zb
+                         for z, zb in self.zero.items())  # (ties go to the lower stage)
+        end = int(math.ceil(self.tables.step_end_s * ups))  # a constant of the config
         self.objective = (v * cfg.num_micro_batches - 1) * tmax + sum(self.rank_time) \
-            + v * (cfg.pp - 1) * p2p + v * (tdp + topt + end) + ties
+            + v * (cfg.pp - 1) * p2p + v * (tdp + topt + end) + zero_terms
         model.Minimize(self.objective)
 
     def _add_dp_and_optimizer(self):

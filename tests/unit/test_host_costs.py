@@ -134,6 +134,12 @@ def test_reduce_scatter_costs_an_all_reduce_where_the_backend_runs_one():
         assert comm.reduce_scatter_time_s(nbytes, 2, ring) == pytest.approx(
             comm.all_reduce_time_s(nbytes, 2, ring) / 2)
     assert not Cluster.dgx_a100().intra_node.reduce_scatter_as_all_reduce  # NCCL
+    # the latency part alone: two ring passes for gloo's reduce-scatter, one for NCCL's
+    assert comm.ring_latency_s("reduce_scatter", 3, link) == pytest.approx(4 * link.latency_s)
+    assert comm.ring_latency_s("reduce_scatter", 3, ring) == pytest.approx(2 * ring.latency_s)
+    assert comm.ring_latency_s("all_gather", 3, link) == pytest.approx(2 * link.latency_s)
+    with pytest.raises(ValueError, match="kind"):
+        comm.ring_latency_s("p2p", 2, link)
     with pytest.raises(ValueError, match="reduce_scatter_as_all_reduce"):
         dataclasses.replace(link, reduce_scatter_as_all_reduce="yes")
 
