@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.fx as fx
@@ -112,6 +113,17 @@ class TracedModel:
     def boundary_numel(self) -> int:
         """Elements (b = 1) of the activation that crosses a pipeline cut between layers."""
         return self.nodes[self.layers[0][-1]].numel
+
+    @cached_property
+    def tied_weight_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of node names, in graph order, whose modules share a weight (e.g. wte and
+        lm_head); computed once (a walk of every node; the planner asks for it per config)."""
+        by_param: dict[str, list[str]] = {}
+        for name, info in self.nodes.items():
+            for p in info.params:
+                if p.endswith("weight"):
+                    by_param.setdefault(p, []).append(name)
+        return tuple(tuple(names) for names in by_param.values() if len(names) > 1)
 
     def total_params(self) -> int:
         seen: set[str] = set()

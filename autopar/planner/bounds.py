@@ -39,11 +39,13 @@ MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound 
 
 
 def compute_bound_s(traced: TracedModel, cfg: Config, layer_s: float) -> float:
-    """A step time no plan of ``cfg`` beats: some stage holds >= L/p layers, each at least
-    ``layer_s`` seconds, so (m-1)·T_max + Σ T_i >= (m + p - 1)·(L/p)·layer_s; interleaved,
-    the fill and drain shrink by v: (m + (p - 1)/v)·(L/p)·layer_s (``cost_models.pipeline``)."""
-    L, p, m = traced.num_layers, cfg.pp, cfg.num_micro_batches
-    return (m + (p - 1) / cfg.virtual_stages) * (L / p) * layer_s
+    """A step time no plan of ``cfg`` beats: some rank holds at least ceil(L/p) layers
+    (pigeonhole), each at least ``layer_s`` seconds, and all ranks hold L, so the
+    objective of :mod:`autopar.planner.cpsat`, ((v m - 1)·T_max + Σ T_i)/v, is at least
+    (m - 1/v)·ceil(L/p)·layer_s + L·layer_s/v; with p | L this is the balanced pipeline's
+    (m + (p - 1)/v)·(L/p)·layer_s (``cost_models.pipeline``), and never below it."""
+    L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
+    return (m - 1 / v) * -(-L // p) * layer_s + L * layer_s / v
 
 
 def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster,
@@ -128,8 +130,9 @@ class LayerPieces:
     computes it once per such key): per micro-batch and GPU, bytes a layer keeps at
     least (``act``), at least with selective recompute (``sel``), full recompute's
     (bytes freed, least seconds) per layer (``full``), selective's (``selective``), the
-    pre section's least kept bytes (``pre_act``), and the least parameter elements of a
-    layer and of the pre section (``layer_params``, ``pre_params``)."""
+    pre section's least kept bytes (``pre_act``), the least parameter elements of a
+    layer and of the pre section (``layer_params``, ``pre_params``), and the least
+    forward+backward seconds of the pre and the post section (``pre_s``, ``post_s``)."""
 
     act: float
     sel: float
@@ -138,14 +141,22 @@ class LayerPieces:
     pre_act: float
     layer_params: float
     pre_params: float
+    pre_s: float = 0.0
+    post_s: float = 0.0
 
 
-def layer_pieces(traced: TracedModel, tables: CostTables) -> LayerPieces:
-    """The :class:`LayerPieces` of ``tables``."""
+def layer_pieces(traced: TracedModel, tables: CostTables,
+                 layer_kept: tuple[float, float] | None = None) -> LayerPieces:
+    """The :class:`LayerPieces` of ``tables``; ``layer_kept``: lower bounds on a layer's
+    kept bytes without and with selective recompute over whole strategy choices
+    (:func:`~autopar.planner.layer_bounds.min_layer_kept_bytes`), tighter than each node's
+    least (the default)."""
     layer, pre = traced.layers[0], traced.pre
     kept = _least_kept(traced, tables, layer, pre[-1])
     act = _least(tables, layer, "saved_bytes") + kept
     sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
+    if layer_kept is not None:
+        act, sel = max(act, layer_kept[0]), max(sel, layer_kept[1])
     last = last_saver_index(traced.nodes, layer)
     return LayerPieces(
         act=act, sel=sel,
@@ -153,44 +164,58 @@ def layer_pieces(traced: TracedModel, tables: CostTables) -> LayerPieces:
         selective=((act - sel), _least(tables, layer, "core_fwd_s")),
         pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None),
         layer_params=_least(tables, layer, "param_numel"),
-        pre_params=_least(tables, pre, "param_numel"))
+        pre_params=_least(tables, pre, "param_numel"),
+        pre_s=_least_time(tables, pre), post_s=_least_time(tables, traced.post))
+
+
+def _least_time(tables: CostTables, names: list[str]) -> float:
+    """Σ over ``names`` of each node's least forward+backward seconds."""
+    return sum(min(c.fwd_s + c.bwd_s for c in tables.node[n]) for n in names)
 
 
 def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: float,
                  cluster, zero_stages, modes, pieces: LayerPieces | None = None) -> float:
     r"""A step time (seconds) no plan of ``cfg`` beats, with the recompute rank 0's memory
-    forces, the exposed DP reduction, the optimizer step and the pipeline sends:
-    minimised over the ZeRO stages z in ``zero_stages`` and rank 0's layer counts
-    :math:`n_0`,
+    forces, the largest rank's layers, the exposed DP reduction, the optimizer step, the
+    pipeline sends and the step's constant collectives: minimised over the ZeRO stages z
+    in ``zero_stages`` and rank 0's layer counts :math:`n_0`,
 
-    .. math:: \max\big(m T_0,\ (m - 1) T_0 + \delta_z P_0\big) + \frac{(L - n_0)\,\ell}{v}
-              + (v m + p - 2)\,c + \omega_z P_0,
+    .. math:: \frac{(v m - 1)\,\hat T + T_0 + (L - n_0)\,\ell + [p>1]\,T_{post}}{v}
+              + (v m + p - 2)\,c + \max\big((1 - f)\,\delta_z P_0,\ \delta_z P_0 - T_0\big)
+              + \omega_z P_0 + \lambda_z + T_{end},
 
-    where :math:`T_0 \ge n_0 \ell + R_z(n_0)` (ℓ = ``layer_s``; R the least recompute,
-    :func:`_recompute_s`, that brings rank 0's memory under its usable bytes, device memory
-    less the reserve, :func:`~autopar.planner.reserve.usable_bytes`, with z's bytes per
-    parameter: model states of its layers and the embedding, each node's least saved
-    activations per micro-batch in flight, one working layer), :math:`P_0 \ge n_0 P_L +
-    P_{pre}` its parameters, c the send between stages (0 at p = 1), and
+    where :math:`T_0 \ge n_0 \ell + R_z(n_0) + T_{pre} (+ T_{post}` at p = 1) is rank 0's
+    time (ℓ = ``layer_s``; R the least recompute, :func:`_recompute_s`, that brings rank
+    0's memory under its usable bytes, device memory less the reserve,
+    :func:`~autopar.planner.reserve.usable_bytes`, with z's bytes per parameter: model
+    states of its layers and the embedding, each node's least saved activations per
+    micro-batch in flight, one working layer), :math:`\hat T = \max(T_0,
+    \lceil L/p \rceil \ell)` (some rank holds at least ceil(L/p) layers),
+    :math:`T_{pre}, T_{post}` the sections' least forward+backward, :math:`P_0 \ge n_0 P_L
+    + P_{pre}` rank 0's parameters, c the send between stages (0 at p = 1),
     :math:`\delta_z, \omega_z` the DP and optimizer seconds per parameter
-    (:mod:`autopar.planner.step`). Derivation, from the step of
+    (:mod:`autopar.planner.step`), f the device's ``comm_overlap``, :math:`\lambda_z`
+    the DP latency (``CostTables.dp_latency_s``) and :math:`T_{end}` the closing
+    collectives (``CostTables.step_end_s``). Derivation, from the objective of
     :mod:`autopar.planner.cpsat`, :math:`v\,\text{pipe} = (v m - 1) T_{max} + \sum_i T_i
-    + v (p-1) c` with :math:`T_{max} \ge T_0 + v c` and
-    :math:`\sum_{i>0} T_i \ge (L - n_0)\ell`: pipe :math:`\ge m T_0 + (L - n_0)\ell/v +
-    (vm + p - 2)c`; the exposed DP time is at least :math:`\delta_z P_0 - B_0` with rank
-    0's last backward :math:`B_0 \le T_0`, and at least :math:`(1 - f)\delta_z P_0`
-    (f: the device's ``comm_overlap``), and the optimizer's at least
-    :math:`\omega_z P_0`. A layer keeps at least the sum of its nodes' least saved bytes
-    (a), selective at least the least without the attention core (s), full its
-    checkpoint (c), so x full and y selective layers keep at least n·a - x(a - c) -
-    y(a - s), at no less than the least forward up to the layer's last
-    saver resp. the least attention-core forward each. inf when no (z, n_0) fits. ``pieces``:
-    :func:`layer_pieces` of ``tables`` (computed here when None)."""
+    + v (p-1) c` with :math:`T_{max} \ge \max_i T_i + v c \ge \hat T + v c` and
+    :math:`\sum_{i>0} T_i \ge (L - n_0)\ell + [p>1] T_{post}`; the exposed DP time is at
+    least :math:`\delta_z P_0 - B_0` with rank 0's last backward :math:`B_0 \le T_0`, and
+    at least :math:`(1 - f)\delta_z P_0`, and the optimizer's at least :math:`\omega_z
+    P_0`. A layer keeps at least the sum of its nodes' least saved bytes (a), selective
+    at least the least without the attention core (s), full its checkpoint (c), so x full
+    and y selective layers keep at least n·a - x(a - c) - y(a - s), at no less than the
+    least forward up to the layer's last saver resp. the least attention-core forward
+    each. inf when no (z, n_0) fits. ``pieces``: :func:`layer_pieces` of ``tables``
+    (computed here when None)."""
     pc = layer_pieces(traced, tables) if pieces is None else pieces
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
     inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
-    lo, hi = (L // p, L // p) if v > 1 else stage_size_range(L, p)
+    lo, hi = (L // p, L // p) if v > 1 or p == 1 else stage_size_range(L, p)
     sends = (v * m + p - 2) * tables.p2p_s if p > 1 else 0.0
+    largest = -(-L // p) * layer_s
+    sections = pc.pre_s + (pc.post_s if p == 1 else 0.0)
+    post_rest = pc.post_s if p > 1 else 0.0
     memory = usable_bytes(tables.p2p_bytes, cluster, cfg, 0) * MEMORY_ROUNDING
     best = float("inf")
     for z in zero_stages:
@@ -200,11 +225,11 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
         for n in range(lo, hi + 1):
             params = n * pc.layer_params + pc.pre_params
             used = params * per_param + inflight * (n * pc.act + pc.pre_act) + pc.act
-            t0 = n * layer_s + _recompute_s((used - memory) / inflight, n, pc.full,
-                                             pc.selective, modes)
+            t0 = n * layer_s + sections + _recompute_s((used - memory) / inflight, n, pc.full,
+                                                       pc.selective, modes)
             if t0 == float("inf"):
                 continue
-            serial = (1.0 - cluster.device.comm_overlap) * dp_s * params
-            pipe_dp = max(m * t0 + serial, (m - 1) * t0 + dp_s * params)
-            best = min(best, pipe_dp + (L - n) * layer_s / v + sends + opt_s * params)
-    return best
+            pipe = ((v * m - 1) * max(t0, largest) + t0 + (L - n) * layer_s + post_rest) / v
+            dp = max((1.0 - cluster.device.comm_overlap) * dp_s * params, dp_s * params - t0)
+            best = min(best, pipe + sends + dp + opt_s * params + tables.dp_latency_s[z])
+    return best + tables.step_end_s

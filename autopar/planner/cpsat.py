@@ -73,7 +73,7 @@ from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scal
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.support import pipeline_problem
 
-__all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map", "min_layer_time_s"]
+__all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map"]
 
 
 class ConfigModel:
@@ -379,22 +379,3 @@ class ConfigModel:
         return Decision(self.cfg, strategy, bounds, recompute, zero,
                         solver.ObjectiveValue() / self.units_per_second / self.cfg.virtual_stages,
                         solver.WallTime())
-
-
-def min_layer_time_s(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
-                     cluster, max_time_s: float = 1.0) -> float:
-    """A lower bound (seconds) on one template layer's forward + backward, TP communication
-    and Megatron's f included, under ``tables``' Config: the strategy-choice, boundary and
-    edge rows of :class:`ConfigModel` alone (no memory, so no recompute), minimised. The
-    search multiplies it into a step-time bound that prunes configs before their full model
-    is built. Times use 100 × the model's usual resolution, and every term's rounding
-    (at most half a unit) is subtracted, so the bound holds whatever CP-SAT's status."""
-    cm = ConfigModel(traced, strategies, tables, cluster)
-    cm.units_per_second *= 100
-    cm.add_strategy_choice()
-    cm.add_boundaries()
-    cm.add_edges()
-    terms = cm.terms.terms["layer"]["fwd"] + cm.terms.terms["layer"]["bwd"]
-    cm.model.Minimize(cm.terms.expr("layer", "fwd") + cm.terms.expr("layer", "bwd"))
-    _, solver = cm.solve(max_time_s)
-    return max(0.0, (solver.BestObjectiveBound() - 0.5 * len(terms)) / cm.units_per_second)

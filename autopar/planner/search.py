@@ -1,11 +1,12 @@
 """The outer search: mesh shapes and micro-batch sizes, each solved by CP-SAT.
 
 Configs are visited in order of a step-time lower bound (perfect TP split, no
-communication; the recompute rank 0's memory forces, the exposed DP reduction, the
-optimizer step and the sends: :mod:`autopar.planner.bounds`), so the first plans found are
-near the best; a config whose bound (tightened, while it is needed, by the layer's TP
-communication) is already slower than the best plan found is skipped, so the search
-proves optimality over the enumerated space without solving every config.
+communication; the recompute rank 0's memory forces, the largest rank's layers, the
+exposed DP reduction, the optimizer step and the sends: :mod:`autopar.planner.bounds`), so
+the first plans found are near the best; a config whose bound (tightened, while it is
+needed, by the layer's TP communication) is already slower than the best plan found is
+skipped (:mod:`autopar.planner.pruning`), so the search proves optimality over the
+enumerated space without solving every config.
 """
 
 from __future__ import annotations
@@ -17,24 +18,21 @@ from typing import Callable
 
 from autopar import support as support_rules
 from autopar.graph.annotate import TracedModel
-from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout, SolverStatus
-from autopar.planner.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
-                                    min_layer_compute_s, step_bound_s)
+from autopar.plan import RECOMPUTE_MODES, Layout, SolverStatus
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat import ConfigModel, min_layer_time_s, template_map
+from autopar.planner.cpsat import ConfigModel, template_map
 from autopar.planner.cpsat_terms import hint_strategies
 from autopar.planner.decision import Decision
 from autopar.planner.megatron import allowed_strategies
 from autopar.planner.predict import predict
-from autopar.planner.reserve import max_usable_bytes, p2p_bytes
+from autopar.planner.pruning import order_bound_s, pruned_entry, strategies_for, zero_choices
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
-from autopar.planner.strategies import node_strategies
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
 
 __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategies_for",
-           "validate_layout", "SearchResult", "Solved", "DEFAULT_TIME_LIMIT_S"]
+           "validate_layout", "zero_choices", "SearchResult", "Solved", "DEFAULT_TIME_LIMIT_S"]
 
 # The CP-SAT objective rounds coefficients to integer units (parameters up to 1024, times
 # to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
@@ -45,50 +43,6 @@ SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the 
 ALTERNATIVES = 5  # runner-ups a plan lists (priced by _price_alternatives)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-limit``)
-
-
-def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: dict):
-    """:func:`~autopar.planner.strategies.node_strategies`, computed once per (tp,
-    sequence_parallel) in ``memo`` (one search: every config of a TP size shares them)."""
-    key = ("strategies", tp, sequence_parallel)
-    if key not in memo:
-        memo[key] = node_strategies(traced, tp, sequence_parallel)
-    return memo[key]
-
-
-def _bounds(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layout,
-            support: RuntimeSupport | None, best_s: float, comm: bool = True) -> float:
-    """The tightest step-time lower bound (seconds) of :mod:`autopar.planner.bounds` that
-    is needed: the compute bound first (no tables), then :func:`step_bound_s` (recompute
-    forced by rank 0's memory, exposed DP, optimizer, sends) with the layer's least
-    compute, then both with the layer's least time including TP communication (a small
-    CP-SAT solve; only when ``comm``), each computed only while the bound is below
-    ``best_s``. Pieces per (tp, micro-batch size, dtype, attention, SP) are shared in ``memo``."""
-    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
-    key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel)
-    if ("compute_s",) + key not in memo:
-        memo[("compute_s",) + key] = min_layer_compute_s(traced, strategies, cluster, cfg)
-    compute_s = memo[("compute_s",) + key]
-    bound = compute_bound_s(traced, cfg, compute_s)
-    if bound >= best_s:
-        return bound
-    tables = cost_tables(traced, strategies, cluster, cfg, memo, template_only=True)
-    if ("pieces",) + key not in memo:
-        memo[("pieces",) + key] = layer_pieces(traced, tables)
-    modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
-    modes = tuple(m for m in modes if not support or m in support.recompute)
-    zero = zero_choices(layout, support, cfg.pp)
-
-    def step_bound(layer_s: float) -> float:
-        return step_bound_s(traced, tables, cfg, layer_s, cluster, zero, modes,
-                            memo[("pieces",) + key])
-    bound = max(bound, step_bound(compute_s))
-    if bound >= best_s or not comm:
-        return bound
-    if ("comm_s",) + key not in memo:
-        memo[("comm_s",) + key] = min_layer_time_s(traced, strategies, tables, cluster)
-    layer_s = memo[("comm_s",) + key]
-    return max(bound, compute_bound_s(traced, cfg, layer_s), step_bound(layer_s))
 
 
 @dataclass
@@ -102,14 +56,6 @@ class SearchResult:
     seen: list[dict]
     solve_time_s: float
     solver: SolverStatus = SolverStatus()
-
-
-def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tuple[int, ...]:
-    """ZeRO stages to consider: the layout's if pinned, else what the runtime executes with
-    ``pp`` stages (support None: every stage the cost model prices, for evaluation)."""
-    if layout.zero_stage is not None:
-        return (layout.zero_stage,)
-    return support.zero_stages_for(pp) if support else ZERO_STAGES
 
 
 @dataclass
@@ -186,8 +132,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     (seconds), each pruned by that bound or the memory lower bound (bytes) or solved by
     CP-SAT (``time_limit_s`` of deterministic time each) with the best step time so far as
     cutoff, then priced by ``predict``; configs that reach CP-SAT are solved
-    :data:`SOLVE_BATCH` at a time on threads, each batch with the cutoff from before it
-    and hinted with the strategies of the last plan of an earlier batch with the same
+    :data:`SOLVE_BATCH` at a time on threads (the first alone, so that the others get its
+    cutoff), each batch with the cutoff from before it and hinted with the strategies of the last plan of an earlier batch with the same
     (tp, SP, micro-batch size, dtype, attention), and read back in order (deterministic).
     ``even_stages``: layers split evenly as Megatron does (hand layouts). The result's
     ``solver`` says what was proven (:mod:`autopar.planner.search_outcome`).
@@ -213,7 +159,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
     memo: dict = {}
-    bound = {c: _order_bound(traced, cluster, c, memo, layout, support) for c in configs}
+    bound = {c: order_bound_s(traced, cluster, c, memo, layout, support) for c in configs}
     configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
     best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
 
@@ -232,11 +178,12 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         i = 0
         while i < len(configs):
             batch, cutoff = [], best.step_s
-            while i < len(configs) and len(batch) < SOLVE_BATCH:
+            size = 1 if i == 0 else SOLVE_BATCH  # the first alone: the rest get its cutoff
+            while i < len(configs) and len(batch) < size:
                 cfg, i = configs[i], i + 1
                 if progress is not None:
                     progress(len(seen) + len(batch), len(configs), best.found_s)
-                pruned = _pruned(traced, cluster, cfg, memo, layout, support, best.step_s)
+                pruned = pruned_entry(traced, cluster, cfg, memo, layout, support, best.step_s)
                 if pruned is None:
                     batch.append((cfg, pool.submit(
                         solve_config, traced, cluster, cfg, layout, support, mapping,
@@ -261,7 +208,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         raise no_plan_error(cluster, seen, statuses, time_limit_s, _binding(
             traced, cluster, layout, support, mapping, memo, statuses, even_stages))
     _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
-                        seen, even_stages, memo)
+                        seen, even_stages, memo, hints)
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
@@ -322,69 +269,26 @@ def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_sta
             f"{cfg.schedule}")
 
 
-def _order_bound(traced, cluster, cfg: Config, memo: dict, layout: Layout,
-                 support: RuntimeSupport | None) -> float:
-    """The bound configs are visited in order of (seconds): :func:`_bounds` without the
-    CP-SAT layer bound, or inf when the memory lower bound already says it does not fit
-    device memory less the reserve (it is then pruned unsolved, last)."""
-    mem_lb, usable = _memory_lb(traced, cluster, cfg, memo, layout, support)
-    if mem_lb > usable:
-        return float("inf")
-    return _bounds(traced, cluster, cfg, memo, layout, support, float("inf"), comm=False)
-
-
-def _memory_lb(traced, cluster, cfg: Config, memo: dict, layout: Layout,
-               support: RuntimeSupport | None) -> tuple[float, float]:
-    """(:func:`memory_lower_bound_bytes`, the largest usable bytes of any rank:
-    :func:`~autopar.planner.reserve.max_usable_bytes`) of ``cfg``, memoised per config in
-    ``memo`` (``traced.total_params()`` once per search)."""
-    key = ("memory_lb", cfg)
-    if key not in memo:
-        if ("total_params",) not in memo:
-            memo[("total_params",)] = traced.total_params()
-        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp),
-                                      memo[("total_params",)])
-        memo[key] = lb, max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
-    return memo[key]
-
-
-def _pruned(traced, cluster, cfg: Config, memo: dict, layout: Layout,
-            support: RuntimeSupport | None, best_t: float) -> dict | None:
-    """The ``seen`` entry of a config that need not be solved (the memory lower bound says
-    it does not fit in device memory less the reserve, or a step-time bound of
-    :func:`_bounds` says it cannot fit or cannot beat ``best_t`` seconds), else None."""
-    mem_lb, usable = _memory_lb(traced, cluster, cfg, memo, layout, support)
-    if mem_lb > usable:
-        return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
-                "min_memory_bytes": mem_lb,
-                "reason": f"needs at least {mem_lb / 2**30:.1f} GiB per GPU > "
-                          f"{max(usable, 0.0) / 2**30:.1f} GiB usable "
-                          f"({cluster.device.memory_gib:.0f} GiB less the memory reserve)"}
-    lb = _bounds(traced, cluster, cfg, memo, layout, support, best_t)
-    if lb == float("inf"):
-        return {"layout": asdict(cfg), "step_time_s": None, "feasible": False,
-                "reason": "pipeline rank 0 does not fit memory with any layer count and "
-                          "recompute (memory-time lower bound)"}
-    if lb >= best_t:
-        return {"layout": asdict(cfg), "step_time_s": None, "feasible": None,
-                "reason": f"pruned: step-time lower bound {lb:.3f} s >= best {best_t:.3f} s"}
-    return None
-
-
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, memo: dict, count: int = ALTERNATIVES,
+                        even_stages, memo: dict, hints: dict, count: int = ALTERNATIVES,
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
     """Solve the first configs that lost to the cutoff without it, so the report can show
     how much slower they are (the search itself never needed their optimum), until
     ``count`` runner-ups have a plan (those the search priced on its way count), each
-    within ``time_limit_s`` of deterministic time: a plan CP-SAT did not prove optimal
-    is marked "slower (not proven optimal: CP-SAT stopped at its time limit)"."""
+    within ``time_limit_s`` of deterministic time, hinted with the search's plan of the
+    same (tp, SP, micro-batch size, dtype, attention) from ``hints``, :data:`SOLVE_BATCH`
+    at a time (read back in order): a plan CP-SAT did not prove optimal is marked
+    "slower (not proven optimal: CP-SAT stopped at its time limit)"."""
     missing = max(0, count + 1 - sum(1 for s in seen if s["feasible"]))  # the best is not one
-    for entry in [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:missing]:
-        cfg = Config(**entry["layout"])
-        decision, status, tables, strategies = solve_one(
-            traced, cluster, cfg, layout, support, mapping, time_limit_s=time_limit_s,
-            even_stages=even_stages, memo=memo)
+    entries = [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:missing]
+    with ThreadPoolExecutor(SOLVE_BATCH) as pool:
+        futures = [pool.submit(solve_config, traced, cluster, cfg, layout, support, mapping,
+                               time_limit_s, even_stages, None, memo, False,
+                               hints.get(_hint_key(cfg)))
+                   for cfg in (Config(**entry["layout"]) for entry in entries)]
+    for entry, future in zip(entries, futures):
+        out = future.result()
+        decision, status, tables, strategies = out.decision, out.status, out.tables, out.strategies
         if decision is None:
             feasible, reason = unsolved(status, float("inf"))
             entry.update(feasible=feasible, reason=reason)

@@ -293,13 +293,9 @@ def param_split(strategy: Strategy) -> str:
 
 
 def tied_groups(traced: TracedModel) -> list[list[str]]:
-    """Groups of node names whose modules share a weight (e.g. wte and lm_head)."""
-    by_param: dict[str, list[str]] = {}
-    for name, info in traced.nodes.items():
-        for p in info.params:
-            if p.endswith("weight"):
-                by_param.setdefault(p, []).append(name)
-    return [names for names in by_param.values() if len(names) > 1]
+    """Groups of node names whose modules share a weight (e.g. wte and lm_head), in graph
+    order (:attr:`~autopar.graph.annotate.TracedModel.tied_weight_groups`, computed once)."""
+    return [list(group) for group in traced.tied_weight_groups]
 
 
 def reshard_kinds(src: Placement, dst: Placement, sequence_parallel: bool = False

@@ -20,9 +20,10 @@ import autopar
 from autopar.graph.annotate import saves_inputs
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.bounds import step_bound_s
+from autopar.planner.bounds import compute_bound_s, layer_pieces, step_bound_s
 from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat import min_layer_time_s, template_map
+from autopar.planner.cpsat import template_map
+from autopar.planner.layer_bounds import min_layer_kept_bytes, min_layer_time_s
 from autopar.planner.decision import decision_from_plan
 from autopar.planner.predict import predict, section_cost
 from autopar.planner.search import solve_one
@@ -73,16 +74,26 @@ def test_kept_versions_are_priced_on_edges_whole_or_sharded():
 
 CONFIGS = [(2, 2, 2, 1, 4, "1f1b", 1), (1, 4, 2, 1, 4, "1f1b", 1),
            (2, 2, 2, 1, 4, "interleaved_1f1b", 2), (4, 2, 1, 2, 4, "gpipe", 1),
-           (1, 2, 4, 2, 2, "1f1b", 1)]
+           (1, 2, 4, 2, 2, "1f1b", 1), (1, 3, 2, 1, 4, "1f1b", 1),
+           (2, 2, 2, 1, 4, "1f1b", 1, "fp32", "math", True)]  # 4 layers on 3 ranks; SP
+
+
+def _config(fields: tuple) -> Config:
+    """A Config of ``fields``, in fp32 unless they name the dtype."""
+    return Config(*fields) if len(fields) > 7 else Config(*fields, "fp32")
 
 
 def _bound_and_step(traced, cluster, cfg: Config):
-    """(step bound, predicted step of CP-SAT's optimum or None, CP-SAT status)."""
-    strategies = node_strategies(traced, cfg.tp)
+    """(step bound as the search computes it, with the layer's least time and least kept
+    bytes over whole strategy choices; predicted step of CP-SAT's optimum or None; CP-SAT
+    status)."""
+    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
     tables = cost_tables(traced, strategies, cluster, cfg)
     layer_s = min_layer_time_s(traced, strategies, tables, cluster)
+    pieces = layer_pieces(traced, tables, min_layer_kept_bytes(traced, strategies, tables, cluster))
     bound = step_bound_s(traced, tables, cfg, layer_s, cluster,
-                         RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute)
+                         RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute,
+                         pieces)
     decision, status, tables, strategies = solve_one(
         traced, cluster, cfg, autopar.Layout(), RUNTIME_SUPPORT, template_map(traced),
         time_limit_s=5.0)
@@ -104,7 +115,7 @@ def test_step_bound_holds_against_cp_sat():
         cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_gib=gib),
                                       memory_reserve=MemoryReserve.none())
         for fields in CONFIGS:
-            cfg = Config(*fields, "fp32")
+            cfg = _config(fields)
             bound, step, status = _bound_and_step(traced, cluster, cfg)
             free.setdefault(fields, bound)
             grew |= bound > free[fields] * (1 + 1e-6)
@@ -137,3 +148,32 @@ def test_step_bound_reads_memory_less_the_reserve():
     small = bound(0.0003, MemoryReserve.none())
     assert bound(1.0003, context) == pytest.approx(small, rel=1e-9)
     assert bound(1.0003, MemoryReserve.none()) < small
+
+
+def test_compute_bound_counts_the_largest_rank_whole():
+    """Some rank holds ceil(L/p) layers: 4 layers on 3 ranks with m = 4 cost at least
+    (m - 1)·2ℓ + 4ℓ = 10ℓ (the fractional (m + p - 1)·(L/p)·ℓ says 8ℓ); interleaved with
+    v = 2 on 2 ranks, (m - 1/2)·2ℓ + 4ℓ/2 = 9ℓ, the balanced (m + (p-1)/v)·(L/p)·ℓ."""
+    traced = _traced()
+    assert compute_bound_s(traced, _config(CONFIGS[5]), 0.5) == pytest.approx(10 * 0.5)
+    assert compute_bound_s(traced, _config(CONFIGS[2]), 0.5) == pytest.approx(9 * 0.5)
+
+
+@pytest.mark.parametrize("fields", [CONFIGS[0], CONFIGS[6]])
+def test_layer_kept_bytes_bound_whole_choices(fields):
+    """The least kept bytes of a layer over whole strategy choices (without and with
+    selective recompute) lie between the sum of each node's own least and what CP-SAT's
+    plan of the config keeps per layer."""
+    traced, cluster, cfg = _traced(), Cluster.local_cpu(processes=8), _config(fields)
+    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
+    tables = cost_tables(traced, strategies, cluster, cfg)
+    act, sel = min_layer_kept_bytes(traced, strategies, tables, cluster)
+    per_node = layer_pieces(traced, tables)
+    assert per_node.act <= act * (1 + 1e-9) and per_node.sel <= sel * (1 + 1e-9)
+    decision, status, tables, strategies = solve_one(
+        traced, cluster, cfg, autopar.Layout(), RUNTIME_SUPPORT, template_map(traced),
+        time_limit_s=5.0)
+    assert status == "OPTIMAL"
+    cost = section_cost(traced, strategies, tables, decision.strategy, traced.layers[0])
+    assert 0 < act <= cost["act_bytes"] * (1 + 1e-9)
+    assert 0 < sel <= (cost["act_bytes"] - cost["core_act_bytes"]) * (1 + 1e-9)
