@@ -26,7 +26,8 @@ from autopar.planner.cpsat_terms import hint_strategies
 from autopar.planner.decision import Decision
 from autopar.planner.megatron import allowed_strategies
 from autopar.planner.predict import predict
-from autopar.planner.pruning import order_bound_s, pruned_entry, strategies_for, zero_choices
+from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
+                                     strategies_for, zero_choices)
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -164,7 +165,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
 
     def take(cfg: Config, out: Solved, cutoff: float) -> None:
-        statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg])
+        cut = cutoff if out.status == "INFEASIBLE" and cutoff < float("inf") else 0.0
+        statuses[cfg], lower[cfg] = out.status, max(out.bound_s, bound[cfg], cut)
         if out.decision is not None:
             hints[_hint_key(cfg)] = out.decision.strategy
         entry = _entry(traced, cluster, cfg, out, cutoff, global_batch_size, best)
@@ -208,7 +210,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         raise no_plan_error(cluster, seen, statuses, time_limit_s, _binding(
             traced, cluster, layout, support, mapping, memo, statuses, even_stages))
     _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
-                        seen, even_stages, memo, hints)
+                        seen, even_stages, memo, hints, lower)
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
@@ -270,17 +272,26 @@ def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_sta
 
 
 def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, memo: dict, hints: dict, count: int = ALTERNATIVES,
+                        even_stages, memo: dict, hints: dict, known_lower: dict,
+                        count: int = ALTERNATIVES,
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
-    """Solve the first configs that lost to the cutoff without it, so the report can show
-    how much slower they are (the search itself never needed their optimum), until
-    ``count`` runner-ups have a plan (those the search priced on its way count), each
-    within ``time_limit_s`` of deterministic time, hinted with the search's plan of the
-    same (tp, SP, micro-batch size, dtype, attention) from ``hints``, :data:`SOLVE_BATCH`
-    at a time (read back in order): a plan CP-SAT did not prove optimal is marked
-    "slower (not proven optimal: CP-SAT stopped at its time limit)"."""
+    """Solve without a cutoff the configs the search never priced (cut off by CP-SAT or
+    pruned by a bound), those with the least step-time lower bound first
+    (:func:`~autopar.planner.pruning.step_lower_bound_s`, TP communication included), so
+    the report can show how much slower the nearest ones are, until ``count``
+    runner-ups have a plan (those the search priced on its way count), each within
+    ``time_limit_s`` of deterministic time, hinted with the search's plan of the same
+    (tp, SP, micro-batch size, dtype, attention) from ``hints``, :data:`SOLVE_BATCH` at a
+    time (read back in order): a plan CP-SAT did not prove optimal is marked "slower (not
+    proven optimal: CP-SAT stopped at its time limit; no plan of this config beats X s)",
+    X the largest of CP-SAT's objective bound, the step-time lower bound and what the
+    search proved (``known_lower``: seconds per Config, e.g. a cutoff CP-SAT could not
+    beat)."""
     missing = max(0, count + 1 - sum(1 for s in seen if s["feasible"]))  # the best is not one
-    entries = [s for s in seen if s["feasible"] is None and "CP-SAT" in s["reason"]][:missing]
+    lower = {id(s): max(known_lower.get(Config(**s["layout"]), 0.0), step_lower_bound_s(
+        traced, cluster, Config(**s["layout"]), memo, layout, support, float("inf")))
+             for s in seen if s["feasible"] is None}
+    entries = sorted((s for s in seen if id(s) in lower), key=lambda s: lower[id(s)])[:missing]
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:
         futures = [pool.submit(solve_config, traced, cluster, cfg, layout, support, mapping,
                                time_limit_s, even_stages, None, memo, False,
@@ -295,8 +306,10 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
             continue
         pred = predict(traced, strategies, tables, cluster, decision,
                        global_batch_size=global_batch_size)
+        floor_s = max(out.bound_s, lower[id(entry)])
         entry.update(step_time_s=pred.step_time_s, feasible=True,
                      tflops_per_gpu=pred.tflops_per_gpu,
                      peak_memory_bytes=pred.peak_memory_bytes,
                      reason="slower" if status == "OPTIMAL" else
-                     "slower (not proven optimal: CP-SAT stopped at its time limit)")
+                     "slower (not proven optimal: CP-SAT stopped at its time limit; no plan of "
+                     f"this config beats {floor_s:.4g} s)")
