@@ -4,7 +4,7 @@
 
 1. calibrates this machine three times and takes each number's median
    (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32
-   linear-layer and attention rates, per-node dispatch and checkpointing overheads, copy
+   linear-layer and attention rates with their half-performance lengths, per-node dispatch and checkpointing overheads, copy
    bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
    uses it as the cluster;
 2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
@@ -121,7 +121,9 @@ def main() -> None:
     dev, link = cluster.device, cluster.intra_node
     print(f"calibrated {CALIBRATIONS} times in {time.perf_counter() - start:.1f} s, medians: "
           f"{dev.peak_tflops * 1e3:.1f} GFLOP/s "
-          f"fp32 linear-layer GEMMs per rank, attention {dev.attention_tflops * 1e3:.1f} GFLOP/s, "
+          f"fp32 linear-layer GEMMs per rank (n½ {dev.gemm_half_dim:.0f} of the smallest "
+          f"dimension), attention {dev.attention_tflops * 1e3:.1f} GFLOP/s (n½ "
+          f"{dev.attention_half_dim:.0f} of min(s, hd)), "
           f"{dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha {link.latency_s * 1e6:.0f} us, "
           f"bus bandwidth {link.bandwidth_gbps:.2f} GB/s, overlap {dev.comm_overlap:.2f}; per graph "
           f"node {dev.op_overhead_s * 1e6:.1f} us dispatch (x3 forward + backward), "

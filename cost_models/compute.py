@@ -87,25 +87,57 @@ def gemm_time_s(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> f
     its 256x128 or 128x256 kernel. GEMMs much narrower than a tile (a 64-wide head) are
     priced as the padded tile: an upper bound, since the library may pick a narrower kernel.
     On a device without a tile model (``sm_count`` None, a CPU) this is
-    ``matmul_time_s(2*batch*m*n*k)``. ValueError on negative or non-int dimensions.
+    ``matmul_time_s(2*batch*m*n*k)`` at Hockney's half-performance rate of the smallest
+    dimension, :func:`half_performance_factor` (``device.gemm_half_dim``). ValueError on
+    negative or non-int dimensions.
     """
     m, n, k, batch = _check_dims(m, n, k, batch)
     device = _check_device(device)
     flops = 2.0 * batch * m * n * k
     if device.sm_count is None or flops == 0:
-        return matmul_time_s(flops, device)
+        return matmul_time_s(flops, device) * half_performance_factor(
+            min(m, n, k), device.gemm_half_dim)
     return 2.0 * _tile_work(m, n, k, batch, device) / (device.peak_flops * device.matmul_efficiency)
 
 
-def attention_time_s(flops: float, device: DeviceSpec) -> float | None:
+def half_performance_factor(dim: float, half_dim: float) -> float:
+    """Time over the asymptotic-rate time of an operation whose smallest dimension is
+    ``dim`` elements: ``1 + half_dim/dim``, Hockney's r = r∞·n/(n + n½) (Hockney &
+    Jesshope, "Parallel Computers 2", 1988, §1.3.3); 1 when ``half_dim`` is 0."""
+    return 1.0 + half_dim / dim if half_dim and dim > 0 else 1.0
+
+
+def fit_half_performance(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(r∞, n½) of Hockney's model r = r∞·d/(d + n½) (:func:`half_performance_factor`)
+    fitted to measured ``points`` (d, rate): 1/r = 1/r∞ + (n½/r∞)/d is linear in 1/d,
+    fitted by least squares. With one distinct d, or a fit whose rate does not grow with d
+    (noise), n½ = 0 and r∞ the harmonic mean of the rates. ValueError on a non-positive
+    d or rate."""
+    for d, r in points:
+        check_positive("d", d)
+        check_positive("rate", r)
+    xs, ys = [1.0 / d for d, _ in points], [1.0 / r for _, r in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0 or intercept <= 0:
+        return 1.0 / mean_y, 0.0
+    return 1.0 / intercept, slope / intercept
+
+
+def attention_time_s(flops: float, device: DeviceSpec, min_dim: float = 0.0) -> float | None:
     """Seconds of ``flops`` FLOPs of fused attention (Q·Kᵀ and P·V, counted in full) at the
-    device's measured ``attention_tflops``; None when the device has no such rate (its
-    attention GEMMs are priced by :func:`gemm_time_s`)."""
+    device's measured ``attention_tflops``, slowed for heads whose smaller of s and hd is
+    ``min_dim`` by :func:`half_performance_factor` (``device.attention_half_dim``; 0: not
+    known, no shape effect); None when the device has no such rate (its attention GEMMs
+    are priced by :func:`gemm_time_s`)."""
     flops = check_non_negative("flops", flops)
     device = _check_device(device)
     if device.attention_tflops is None:
         return None
-    return flops / (device.attention_tflops * 1e12)
+    factor = half_performance_factor(min_dim, device.attention_half_dim)
+    return flops / (device.attention_tflops * 1e12) * factor
 
 
 def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:

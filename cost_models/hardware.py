@@ -72,35 +72,34 @@ class DeviceSpec:
     """Where the numbers come from (spec sheet, paper + table, calibration run)."""
     op_overhead_s: float = 0.0
     """Host seconds per executed graph node and micro-batch (framework dispatch: Python,
-    the module call, the aten dispatcher, autograd recording), charged once in forward
-    and twice in backward (the autograd engine runs the node's backward function and
-    accumulates its gradients); views and transposes included. Measured by ``autopar
-    calibrate`` on CPU processes, where the ops run on the dispatching thread, as the
-    forward + backward of transformer blocks of negligible size over 3 x their graph
-    nodes. 0 on GPUs: kernel launches are asynchronous, so the host's dispatch runs ahead
-    of the device and only binds when kernels are shorter than their launch, which the
-    GPU presets' large GEMMs are not (cost_models.compute.host_bound_time_s)."""
+    the aten dispatcher, autograd recording), charged once in forward and twice in
+    backward; views included. ``autopar calibrate`` measures it on CPU processes (blocks
+    of negligible size over 3 x their graph nodes). 0 on GPUs: launches are asynchronous
+    and only bind when kernels are shorter (cost_models.compute.host_bound_time_s)."""
     recompute_overhead_s: float = 0.0
     """Host seconds per graph node of a recomputed layer and micro-batch that activation
-    checkpointing adds besides re-running the node's forward (PyTorch's non-reentrant
-    ``torch.utils.checkpoint``: a pack hook per saved tensor in forward, an unpack hook
-    and the recomputation's bookkeeping in backward). Measured by ``autopar calibrate``
-    (checkpointed against plain transformer blocks of negligible size); 0 on GPUs, where
-    it runs on the host ahead of the kernels (see ``op_overhead_s``)."""
+    checkpointing adds besides re-running the node's forward (non-reentrant
+    ``torch.utils.checkpoint``'s pack and unpack hooks and bookkeeping). ``autopar
+    calibrate`` measures it; 0 on GPUs (see ``op_overhead_s``)."""
     comm_overlap: float = 1.0
     """Fraction of a collective's time that can run while the device computes, in [0, 1];
-    the cost model lets that much of the DP gradient reduction hide behind the last
-    backward (:func:`autopar.planner.step.exposed_dp_s`). 1 on GPUs: NCCL's kernels and
-    the copy engines run beside the compute kernels, the overlap PyTorch DDP and Megatron
-    build on. CPU processes over gloo move the bytes with the cores they compute on;
-    ``autopar calibrate`` measures the fraction (a gradient-sized all-reduce started
-    before a burst of matmuls, against each alone)."""
+    that much of the DP gradient reduction hides behind the last backward
+    (:func:`autopar.planner.step.exposed_dp_s`). 1 on GPUs (NCCL beside the compute
+    kernels, as DDP and Megatron use it). CPU processes over gloo move the bytes with the
+    cores they compute on; ``autopar calibrate`` measures the fraction."""
     attention_tflops: float | None = None
     """Rate of the fused attention kernel (``scaled_dot_product_attention``), TFLOP/s
-    counted as 4·b·a·s·s_kv·hd per forward (Q·Kᵀ and P·V) and twice that in backward.
-    None: its GEMMs are priced like any other (the GPU presets: tensor-core tiles). A CPU
-    process runs it as many small GEMMs with an exp per score, far below the linear
-    layers' rate; ``autopar calibrate`` measures it (causal, 64-wide heads, s = 128)."""
+    counted as 4·b·a·s·s_kv·hd per forward and twice that in backward. None: its GEMMs
+    are priced like any other (GPU presets). A CPU process runs it as small GEMMs with an
+    exp per score, far below the linear layers' rate (``autopar calibrate``)."""
+    gemm_half_dim: float = 0.0
+    """Half-performance length of GEMMs without a tile model (a CPU core), in elements
+    of a GEMM's smallest dimension d = min(m, n, k): it runs at
+    ``peak·d/(d + gemm_half_dim)``, Hockney's (r∞, n½) model (Hockney & Jesshope,
+    "Parallel Computers 2", 1988, §1.3.3) with r∞ the peak. ``autopar calibrate`` fits
+    it to linear layers of several widths; 0: no shape effect (GPUs: the tile model)."""
+    attention_half_dim: float = 0.0
+    """The same for the fused attention kernel at ``attention_tflops``, d = min(s, hd)."""
     transcendental_gelems_per_s: float | None = None
     """1e9 elements/s of an element-wise op with a transcendental per element (erf-GELU,
     log-softmax's exp), forward + backward counted as 3 forwards. None: memory-bound
@@ -125,7 +124,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         _check_text("DeviceSpec.name", self.name, "the device model")
-        for field in ("op_overhead_s", "recompute_overhead_s"):
+        for field in ("op_overhead_s", "recompute_overhead_s", "gemm_half_dim",
+                      "attention_half_dim"):
             _set(self, field, check_non_negative(f"DeviceSpec.{field}", getattr(self, field)))
         if not is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"DeviceSpec.comm_overlap must be a number in [0, 1], got "

@@ -28,7 +28,8 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tu
     device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`)."""
     div, gemms = strat.compute_divisor, info.extra.get("gemms")
     if info.kind == "sdpa":  # a fused kernel with its own measured rate (a CPU process)
-        fwd = compute.attention_time_s(info.flops * b / div, dev)
+        head = min(min(g[1:]) for g in gemms) if gemms else 0  # min(s, hd)
+        fwd = compute.attention_time_s(info.flops * b / div, dev, head)
         if fwd is not None:
             return fwd, 2.0 * fwd
     if not gemms:

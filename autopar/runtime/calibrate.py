@@ -5,26 +5,22 @@ with the source "measured on <hostname> <date> by autopar calibrate". ``processe
 ranks (one torch thread each, as the tests run them) on 127.0.0.1 (:func:`autopar.runtime.
 launch.launch`) measure all at once, sharing cores and memory as training does:
 
-* the GEMM rate of training's linear layers: ``nn.Linear`` forward and backward (6·m·k·n
-  FLOPs, bias and autograd included) at a transformer's shapes, as a sustained rate
-  (:func:`_mean_time_s`, as every compute figure below); ``peak_tflops`` is the median over
-  the shapes, slowest rank, ``matmul_efficiency`` 1.0 (square matmuls go to the notes);
-* the fused attention kernel's rate (``attention_tflops``): causal
-  ``scaled_dot_product_attention`` forward and backward, 3 x 4·b·a·s²·hd FLOPs;
+* ``nn.Linear`` forward and backward (6·m·k·n FLOPs) at widths 64-1024, as a sustained
+  rate (:func:`_mean_time_s`, as every compute figure below), slowest rank: Hockney's r∞
+  and n½ over the smaller width (``peak_tflops``, ``gemm_half_dim``,
+  :func:`cost_models.compute.fit_half_performance`); ``matmul_efficiency`` 1.0;
+* causal ``scaled_dot_product_attention`` forward and backward (3 x 4·b·a·s²·hd FLOPs) at
+  two head sizes, fitted the same way over min(s, hd) (``attention_*``);
 * erf-GELU forward and backward per element (``transcendental_gelems_per_s``);
-* the host's per-node overhead (``op_overhead_s``): forward and backward of
-  :class:`autopar.models.GPT` blocks at h = s = 8, 5 blocks less 1, over 3 x the block's
-  graph nodes (one forward, two backward shares); and the same blocks checkpointed
-  (non-reentrant: ``recompute_overhead_s``, the extra per node beyond the re-run forward);
-* memory bandwidth from a large tensor copy (reads + writes: 2 x bytes per copy);
-* torch's default AdamW step per parameter, as the bytes per parameter it moves at that
-  bandwidth (``DeviceSpec.optimizer_bytes_per_param``);
-* how much of a gloo all-reduce overlaps compute (``comm_overlap``): a 4 MiB one started
-  before matmuls of about its length, against each alone;
+* per-node overhead (``op_overhead_s``): :class:`autopar.models.GPT` blocks at h = s = 8,
+  5 blocks less 1, over 3 x the block's graph nodes; the same blocks checkpointed
+  (``recompute_overhead_s``, the extra per node beyond the re-run forward);
+* copy bandwidth (reads + writes) and torch's AdamW step as bytes per parameter at it
+  (``optimizer_bytes_per_param``);
+* ``comm_overlap``: a 4 MiB gloo all-reduce started before matmuls of about its length;
 * gloo ``all_reduce`` of 4 B to 16 MiB, each after a burst of compute as in a step
   (:func:`_measure_all_reduce`), fitted by least squares on relative residuals to the
-  ring model of :mod:`cost_models.comm`, ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``:
-  the link's latency alpha (seconds) and bus bandwidth B (bytes/s).
+  ring model of :mod:`cost_models.comm`, ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``.
 
 Memory per process is physical memory / ``processes``. Load with ``Cluster.from_json_file``.
 """
@@ -48,13 +44,12 @@ __all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "tiny_b
 
 @dataclass(frozen=True)
 class CalibrationSizes:
-    """What to measure; the defaults take about 30-40 s on a 2-core host.
-
+    """What to measure; the defaults take about 40 s on a 2-core host.
     matmul_sizes: n of the n x n fp32 products timed (recorded in the notes).
     matmul_seconds: wall seconds timing each matmul size or linear layer shape.
     linear_shapes: (tokens, in_features, out_features) of the nn.Linear layers timed
-        forward and backward for ``peak_tflops`` (h = 256 projections and MLP, 1024 tokens).
-    attention_shape: (heads x batch, s, head dim) of the causal attention timed.
+        forward and backward for ``peak_tflops`` and ``gemm_half_dim`` (widths 64-256).
+    attention_shapes: (heads x batch, s, head dim) of the causal attention timed.
     overhead_seconds: wall seconds spent timing each tiny-block variant.
     overlap_bytes: bytes of the all-reduce whose overlap with matmuls is measured (a
         gradient bucket's order of size).
@@ -67,9 +62,10 @@ class CalibrationSizes:
 
     matmul_sizes: tuple[int, ...] = (256, 512)
     matmul_seconds: float = 0.6
-    linear_shapes: tuple[tuple[int, int, int], ...] = ((1024, 256, 256), (1024, 256, 1024),
-                                                       (1024, 1024, 256))
-    attention_shape: tuple[int, int, int] = (16, 128, 64)
+    linear_shapes: tuple[tuple[int, int, int], ...] = (
+        (1024, 64, 256), (1024, 128, 512), (1024, 512, 128), (1024, 256, 256),
+        (1024, 256, 1024), (1024, 1024, 256))
+    attention_shapes: tuple[tuple[int, int, int], ...] = ((16, 128, 64), (64, 64, 32))
     overhead_seconds: float = 0.6
     overlap_bytes: int = 4 * 2**20
     copy_bytes: int = 256 * 2**20
@@ -162,7 +158,7 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
         t = _mean_time_s(lambda: torch.matmul(a, b), sizes.matmul_seconds)
         flops[n] = 2.0 * n**3 / t / 1e12
     linear = {shape: _linear_tflops(*shape, sizes.matmul_seconds) for shape in sizes.linear_shapes}
-    attention = _attention_tflops(sizes.attention_shape, sizes.matmul_seconds)
+    attention = {sh: _attention_tflops(sh, sizes.matmul_seconds) for sh in sizes.attention_shapes}
     x, dy = torch.randn(2**18, requires_grad=True), torch.randn(2**18)  # an MLP's (b·s, 4h)
     gelu = 3e-9 * x.numel() / _mean_time_s(lambda: F.gelu(x).backward(dy), 0.3)  # 3 shares
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
@@ -299,13 +295,14 @@ def fit_ring_all_reduce(times_s: dict[int, float], group_size: int) -> tuple[flo
 
 def _profile(processes: int, results: list[dict], source: str, sizes: CalibrationSizes) -> dict:
     """The cluster JSON (preset format: every number with its source)."""
+    from cost_models.compute import fit_half_performance
     from cost_models.hardware import Cluster
 
     def slowest(key):  # per entry of a measured dict, the slowest rank's rate
         return {k: min(r["compute"][key][k] for r in results) for k in results[0]["compute"][key]}
-    per_size, linear = slowest("matmul_tflops"), slowest("linear_tflops")
-    rate = statistics.median(linear.values())
-    attention = min(r["compute"]["attention_tflops"] for r in results)
+    per_size, linear, att = map(slowest, ("matmul_tflops", "linear_tflops", "attention_tflops"))
+    rate, half = fit_half_performance([(min(k, n), r) for (_, k, n), r in linear.items()])
+    attn_rate, attn_half = fit_half_performance([(min(s, d), r) for (_, s, d), r in att.items()])
     copy = min(r["compute"]["copy_gbps"] for r in results)
     blocks = {k: max(r["compute"]["block_s"][k] for r in results) for k in ("plain", "checkpointed")}
     nodes = tiny_block_nodes()
@@ -320,7 +317,6 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
 
     def num(value, how):
         return {"value": value, "source": f"{source}: {how}"}
-
     link = {"name": "gloo over loopback TCP", "source": source,
             "bandwidth_gbps": num(bandwidth / 1e9, f"ring all-reduce fit of {len(times)} sizes "
                                   f"{min(times)} B..{max(times)} B (bus bandwidth)"),
@@ -332,10 +328,13 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
         "device": {"name": "CPU process (1 thread)", "source": source,
                    "peak_tflops": num(rate, "fp32 nn.Linear forward + backward (6·m·k·n FLOPs) "
                                       f"at (tokens, in, out) = {', '.join(map(str, linear))}, "
-                                      "median over the shapes, slowest rank"),
-                   "attention_tflops": num(attention, "fp32 causal scaled_dot_product_attention "
+                                      "slowest rank, Hockney's r∞ fitted over min(in, out)"),
+                   "gemm_half_dim": num(half, "Hockney's n½ of the same fit"),
+                   "attention_tflops": num(attn_rate, "fp32 causal scaled_dot_product_attention "
                                            f"forward + backward, (heads, s, hd) = "
-                                           f"{sizes.attention_shape}, slowest rank"),
+                                           f"{', '.join(map(str, att))}, slowest rank, "
+                                           "Hockney's r∞ fitted over min(s, hd)"),
+                   "attention_half_dim": num(attn_half, "Hockney's n½ of the same fit"),
                    "transcendental_gelems_per_s": num(min(
                        r["compute"]["gelu_gelems_per_s"] for r in results), "fp32 F.gelu (erf) "
                        "forward + backward of 2**18 elements, 3 forward shares each, slowest rank"),
@@ -358,6 +357,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
                   "linear_tflops_by_shape": {str(k): v for k, v in linear.items()},
+                  "attention_tflops_by_shape": {str(k): v for k, v in att.items()},
                   "tiny_block_s": blocks,
                   "fit": {"alpha_s": alpha, "bus_bandwidth_bytes_per_s": bandwidth}},
     }

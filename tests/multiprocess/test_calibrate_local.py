@@ -12,7 +12,8 @@ from cost_models.hardware import Cluster
 
 
 QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=8 * 2**20,
-                         linear_shapes=((128, 64, 64), (128, 64, 256)), attention_shape=(4, 32, 16),
+                         linear_shapes=((128, 32, 64), (128, 64, 256)),
+                         attention_shapes=((4, 32, 16), (4, 32, 8)),
                          overhead_seconds=0.1, overlap_bytes=2**20,
                          all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
                          timeout_s=90)

@@ -3,6 +3,7 @@ sends: the cost model's formulas against hand-computed values, and the planner u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -80,6 +81,47 @@ def test_without_a_tile_model_it_is_the_flat_rate():
         cm.matmul_time_s(2 * 3 * 33 * 17 * 5, cpu))
     assert cm.gemm_efficiency(33, 17, 5, cpu) == 1.0
     assert cm.gemm_time_s(0, 128, 128, A100) == 0.0
+
+
+def test_cpu_rate_follows_hockneys_half_performance_length():
+    """A CPU GEMM whose smallest dimension is d runs at r∞·d/(d + n½): (1024, 128, 512)
+    with n½ = 64 takes 1.5x its FLOPs at peak; fused attention alike over min(s, hd)."""
+    base = Cluster.local_cpu(2).device
+    cpu = dataclasses.replace(base, gemm_half_dim=64.0, attention_half_dim=32.0,
+                              attention_tflops=0.02)
+    flat = cm.matmul_time_s(2 * 1024 * 128 * 512, base)
+    assert cm.gemm_time_s(1024, 128, 512, cpu) == pytest.approx(1.5 * flat)
+    assert cm.gemm_time_s(1024, 512, 128, cpu) == pytest.approx(1.5 * flat)
+    assert cm.gemm_time_s(1024, 128, 512, base) == pytest.approx(flat)
+    assert cm.compute.attention_time_s(1e9, cpu, 32) == pytest.approx(2 * 1e9 / 0.02e12)
+    assert cm.compute.attention_time_s(1e9, cpu) == pytest.approx(1e9 / 0.02e12)  # shape unknown
+    with pytest.raises(ValueError, match="gemm_half_dim"):
+        dataclasses.replace(base, gemm_half_dim=-1.0)
+
+
+def test_half_performance_fit_recovers_the_model():
+    """Rates r∞·d/(d + n½) at three d give back (r∞, n½); rates that do not grow with d
+    (noise) give n½ = 0 and their harmonic mean."""
+    points = [(d, 80.0 * d / (d + 40.0)) for d in (64, 128, 256, 256)]
+    assert cm.compute.fit_half_performance(points) == pytest.approx((80.0, 40.0))
+    flat = cm.compute.fit_half_performance([(64, 50.0), (256, 40.0)])
+    assert flat == pytest.approx((2 / (1 / 50 + 1 / 40), 0.0))
+    assert cm.compute.fit_half_performance([(128, 30.0)]) == pytest.approx((30.0, 0.0))
+    with pytest.raises(ValueError, match="rate"):
+        cm.compute.fit_half_performance([(64, 0.0)])
+
+
+def test_split_attention_heads_priced_at_their_head_size(traced):
+    """The sdpa node's rate reads min(s, hd) of its per-head GEMMs (s = 16 here)."""
+    cluster = Cluster.local_cpu(2)
+    dev = dataclasses.replace(cluster.device, attention_tflops=0.02, attention_half_dim=16.0)
+    name = next(n for n, i in traced.nodes.items() if i.kind == "sdpa")
+    info = traced.nodes[name]
+    head = min(min(g[1:]) for g in info.extra["gemms"])
+    strat = node_strategies(traced, 1)[name][0]
+    cost = node_cost(info, strat, 2, dataclasses.replace(cluster, device=dev), 1, 0,
+                     attention="flash")
+    assert cost.fwd_s >= 2 * info.flops / 0.02e12 * (1 + 16.0 / head) * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, None])
