@@ -134,8 +134,9 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     CP-SAT (``time_limit_s`` of deterministic time each) with the best step time so far as
     cutoff, then priced by ``predict``; configs that reach CP-SAT are solved
     :data:`SOLVE_BATCH` at a time on threads (the first alone, so that the others get its
-    cutoff), each batch with the cutoff from before it and hinted with the strategies of the last plan of an earlier batch with the same
-    (tp, SP, micro-batch size, dtype, attention), and read back in order (deterministic).
+    cutoff), each batch with the cutoff from before it and hinted with the strategies of
+    the last plan of an earlier batch with the same (tp, SP, micro-batch size, dtype,
+    attention), and read back in order (deterministic).
     ``even_stages``: layers split evenly as Megatron does (hand layouts). The result's
     ``solver`` says what was proven (:mod:`autopar.planner.search_outcome`).
 
