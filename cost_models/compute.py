@@ -13,6 +13,7 @@ quantisation of the kernel that runs it, so utilisation grows with the matrix si
 from __future__ import annotations
 
 import math
+import statistics
 
 from ._checks import RECOMPUTE_MODES, check_choice, check_non_negative, check_positive
 from .hardware import DeviceSpec
@@ -117,12 +118,11 @@ def fit_half_performance(points: list[tuple[float, float]]) -> tuple[float, floa
         check_positive("d", d)
         check_positive("rate", r)
     xs, ys = [1.0 / d for d, _ in points], [1.0 / r for _, r in points]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
-    intercept = mean_y - slope * mean_x
+    if len(set(xs)) < 2:
+        return len(ys) / sum(ys), 0.0
+    slope, intercept = statistics.linear_regression(xs, ys)
     if slope <= 0 or intercept <= 0:
-        return 1.0 / mean_y, 0.0
+        return len(ys) / sum(ys), 0.0
     return 1.0 / intercept, slope / intercept
 
 

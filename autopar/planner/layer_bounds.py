@@ -64,12 +64,8 @@ def min_layer_kept_bytes(traced: TracedModel, strategies: NodeStrategies, tables
     less "core_act", the attention core it drops). The model's memory terms are KiB
     rounded up; here "act" counts whole bytes rounded down and "core_act" the model's
     KiB, so each bound holds for the exact bytes and for the model's rows alike."""
-    out = []
-    for selective in (False, True):
-        cm = _layer_model(traced, strategies, tables, cluster)
-        layer = cm.terms.terms["layer"]
-        expr = sum(math.floor(c * KIB) * v for c, v in layer["act"] if c)
-        if selective:
-            expr -= sum(math.ceil(c) * KIB * v for c, v in layer["core_act"] if c)
-        out.append(_minimum(cm, expr, 0.0, max_time_s))
-    return out[0], out[1]
+    cm = _layer_model(traced, strategies, tables, cluster)  # one model, two objectives
+    layer = cm.terms.terms["layer"]
+    act = sum(math.floor(c * KIB) * v for c, v in layer["act"] if c)
+    core = sum(math.ceil(c) * KIB * v for c, v in layer["core_act"] if c)
+    return _minimum(cm, act, 0.0, max_time_s), _minimum(cm, act - core, 0.0, max_time_s)
