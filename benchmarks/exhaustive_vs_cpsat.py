@@ -1,6 +1,6 @@
 """CP-SAT search vs the exhaustive check of the same plan space, case by case.
 
-    python benchmarks/exhaustive_vs_cpsat.py [--quick]
+    python benchmarks/exhaustive_vs_cpsat.py [--quick] [--match TEXT ...]
 
 For each case (a small GPT on a cluster of N <= 64, some with device memory shrunk so that
 recompute, pipelining or ZeRO must be used) prints the wall time of ``autopar``'s search
@@ -9,11 +9,14 @@ both predicted step times, the gap, and the optimum when memory is checked with 
 exact bytes instead of the solver's rounded KiB (a plan the solver's rounding rejects but
 that predict says fits shows up as a negative "rounding" column). Rows whose gap exceeds
 0.1% list both layouts, and the exit status is then 1 (also when one side finds a plan and
-the other does not: a gap that is not a number fails too).
+the other does not: a gap that is not a number fails too). ``--match`` runs only the cases
+whose label contains one of the given texts (e.g. ``--match GiB ZeRO`` for the memory-tight and
+ZeRO cases), so a long run can be split over several sessions.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import sys
@@ -103,12 +106,13 @@ def failed(gaps: list[float]) -> bool:
     return any(not (-1e-9 <= g <= MAX_GAP) for g in gaps)
 
 
-def main(quick: bool) -> int:
+def main(quick: bool, match: list[str] | None = None) -> int:
     print("| case | CP-SAT s | exhaustive s | plans covered | CP-SAT step | exhaustive step | gap "
           "| exact-memory optimum vs exhaustive |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     worst, notes, gaps = 0.0, [], []
-    for label, cfg, cluster, batch, seq, support in cases(quick):
+    selected = [c for c in cases(quick) if not match or any(t in c[0] for t in match)]
+    for label, cfg, cluster, batch, seq, support in selected:
         with torch.device("meta"):
             model = GPT(cfg)
         traced = trace_model(model, seq)
@@ -132,11 +136,16 @@ def main(quick: bool) -> int:
     print(f"\nworst CP-SAT gap: {worst:+.3%} (limit {MAX_GAP:+.1%})")
     for note in notes:
         print(" -", note)
-    bad = [label for (label, *_), g in zip(cases(quick), gaps) if failed([g])]
+    bad = [label for (label, *_), g in zip(selected, gaps) if failed([g])]
     if bad:
         print(f"FAIL: {len(bad)} case(s) beyond the limit: {', '.join(bad)}")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the clusters of the slow test only")
+    parser.add_argument("--match", nargs="+", metavar="TEXT",
+                        help="run only the cases whose label contains one of these texts")
+    args = parser.parse_args()
+    sys.exit(main(args.quick, args.match))

@@ -1,26 +1,36 @@
 """Predicted vs measured step time of small-GPT layouts on 2 local CPU ranks (gloo).
 
-    python benchmarks/predicted_vs_measured.py
+    python benchmarks/predicted_vs_measured.py [--save-cluster PATH] [--cluster PATH]
 
 1. calibrates this machine three times and takes each number's median
-   (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32
-   linear-layer and attention rates with their half-performance lengths, per-node dispatch and checkpointing overheads, copy
-   bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
-   uses it as the cluster;
+   (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32 linear-layer and
+   attention rates with their half-performance lengths, per-node dispatch and checkpointing
+   overheads, copy bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
+   uses it as the cluster (``--save-cluster`` writes it as JSON; ``--cluster`` loads one
+   instead of calibrating, to re-run the same predictions);
 2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
    for comparison, in bf16 mixed precision as on GPUs;
 3. runs every plan with ``autopar.parallelize`` in 2 spawned processes (one torch thread
-   each): AdamW, 2 warm-up rounds, then 9 timed rounds of one ``train_step`` of every
+   each): AdamW, 2 warm-up rounds, then 21 timed rounds of one ``train_step`` of every
    layout in turn, and takes per layout the median of the slowest rank's step;
 4. prints layout, predicted, measured, error and whether the predicted ranking of the
-   layouts equals the measured one. A benchmark: it prints figures, it asserts nothing.
+   layouts equals the measured one (median step per layout), then every pair of layouts:
+   predicted and measured ratio (per round, so a slow spell of the host cancels), how many
+   rounds the predicted-faster one won and the sign test's p-value, and whether the
+   predicted order holds on the pairs the measurement tells apart. Two layouts a few per
+   cent apart swap places between runs on a shared 2-core VM; the sign test says which
+   measured orders are more than that. A benchmark: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import json
+import math
+import re
 import os
 import statistics
 import time
@@ -37,7 +47,8 @@ from autopar.models import GPT, GPTConfig
 from cost_models.hardware import Cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
-BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 9
+BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 21
+SIGNIFICANCE = 0.05  # a pair of layouts is told apart when the sign test's p-value is below this
 CALIBRATIONS = 3  # the cluster is the median of this many calibrations
 # name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" (its placements and
 # sequence parallelism) | "megatron" (Megatron's pattern, no sequence parallelism))
@@ -70,8 +81,8 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
     return plans
 
 
-def _measure(rank: int, world: int, plans: dict) -> dict[str, float]:
-    """Per layout, the median over the timed rounds of the slowest rank's train_step (s).
+def _measure(rank: int, world: int, plans: dict) -> dict[str, list[float]]:
+    """Per layout, the slowest rank's train_step (s) in each timed round.
     Every layout's program is built first; each round then runs one step of every layout
     in turn, so that a slow spell of the shared host falls on all layouts alike."""
     import torch.distributed as dist
@@ -94,7 +105,30 @@ def _measure(rank: int, world: int, plans: dict) -> dict[str, float]:
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= WARMUP:
                 times[name].append(dt.item())
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def sign_test_p(wins: int, rounds: int) -> float:
+    """Two-sided p-value of ``wins`` out of ``rounds`` under a fair coin (the exact binomial
+    sign test; Conover, *Practical Nonparametric Statistics*, 3rd ed., section 3.4)."""
+    tail = sum(math.comb(rounds, k) for k in range(min(wins, rounds - wins) + 1)) / 2**rounds
+    return min(1.0, 2 * tail)
+
+
+def paired_order(predicted: dict[str, float], rounds: dict[str, list[float]]) -> list[tuple]:
+    """For every pair (a, b) of layouts with a predicted faster than b: (a, b, predicted
+    ratio a/b, median over rounds of the measured ratio a/b, rounds in which a was faster,
+    sign-test p-value). The layouts of one round run back to back, so the per-round ratio
+    cancels the host's slow spells that move every layout's median alike."""
+    out = []
+    names = sorted(predicted, key=predicted.get)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ratios = [x / y for x, y in zip(rounds[a], rounds[b])]
+            wins = sum(r < 1 for r in ratios)
+            out.append((a, b, predicted[a] / predicted[b], statistics.median(ratios), wins,
+                        sign_test_p(wins, len(ratios))))
+    return out
 
 
 def _ranking(times: dict[str, float]) -> list[str]:
@@ -115,11 +149,28 @@ def median_profile(profiles: list[dict]) -> dict:
     return merge(profiles)
 
 
-def main() -> None:
+def placement_differences(a: autopar.Plan, b: autopar.Plan) -> list[str]:
+    """Where ``a``'s placements differ from ``b``'s, one entry per node name with its layer
+    index taken out ("h_*"), as "node: a's vs b's"."""
+    out = {}
+    for node, place in a.placements.items():
+        if b.placements.get(node) != place:
+            out.setdefault(re.sub(r"_h_\d+_", "_h_*_", node), f"{place} vs {b.placements.get(node)}")
+    return [f"{n}: {d}" for n, d in out.items()]
+
+
+def main(save_cluster: str | None = None, cluster_path: str | None = None) -> None:
     start = time.perf_counter()
-    cluster = Cluster.from_dict(median_profile([calibrate_local(2) for _ in range(CALIBRATIONS)]))
+    if cluster_path:
+        profile = json.loads(open(cluster_path).read())
+    else:
+        profile = median_profile([calibrate_local(2) for _ in range(CALIBRATIONS)])
+    if save_cluster:
+        with open(save_cluster, "w") as f:
+            json.dump(profile, f, indent=1)
+    cluster = Cluster.from_dict(profile)
     dev, link = cluster.device, cluster.intra_node
-    print(f"calibrated {CALIBRATIONS} times in {time.perf_counter() - start:.1f} s, medians: "
+    print(f"{'loaded ' + cluster_path if cluster_path else f'calibrated {CALIBRATIONS} times'} in {time.perf_counter() - start:.1f} s, medians: "
           f"{dev.peak_tflops * 1e3:.1f} GFLOP/s "
           f"fp32 linear-layer GEMMs per rank (n½ {dev.gemm_half_dim:.0f} of the smallest "
           f"dimension), attention {dev.attention_tflops * 1e3:.1f} GFLOP/s (n½ "
@@ -130,10 +181,15 @@ def main() -> None:
           f"{dev.recompute_overhead_s * 1e6:.1f} us checkpointing; Adam "
           f"{dev.optimizer_bytes_per_param:.0f} B/param")
     plans = make_plans(cluster)
+    solver, megatron = (plans[f"tp2 mbs16 ({k} placements)"] for k in ("solver", "Megatron"))
+    print(f"solver's tp2 plan (sequence_parallel={solver.sequence_parallel}) against Megatron's "
+          "placements, per node (solver's vs Megatron's):\n  " + "\n  ".join(
+              placement_differences(solver, megatron) or ["the same placements"]))
     bf16 = {n: evaluate_plan(_meta(), cluster, dataclasses.replace(p, dtype="bf16"))
             for n, p in plans.items()}
     load = os.getloadavg()[0]
-    measured = launch(_measure, 2, plans, timeout_s=600, pg_timeout_s=600)[0]
+    rounds = launch(_measure, 2, plans, timeout_s=600, pg_timeout_s=600)[0]
+    measured = {n: statistics.median(t) for n, t in rounds.items()}
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
           f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} rounds (a step of "
@@ -148,10 +204,26 @@ def main() -> None:
     ranks_p, ranks_m = _ranking(predicted), _ranking(measured)
     print(f"\npredicted ranking: {ranks_p}\nmeasured ranking:  {ranks_m}")
     print(f"rankings equal: {ranks_p == ranks_m}")
+    print(f"\npairs, predicted faster first; measured ratio = median over the {TIMED} rounds of "
+          "the per-round ratio; told apart when the sign test's p < "
+          f"{SIGNIFICANCE}:\n\n| faster (predicted) | slower (predicted) | predicted ratio | "
+          "measured ratio | rounds faster | p | verdict |\n|---|---|---:|---:|---:|---:|---|")
+    disagree = 0
+    for a, b, ratio_p, ratio_m, wins, p in paired_order(predicted, rounds):
+        apart = p < SIGNIFICANCE
+        verdict = ("agrees" if ratio_m < 1 else "DISAGREES") if apart else "not told apart"
+        disagree += apart and ratio_m >= 1
+        print(f"| {a} | {b} | {ratio_p:.3f} | {ratio_m:.3f} | {wins}/{TIMED} | {p:.3g} | {verdict} |")
+    print(f"predicted order on every pair the measurement tells apart: "
+          f"{'agrees' if not disagree else f'{disagree} pair(s) disagree'}")
     gap = statistics.median(bf16[n].predicted.step_time_s / predicted[n] for n in plans)
     print(f"bf16 mixed-precision pricing of the same plans is {gap:.2f}x the fp32 pricing "
           "(median); the CPU run executes fp32, which the fp32 column prices")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save-cluster", metavar="PATH", help="write the calibrated cluster JSON")
+    parser.add_argument("--cluster", metavar="PATH", help="a cluster JSON instead of calibrating")
+    args = parser.parse_args()
+    main(args.save_cluster, args.cluster)
