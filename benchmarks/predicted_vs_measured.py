@@ -151,12 +151,14 @@ def median_profile(profiles: list[dict]) -> dict:
 
 def placement_differences(a: autopar.Plan, b: autopar.Plan) -> list[str]:
     """Where ``a``'s placements differ from ``b``'s, one entry per node name with its layer
-    index taken out ("h_*"), as "node: a's vs b's"."""
+    index ("h_*") and fx's numbering suffix ("transpose_3" -> "transpose") taken out, as
+    "node: a's vs b's"."""
     out = {}
     for node, place in a.placements.items():
         if b.placements.get(node) != place:
-            out.setdefault(re.sub(r"_h_\d+_", "_h_*_", node), f"{place} vs {b.placements.get(node)}")
-    return [f"{n}: {d}" for n, d in out.items()]
+            name = re.sub(r"_\d+$", "", re.sub(r"_h_\d+_", "_h_*_", node))
+            out.setdefault((name, place), f"{name}: {place} vs {b.placements.get(node)}")
+    return list(out.values())
 
 
 def main(save_cluster: str | None = None, cluster_path: str | None = None) -> None:
