@@ -35,8 +35,10 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Kinds accepted by :func:`collective_time_s`."""
 
 
-def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, rounds: int) -> float:
-    """``rounds`` passes of (n-1) ring steps over a message of ``nbytes`` in total."""
+def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, rounds: int,
+                 kind: str = "all_reduce") -> float:
+    """``rounds`` passes of (n-1) ring steps of collective ``kind`` over a message of
+    ``nbytes`` in total."""
     nbytes = check_non_negative("nbytes", nbytes)
     n = check_positive_int("group_size", group_size)
     if not isinstance(link, LinkSpec):
@@ -44,8 +46,16 @@ def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, rounds: int) ->
     if n == 1 or nbytes == 0:
         return 0.0
     bandwidth_term = rounds * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
-    latency_term = rounds * (n - 1) * link.latency_s
+    latency_term = rounds * (n - 1) * _step_latency_s(kind, link)
     return bandwidth_term + latency_term
+
+
+def _step_latency_s(kind: str, link: LinkSpec) -> float:
+    """alpha of one ring step of ``kind`` on ``link``: ``latency_s``, or for an all-gather
+    ``LinkSpec.all_gather_latency_s`` where the backend's differs (gloo, measured)."""
+    if kind == "all_gather" and link.all_gather_latency_s is not None:
+        return link.all_gather_latency_s
+    return link.latency_s
 
 
 def all_reduce_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
@@ -59,9 +69,10 @@ def all_reduce_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
 def all_gather_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Ring all-gather producing a ``nbytes`` tensor (each rank holds nbytes/n), seconds.
 
-    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
+    ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw), with
+    ``LinkSpec.all_gather_latency_s`` as the latency where it is set.
     """
-    return _ring_time_s(nbytes, group_size, link, rounds=1)
+    return _ring_time_s(nbytes, group_size, link, rounds=1, kind="all_gather")
 
 
 def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
@@ -83,10 +94,12 @@ def _rounds(kind: str, link: LinkSpec) -> int:
 
 def ring_latency_s(kind: str, group_size: int, link: LinkSpec) -> float:
     """The latency part of a ring collective of ``kind`` ("all_reduce", "all_gather" or
-    "reduce_scatter") over ``group_size`` ranks, seconds: rounds · (n-1) · alpha, what one
-    more collective of any size costs beyond its bytes."""
+    "reduce_scatter") over ``group_size`` ranks, seconds: rounds · (n-1) · alpha (an
+    all-gather's own alpha where the link sets one), what one more collective of any size
+    costs beyond its bytes."""
     check_choice("ring collective kind", kind, COLLECTIVE_KINDS[:3])
-    return _rounds(kind, link) * (check_positive_int("group_size", group_size) - 1) * link.latency_s
+    return (_rounds(kind, link) * (check_positive_int("group_size", group_size) - 1)
+            * _step_latency_s(kind, link))
 
 
 def p2p_time_s(nbytes: float, link: LinkSpec) -> float:

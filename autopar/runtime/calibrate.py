@@ -19,8 +19,12 @@ launch.launch`) measure all at once, sharing cores and memory as training does:
   (``optimizer_bytes_per_param``);
 * ``comm_overlap``: a 4 MiB gloo all-reduce started before matmuls of about its length;
 * gloo ``all_reduce`` of 4 B to 16 MiB, each after a burst of compute as in a step
-  (:func:`_measure_all_reduce`), fitted by least squares on relative residuals to the
-  ring model of :mod:`cost_models.comm`, ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``.
+  (:func:`autopar.runtime.calibrate_comm.measure_in_step_s`), fitted by least squares on
+  relative residuals to the ring model of :mod:`cost_models.comm`,
+  ``T(M) = 2(n-1)·alpha + 2(n-1)/n · M / B``;
+* gloo ``all_gather`` into 4 KiB to 2 MiB the same way: its own alpha per ring step
+  (``LinkSpec.all_gather_latency_s``) at the all-reduce's B. In a step it costs about 0.8
+  of an all-reduce of the same bytes, not the half the ring model gives.
 
 Memory per process is physical memory / ``processes``. Load with ``Cluster.from_json_file``.
 """
@@ -32,10 +36,11 @@ import json
 import os
 import socket
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from autopar.runtime.calibrate_comm import (fit_ring_all_reduce, fit_ring_latency,
+                                            mean_time_s, measure_in_step_s, measure_overlap)
 from autopar.runtime.launch import launch
 
 __all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "tiny_block_nodes",
@@ -55,8 +60,9 @@ class CalibrationSizes:
         gradient bucket's order of size).
     copy_bytes: bytes of the tensor copied to measure memory bandwidth.
     all_reduce_bytes: message sizes of the gloo all-reduce sweep, bytes (fp32 elements x 4).
-    all_reduce_seconds: wall seconds spent per all-reduce size and trial.
-    all_reduce_gap_s: seconds of matmuls before each timed all-reduce.
+    all_gather_bytes: gathered (output) sizes of the gloo all-gathers timed, bytes.
+    all_reduce_seconds: wall seconds spent per all-reduce (or all-gather) size and trial.
+    all_reduce_gap_s: seconds of matmuls before each timed collective.
     timeout_s: the spawned ranks are killed after this many seconds.
     """
 
@@ -70,23 +76,10 @@ class CalibrationSizes:
     overlap_bytes: int = 4 * 2**20
     copy_bytes: int = 256 * 2**20
     all_reduce_bytes: tuple[int, ...] = tuple(4 * 4**k for k in range(12))  # 4 B .. 16 MiB
+    all_gather_bytes: tuple[int, ...] = (2**12, 2**16, 2**19, 2**21)  # 4 KiB .. 2 MiB
     all_reduce_seconds: float = 0.4
     all_reduce_gap_s: float = 2e-3
     timeout_s: float = 120.0
-
-
-def _mean_time_s(fn, seconds: float, min_reps: int = 3) -> float:
-    """Sustained wall seconds per ``fn()``: after a warm-up, repetitions back to back for
-    ``seconds`` (at least ``min_reps``), elapsed time over repetitions. A training step
-    lasts tens to hundreds of milliseconds and so pays its share of whatever else the
-    host runs meanwhile; the mean over a window of similar length pays it too (a median
-    of short repetitions would pass over it)."""
-    fn()
-    reps, start = 0, time.perf_counter()
-    while reps < min_reps or time.perf_counter() - start < seconds:
-        fn()
-        reps += 1
-    return (time.perf_counter() - start) / reps
 
 
 TINY_GPT = dict(n_head=2, n_embd=8, vocab_size=16, block_size=8)
@@ -101,7 +94,7 @@ def _linear_tflops(tokens: int, k: int, n: int, seconds: float) -> float:
 
     x = torch.randn(tokens, k, requires_grad=True)
     layer, grad = torch.nn.Linear(k, n), torch.randn(tokens, n)
-    return 6.0 * tokens * k * n / _mean_time_s(lambda: layer(x).backward(grad), seconds) / 1e12
+    return 6.0 * tokens * k * n / mean_time_s(lambda: layer(x).backward(grad), seconds) / 1e12
 
 
 def _attention_tflops(shape: tuple[int, int, int], seconds: float) -> float:
@@ -116,7 +109,7 @@ def _attention_tflops(shape: tuple[int, int, int], seconds: float) -> float:
 
     def run():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-    return 3 * 4.0 * heads * s * s * hd / _mean_time_s(run, seconds) / 1e12
+    return 3 * 4.0 * heads * s * s * hd / mean_time_s(run, seconds) / 1e12
 
 
 def _tiny_blocks_s(seconds: float) -> dict[str, float]:
@@ -140,8 +133,8 @@ def _tiny_blocks_s(seconds: float) -> dict[str, float]:
     out = {}
     for ckpt in (False, True):  # the median of three differences: one is noisy on a VM
         out["checkpointed" if ckpt else "plain"] = statistics.median(
-            (_mean_time_s(lambda: run(max(_BLOCKS), ckpt), seconds / 3)
-             - _mean_time_s(lambda: run(min(_BLOCKS), ckpt), seconds / 3))
+            (mean_time_s(lambda: run(max(_BLOCKS), ckpt), seconds / 3)
+             - mean_time_s(lambda: run(min(_BLOCKS), ckpt), seconds / 3))
             / (max(_BLOCKS) - min(_BLOCKS)) for _ in range(3))
     return out
 
@@ -155,15 +148,15 @@ def _measure_compute(sizes: CalibrationSizes) -> dict:
     flops = {}
     for n in sizes.matmul_sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t = _mean_time_s(lambda: torch.matmul(a, b), sizes.matmul_seconds)
+        t = mean_time_s(lambda: torch.matmul(a, b), sizes.matmul_seconds)
         flops[n] = 2.0 * n**3 / t / 1e12
     linear = {shape: _linear_tflops(*shape, sizes.matmul_seconds) for shape in sizes.linear_shapes}
     attention = {sh: _attention_tflops(sh, sizes.matmul_seconds) for sh in sizes.attention_shapes}
     x, dy = torch.randn(2**18, requires_grad=True), torch.randn(2**18)  # an MLP's (b·s, 4h)
-    gelu = 3e-9 * x.numel() / _mean_time_s(lambda: F.gelu(x).backward(dy), 0.3)  # 3 shares
+    gelu = 3e-9 * x.numel() / mean_time_s(lambda: F.gelu(x).backward(dy), 0.3)  # 3 shares
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = _mean_time_s(lambda: dst.copy_(src), 0.5)
+    t = mean_time_s(lambda: dst.copy_(src), 0.5)
     copy_gbps = 2.0 * src.numel() * 4 / t / 1e9
     return {"matmul_tflops": flops, "linear_tflops": linear, "attention_tflops": attention,
             "gelu_gelems_per_s": gelu,
@@ -179,118 +172,21 @@ def _adam_s_per_param(numel: int = 2**19) -> float:
     param = torch.nn.Parameter(torch.ones(numel))
     param.grad = torch.full_like(param, 1e-3)
     opt = torch.optim.AdamW([param], lr=1e-3)
-    return _mean_time_s(opt.step, 0.3) / numel
-
-
-def _measure_all_reduce(sizes: CalibrationSizes) -> dict[int, float]:
-    """Seconds per gloo all_reduce of each size as a step meets one (slowest rank): each
-    repetition runs matmuls for about ``sizes.all_reduce_gap_s`` (a layer's compute between
-    collectives), then the all-reduce; (burst + all-reduce) less the burst alone, median of
-    five trials. Back to back, small ones take 3-10x less on a 2-core VM (the peer's
-    thread awake, both arriving together); after compute the waiting rank's thread sleeps,
-    its virtual CPU idles and the ranks have drifted apart, as at every step's collective."""
-    import torch
-    import torch.distributed as dist
-
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    reps = torch.tensor([max(1, round(sizes.all_reduce_gap_s / _mean_time_s(
-        lambda: torch.matmul(a, b), 0.05)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # every rank runs the same burst
-
-    def burst():
-        for _ in range(int(reps.item())):
-            torch.matmul(a, b)
-    out = {}
-    for nbytes in sizes.all_reduce_bytes:
-        x = torch.ones(max(1, nbytes // 4))
-
-        def both():
-            burst()
-            dist.all_reduce(x)
-        n = torch.tensor([max(3, int(sizes.all_reduce_seconds / 2 / _mean_time_s(both, 0, 1)))])
-        dist.all_reduce(n, op=dist.ReduceOp.MIN)  # as many all-reduces on every rank
-        trials = []
-        for _ in range(5):
-            dist.barrier()
-            t_both = _mean_time_s(both, 0.0, int(n.item()))  # exactly n + 1 on every rank
-            trials.append(max(1e-6, t_both - _mean_time_s(burst, sizes.all_reduce_seconds / 4)))
-        t = torch.tensor([statistics.median(trials)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[nbytes] = t.item()
-    return out
-
-
-def _synced_median_s(fn, trials: int) -> float:
-    """Median wall seconds of ``fn()`` over ``trials`` runs, each started after a barrier."""
-    import torch.distributed as dist
-
-    times = []
-    for _ in range(trials):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _measure_overlap(nbytes: int, trials: int = 5) -> float:
-    """Fraction of a gloo all-reduce of ``nbytes`` that runs while this rank computes:
-    (T_compute + T_all_reduce - T_both) / min(T_compute, T_all_reduce), clamped to [0, 1],
-    where T_both starts the all-reduce asynchronously, runs the matmuls, then waits; the
-    matmul burst is sized (agreed over the ranks) to last about as long as the all-reduce."""
-    import torch
-    import torch.distributed as dist
-
-    x, a, b = torch.ones(nbytes // 4), torch.randn(256, 256), torch.randn(256, 256)
-    t_ar = _synced_median_s(lambda: dist.all_reduce(x), trials)
-    one = _mean_time_s(lambda: torch.matmul(a, b), 0.1)
-    reps = torch.tensor([max(1, round(t_ar / one))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)
-
-    def burst():
-        for _ in range(int(reps.item())):
-            torch.matmul(a, b)
-
-    def both():
-        work = dist.all_reduce(x, async_op=True)
-        burst()
-        work.wait()
-    t_c, t_both = _synced_median_s(burst, trials), _synced_median_s(both, trials)
-    return min(1.0, max(0.0, (t_c + t_ar - t_both) / min(t_c, t_ar)))
+    return mean_time_s(opt.step, 0.3) / numel
 
 
 def _measure(rank: int, world: int, sizes: CalibrationSizes) -> dict:
     """One rank's measurements (run by :func:`autopar.runtime.launch.launch` on every rank):
     after a barrier so that all ranks start together, compute first, then the all-reduce
-    sweep."""
+    and all-gather sweeps."""
     import torch.distributed as dist
 
     dist.barrier()
-    return {"compute": _measure_compute(sizes), "all_reduce_s": _measure_all_reduce(sizes),
-            "overlap": _measure_overlap(sizes.overlap_bytes)}
-
-
-def fit_ring_all_reduce(times_s: dict[int, float], group_size: int) -> tuple[float, float]:
-    """(alpha seconds, bus bandwidth bytes/s) of ``T(M) = 2(n-1)·alpha + 2(n-1)/n·M/B``
-    (Thakur et al. 2005; cost_models.comm.all_reduce_time_s), least squares on relative
-    residuals so that small and large messages count alike. alpha is clamped at 0."""
-    n = group_size
-    if n < 2 or len(times_s) < 2:
-        raise ValueError(f"fitting a ring needs >= 2 ranks and >= 2 sizes (got n={n}, "
-                         f"{len(times_s)} sizes)")
-    rows = [(2 * (n - 1) / t, 2 * (n - 1) / n * m / t) for m, t in times_s.items()]
-    # minimise sum (alpha*x1 + inv_b*x2 - 1)^2: the 2x2 normal equations
-    s11 = sum(a * a for a, _ in rows)
-    s12 = sum(a * b for a, b in rows)
-    s22 = sum(b * b for _, b in rows)
-    r1, r2 = sum(a for a, _ in rows), sum(b for _, b in rows)
-    det = s11 * s22 - s12 * s12
-    alpha, inv_b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if alpha < 0:  # latency below resolution: bandwidth alone
-        alpha, inv_b = 0.0, r2 / s22
-    if inv_b <= 0:
-        raise ValueError(f"all-reduce times do not grow with message size: {times_s}")
-    return alpha, 1.0 / inv_b
+    in_step = {kind: measure_in_step_s(kind, getattr(sizes, f"{kind}_bytes"),
+                                       sizes.all_reduce_gap_s, sizes.all_reduce_seconds)
+               for kind in ("all_reduce", "all_gather")}
+    return {"compute": _measure_compute(sizes), "all_reduce_s": in_step["all_reduce"],
+            "all_gather_s": in_step["all_gather"], "overlap": measure_overlap(sizes.overlap_bytes)}
 
 
 def _profile(processes: int, results: list[dict], source: str, sizes: CalibrationSizes) -> dict:
@@ -312,6 +208,8 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     overlap = min(r["overlap"] for r in results)
     times = {m: max(r["all_reduce_s"][m] for r in results) for m in results[0]["all_reduce_s"]}
     alpha, bandwidth = fit_ring_all_reduce(times, processes)
+    gathers = {m: max(r["all_gather_s"][m] for r in results) for m in results[0]["all_gather_s"]}
+    gather_alpha = fit_ring_latency(gathers, processes, 1, bandwidth)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes / 2**30
     nominal = Cluster.local_cpu(processes)
 
@@ -321,7 +219,11 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
             "bandwidth_gbps": num(bandwidth / 1e9, f"ring all-reduce fit of {len(times)} sizes "
                                   f"{min(times)} B..{max(times)} B (bus bandwidth)"),
             "latency_s": num(alpha, "ring all-reduce fit (per ring step)"),
-            "reduce_scatter_as_all_reduce": num(True, "gloo's reduce_scatter_tensor (LinkSpec)")}
+            "reduce_scatter_as_all_reduce": num(True, "gloo's reduce_scatter_tensor (LinkSpec)"),
+            "all_gather_latency_s": num(gather_alpha, f"all-gathers into {min(gathers)} B.."
+                                        f"{max(gathers)} B in a step less the ring's bandwidth "
+                                        "term at the all-reduce fit's bandwidth, per ring step, "
+                                        "median over sizes")}
     return {
         "name": "local-cpu-calibrated", "gpus_per_node": num(processes, "ranks spawned"),
         "nodes": num(1, "one host"), "dtype": nominal.dtype, "attention": nominal.attention,
@@ -356,6 +258,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
                                                     "parameter x copy bandwidth, slowest rank")},
         "intra_node": link, "inter_node": dict(link),
         "notes": {"matmul_tflops_by_n": per_size, "all_reduce_s_by_bytes": times,
+                  "all_gather_s_by_bytes": gathers,
                   "linear_tflops_by_shape": {str(k): v for k, v in linear.items()},
                   "attention_tflops_by_shape": {str(k): v for k, v in att.items()},
                   "tiny_block_s": blocks,

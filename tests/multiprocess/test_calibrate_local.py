@@ -16,6 +16,7 @@ QUICK = CalibrationSizes(matmul_sizes=(64, 128), matmul_seconds=0.1, copy_bytes=
                          attention_shapes=((4, 32, 16), (4, 32, 8)),
                          overhead_seconds=0.1, overlap_bytes=2**20,
                          all_reduce_bytes=(4, 4096, 65536, 2**20), all_reduce_seconds=0.05,
+                         all_gather_bytes=(4096, 2**20),
                          timeout_s=90)
 
 
@@ -34,6 +35,8 @@ def test_calibrate_local_writes_a_loadable_plausible_profile(tmp_path):
     assert 28 <= dev.optimizer_bytes_per_param < 1000, dev.optimizer_bytes_per_param
     assert 1e-3 < link.bandwidth_gbps < 1e3 and 0.0 <= link.latency_s < 1e-2
     assert link.reduce_scatter_as_all_reduce  # gloo reduce-scatters as a whole all-reduce
+    assert 0.0 <= link.all_gather_latency_s < 1e-2  # gloo's in-step all-gather: its own alpha
+    assert set(profile["notes"]["all_gather_s_by_bytes"]) == {4096, 2**20}
     # the host terms: a graph node's dispatch costs microseconds (a block of 22 nodes forward
     # and backward); checkpointing adds to it; attention runs no faster than the linear layers
     # would let it by orders of magnitude; the overlap is a fraction

@@ -144,6 +144,25 @@ def test_reduce_scatter_costs_an_all_reduce_where_the_backend_runs_one():
         dataclasses.replace(link, reduce_scatter_as_all_reduce="yes")
 
 
+def test_an_all_gather_pays_its_own_measured_latency_where_the_link_sets_one():
+    link = dataclasses.replace(CPU.intra_node, latency_s=1e-3, bandwidth_gbps=1.0)
+    assert link.all_gather_latency_s is None  # the presets: the ring model's alpha
+    measured = dataclasses.replace(link, all_gather_latency_s=1.6e-3)
+    for n in (2, 4):
+        bandwidth = (n - 1) / n * 2**20 / 1e9
+        assert comm.all_gather_time_s(2**20, n, link) == pytest.approx(bandwidth + (n - 1) * 1e-3)
+        assert comm.all_gather_time_s(2**20, n, measured) == pytest.approx(
+            bandwidth + (n - 1) * 1.6e-3)
+        assert comm.ring_latency_s("all_gather", n, measured) == pytest.approx((n - 1) * 1.6e-3)
+        # the other collectives keep latency_s
+        assert comm.all_reduce_time_s(2**20, n, measured) == comm.all_reduce_time_s(2**20, n, link)
+        assert comm.p2p_time_s(2**20, measured) == comm.p2p_time_s(2**20, link)
+    cluster = dataclasses.replace(CPU, intra_node=measured)
+    assert Cluster.from_dict(cluster.to_dict()) == cluster
+    with pytest.raises(ValueError, match="all_gather_latency_s"):
+        dataclasses.replace(link, all_gather_latency_s=-1e-3)
+
+
 def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient_sum(traced):
     from autopar.planner.cost_tables import cost_tables, state_bytes
     from autopar.planner.strategies import tied_groups
