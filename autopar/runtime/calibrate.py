@@ -6,8 +6,8 @@ ranks (one torch thread each, as the tests run them) on 127.0.0.1 (:func:`autopa
 launch.launch`) measure all at once, sharing cores and memory as training does:
 
 * ``nn.Linear`` forward and backward (6·m·k·n FLOPs) at widths 64-1024, as a sustained
-  rate (:func:`_mean_time_s`, as every compute figure below), slowest rank: Hockney's r∞
-  and n½ over the smaller width (``peak_tflops``, ``gemm_half_dim``,
+  rate (:func:`~autopar.runtime.calibrate_comm.mean_time_s`, as every figure below),
+  slowest rank: Hockney's r∞ and n½ over the smaller width (``peak_tflops``, ``gemm_half_dim``,
   :func:`cost_models.compute.fit_half_performance`); ``matmul_efficiency`` 1.0;
 * causal ``scaled_dot_product_attention`` forward and backward (3 x 4·b·a·s²·hd FLOPs) at
   two head sizes, fitted the same way over min(s, hd) (``attention_*``);
