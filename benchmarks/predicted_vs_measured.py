@@ -5,9 +5,10 @@
 1. calibrates this machine three times and takes each number's median
    (``autopar.runtime.calibrate.calibrate_local(2)``: 1-thread fp32 linear-layer and
    attention rates with their half-performance lengths, per-node dispatch and checkpointing
-   overheads, copy bandwidth, the Adam step, gloo all-reduce alpha/beta and its overlap with compute) and
-   uses it as the cluster (``--save-cluster`` writes it as JSON; ``--cluster`` loads one
-   instead of calibrating, to re-run the same predictions);
+   overheads, copy bandwidth, the Adam step, gloo all-reduce alpha/beta, the all-gather's
+   alpha and the all-reduce's overlap with compute) and uses it as the cluster
+   (``--save-cluster`` writes it as JSON; ``--cluster`` loads one instead of calibrating, to
+   re-run the same predictions);
 2. plans each layout with ``autopar.plan(..., layout=...)`` (the Megatron-placement TP
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
    for comparison, in bf16 mixed precision as on GPUs;
@@ -30,10 +31,11 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import os
+import re
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -164,22 +166,23 @@ def placement_differences(a: autopar.Plan, b: autopar.Plan) -> list[str]:
 def main(save_cluster: str | None = None, cluster_path: str | None = None) -> None:
     start = time.perf_counter()
     if cluster_path:
-        profile = json.loads(open(cluster_path).read())
+        profile = json.loads(Path(cluster_path).read_text(encoding="utf-8"))
     else:
         profile = median_profile([calibrate_local(2) for _ in range(CALIBRATIONS)])
     if save_cluster:
-        with open(save_cluster, "w") as f:
-            json.dump(profile, f, indent=1)
+        Path(save_cluster).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
     cluster = Cluster.from_dict(profile)
     dev, link = cluster.device, cluster.intra_node
-    print(f"{'loaded ' + cluster_path if cluster_path else f'calibrated {CALIBRATIONS} times'} in {time.perf_counter() - start:.1f} s, medians: "
+    how = f"loaded {cluster_path}" if cluster_path else f"calibrated {CALIBRATIONS} times"
+    print(f"{how} in {time.perf_counter() - start:.1f} s, medians: "
           f"{dev.peak_tflops * 1e3:.1f} GFLOP/s "
           f"fp32 linear-layer GEMMs per rank (n½ {dev.gemm_half_dim:.0f} of the smallest "
           f"dimension), attention {dev.attention_tflops * 1e3:.1f} GFLOP/s (n½ "
           f"{dev.attention_half_dim:.0f} of min(s, hd)), "
-          f"{dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha {link.latency_s * 1e6:.0f} us, "
-          f"bus bandwidth {link.bandwidth_gbps:.2f} GB/s, overlap {dev.comm_overlap:.2f}; per graph "
-          f"node {dev.op_overhead_s * 1e6:.1f} us dispatch (x3 forward + backward), "
+          f"{dev.memory_bandwidth_gbps:.1f} GB/s copy, gloo alpha {link.latency_s * 1e6:.0f} us "
+          f"(all-gather {(link.all_gather_latency_s or link.latency_s) * 1e6:.0f} us), "
+          f"bus bandwidth {link.bandwidth_gbps:.2f} GB/s, overlap {dev.comm_overlap:.2f}; "
+          f"per graph node {dev.op_overhead_s * 1e6:.1f} us dispatch (x3 forward + backward), "
           f"{dev.recompute_overhead_s * 1e6:.1f} us checkpointing; Adam "
           f"{dev.optimizer_bytes_per_param:.0f} B/param")
     plans = make_plans(cluster)
@@ -215,7 +218,8 @@ def main(save_cluster: str | None = None, cluster_path: str | None = None) -> No
         apart = p < SIGNIFICANCE
         verdict = ("agrees" if ratio_m < 1 else "DISAGREES") if apart else "not told apart"
         disagree += apart and ratio_m >= 1
-        print(f"| {a} | {b} | {ratio_p:.3f} | {ratio_m:.3f} | {wins}/{TIMED} | {p:.3g} | {verdict} |")
+        print(f"| {a} | {b} | {ratio_p:.3f} | {ratio_m:.3f} | {wins}/{TIMED} | {p:.3g} | "
+              f"{verdict} |")
     print(f"predicted order on every pair the measurement tells apart: "
           f"{'agrees' if not disagree else f'{disagree} pair(s) disagree'}")
     gap = statistics.median(bf16[n].predicted.step_time_s / predicted[n] for n in plans)
