@@ -35,16 +35,16 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 """Kinds accepted by :func:`collective_time_s`."""
 
 
-def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, rounds: int,
-                 kind: str = "all_reduce") -> float:
-    """``rounds`` passes of (n-1) ring steps of collective ``kind`` over a message of
-    ``nbytes`` in total."""
+def _ring_time_s(nbytes: float, group_size: int, link: LinkSpec, kind: str) -> float:
+    """A ring collective of ``kind`` over a message of ``nbytes`` in total: its passes of
+    (n-1) ring steps (:func:`_rounds`), each step at its latency (:func:`_step_latency_s`)."""
     nbytes = check_non_negative("nbytes", nbytes)
     n = check_positive_int("group_size", group_size)
     if not isinstance(link, LinkSpec):
         raise ValueError(f"link must be a LinkSpec, got {type(link).__name__}")
     if n == 1 or nbytes == 0:
         return 0.0
+    rounds = _rounds(kind, link)
     bandwidth_term = rounds * (n - 1) / n * nbytes / link.bandwidth_bytes_per_s
     latency_term = rounds * (n - 1) * _step_latency_s(kind, link)
     return bandwidth_term + latency_term
@@ -63,7 +63,7 @@ def all_reduce_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
 
     ``2(n-1)/n * nbytes / bw + 2(n-1) * latency`` (Thakur et al. 2005; NCCL busbw).
     """
-    return _ring_time_s(nbytes, group_size, link, rounds=2)
+    return _ring_time_s(nbytes, group_size, link, "all_reduce")
 
 
 def all_gather_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
@@ -72,7 +72,7 @@ def all_gather_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
     ``(n-1)/n * nbytes / bw + (n-1) * latency`` (Thakur et al. 2005; NCCL busbw), with
     ``LinkSpec.all_gather_latency_s`` as the latency where it is set.
     """
-    return _ring_time_s(nbytes, group_size, link, rounds=1, kind="all_gather")
+    return _ring_time_s(nbytes, group_size, link, "all_gather")
 
 
 def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> float:
@@ -82,7 +82,7 @@ def reduce_scatter_time_s(nbytes: float, group_size: int, link: LinkSpec) -> flo
     all-reduce where the backend runs it as one (``LinkSpec.reduce_scatter_as_all_reduce``:
     gloo).
     """
-    return _ring_time_s(nbytes, group_size, link, rounds=_rounds("reduce_scatter", link))
+    return _ring_time_s(nbytes, group_size, link, "reduce_scatter")
 
 
 def _rounds(kind: str, link: LinkSpec) -> int:

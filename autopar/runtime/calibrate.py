@@ -206,9 +206,10 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     recompute = max(0.0, (blocks["checkpointed"] - blocks["plain"]) / nodes - overhead)
     adam = max(r["compute"]["optimizer_bytes_per_param"] for r in results)
     overlap = min(r["overlap"] for r in results)
-    times = {m: max(r["all_reduce_s"][m] for r in results) for m in results[0]["all_reduce_s"]}
+    def slowest_s(key):  # per message size, the slowest rank's seconds
+        return {m: max(r[key][m] for r in results) for m in results[0][key]}
+    times, gathers = slowest_s("all_reduce_s"), slowest_s("all_gather_s")
     alpha, bandwidth = fit_ring_all_reduce(times, processes)
-    gathers = {m: max(r["all_gather_s"][m] for r in results) for m in results[0]["all_gather_s"]}
     gather_alpha = fit_ring_latency(gathers, processes, 1, bandwidth)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / processes / 2**30
     nominal = Cluster.local_cpu(processes)

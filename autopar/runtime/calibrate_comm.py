@@ -28,6 +28,25 @@ def mean_time_s(fn, seconds: float, min_reps: int = 3) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def _agreed_burst(seconds: float, timing_window_s: float):
+    """A function running 256x256 fp32 matmuls for about ``seconds``: the count is timed on
+    each rank over ``timing_window_s`` and the least over the ranks taken, so every rank
+    runs the same burst."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    one = mean_time_s(lambda: torch.matmul(a, b), timing_window_s)
+    reps = torch.tensor([max(1, round(seconds / one))])
+    dist.all_reduce(reps, op=dist.ReduceOp.MIN)
+    count = int(reps.item())
+
+    def burst():
+        for _ in range(count):
+            torch.matmul(a, b)
+    return burst
+
+
 def measure_in_step_s(kind: str, sizes_bytes, gap_s: float, seconds: float) -> dict[int, float]:
     """Seconds per gloo collective of ``kind`` ("all_reduce" of a tensor of each size in
     ``sizes_bytes``, or "all_gather" into an output of that size, each rank contributing
@@ -41,13 +60,7 @@ def measure_in_step_s(kind: str, sizes_bytes, gap_s: float, seconds: float) -> d
     import torch.distributed as dist
 
     n_ranks = dist.get_world_size()
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    reps = torch.tensor([max(1, round(gap_s / mean_time_s(lambda: torch.matmul(a, b), 0.05)))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)  # every rank runs the same burst
-
-    def burst():
-        for _ in range(int(reps.item())):
-            torch.matmul(a, b)
+    burst = _agreed_burst(gap_s, 0.05)
     out = {}
     for nbytes in sizes_bytes:
         if kind == "all_reduce":
@@ -95,15 +108,9 @@ def measure_overlap(nbytes: int, trials: int = 5) -> float:
     import torch
     import torch.distributed as dist
 
-    x, a, b = torch.ones(nbytes // 4), torch.randn(256, 256), torch.randn(256, 256)
+    x = torch.ones(nbytes // 4)
     t_ar = _synced_median_s(lambda: dist.all_reduce(x), trials)
-    one = mean_time_s(lambda: torch.matmul(a, b), 0.1)
-    reps = torch.tensor([max(1, round(t_ar / one))])
-    dist.all_reduce(reps, op=dist.ReduceOp.MIN)
-
-    def burst():
-        for _ in range(int(reps.item())):
-            torch.matmul(a, b)
+    burst = _agreed_burst(t_ar, 0.1)
 
     def both():
         work = dist.all_reduce(x, async_op=True)
