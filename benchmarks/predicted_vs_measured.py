@@ -13,8 +13,12 @@
    variant re-priced with ``autopar.api.evaluate_plan``), priced in fp32 as executed and,
    for comparison, in bf16 mixed precision as on GPUs;
 3. runs every plan with ``autopar.parallelize`` in 2 spawned processes (one torch thread
-   each): AdamW, 2 warm-up rounds, then 21 timed rounds of one ``train_step`` of every
-   layout in turn, and takes per layout the median of the slowest rank's step;
+   each), 3 programs per layout (each with its own process groups: two programs of one
+   plan built in one process measured up to 11% apart over the same 21 rounds, their gloo
+   groups' speed varying), AdamW, 2 warm-up rounds, then 21 timed rounds of one
+   ``train_step`` of every program in turn; a layout's step in a round is the mean over its
+   programs of the slowest rank's step, and its measured step the median over rounds (the
+   spread of its programs' own medians is printed beside it);
 4. prints layout, predicted, measured, error and whether the predicted ranking of the
    layouts equals the measured one (median step per layout), then every pair of layouts:
    predicted and measured ratio (per round, so a slow spell of the host cancels), how many
@@ -50,6 +54,7 @@ from cost_models.hardware import Cluster
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=64)
 BATCH, SEQ, WARMUP, TIMED = 16, 64, 2, 21
+PROGRAMS = 3  # programs built per layout, each with its own process groups
 SIGNIFICANCE = 0.05  # a pair of layouts is told apart when the sign test's p-value is below this
 CALIBRATIONS = 3  # the cluster is the median of this many calibrations
 # name -> (tp, pp, dp, micro_batch_size, recompute, placements: "solver" (its placements and
@@ -83,31 +88,38 @@ def make_plans(cluster: Cluster) -> dict[str, autopar.Plan]:
     return plans
 
 
-def _measure(rank: int, world: int, plans: dict) -> dict[str, list[float]]:
-    """Per layout, the slowest rank's train_step (s) in each timed round.
-    Every layout's program is built first; each round then runs one step of every layout
-    in turn, so that a slow spell of the shared host falls on all layouts alike."""
+def _measure(rank: int, world: int, plans: dict) -> dict[str, list[list[float]]]:
+    """Per layout, per program built for it (``PROGRAMS``), the slowest rank's train_step
+    (s) in each timed round. Every program is built first, each with its own process
+    groups; each round then runs one step of every program in turn, so that a slow spell
+    of the shared host falls on all layouts alike."""
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g),
              torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g))
-    programs = {}
-    for name, plan in plans.items():
-        torch.manual_seed(0)
-        programs[name] = autopar.parallelize(
-            GPT(CONFIG), plan=plan, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    times: dict[str, list[float]] = {name: [] for name in plans}
+    programs = []
+    for copy in range(PROGRAMS):
+        for name, plan in plans.items():
+            torch.manual_seed(0)
+            programs.append((name, copy, autopar.parallelize(
+                GPT(CONFIG), plan=plan, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))))
+    times = {name: [[] for _ in range(PROGRAMS)] for name in plans}
     for step in range(WARMUP + TIMED):
-        for name, pm in programs.items():
+        for name, copy, pm in programs:
             dist.barrier()
             t0 = time.perf_counter()
             pm.train_step(*batch)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= WARMUP:
-                times[name].append(dt.item())
+                times[name][copy].append(dt.item())
     return times
+
+
+def per_round(times: list[list[float]]) -> list[float]:
+    """A layout's step in each round: the mean over its programs (``times[program][round]``)."""
+    return [statistics.fmean(steps) for steps in zip(*times)]
 
 
 def sign_test_p(wins: int, rounds: int) -> float:
@@ -193,19 +205,24 @@ def main(save_cluster: str | None = None, cluster_path: str | None = None) -> No
     bf16 = {n: evaluate_plan(_meta(), cluster, dataclasses.replace(p, dtype="bf16"))
             for n, p in plans.items()}
     load = os.getloadavg()[0]
-    rounds = launch(_measure, 2, plans, timeout_s=600, pg_timeout_s=600)[0]
+    by_program = launch(_measure, 2, plans, timeout_s=900, pg_timeout_s=600)[0]
+    rounds = {n: per_round(t) for n, t in by_program.items()}
     measured = {n: statistics.median(t) for n, t in rounds.items()}
+    spread = {n: (min(map(statistics.median, t)), max(map(statistics.median, t)))
+              for n, t in by_program.items()}
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
-          f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; median of {TIMED} rounds (a step of "
-          f"every layout in turn) after {WARMUP} warm-up; host load average {load:.2f} on "
+          f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; {PROGRAMS} programs per layout; "
+          f"median of {TIMED} rounds (a step of every program in turn; a layout's step is the "
+          f"mean of its programs') after {WARMUP} warm-up; host load average {load:.2f} on "
           f"{os.cpu_count()} CPUs before the run (other work shares the cores the ranks use)\n")
-    print("| layout | predicted fp32 (s) | measured (s) | error | predicted bf16 (s) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| layout | predicted fp32 (s) | measured (s) | error | its programs' medians (s) "
+          "| predicted bf16 (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for n in plans:
         err = (predicted[n] - measured[n]) / measured[n]
         print(f"| {n} | {predicted[n]:.4f} | {measured[n]:.4f} | {err:+.1%} | "
-              f"{bf16[n].predicted.step_time_s:.4f} |")
+              f"{spread[n][0]:.4f}..{spread[n][1]:.4f} | {bf16[n].predicted.step_time_s:.4f} |")
     ranks_p, ranks_m = _ranking(predicted), _ranking(measured)
     print(f"\npredicted ranking: {ranks_p}\nmeasured ranking:  {ranks_m}")
     print(f"rankings equal: {ranks_p == ranks_m}")
