@@ -17,7 +17,13 @@ It prints, for a GPT-2-small-sized model (autopar's GPT class) on ``cuda:0`` und
    (``torch.accelerator.max_memory_allocated``) against ``predicted.peak_memory_bytes``;
 4. tokens/s of the parallelized bf16 program against the same model's plain eager loop
    (``torch.autocast`` bf16, fp32 weights, AdamW; median of --steps steps after 3 warm-up
-   steps), and their ratio (the target: the parallelized program within 5%).
+   steps), and their ratio (the target: the parallelized program within 5%);
+5. issue 13's check: a few one-GPU bf16 plans (micro-batch size and recompute varied), each
+   its step time (median, as above) and the caching allocator's peak reservation
+   (``torch.accelerator.max_memory_reserved``) against the plan's predicted step time and
+   the allocator's predicted share (peak + temporaries + fragmentation: the memory reserve
+   less the CUDA context, NCCL buffers and headroom, which live outside the allocator); the
+   check is that every plan's reservation stays within that share.
 
 Exit status 0 when every check holds, 1 otherwise. Nothing here runs on a CPU-only host
 (it exits 2 saying so).
@@ -65,12 +71,15 @@ def _model(config: GPTConfig, dtype=torch.float32) -> GPT:
     return GPT(config).to(dtype)
 
 
-def _plan(config: GPTConfig, batch: int, seq: int, dtype: str) -> autopar.Plan:
+def _plan(config: GPTConfig, batch: int, seq: int, dtype: str,
+          **layout) -> autopar.Plan:
+    """A one-GPU plan (tp = pp = dp = 1) priced on the DGX H100 preset; ``layout`` pins more
+    of :class:`autopar.Layout` (micro_batch_size, recompute)."""
     with torch.device("meta"):
         meta = GPT(config)
     one_gpu = dataclasses.replace(autopar.Cluster.dgx_h100(1), gpus_per_node=1, dtype=dtype)
     return autopar.plan(meta, one_gpu, global_batch_size=batch, seq_len=seq,
-                        layout=autopar.Layout(tp=1, pp=1, dp=1, dtype=dtype))
+                        layout=autopar.Layout(tp=1, pp=1, dp=1, dtype=dtype, **layout))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -166,6 +175,54 @@ def check_bf16(config, args, device) -> bool:
     return ok
 
 
+ALLOCATOR_OUTSIDE = ("cuda_context", "nccl_buffers", "headroom")
+"""Kinds of the memory reserve held outside PyTorch's caching allocator."""
+
+
+def plan_variants(batch: int) -> list[dict]:
+    """The one-GPU layouts issue 13 measures: the whole batch in one micro-batch and in
+    micro-batches of 1, without recompute, with selective and with full recompute."""
+    return [dict(micro_batch_size=batch, recompute="none"),
+            dict(micro_batch_size=batch, recompute="selective"),
+            dict(micro_batch_size=batch, recompute="full"),
+            dict(micro_batch_size=1, recompute="none")]
+
+
+def check_plans(config, args, device) -> bool:
+    """bf16 plans on one GPU: measured step time and allocator reservation against the
+    prediction (issue 13). False when a plan reserves more than its predicted allocator
+    share (peak + temporaries + fragmentation)."""
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-4)
+    data = _batches(config, args.batch, args.seq_len, args.steps + 3, device)
+    on_gpu = device.type != "cpu"
+    ok = True
+    print("| micro_batch_size | recompute | predicted step (s) | measured step (s) | error | "
+          "predicted peak (GiB) | predicted allocator share (GiB) | max_memory_reserved (GiB) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for layout in plan_variants(args.batch):
+        plan = _plan(config, args.batch, args.seq_len, "bf16", **layout)
+        if on_gpu:
+            torch.accelerator.empty_cache()
+            torch.accelerator.reset_peak_memory_stats(device)
+        pm = autopar.parallelize(_model(config), plan=plan, optimizer=adamw)
+        measured_s = _time_steps(pm.train_step, data, device)
+        reserved = torch.accelerator.max_memory_reserved(device) if on_gpu else None
+        predicted = plan.predicted
+        reserve = predicted.memory_reserve_bytes_by_stage[0]
+        share = predicted.peak_memory_bytes + sum(
+            v for k, v in reserve.items() if k not in ALLOCATOR_OUTSIDE)
+        ok &= reserved is None or reserved <= share
+        measured_gib = "n/a" if reserved is None else f"{reserved / 2**30:.2f}"
+        recompute = ",".join(sorted(set(plan.recompute)))  # one per layer
+        print(f"| {plan.micro_batch_size} | {recompute} | {predicted.step_time_s:.4f} | "
+              f"{measured_s:.4f} | {(predicted.step_time_s - measured_s) / measured_s:+.1%} | "
+              f"{predicted.peak_memory_bytes / 2**30:.2f} | {share / 2**30:.2f} | "
+              f"{measured_gib} |")
+        del pm
+    print(f"every plan's reservation within its predicted allocator share: {ok}")
+    return ok
+
+
 def main() -> int:
     args = _args()
     if torch.accelerator.current_accelerator() is None:
@@ -182,6 +239,7 @@ def main() -> int:
     try:
         ok = check_verify(config, args, device)
         ok &= check_bf16(config, args, device)
+        ok &= check_plans(config, args, device)
     finally:
         dist.destroy_process_group()
     print("gpu_check:", "every check holds" if ok else "a check FAILED")
