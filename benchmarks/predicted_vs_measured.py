@@ -14,8 +14,8 @@
    for comparison, in bf16 mixed precision as on GPUs;
 3. runs every plan with ``autopar.parallelize`` in 2 spawned processes (one torch thread
    each), 3 programs per layout (each with its own process groups: two programs of one
-   plan built in one process measured up to 11% apart over the same 21 rounds, their gloo
-   groups' speed varying), AdamW, 2 warm-up rounds, then 21 timed rounds of one
+   plan built in one process measured up to 11% apart over the same 21 rounds, mostly in
+   the time their collectives took), AdamW, 2 warm-up rounds, then 21 timed rounds of one
    ``train_step`` of every program in turn; a layout's step in a round is the mean over its
    programs of the slowest rank's step, and its measured step the median over rounds (the
    spread of its programs' own medians is printed beside it);
