@@ -45,6 +45,7 @@ import torch.distributed as dist
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime import device as rank_device_module
+from cost_models.reserve import MemoryReserve
 
 
 def _args() -> argparse.Namespace:
@@ -175,8 +176,9 @@ def check_bf16(config, args, device) -> bool:
     return ok
 
 
-ALLOCATOR_OUTSIDE = ("cuda_context", "nccl_buffers", "headroom")
-"""Kinds of the memory reserve held outside PyTorch's caching allocator."""
+ALLOCATOR_OUTSIDE = tuple(MemoryReserve().fixed_bytes(0))
+"""Kinds of the memory reserve held outside PyTorch's caching allocator: its fixed part
+(CUDA context, NCCL buffers, headroom; :meth:`MemoryReserve.fixed_bytes`)."""
 
 
 def plan_variants(batch: int) -> list[dict]:

@@ -208,8 +208,7 @@ def main(save_cluster: str | None = None, cluster_path: str | None = None) -> No
     by_program = launch(_measure, 2, plans, timeout_s=900, pg_timeout_s=600)[0]
     rounds = {n: per_round(t) for n, t in by_program.items()}
     measured = {n: statistics.median(t) for n, t in rounds.items()}
-    spread = {n: (min(map(statistics.median, t)), max(map(statistics.median, t)))
-              for n, t in by_program.items()}
+    program_medians = {n: [statistics.median(steps) for steps in t] for n, t in by_program.items()}
     predicted = {n: p.predicted.step_time_s for n, p in plans.items()}
     print(f"\nGPT L={CONFIG.n_layer} h={CONFIG.n_embd} a={CONFIG.n_head} V={CONFIG.vocab_size}, "
           f"global batch {BATCH}, seq {SEQ}, world 2, AdamW; {PROGRAMS} programs per layout; "
@@ -222,7 +221,8 @@ def main(save_cluster: str | None = None, cluster_path: str | None = None) -> No
     for n in plans:
         err = (predicted[n] - measured[n]) / measured[n]
         print(f"| {n} | {predicted[n]:.4f} | {measured[n]:.4f} | {err:+.1%} | "
-              f"{spread[n][0]:.4f}..{spread[n][1]:.4f} | {bf16[n].predicted.step_time_s:.4f} |")
+              f"{min(program_medians[n]):.4f}..{max(program_medians[n]):.4f} | "
+              f"{bf16[n].predicted.step_time_s:.4f} |")
     ranks_p, ranks_m = _ranking(predicted), _ranking(measured)
     print(f"\npredicted ranking: {ranks_p}\nmeasured ranking:  {ranks_m}")
     print(f"rankings equal: {ranks_p == ranks_m}")
