@@ -25,9 +25,10 @@ distributed run should reproduce (up to rounding).
 Checkpoints: ``--checkpoint-dir DIR`` saves the whole training state every
 ``--checkpoint-every`` steps into ``DIR/step_NNNNNN`` (a ``torch.distributed.checkpoint``
 directory per save, written by every rank: parameters, optimizer states, the step count, the
-RNG streams and the data position); ``--resume`` loads the latest complete one (the one
-with the highest step that has its ``.metadata`` file) and continues from its step, with the
-same batches an uninterrupted run would draw. The checkpoint holds the model under its
+RNG streams and the data position; whole or absent: staged, then renamed into place with a
+manifest of checksums); ``--resume`` loads the newest complete one, skipping (and naming)
+newer ones a crash left incomplete or that are damaged, and continues from its step, with
+the same batches an uninterrupted run would draw. The checkpoint holds the model under its
 original parameter names, so the resumed run may use another plan or world size::
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 100 --checkpoint-dir ckpt
@@ -193,13 +194,6 @@ def train(step_fn, tokens: torch.Tensor, args: argparse.Namespace, rank: int,
     return losses
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The complete checkpoint (``step_NNNNNN`` with its ``.metadata``, which DCP writes
-    last) of the highest step in ``directory``, or None."""
-    done = sorted(p for p in directory.glob("step_*") if (p / ".metadata").is_file())
-    return done[-1] if done else None
-
-
 def save_every(parallel, args: argparse.Namespace, rank: int, step: int) -> None:
     """After step ``step``: every ``--checkpoint-every`` steps save the training state with
     the data position (the next step; batches are a function of the step and the seed)."""
@@ -214,18 +208,24 @@ def save_every(parallel, args: argparse.Namespace, rank: int, step: int) -> None
 
 
 def resume(parallel, args: argparse.Namespace, rank: int) -> int:
-    """Load the latest checkpoint of ``--checkpoint-dir``; returns the step to start from
-    (0 when there is none). Raises SystemExit if it was made with another ``--seed``."""
-    path = latest_checkpoint(args.checkpoint_dir)
-    if path is None:
-        if rank == 0:
-            print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
-        return 0
-    extra = parallel.load_checkpoint(path)
-    if extra["seed"] != args.seed:
-        raise SystemExit(f"{path} was trained with --seed {extra['seed']}, not {args.seed}")
+    """Load the newest complete checkpoint of ``--checkpoint-dir``, skipping (and saying
+    why) newer ones that a crash left incomplete or that are damaged; returns the step to
+    start from (0 when there is none). Raises SystemExit if it was made with another
+    ``--seed``."""
+    loaded = parallel.load_latest_checkpoint(args.checkpoint_dir)
     if rank == 0:
-        print(f"resumed from {path} at step {extra['next_step']}", flush=True)
+        for path, why in loaded.skipped:
+            print(f"skipped checkpoint {path}: {why}", flush=True)
+    if loaded.path is None:
+        if rank == 0:
+            print(f"no complete checkpoint in {args.checkpoint_dir}: starting at step 0",
+                  flush=True)
+        return 0
+    extra = loaded.extra
+    if extra["seed"] != args.seed:
+        raise SystemExit(f"{loaded.path} was trained with --seed {extra['seed']}, not {args.seed}")
+    if rank == 0:
+        print(f"resumed from {loaded.path} at step {extra['next_step']}", flush=True)
     return extra["next_step"]
 
 

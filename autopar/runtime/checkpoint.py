@@ -1,4 +1,6 @@
-"""Checkpoints that move between plans, on ``torch.distributed.checkpoint`` (DCP).
+"""Checkpoints that move between plans, on ``torch.distributed.checkpoint`` (DCP), whole or
+absent (:mod:`autopar.runtime.checkpoint_files`: staged, a manifest of SHA-256 digests
+written last, renamed into place; checked against it on load).
 
 A checkpoint saved under one plan (tp, pp, dp, ZeRO stage, schedule, world size) loads
 under any other plan of the same model: everything is stored under the ORIGINAL model's
@@ -48,7 +50,9 @@ Megatron-LM's distributed optimizer (``megatron/core/optimizer/distrib_optimizer
 each DP rank saves its flattened range of each parameter (a ShardedTensor with a
 ``flattened_range``) in model space; DCP's chunks are boxes of the original shape, which
 a flat range crossing rows is not (Megatron's ``dp_zero_gather_scatter`` gathers to DP
-rank 0 as well; ``dp_reshardable`` stores the flat buffer and needs the same d).
+rank 0 as well; ``dp_reshardable`` stores the flat buffer and needs the same d). The
+manifest reads every written file once more (SHA-256, each rank 1/N of the files) on a
+save, and again on a load, before DCP reads them.
 
 Not saved: gradients (the next step recomputes them), buffers that are not parameters
 (constants of the model's constructor: attention masks, rotary tables), LR schedulers
@@ -57,249 +61,225 @@ Not saved: gradients (the next step recomputes them), buffers that are not param
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from autopar.rewrite.tensor_parallel import ShardSpec
-from autopar.runtime.full_state import whole_over_tp
+from autopar.runtime.checkpoint_files import (CheckpointError, CheckpointWarning, commit,
+                                              latest_checkpoint, on_rank0, resolve_checkpoint,
+                                              staging_dir, verify_checkpoint, write_manifest)
+from autopar.runtime.checkpoint_state import (META_KEY, check_fits, checkpoint_keys,
+                                              dcp_metadata, from_loaded, layout_of, local_keys,
+                                              optim_key, rank_state_dict, rng_key, rng_state,
+                                              set_rng_state, template)
+from autopar.runtime.health import CollectiveError, as_collective_error
 from autopar.runtime.shard_state import dp_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "export_consolidated", "load_full_state_dict",
-           "checkpoint_keys", "META_KEY", "FORMAT_VERSION"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "LoadedCheckpoint",
+           "checkpoint_keys", "CheckpointError", "CheckpointWarning", "META_KEY",
+           "FORMAT_VERSION"]
 
-META_KEY = "autopar.meta"
-RESERVED = ("optim.", "autopar.")  # key prefixes that are not model parameters
-FORMAT_VERSION = 1
-
-
-def _rng_key(rank: int) -> str:
-    return f"autopar.rng.rank{rank}"
+FORMAT_VERSION = 2  # 2: staged saves committed with a manifest (checkpoint_files)
 
 
-def _optim_key(state: str, key: str) -> str:
-    return f"optim.{state}.{key}"
+def _writer(path: Path) -> FileSystemWriter:
+    """The DCP storage writer of a save's staging directory ``path`` (the fault-injection
+    tests wrap it to kill or stop a rank inside the write phase)."""
+    return FileSystemWriter(path)
 
 
-def _layout(pm) -> dict:
-    g = pm.groups
-    return {"tp": g.tp, "pp": g.pp, "dp": g.dp, "world_size": g.world_size,
-            "zero_stage": pm.dp_optimizer.zero_stage, "schedule": pm.schedule}
+def _peer_failure(exc: BaseException) -> BaseException:
+    """``exc``, or for DCP's CheckpointException (a BaseException carrying each failed
+    rank's exception) the first rank's exception, a communication failure first."""
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = [e for e, _ in exc.failures.values()]
+    comm = [e for e in failures if as_collective_error(e, None, 0, None) is not None]
+    return (comm or failures or [exc])[0]
 
 
-def _local_keys(pm) -> dict[str, tuple[ShardSpec, list[str]]]:
-    """Original key -> (its ShardSpec, this rank's parameter names holding it), sorted."""
-    out: dict[str, tuple[ShardSpec, list[str]]] = {}
-    for name, spec in sorted(pm.shards.items()):
-        if spec.key.startswith(RESERVED):
-            raise ValueError(f"parameter {spec.key!r} starts with a prefix autopar checkpoints "
-                             f"reserve ({RESERVED}); rename the module")
-        out.setdefault(spec.key, (spec, []))[1].append(name)
+@contextlib.contextmanager
+def _named_failures(pm, what: str, path, step: int):
+    """Re-raise what a save or load raised (DCP's CheckpointException, a BaseException,
+    included) as CollectiveError (a peer died, or did not reach a collective within the
+    groups' timeout) or CheckpointError (a file could not be read or written), naming
+    ``what`` (e.g. "saving checkpoint"), ``path``, the rank and the step. Our own typed
+    errors, ValueError and NotImplementedError pass unchanged."""
+    try:
+        yield
+    except (CheckpointError, CollectiveError, ValueError, NotImplementedError):
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised, typed
+        cause = _peer_failure(exc)
+        axes = {pm.groups.checkpoint_group.group_name: "checkpoint", **pm.groups.axis_names()}
+        comm = as_collective_error(cause, None, step, pm.groups.timeout, axes)
+        if comm is not None:
+            raise CollectiveError(f"{what} {path}: {comm}") from exc
+        file = getattr(cause, "filename", None)
+        raise CheckpointError(f"{what} {path} failed on rank {pm.groups.rank} at step {step}"
+                              + (f" in file {file}" if file else "")
+                              + f": {type(cause).__name__}: {cause}") from exc
+
+
+def _wait_for_pending_save(pm) -> None:
+    """Finish an asynchronous save still writing (its collectives share the checkpoint
+    group: the next save or load must not interleave with them)."""
+    future, pm.pending_save = pm.pending_save, None
+    if future is not None:
+        future.result()
+
+
+def _then(first: Future, then: Callable[[], None]) -> Future:
+    """A Future done when ``first`` is and ``then()`` has run after it (not run when
+    ``first`` failed; either exception is the returned Future's)."""
+    out: Future = Future()
+
+    def finish(done: Future) -> None:
+        try:
+            done.result()
+            then()
+            out.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's .result()
+            out.set_exception(exc)
+    first.add_done_callback(finish)
     return out
 
 
-def _full_shape(spec: ShardSpec, local_shape: torch.Size, tp: int) -> torch.Size:
-    """The original tensor's shape from a TP-local shape."""
-    shape = list(local_shape)
-    if spec.dim is not None:
-        shape[spec.dim] *= tp
-    return torch.Size(shape)
-
-
-def _is_split(spec: ShardSpec, tp: int) -> bool:
-    """Stored as a TP-sharded DTensor (a plain contiguous split over tp > 1 ranks)."""
-    return spec.dim is not None and tp > 1 and not spec.blocks
-
-
-def _tp_dtensor(pm, spec: ShardSpec, local: torch.Tensor, shape: torch.Size) -> DTensor:
-    """``local``, this TP rank's ``Shard(spec.dim)`` of a tensor of ``shape``, as a DTensor
-    on the TP sub-mesh."""
-    return DTensor.from_local(local.contiguous(), pm.groups.device_mesh["tp"], [Shard(spec.dim)],
-                              run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
-
-
-def _to_saved(pm, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
-    """This rank's TP-local tensor (whole over DP) as the value DCP saves for its key."""
-    g = pm.groups
-    if _is_split(spec, g.tp):
-        return _tp_dtensor(pm, spec, local, _full_shape(spec, local.shape, g.tp))
-    return whole_over_tp(local, spec, g)  # replicated as is; fused blocks all-gathered
-
-
-def _template(pm, spec: ShardSpec, md: TensorStorageMetadata,
-              device: torch.device) -> torch.Tensor:
-    """An empty tensor on ``device`` that DCP fills with this rank's part of a saved key."""
-    g, dtype = pm.groups, md.properties.dtype
-    if md.size == torch.Size([]) or not _is_split(spec, g.tp):
-        return torch.empty(md.size, dtype=dtype, device=device)
-    local = list(md.size)
-    local[spec.dim] //= g.tp
-    return _tp_dtensor(pm, spec, torch.empty(local, dtype=dtype, device=device), md.size)
-
-
-def _from_loaded(pm, spec: ShardSpec, value: torch.Tensor) -> torch.Tensor:
-    """The TP-local tensor of a loaded value (``_template``'s DTensor or a whole tensor)."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if value.dim() == 0:
-        return value
-    return spec.local(value, pm.groups.tp_rank, pm.groups.tp)
-
-
-def _rng_state(pm) -> dict:
-    """This rank's generator states: the default (CPU) generator, the parameters'
-    accelerator generator if any, and the tracker's streams."""
-    device = next(pm.stage_module.parameters()).device
-    accel = torch.get_device_module(device.type).get_rng_state(device) \
-        if device.type != "cpu" else None
-    tracker = pm.rng_tracker
-    return {"default": torch.default_generator.get_state(), "device": accel,
-            "streams": tracker.get_states() if tracker is not None else {}}
-
-
-def _set_rng_state(pm, state: dict) -> None:
-    torch.default_generator.set_state(state["default"])
-    if state["device"] is not None:
-        device = next(pm.stage_module.parameters()).device
-        torch.get_device_module(device.type).set_rng_state(state["device"], device)
-    tracker = pm.rng_tracker
-    if tracker is not None and state["streams"]:
-        tracker.set_states(state["streams"])
-
-
-def _state_dict(pm) -> dict[str, Any]:
-    """The DCP state dict of this rank: the i-th of its stage's keys (sorted) is made whole
-    over DP on DP rank i mod d, which alone holds it (collective over DP and, for fused
-    blocks, TP)."""
-    adapter, params = dp_state(pm.dp_optimizer), dict(pm.stage_module.named_parameters())
-    sd: dict[str, Any] = {}
-    for i, (key, (spec, names)) in enumerate(_local_keys(pm).items()):
-        p, owner = params[names[0]], i % pm.groups.dp
-        value = adapter.param(p, owner)
-        states = adapter.states(p, owner)
-        if value is None:  # another DP rank holds this key
-            continue
-        sd[key] = _to_saved(pm, spec, value)
-        for state, v in states.items():
-            sd[_optim_key(state, key)] = v if v.dim() == 0 else _to_saved(pm, spec, v)
-    return sd
+def _meta(pm, extra: dict | None) -> bytes:
+    group = pm.optimizer.param_groups[0]
+    return pickle.dumps({
+        "format_version": FORMAT_VERSION, "steps_done": pm.steps_done,
+        "layout": layout_of(pm), "optimizer": type(pm.optimizer).__name__,
+        "param_groups": {k: v for k, v in group.items() if k != "params"},
+        "tied_aliases": dict(pm.tied_aliases), "extra": dict(extra or {})})
 
 
 def save_checkpoint(pm, path: str | os.PathLike, *, extra: dict | None = None,
-                    async_save: bool = False):
-    """Save ``pm``'s training state to the DCP checkpoint directory ``path`` (see the module
+                    async_save: bool = False) -> Future | None:
+    """Save ``pm``'s training state to the checkpoint directory ``path`` (see the module
     docstring for the keys): parameters (fp32 master values under bf16), optimizer states,
     ``pm.steps_done``, every rank's RNG state and the user's ``extra`` dict (e.g. the data
     position; pickled, taken from rank 0).
 
-    Collective over the whole world: every rank calls it with the same ``path``, between
-    steps. ``async_save``: the state is gathered and staged to CPU memory here, the files
-    are written by a background thread (``dcp.async_save``) over a gloo process group of
-    its own (made on the first async save, collectively, and kept on ``pm``); returns the
-    ``concurrent.futures.Future`` of that write: call ``.result()`` before the next save
-    (and before reading the checkpoint). Synchronous saves return None.
+    Whole or absent (:mod:`autopar.runtime.checkpoint_files`): the files are written into a
+    staging directory beside ``path``, a manifest of their sizes and SHA-256 digests is
+    written last, and the directory is renamed into place; a crash at any moment leaves the
+    checkpoint that was at ``path`` (if any) intact and loadable, never a mix.
 
-    Raises ValueError for a parameter whose key starts with ``optim.`` or ``autopar.``,
-    NotImplementedError for an optimizer state that is not a tensor.
+    Collective over the whole world (``pm.groups.checkpoint_group``, with the timeout given
+    to ``parallelize``): every rank calls it with the same ``path``, between steps.
+    ``async_save``: the state is gathered and staged to CPU memory here, the files are
+    written, hashed and committed by a background thread (``dcp.async_save``); returns the
+    ``concurrent.futures.Future`` of that work (the next save or load waits for it; call
+    ``.result()`` before reading the checkpoint yourself). Synchronous saves return None.
+
+    Raises:
+        ValueError: a parameter whose key starts with ``optim.`` or ``autopar.``.
+        NotImplementedError: an optimizer state that is not a tensor.
+        CollectiveError: a peer died or did not reach a collective within the timeout
+            (naming the path, the step, the rank and the collective).
+        CheckpointError: a file could not be written (naming it).
     """
-    sd = _state_dict(pm)
-    if pm.groups.rank == 0:
-        group = pm.optimizer.param_groups[0]
-        sd[META_KEY] = pickle.dumps({
-            "format_version": FORMAT_VERSION, "steps_done": pm.steps_done,
-            "layout": _layout(pm), "optimizer": type(pm.optimizer).__name__,
-            "param_groups": {k: v for k, v in group.items() if k != "params"},
-            "tied_aliases": dict(pm.tied_aliases), "extra": dict(extra or {})})
-    sd[_rng_key(pm.groups.rank)] = pickle.dumps(_rng_state(pm))
-    if not async_save:
-        dcp.save(sd, checkpoint_id=str(path))
-        return None
-    if pm.checkpoint_group is None:
-        pm.checkpoint_group = dist.new_group(backend="gloo")
-    return dcp.async_save(sd, checkpoint_id=str(path), process_group=pm.checkpoint_group)
+    _wait_for_pending_save(pm)
+    target, step, group = Path(path), pm.steps_done, pm.groups.checkpoint_group
+    with _named_failures(pm, "saving checkpoint", target, step):
+        staging = staging_dir(target, group)
+        sd = rank_state_dict(pm)
+        if pm.groups.rank == 0:
+            sd[META_KEY] = _meta(pm, extra)
+        sd[rng_key(pm.groups.rank)] = pickle.dumps(rng_state(pm))
+
+        def finish() -> None:
+            with _named_failures(pm, "saving checkpoint", target, step):
+                write_manifest(staging, step, group)
+                commit(staging, target, group)
+        if not async_save:
+            dcp.save(sd, storage_writer=_writer(staging), process_group=group)
+            finish()
+            return None
+        written = dcp.async_save(sd, storage_writer=_writer(staging), process_group=group)
+    pm.pending_save = _then(written, finish)
+    return pm.pending_save
 
 
-def _metadata(path: str | os.PathLike) -> dict:
-    """DCP's per-key metadata of the checkpoint at ``path`` (its ``.metadata`` file)."""
-    if not (Path(path) / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} holds no DCP checkpoint (no .metadata file); pass the "
-                                "directory save_checkpoint wrote")
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except (RuntimeError, TypeError, ValueError):  # tensors of several elements, ...
+        return repr(a) != repr(b)
 
 
-def _sizes(md: dict) -> dict[str, torch.Size | None]:
-    return {k: (v.size if isinstance(v, TensorStorageMetadata) else None) for k, v in md.items()}
-
-
-def checkpoint_keys(path: str | os.PathLike) -> dict[str, torch.Size | None]:
-    """Every key of the checkpoint at ``path`` with its shape (None: a pickled object).
-    Local (reads the ``.metadata`` file). Raises FileNotFoundError if there is none."""
-    return _sizes(_metadata(path))
-
-
-def _check_fits(pm, path, keys: dict, meta: dict) -> None:
-    """Raise ValueError (the same on every rank) unless the checkpoint holds exactly this
-    model's parameters in its shapes, and the same optimizer. Collective over the world."""
-    local = {}
-    params = dict(pm.stage_module.named_parameters())
-    for key, (spec, names) in _local_keys(pm).items():
-        local[key] = tuple(_full_shape(spec, params[names[0]].shape, pm.groups.tp))
-    everyone: list = [None] * pm.groups.world_size
-    dist.all_gather_object(everyone, local)
-    expected = {k: v for part in everyone for k, v in part.items()}
-    saved = {k: (tuple(v) if v is not None else None) for k, v in keys.items()
-             if not k.startswith(RESERVED)}
-    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-    shapes = [f"{k}: checkpoint {saved[k]} vs model {expected[k]}"
-              for k in sorted(set(saved) & set(expected)) if saved[k] != expected[k]]
-    problems = ([f"{len(missing)} parameter(s) missing from the checkpoint ({missing[:3]})"]
-                if missing else []) + \
-        ([f"{len(unexpected)} parameter(s) the model lacks ({unexpected[:3]})"]
-         if unexpected else []) + ([f"other shapes ({'; '.join(shapes[:3])})"] if shapes else [])
-    if problems:
-        raise ValueError(f"checkpoint {path} is not of this model: {', '.join(problems)}; load "
-                         "it into the model it was saved from (any plan of it works), or load "
-                         "matching weights with load_full_state_dict")
-    has_optim = any(k.startswith("optim.") for k in keys)
-    if has_optim and meta["optimizer"] != type(pm.optimizer).__name__:
-        raise ValueError(f"checkpoint {path} holds {meta['optimizer']} state but the model "
-                         f"trains with {type(pm.optimizer).__name__}; parallelize with the same "
-                         "optimizer, or load only the weights with load_full_state_dict")
+def _warn_on_load(pm, path: Path, meta: dict, rng_restored: bool) -> None:
+    """The documented, intended behaviours a user may not expect, said once (rank 0)."""
+    if pm.groups.rank != 0:
+        return
+    if not rng_restored:
+        warnings.warn(f"{path} was saved under tp/pp/dp {[meta['layout'][k] for k in ('tp', 'pp', 'dp')]}"
+                      f", this program runs {[layout_of(pm)[k] for k in ('tp', 'pp', 'dp')]}: the "
+                      "RNG states are per rank, so they are not restored and dropout masks "
+                      "restart from this run's seed (losses differ from an uninterrupted run "
+                      "only through dropout)", CheckpointWarning, stacklevel=3)
+    group = pm.optimizer.param_groups[0]
+    changed = [f"{k} {group[k]!r} -> {v!r}" for k, v in meta["param_groups"].items()
+               if k in group and _differs(group[k], v)]
+    if changed:
+        warnings.warn(f"{path} sets the optimizer's hyperparameters it was saved with "
+                      f"({', '.join(changed)}), replacing those of the optimizer given to "
+                      "parallelize (the checkpoint carries the schedule's state); set "
+                      "pm.optimizer.param_groups after load_checkpoint to override",
+                      CheckpointWarning, stacklevel=3)
 
 
 def load_checkpoint(pm, path: str | os.PathLike) -> dict:
     """Load a checkpoint of :func:`save_checkpoint`, saved under any plan of the same model,
     into ``pm``; returns the ``extra`` dict given at save time.
 
-    Collective over the whole world. Writes the parameters (ZeRO-1/2: the bf16 buffer
-    rounded, the fp32 master slice exact; ZeRO-3: the FSDP2 shards), replaces the optimizer
-    states (creating them when the optimizer has not stepped yet; names and dtypes from the
-    checkpoint) and its hyperparameters (``param_groups``: lr, ...), and restores
-    ``pm.steps_done``. RNG states are per rank: they are restored only when (tp, pp, dp)
-    equal the saved layout; otherwise the generators keep this run's seeds (dropout masks
-    then differ from an uninterrupted run; losses without dropout do not).
+    Collective over the whole world (``pm.groups.checkpoint_group``, with the timeout given
+    to ``parallelize``). First every file is checked against the manifest (existence and
+    size on every rank, SHA-256 split over the ranks); then writes the parameters (ZeRO-1/2:
+    the bf16 buffer rounded, the fp32 master slice exact; ZeRO-3: the FSDP2 shards),
+    replaces the optimizer states (creating them when the optimizer has not stepped yet;
+    names and dtypes from the checkpoint) and its hyperparameters (``param_groups``: lr,
+    ...; a :class:`CheckpointWarning` names those that differ from the optimizer given to
+    ``parallelize``), and restores ``pm.steps_done``. RNG states are per rank: they are
+    restored only when (tp, pp, dp) equal the saved layout; otherwise the generators keep
+    this run's seeds (a CheckpointWarning says so: dropout masks then differ from an
+    uninterrupted run; losses without dropout do not). A ``path`` that an interrupted save
+    left missing loads the previous checkpoint that save had set aside (with a warning).
 
-    Raises FileNotFoundError (no checkpoint at ``path``) and ValueError (another model:
-    missing or extra parameters, other shapes, another optimizer class), on every rank
-    before any state is modified.
+    Raises, on every rank alike and before any state is modified:
+        CheckpointError: no checkpoint at ``path``, an incomplete one (no manifest), or a
+            file missing, truncated or changed (naming the file).
+        ValueError: another model (missing or extra parameters, other shapes, another
+            optimizer class).
+        CollectiveError: a peer died or did not reach a collective within the timeout.
     """
-    md = _metadata(path)
-    keys = _sizes(md)
+    _wait_for_pending_save(pm)
+    group = pm.groups.checkpoint_group
+    with _named_failures(pm, "loading checkpoint", path, pm.steps_done):
+        found = Path(on_rank0(lambda: str(resolve_checkpoint(path)), group, f"reading {path}"))
+        verify_checkpoint(found, group)
+        return _load_verified(pm, found, group)
+
+
+def _load_verified(pm, path: Path, group) -> dict:
+    md = dcp_metadata(path)
+    keys = {k: getattr(v, 'size', None) for k, v in md.items()}
     meta_sd: dict[str, Any] = {META_KEY: b""}
-    dcp.load(meta_sd, checkpoint_id=str(path))
+    dcp.load(meta_sd, checkpoint_id=str(path), process_group=group)
     meta = pickle.loads(meta_sd[META_KEY])
-    _check_fits(pm, path, keys, meta)
+    check_fits(pm, path, keys, meta)
     params = dict(pm.stage_module.named_parameters())
-    local = _local_keys(pm)
+    local = local_keys(pm)
     states_of: dict[str, list[str]] = {}
     for k in keys:
         if k.startswith("optim."):
@@ -308,89 +288,68 @@ def load_checkpoint(pm, path: str | os.PathLike) -> dict:
     sd: dict[str, Any] = {}
     for key, (spec, names) in local.items():
         device = params[names[0]].device
-        sd[key] = _template(pm, spec, md[key], device)
+        sd[key] = template(pm, spec, md[key], device)
         for state in states_of.get(key, []):
-            sd[_optim_key(state, key)] = _template(pm, spec, md[_optim_key(state, key)], device)
-    rng_key = _rng_key(pm.groups.rank)
-    same_layout = all(meta["layout"][k] == v for k, v in _layout(pm).items()
+            sd[optim_key(state, key)] = template(pm, spec, md[optim_key(state, key)], device)
+    rank_rng = rng_key(pm.groups.rank)
+    same_layout = all(meta["layout"][k] == v for k, v in layout_of(pm).items()
                       if k in ("tp", "pp", "dp"))
-    if same_layout and rng_key in keys:
-        sd[rng_key] = b""
-    dcp.load(sd, checkpoint_id=str(path))
+    if same_layout and rank_rng in keys:
+        sd[rank_rng] = b""
+    dcp.load(sd, checkpoint_id=str(path), process_group=group)
+    _warn_on_load(pm, path, meta, rank_rng in sd)
     adapter, states = dp_state(pm.dp_optimizer), {}
     for key, (spec, names) in local.items():
-        value = _from_loaded(pm, spec, sd[key])
-        loaded = {s: _from_loaded(pm, spec, sd[_optim_key(s, key)]) for s in states_of.get(key, [])}
+        value = from_loaded(pm, spec, sd[key])
+        loaded = {s: from_loaded(pm, spec, sd[optim_key(s, key)]) for s in states_of.get(key, [])}
         for name in names:
             adapter.write_param(params[name], value)
             states[name] = loaded
     adapter.write_states(states, params)
-    for group in pm.optimizer.param_groups:
-        group.update({k: v for k, v in meta["param_groups"].items() if k in group})
+    for group_ in pm.optimizer.param_groups:
+        group_.update({k: v for k, v in meta["param_groups"].items() if k in group_})
     pm.steps_done = meta["steps_done"]
-    if rng_key in sd:
-        _set_rng_state(pm, pickle.loads(sd[rng_key]))
+    if rank_rng in sd:
+        set_rng_state(pm, pickle.loads(sd[rank_rng]))
     return meta["extra"]
 
 
-def export_consolidated(checkpoint_path: str | os.PathLike, out_file: str | os.PathLike) -> dict:
-    """Write the checkpoint as one ``torch.save`` file (one process, no process group; it
-    holds the whole model and optimizer state in memory) and return what it wrote::
+@dataclass(frozen=True, kw_only=True)
+class LoadedCheckpoint:
+    """What :func:`load_latest_checkpoint` loaded.
 
-        {"model": {key: tensor},        # a plain state_dict: load_state_dict(out["model"])
-         "optimizer": {state: {key: tensor}},   # e.g. out["optimizer"]["exp_avg"][key]
-         "param_groups": {...}, "steps_done": int, "extra": {...}, "layout": {...}}
-
-    ``model`` holds every parameter under its original key in the checkpoint's dtype (fp32
-    master weights under bf16), tied aliases repeated (``lm_head.weight`` and
-    ``transformer.wte.weight``); RNG states (per rank) are left out. Made by
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, then regrouped.
+    Attributes:
+        path: the checkpoint loaded (None: there was none to load).
+        extra: its ``extra`` dict (None when nothing was loaded).
+        skipped: (checkpoint, why) of each newer checkpoint that could not be loaded,
+            newest first: incomplete (a save that did not finish) or damaged.
     """
-    dcp_to_torch_save(checkpoint_path, out_file)
-    flat = torch.load(out_file, weights_only=False)
-    meta = pickle.loads(flat.pop(META_KEY))
-    model = {k: v for k, v in flat.items() if not k.startswith(RESERVED)}
-    for alias, canonical in meta["tied_aliases"].items():
-        if canonical in model:
-            model[alias] = model[canonical]
-    optimizer: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in flat.items():
-        if k.startswith("optim."):
-            state, key = k[len("optim."):].split(".", 1)
-            optimizer.setdefault(state, {})[key] = v
-    out = {"model": model, "optimizer": optimizer, "param_groups": meta["param_groups"],
-           "steps_done": meta["steps_done"], "extra": meta["extra"], "layout": meta["layout"]}
-    torch.save(out, out_file)
-    return out
+
+    path: Path | None
+    extra: dict | None
+    skipped: tuple[tuple[Path, str], ...]
 
 
-def load_full_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load whole, single-device weights (e.g. a Hugging Face model's ``state_dict()``)
-    into ``pm``: each rank cuts its TP shard with ``ShardSpec.local`` and writes it into the
-    parameters (ZeRO buffers and fp32 masters, or its FSDP2 shards). Local: no collective.
-    Optimizer states and steps_done are left as they are. Keys that are no parameter of the
-    program (buffers) are ignored; a tied parameter may come under any of its names.
+def load_latest_checkpoint(pm, directory: str | os.PathLike) -> LoadedCheckpoint:
+    """Load the newest complete, undamaged checkpoint among the subdirectories of
+    ``directory`` (as :func:`autopar.runtime.checkpoint_files.latest_checkpoint` orders
+    them, by the step in their manifests) and say which newer ones it skipped and why. A
+    ``directory`` that does not exist holds none. Collective over the whole world (rank 0
+    lists the directory).
 
-    Raises ValueError naming the key when a parameter of this rank is missing or has
-    another shape (checked before anything is written).
+    Raises what :func:`load_checkpoint` raises but CheckpointError (that checkpoint is
+    skipped and the next older one tried): ValueError for another model stops the search.
     """
-    aliases: dict[str, list[str]] = {}
-    for alias, canonical in pm.tied_aliases.items():
-        aliases.setdefault(canonical, []).append(alias)
-    params, g = dict(pm.stage_module.named_parameters()), pm.groups
-    plan = []
-    for key, (spec, names) in _local_keys(pm).items():
-        found = next((k for k in [key, *aliases.get(key, [])] if k in state_dict), None)
-        if found is None:
-            raise ValueError(f"the state dict has no {key!r} (nor its tied aliases "
-                             f"{aliases.get(key, [])}); pass the whole model's state_dict()")
-        want = _full_shape(spec, params[names[0]].shape, g.tp)
-        if tuple(state_dict[found].shape) != tuple(want):
-            raise ValueError(f"{found!r} has shape {tuple(state_dict[found].shape)} but the "
-                             f"model's is {tuple(want)}; pass a state dict of this model")
-        plan.append((spec, names, state_dict[found]))
-    adapter = dp_state(pm.dp_optimizer)
-    for spec, names, full in plan:
-        value = spec.local(full.detach(), g.tp_rank, g.tp)
-        for name in names:
-            adapter.write_param(params[name], value)
+    directory = Path(directory)
+    group = pm.groups.checkpoint_group
+    listed = on_rank0(lambda: [str(p) for p in latest_checkpoint(directory).candidates]
+                      if directory.is_dir() else [], group, f"listing {directory}")
+    skipped = []
+    for candidate in map(Path, listed):
+        try:
+            extra = load_checkpoint(pm, candidate)
+        except CheckpointError as exc:
+            skipped.append((candidate, str(exc)))
+            continue
+        return LoadedCheckpoint(path=candidate, extra=extra, skipped=tuple(skipped))
+    return LoadedCheckpoint(path=None, extra=None, skipped=tuple(skipped))

@@ -59,6 +59,10 @@ class ParallelGroups:
         device: where this rank computes (CPU under gloo, ``cuda:LOCAL_RANK`` under NCCL).
         timeout: every group's timeout (None: torch's default for the backend).
         world_group: every rank, with ``timeout`` (the step's loss and gradient norm).
+        checkpoint_group: every rank, gloo, with ``timeout``: the collectives of checkpoint
+            saves and loads (DCP's and autopar's), apart from the training groups so that an
+            asynchronous save's background collectives never interleave with a step's, and
+            on the CPU whatever the training backend (DCP exchanges pickled plans).
     """
 
     tp: int
@@ -77,6 +81,7 @@ class ParallelGroups:
     device: torch.device = torch.device("cpu")
     timeout: timedelta | None = None
     world_group: dist.ProcessGroup | None = None
+    checkpoint_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, *, device: torch.device | None = None,
@@ -115,6 +120,8 @@ class ParallelGroups:
             embedding_group=_embedding_group(tp, pp, dp, rank, timeout),
             device_mesh=mesh, device=device, timeout=timeout,
             world_group=dist.new_group(list(range(world_size)), timeout=timeout),
+            checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
+                                            backend="gloo"),
         )
 
     def pp_rank_to_global(self, pp_rank: int) -> int:

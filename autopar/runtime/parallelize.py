@@ -68,13 +68,14 @@ class ParallelizedModel(ParallelModule):
 
     def __init__(self, stage_module, groups, plan: Plan, shards: dict[str, ShardSpec],
                  tied_aliases: dict[str, str], rng_tracker: RNGStatesTracker | None = None,
-                 **kwargs):
+                 *, model_keys: ModelKeys, **kwargs):
         super().__init__(stage_module, groups, **kwargs)
         self.plan = plan
         self.shards = shards  # local parameter name -> origin
         self.tied_aliases = tied_aliases  # original key -> the key it shares a tensor with
         self.rng_tracker = rng_tracker  # the dropout streams (saved in checkpoints)
-        self.checkpoint_group = None  # async checkpoint saves' own gloo group, made on first use
+        self.model_keys = model_keys  # the whole model's state-dict names (load_full_state_dict)
+        self.pending_save = None  # the Future of an asynchronous checkpoint save still writing
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the original model's keys, on every rank (CPU).
@@ -98,12 +99,21 @@ class ParallelizedModel(ParallelModule):
 
         return checkpoint.load_checkpoint(self, path)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load whole single-device weights (no collective):
-        :func:`autopar.runtime.checkpoint.load_full_state_dict`."""
+    def load_latest_checkpoint(self, directory):
+        """Load the newest complete checkpoint in ``directory``, skipping (and naming)
+        damaged or incomplete newer ones (collective):
+        :func:`autopar.runtime.checkpoint.load_latest_checkpoint`."""
         from autopar.runtime import checkpoint
 
-        checkpoint.load_full_state_dict(self, state_dict)
+        return checkpoint.load_latest_checkpoint(self, directory)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], *,
+                             strict: bool = True) -> None:
+        """Load whole single-device weights (no collective):
+        :func:`autopar.runtime.checkpoint_export.load_full_state_dict`."""
+        from autopar.runtime import checkpoint_export
+
+        checkpoint_export.load_full_state_dict(self, state_dict, strict=strict)
 
 
 def _agree(plan: Plan, world: int) -> None:
@@ -219,6 +229,19 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
 PARAM_DTYPES = COMPUTE_DTYPES
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelKeys:
+    """The whole model's state-dict names, every rank alike (tied aliases included).
+
+    Attributes:
+        parameters: every parameter name (``named_parameters(remove_duplicate=False)``).
+        buffers: every buffer name, persistent or not (rotary ``inv_freq``, masks).
+    """
+
+    parameters: frozenset[str]
+    buffers: frozenset[str]
+
+
 @dataclass(frozen=True)
 class _LocalTrace:
     """The trace of this rank's model copy, and the copy's buffers by ``id`` (name, tensor:
@@ -226,6 +249,7 @@ class _LocalTrace:
 
     traced: TracedModel
     buffers: dict[int, tuple[str, torch.Tensor]]
+    keys: ModelKeys
 
     def buffer_keys(self, module: nn.Module) -> dict[str, str]:
         """``module``'s buffer names -> the model's buffer keys."""
@@ -244,7 +268,10 @@ def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
         buffers.setdefault(id(b), (name, b))
     if plan.zero_stage == FULLY_SHARDED_STAGE:
         local_model.to(torch.float32)
-    return _LocalTrace(traced, buffers)
+    keys = ModelKeys(
+        parameters=frozenset(n for n, _ in local_model.named_parameters(remove_duplicate=False)),
+        buffers=frozenset(n for n, _ in local_model.named_buffers(remove_duplicate=False)))
+    return _LocalTrace(traced, buffers, keys)
 
 
 def _agreed(build: Callable[[], None], groups: ParallelGroups) -> None:
@@ -283,7 +310,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
         place_program_devices(module, init.device)
     pm = ParallelizedModel(
-        module, groups, plan, shards, dict(traced.tied_params), rng,
+        module, groups, plan, shards, dict(traced.tied_params), rng, model_keys=local.keys,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
         seq_len=plan.seq_len, hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1],
         schedule=plan.schedule, optimizer_factory=optimizer,

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import pytest
 import torch
 
 import autopar
 from autopar.models import GPT
-from autopar.runtime.checkpoint import export_consolidated
+from autopar.runtime.checkpoint_export import export_consolidated
+from autopar.runtime.checkpoint_files import CheckpointWarning
 from dist_utils import run_distributed
 from examples.nanogpt_model import GPT as NanoGPT, GPTConfig as NanoConfig
 from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, rel, seeded_gpt, train_eagerly
@@ -135,6 +137,31 @@ def _reference(opt: str, steps: int = 3) -> tuple[list[float], dict[str, torch.T
     return train_eagerly(model, OPTIMIZERS[opt](model.parameters()), batches(steps))
 
 
+def _strict_loads(plan: str) -> dict:
+    """A deeper model's whole state dict: refused by default (naming the extra layer's
+    keys), accepted with strict=False."""
+    deeper = GPT(dataclasses.replace(CONFIG, n_layer=5)).state_dict()
+    pm = _parallel(plan, "adamw", seed=1)
+    try:
+        pm.load_full_state_dict(deeper)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    pm.load_full_state_dict(deeper, strict=False)
+    return {"refused": refused, "lenient": pm.full_state_dict()}
+
+
+def _warned_loads(plan: str, path: str) -> list[str]:
+    """The CheckpointWarnings of loading the checkpoint at ``path`` (saved under tp2·dp2
+    with SGD lr 0.1) into ``plan`` (tp2) with SGD lr 0.05 (rank 0 warns)."""
+    pm = autopar.parallelize(_model("gpt", 1), plan=autopar.Plan.from_json(plan),
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.load_checkpoint(path)
+    return [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+
 def _world2_worker(rank: int, world: int, jobs: list, full_plans: list, small_plan: str,
                    refused_path: str, tmp: str) -> dict:
     """``jobs``, then single-device weights into ``full_plans`` and a smaller model refusing
@@ -145,6 +172,8 @@ def _world2_worker(rank: int, world: int, jobs: list, full_plans: list, small_pl
         pm.load_full_state_dict(seeded_gpt().state_dict())
         losses = [pm.train_step(idx, tgt) for idx, tgt in batches(3)]
         out["full", k] = {"losses": losses, "state": pm.full_state_dict()}
+    out["strict"] = _strict_loads(full_plans[0])
+    out["warned"] = _warned_loads(full_plans[0], refused_path)
     pm = _parallel(small_plan, "sgd", "smaller")  # another model refuses the checkpoint
     before = pm.full_state_dict()
     try:
@@ -256,3 +285,17 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(runs):
     assert message is not None and "is not of this model" in message, message
     assert "the model lacks" in message and "transformer.h.2" in message, message
     assert runs["untouched"]
+
+
+def test_load_full_state_dict_refuses_another_models_keys_unless_not_strict(runs):
+    message = runs["strict"]["refused"]
+    assert message is not None and "key(s) the model lacks" in message, message
+    assert "transformer.h.4." in message and "strict=False" in message, message
+    assert len(runs["strict"]["lenient"]) > 0
+
+
+def test_loading_under_another_layout_or_learning_rate_says_so(runs):
+    warned = runs["warned"]
+    assert len(warned) == 2, warned
+    assert any("RNG states" in w and "[2, 1, 2]" in w and "[2, 1, 1]" in w for w in warned), warned
+    assert any("lr 0.05 -> 0.1" in w for w in warned), warned

@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import signal
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -30,8 +26,7 @@ import torch
 import autopar
 from autopar.models import GPT
 from autopar.runtime.health import CollectiveError, NonFiniteError
-from autopar.runtime.launch import HOST, free_port
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_survivors
 from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, seeded_gpt
 
 TIMEOUT_S = 5.0  # parallelize(timeout=): every process group the program creates
@@ -45,13 +40,9 @@ def _plan(world: int, **layout) -> autopar.Plan:
                         layout=autopar.Layout(**layout, recompute="none", dtype="fp32"))
 
 
-def _fault_child(rank: int, world: int, port: int, plan_json: str, fault: str, out) -> None:
+def _fault_worker(rank: int, world: int, plan_json: str, fault: str) -> tuple:
     """One rank: 3 steps; rank world-1 dies (SIGKILL) or hangs at the start of step 3;
     the others report (elapsed seconds in step 3, the exception's type and message)."""
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
-                                         init_method=f"tcp://{HOST}:{port}",
-                                         timeout=timedelta(seconds=120))
     pm = autopar.parallelize(seeded_gpt(), plan=autopar.Plan.from_json(plan_json),
                              optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                              timeout=TIMEOUT_S)
@@ -65,38 +56,14 @@ def _fault_child(rank: int, world: int, port: int, plan_json: str, fault: str, o
     start = time.monotonic()
     try:
         pm.train_step(idx3, tgt3)
-        result = (time.monotonic() - start, None, "no error")
+        return (time.monotonic() - start, None, "no error")
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        result = (time.monotonic() - start, type(exc).__name__, str(exc))
-    out.put((rank, pickle.dumps(result)))
-    out.close()
-    out.join_thread()
-    os._exit(0)
+        return (time.monotonic() - start, type(exc).__name__, str(exc))
 
 
 def _run_with_fault(fault: str, world: int = 4) -> dict[int, tuple]:
     plan = _plan(world, tp=2, pp=2, dp=1, micro_batch_size=1)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_fault_child, args=(r, world, port, plan.to_json(), fault, out),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple] = {}
-    deadline = time.monotonic() + 300
-    try:
-        while len(results) < world - 1 and time.monotonic() < deadline:
-            try:
-                rank, payload = out.get(timeout=1)
-            except queue.Empty:
-                continue
-            results[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-    return results
+    return run_survivors(_fault_worker, world, plan.to_json(), fault, expected=world - 1)
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
