@@ -1,7 +1,7 @@
 """What whole-or-absent checkpoints cost: the SHA-256 manifest of a save and the check of a
 load, against the save and the load themselves, for a model of a few hundred MB.
 
-    python benchmarks/checkpoint_io.py [--layers 6] [--hidden 768] [--vocab 32000] [--world 2]
+    python benchmarks/checkpoint_io.py [--layers 6] [--hidden 512] [--vocab 32000] [--world 2]
 
 Launches ``--world`` local gloo ranks (dp = world, ZeRO-1, AdamW: the checkpoint holds the
 fp32 parameters and both Adam moments, 12 bytes per parameter), takes one step, then times
@@ -68,11 +68,11 @@ def _worker(rank: int, world: int, config: GPTConfig, plan_json: str, directory:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args(argv)
-    config = GPTConfig(n_layer=args.layers, n_head=12, n_embd=args.hidden,
+    config = GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.hidden,
                        vocab_size=args.vocab, block_size=16)
     with torch.device("meta"):
         meta = GPT(config)

@@ -134,3 +134,35 @@ def test_the_latest_checkpoint_is_the_newest_complete_one_and_the_skipped_are_na
     assert latest_checkpoint(empty).latest is None
     with pytest.raises(CheckpointError, match="not a directory"):
         latest_checkpoint(tmp_path / "absent")
+
+
+def _pm_stub():
+    """What ``checkpoint._named_failures`` reads of a ParallelizedModel: its groups' names,
+    rank and timeout."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    group = SimpleNamespace(group_name="7")
+    groups = SimpleNamespace(checkpoint_group=group, rank=1, timeout=timedelta(seconds=5),
+                             axis_names=lambda: {})
+    return SimpleNamespace(groups=groups)
+
+
+def test_dcp_failures_become_typed_errors_naming_the_file_or_the_collective():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from autopar.runtime.checkpoint import _named_failures
+    from autopar.runtime.health import CollectiveError
+
+    missing = FileNotFoundError(2, "No such file or directory", "/ckpt/__3_0.distcp")
+    with pytest.raises(CheckpointError, match=r"loading checkpoint /ckpt failed on rank 1 at "
+                                              r"step 4 in file /ckpt/__3_0\.distcp"):
+        with _named_failures(_pm_stub(), "loading checkpoint", "/ckpt", 4):
+            raise CheckpointException("read failed", {3: (missing, None)})  # a BaseException
+    with pytest.raises(CollectiveError, match=r"saving checkpoint /ckpt: step 4 on rank \d+: .*"
+                                              r"Connection closed by peer"):
+        with _named_failures(_pm_stub(), "saving checkpoint", "/ckpt", 4):
+            raise RuntimeError("[gloo] Connection closed by peer")
+    with pytest.raises(ValueError, match="another model"):  # our own errors pass unchanged
+        with _named_failures(_pm_stub(), "loading checkpoint", "/ckpt", 4):
+            raise ValueError("another model")
