@@ -14,21 +14,33 @@ is also ``GPT2Config()``'s default shape. Every model is built with random weigh
 ``AutoModelForCausalLM.from_config`` in fp32 (a config's stored ``dtype`` is ignored; the
 plan's dtype decides the compute precision), so a 70B model is only shapes on the meta
 device. ``transformers`` is imported only when an ``hf:`` spec is loaded.
+
+Every model is trained as a causal LM: logits at position i may read tokens 0..i only. Some
+families choose between bidirectional and causal attention by a config field
+(:data:`CAUSAL_SWITCHES`): BERT, RoBERTa, ELECTRA ... build ``*ForCausalLM`` with
+``is_decoder=False`` by default, which attends both ways, so next-token training would see
+the future. Such a config gets the field's causal value (``is_decoder=True``: the family's
+own decoder mode, as its ``*ForCausalLM`` asks for), and a warning on the ``autopar.hf_models``
+logger says what changed; the built model's config (and so a plan's ``model_config``)
+records it. A family that no field makes causal (:data:`NOT_CAUSAL`) is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-__all__ = ["HF_PREFIX", "HF_PRESETS", "HF_ARCHITECTURES", "HFSpecError", "hf_factory",
-           "hf_config"]
+__all__ = ["HF_PREFIX", "HF_PRESETS", "HF_ARCHITECTURES", "CAUSAL_SWITCHES", "NOT_CAUSAL",
+           "CausalSwitch", "HFSpecError", "hf_factory", "hf_config"]
 
 HF_PREFIX = "hf:"
+_LOG = logging.getLogger(__name__)
 
 # Llama 3's published shape (Dubey et al. 2024, "The Llama 3 Herd of Models",
 # arXiv:2407.21783, Table 3; meta-llama/Meta-Llama-3-{8B,70B} config.json): RoPE base
@@ -62,6 +74,63 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
 # The families the model zoo (benchmarks/model_zoo.py) captures and plans; any other
 # model_type with a causal-LM head is accepted too, these are the ones error messages list.
 HF_ARCHITECTURES = ("gemma", "gpt2", "gpt_neox", "llama", "mistral", "opt", "phi3", "qwen2")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CausalSwitch:
+    """A config field by which a model chooses bidirectional or causal attention."""
+
+    field: str
+    """the config attribute (on the config or its ``text_config``)"""
+    bidirectional: object
+    """the value that makes attention bidirectional: the one autopar replaces"""
+    causal: object
+    """the value that makes it causal: the one autopar sets"""
+    read_by: str
+    """who reads it (transformers 5.24's source), for the warning"""
+    ignored_by: frozenset[str] = frozenset()
+    """model_types whose config declares the field but whose model never reads it; left
+    as they are, so their recorded config equals the user's own build of it"""
+
+
+# Derived from transformers 5.24: the config fields its modeling code reads to choose the
+# attention mask, found by listing every causal-LM config's fields named *causal*,
+# *bidirectional* or *decoder*, reading the families a probe showed bidirectional, and
+# masking_utils (`is_causal`). The probe: a 2-layer model of each family with random weights,
+# two token sequences differing after position 3; the logits at positions <= 3 moved by
+# 0.001 to 0.9 before the switch and by exactly 0 after it. A field is a switch for every
+# family that has it, so a new family using one of these names is covered without a list.
+CAUSAL_SWITCHES = (
+    CausalSwitch(field="is_decoder", bidirectional=False, causal=True,
+                 read_by="the causal LMs of BERT-style encoders: BERT, RoBERTa, ELECTRA, "
+                         "ERNIE, BigBird, RoFormer, RemBERT, X-MOD ...; Reformer's asserts it",
+                 # configs declaring is_decoder=False whose causal LM attends causally all
+                 # the same (probe: 0.0): GPT-NeoX never reads it, the decoders of seq2seq
+                 # families (and TrOCR) set it on their own copy of the config
+                 ignored_by=frozenset({
+                     "gpt_neox", "gpt_neox_japanese", "trocr", "bart", "bigbird_pegasus",
+                     "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
+                     "plbart", "prophetnet"})),
+    CausalSwitch(field="is_causal", bidirectional=False, causal=True,
+                 read_by="transformers' create_causal_mask, in any family (Llama and GPT-2 "
+                         "included)"),
+    CausalSwitch(field="use_bidirectional_attention", bidirectional=True, causal=False,
+                 read_by="the Gemma families' attention"),
+    CausalSwitch(field="causal", bidirectional=False, causal=True,
+                 read_by="XLM, its causal-LM mode"),
+    CausalSwitch(field="attn_type", bidirectional="bi", causal="uni",
+                 read_by="XLNet"),
+)
+
+# Families with a causal-LM head that no config field makes causal: the same probe of the
+# model_types of transformers 5.24's MODEL_FOR_CAUSAL_LM_MAPPING, 139 of its 196 (the others
+# are mostly MoE / hybrid decoder LLMs over 700M parameters at 2 layers, or need sizes of
+# their own to build small).
+NOT_CAUSAL = {
+    "cpmant": "its model builds an attention mask in which every token sees the whole "
+              "sequence (CpmAntModel._prepare_attention_mask, context all ones), whatever "
+              "the config says",
+}
 
 INSTALL_FIX = ("pip install transformers (it does not depend on torch, so the installed "
                "torch stays; add --no-deps if your environment pins torch by other means)")
@@ -122,8 +191,9 @@ def _looks_like_path(name: str) -> bool:
 
 def hf_config(name: str):
     """The ``transformers`` config CONFIG names (the part after ``hf:``; order in the
-    module docstring). Raises HFSpecError: transformers missing, file unreadable, unknown
-    name, or a config without a causal-LM head."""
+    module docstring), its :data:`CAUSAL_SWITCHES` set to causal attention. Raises
+    HFSpecError: transformers missing, file unreadable, unknown name, a config without a
+    causal-LM head, or one whose family cannot attend causally (:data:`NOT_CAUSAL`)."""
     tf = _transformers()
     if _looks_like_path(name):
         config = _read_config_json(Path(name))
@@ -139,7 +209,37 @@ def hf_config(name: str):
             f"'hf:{name}' is a {type(config).__name__} ({config.model_type}), which has no "
             "causal-LM head (AutoModelForCausalLM); autopar trains decoder language models",
             "choose a decoder architecture such as " + ", ".join(HF_ARCHITECTURES))
+    _make_causal(config, name)
     return config
+
+
+def _make_causal(config, name: str) -> None:
+    """Set every :data:`CAUSAL_SWITCHES` field of ``config`` (or of its ``text_config``)
+    that holds its bidirectional value to the causal one, logging each change. Raises
+    HFSpecError for a family of :data:`NOT_CAUSAL`."""
+    if config.model_type in NOT_CAUSAL:
+        raise HFSpecError(
+            f"'hf:{name}' is a {type(config).__name__} ({config.model_type}), whose causal-LM "
+            f"head does not attend causally: {NOT_CAUSAL[config.model_type]}; trained on next "
+            "tokens it would see the future",
+            "choose a decoder architecture such as " + ", ".join(HF_ARCHITECTURES))
+    for part in (config, getattr(config, "text_config", None)):
+        for switch in CAUSAL_SWITCHES:
+            if part is not None and _bidirectional(part, switch):
+                setattr(part, switch.field, switch.causal)
+                _LOG.warning("hf:%s: %s.%s=%r attends bidirectionally (the field is read by "
+                             "%s); set to %r, the family's causal mode, so it trains as a "
+                             "causal LM", name, type(part).__name__, switch.field,
+                             switch.bidirectional, switch.read_by, switch.causal)
+
+
+def _bidirectional(config, switch: CausalSwitch) -> bool:
+    """Whether ``config`` holds ``switch``'s bidirectional value (of the same type: Gemma's
+    ``use_bidirectional_attention="vision"``, bidirectional among image tokens only, is no
+    ``True``)."""
+    value = getattr(config, switch.field, None)
+    return (getattr(config, "model_type", None) not in switch.ignored_by
+            and type(value) is type(switch.bidirectional) and value == switch.bidirectional)
 
 
 def hf_factory(name: str) -> Callable[[], nn.Module]:
