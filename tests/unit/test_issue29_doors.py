@@ -1,0 +1,166 @@
+"""The smaller doors of issue 29, each a test that failed before the fix: output paths
+refused before any work, and concurrent writers of one plan path.
+
+Tests run as root, which ignores permission bits, so unwritable paths are ones root cannot
+write either (under a regular file, under ``/proc``), and read-only files are simulated
+through ``os.access`` as well as ``chmod``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cli import commands as cli
+from autopar.cli.commands import save_plan
+from autopar.plan import Plan
+from helpers import tiny_plan
+
+PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8"]
+EVAL = ["evaluate", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size",
+        "8", "--tp", "1", "--pp", "1", "--dp", "1", "--mbs", "8"]
+NO_PROC = not Path("/proc/self").is_dir()
+
+
+def run_cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A valid saved gpt-tiny plan (tp=1) and its path."""
+    plan = tiny_plan(1, 1)
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(plan.to_json())
+    return plan, path
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Loading a model, solving, pricing and measuring fail the test when called: an
+    output path must be refused before any of them (exit 2, never the 1 they give)."""
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the output paths were checked")
+
+    for name in ("load_model", "plan", "evaluate"):
+        monkeypatch.setattr(autopar, name, work)
+    import autopar.runtime.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate_local", work)
+
+
+# ------------------------------------------------------- 1. output paths, before any work
+def _unwritable(tmp_path: Path) -> dict[str, Path]:
+    """Paths root cannot write: under a regular file, in /proc, in a folder under /proc."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return {"under a file": blocker / "out", "in /proc": Path("/proc/autopar-out"),
+            "under /proc": Path("/proc/autopar-missing/out")}
+
+
+@pytest.mark.skipif(NO_PROC, reason="needs Linux /proc")
+@pytest.mark.parametrize("case", ["under a file", "in /proc", "under /proc"])
+@pytest.mark.parametrize("verb, flag", [
+    ("plan", "-o"), ("plan", "--emit-to"), ("plan", "--report"), ("evaluate", "-o"),
+    ("evaluate", "--report"), ("report", "--out"), ("calibrate", "--out")])
+def test_unwritable_output_is_exit_2_before_any_work(verb, flag, case, saved, no_work,
+                                                     tmp_path):
+    path = _unwritable(tmp_path)[case]
+    argv = {"plan": PLAN, "evaluate": EVAL, "calibrate": ["calibrate"],
+            "report": ["report", str(saved[1]), "--megatron", "tp=1,pp=1,dp=1,mbs=8"]}[verb]
+    extra = ["--emit", "megatron"] if flag == "--emit-to" else []
+    code, _, err = run_cli([*argv, *extra, flag, str(path)])
+    assert code == 2, err
+    assert f"{flag} {path}" in err and "cannot be written" in err, err
+
+
+def test_a_read_only_file_is_refused_before_any_work(no_work, tmp_path, monkeypatch):
+    """chmod 444 (which root ignores), and os.access saying so (as it does for others)."""
+    path = tmp_path / "plan.json"
+    path.write_text("{}")
+    path.chmod(0o444)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == path
+                        else access(p, mode, **kw))
+    for argv in ([*PLAN, "-o", str(path)], [*PLAN, "--emit", "megatron", "--emit-to",
+                                            str(path)]):
+        code, _, err = run_cli(argv)
+        assert code == 2 and f"{path} is read-only" in err, err
+    assert path.read_text() == "{}"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into a read-only folder")
+def test_a_read_only_folder_is_refused_before_any_work(no_work, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        code, _, err = run_cli([*PLAN, "-o", str(folder / "plan.json")])
+    finally:
+        folder.chmod(0o755)
+    assert code == 2 and "takes no new files" in err, err
+
+
+def test_writable_outputs_are_accepted_and_leave_no_probe(tmp_path):
+    """The check creates and removes one file; a plan still runs and writes everything."""
+    out, emitted = tmp_path / "new" / "plan.json", tmp_path / "megatron.args"
+    code, _, err = run_cli([*PLAN, "--no-whatif", "-o", str(out), "--emit", "megatron",
+                            "--emit-to", str(emitted)])
+    assert code == 0, err
+    assert Plan.from_json(out.read_text()).model == "gpt-tiny" and emitted.read_text()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["megatron.args", "new", "plan.json"]
+
+
+# ----------------------------------------------- 2. two writers of one plan path
+def test_concurrent_writers_of_one_plan_path_each_write_a_whole_file(saved, tmp_path):
+    """Two threads saving two plans to one path, 40 times each: none fails, the file is
+    always one whole plan, and no temporary file remains (one shared temp name lost
+    the race: a rename of a file the other had already moved, or half of each)."""
+    plans = [saved[0], tiny_plan(1, 1, 2)]
+    texts = {plan.to_json() + "\n" for plan in plans}
+    path, errors = tmp_path / "plan.json", []
+    start = threading.Barrier(len(plans))
+
+    def writer(plan: Plan) -> None:
+        start.wait()
+        for _ in range(40):
+            try:
+                save_plan(plan, path)
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(plan,)) for plan in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert path.read_text() in texts
+    assert Plan.from_json(path.read_text()).num_gpus in (1, 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_a_failed_save_leaves_no_temporary_file(saved, tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    path.write_text("old")
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ValueError, match=re.escape(f"-o {path} cannot be written (No space")):
+        save_plan(saved[0], path)
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    assert path.read_text() == "old"
+
