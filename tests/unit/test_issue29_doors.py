@@ -1,5 +1,5 @@
 """The smaller doors of issue 29, each a test that failed before the fix: output paths
-refused before any work, and concurrent writers of one plan path.
+refused before any work, concurrent writers of one plan path, and stale report files.
 
 Tests run as root, which ignores permission bits, so unwritable paths are ones root cannot
 write either (under a regular file, under ``/proc``), and read-only files are simulated
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import threading
@@ -164,3 +165,56 @@ def test_a_failed_save_leaves_no_temporary_file(saved, tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     assert path.read_text() == "old"
 
+
+# ------------------------------------------------ 3. a report over an older report
+def _charts(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.png"))
+
+
+def test_a_report_over_an_older_one_leaves_none_of_its_charts(saved, tmp_path):
+    """An earlier report with hand layouts drew comparison.png; `autopar report` of the
+    plan alone into the same folder must not leave it (nor link it); the user's files
+    (notes, a plan, a picture of their own) stay."""
+    pytest.importorskip("matplotlib")
+    from autopar.report import write_report
+
+    plan, plan_path = saved
+    out = tmp_path / "report"
+    write_report(plan, out, hand_layouts={"the same layout": plan})
+    assert "comparison.png" in _charts(out)
+    for name in ("notes.txt", "my-chart.png", "plan.json"):
+        (out / name).write_text("the user's")
+    code, stdout, err = run_cli(["report", str(plan_path), "--out", str(out), "--json"])
+    assert code == 0, err
+    images = sorted(Path(p).name for p in json.loads(stdout)["files"]["images"])
+    assert "comparison.png" not in images
+    assert _charts(out) == sorted([*images, "my-chart.png"])
+    for name in ("notes.txt", "my-chart.png", "plan.json"):
+        assert (out / name).read_text() == "the user's"
+
+
+def test_a_report_over_one_from_before_manifests_removes_its_chart_files(saved, tmp_path):
+    """A folder holding report.md and charts but no manifest (an older autopar): its chart
+    names are the report's; without charts (chart=False) none remains."""
+    from autopar.report import write_report
+    from autopar.report.owned import MANIFEST
+
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in ("report.md", "timeline.png", "comparison.png", "notes.txt"):
+        (out / name).write_text("old")
+    write_report(saved[0], out, chart=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, "notes.txt",
+                                                            "report.html", "report.md"])
+    assert json.loads((out / MANIFEST).read_text())["files"] == ["report.html", "report.md"]
+
+
+def test_a_report_into_a_new_folder_removes_nothing(saved, tmp_path):
+    """Chart names in a folder without an earlier report are the user's files."""
+    from autopar.report import write_report
+
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "comparison.png").write_text("the user's")
+    write_report(saved[0], out, chart=False)
+    assert (out / "comparison.png").read_text() == "the user's"
