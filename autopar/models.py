@@ -261,7 +261,8 @@ def load_model(spec: str, *, device: str | torch.device | None = "meta",
     seed: ``torch.manual_seed(seed)`` before building, so every process that builds the
         same spec with the same seed holds the same initial weights.
     Raises ValueError naming the cause (unknown preset, module or factory not importable,
-    transformers not installed, a config without a causal-LM head) and the fix.
+    transformers not installed, a config without a causal-LM head, a config dimension that
+    is not a positive integer, e.g. ``"hidden_size": -32``, naming the field) and the fix.
     """
     if spec.startswith(HF_PREFIX):
         try:

@@ -1,5 +1,6 @@
 """The smaller doors of issue 29, each a test that failed before the fix: output paths
-refused before any work, concurrent writers of one plan path, and stale report files.
+refused before any work, concurrent writers of one plan path, stale report files, and
+model configs with impossible dimensions.
 
 Tests run as root, which ignores permission bits, so unwritable paths are ones root cannot
 write either (under a regular file, under ``/proc``), and read-only files are simulated
@@ -218,3 +219,66 @@ def test_a_report_into_a_new_folder_removes_nothing(saved, tmp_path):
     (out / "comparison.png").write_text("the user's")
     write_report(saved[0], out, chart=False)
     assert (out / "comparison.png").read_text() == "the user's"
+
+
+# ------------------------------------- 4. a model config with impossible dimensions
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+         "vocab_size": 128, "max_position_embeddings": 16}
+
+
+@pytest.fixture
+def no_solve(monkeypatch):
+    """Solving and pricing fail the test when called: a bad config stops at the model."""
+    def work(*args, **kwargs):
+        raise AssertionError("the solver ran on a config that describes no model")
+
+    monkeypatch.setattr(autopar, "plan", work)
+    monkeypatch.setattr(autopar, "evaluate", work)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", -32), ("hidden_size", 0), ("hidden_size", "64"), ("hidden_size", 64.5),
+    ("hidden_size", True), ("num_attention_heads", 0), ("num_hidden_layers", -1),
+    ("vocab_size", 0), ("intermediate_size", 0), ("num_key_value_heads", -2),
+    ("max_position_embeddings", 0)])
+@pytest.mark.parametrize("verb", ["plan", "evaluate"])
+def test_a_config_with_a_bad_dimension_is_exit_2_naming_it(verb, field, value, no_solve,
+                                                           tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA, **{field: value})))
+    argv = {"plan": PLAN, "evaluate": EVAL}[verb]
+    code, _, err = run_cli([argv[0], "--model", f"hf:{path}", *argv[3:], "--seq-len", "16"])
+    assert code == 2, err
+    assert f"{field} = {json.dumps(value)}" in err and "positive integer" in err, err
+    assert "internal error" not in err
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "gpt2", "n_embd": -32}, "n_embd = -32"),
+    ({"num_key_value_heads": 3}, "num_attention_heads = 4, not divisible by "
+                                 "num_key_value_heads = 3"),
+    ({"hidden_size": 30}, "not a valid llama config"),  # the config class's own check
+])
+def test_other_impossible_configs_are_exit_2(fields, message, no_solve, tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    base = {"model_type": "gpt2"} if fields.get("model_type") == "gpt2" else LLAMA
+    path.write_text(json.dumps(dict(base, **fields)))
+    code, _, err = run_cli(["plan", "--model", f"hf:{path}", *PLAN[3:], "--seq-len", "16"])
+    assert code == 2 and message in err and "internal error" not in err, err
+
+
+def test_every_default_causal_lm_config_passes_the_shape_check():
+    """No architecture transformers can build is refused for its own defaults (per-layer
+    widths as lists, XLNet's -1 positions, a head_dim apart from the width)."""
+    tf = pytest.importorskip("transformers")
+    from autopar.hf_models import HF_ARCHITECTURES, check_config_shape
+
+    checked = 0
+    for model_type in ("gemma3n_text", "glm4_moe", "reformer", "xlnet", *HF_ARCHITECTURES):
+        if model_type in tf.CONFIG_MAPPING:
+            check_config_shape(tf.AutoConfig.for_model(model_type), model_type)
+            checked += 1
+    assert checked >= len(HF_ARCHITECTURES)
