@@ -13,10 +13,11 @@ A preset wins over an architecture of the same name: ``hf:gpt2`` is the 124M pre
 is also ``GPT2Config()``'s default shape. Every config's shape is checked before a model is
 built (:func:`check_config_shape`): the layer count, width, heads, vocabulary and the sizes
 a config may give are positive integers and the heads divide among the key/value heads; a
-``config.json`` field that is not (``"hidden_size": -32``) is named as its file wrote it. Every model is built with random weights by
-``AutoModelForCausalLM.from_config`` in fp32 (a config's stored ``dtype`` is ignored; the
-plan's dtype decides the compute precision), so a 70B model is only shapes on the meta
-device. ``transformers`` is imported only when an ``hf:`` spec is loaded.
+``config.json`` field that is not (``"hidden_size": -32``) is named as its file wrote it.
+Every model is built with random weights by ``AutoModelForCausalLM.from_config`` in fp32
+(a config's stored ``dtype`` is ignored; the plan's dtype decides the compute precision),
+so a 70B model is only shapes on the meta device. ``transformers`` is imported only when
+an ``hf:`` spec is loaded.
 """
 
 from __future__ import annotations
