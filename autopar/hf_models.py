@@ -10,10 +10,14 @@ CONFIG is resolved in this order (the first that applies wins):
    config class's defaults (``hf:llama``, ``hf:mistral``, ``hf:qwen2`` ...).
 
 A preset wins over an architecture of the same name: ``hf:gpt2`` is the 124M preset, which
-is also ``GPT2Config()``'s default shape. Every model is built with random weights by
-``AutoModelForCausalLM.from_config`` in fp32 (a config's stored ``dtype`` is ignored; the
-plan's dtype decides the compute precision), so a 70B model is only shapes on the meta
-device. ``transformers`` is imported only when an ``hf:`` spec is loaded.
+is also ``GPT2Config()``'s default shape. Every config's shape is checked before a model is
+built (:func:`check_config_shape`): the layer count, width, heads, vocabulary and the sizes
+a config may give are positive integers and the heads divide among the key/value heads; a
+``config.json`` field that is not (``"hidden_size": -32``) is named as its file wrote it.
+Every model is built with random weights by ``AutoModelForCausalLM.from_config`` in fp32
+(a config's stored ``dtype`` is ignored; the plan's dtype decides the compute precision),
+so a 70B model is only shapes on the meta device. ``transformers`` is imported only when
+an ``hf:`` spec is loaded.
 
 Every model is trained as a causal LM: logits at position i may read tokens 0..i only. Some
 families choose between bidirectional and causal attention by a config field
@@ -37,7 +41,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["HF_PREFIX", "HF_PRESETS", "HF_ARCHITECTURES", "CAUSAL_SWITCHES", "NOT_CAUSAL",
-           "CausalSwitch", "HFSpecError", "hf_factory", "hf_config"]
+           "CausalSwitch", "HFSpecError", "hf_factory", "hf_config", "check_config_shape"]
 
 HF_PREFIX = "hf:"
 _LOG = logging.getLogger(__name__)
@@ -132,6 +136,18 @@ NOT_CAUSAL = {
               "the config says",
 }
 
+# Model dimensions a config.json may give, under Hugging Face's names and GPT-2's, OPT's
+# and BLOOM's own: each, when given (null: the architecture's default), a positive integer.
+DIMENSION_KEYS = ("hidden_size", "n_embd", "n_embed", "num_attention_heads", "n_head",
+                  "num_hidden_layers", "n_layer", "vocab_size", "intermediate_size", "n_inner",
+                  "ffn_dim", "num_key_value_heads", "max_position_embeddings", "n_positions",
+                  "head_dim")
+# Checked on every built config, by these names (through its attribute_map), where the
+# architecture has them and they are set (not max_position_embeddings: XLNet's default is
+# -1, no limit).
+CONFIG_DIMENSIONS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "intermediate_size", "num_key_value_heads", "head_dim")
+
 INSTALL_FIX = ("pip install transformers (it does not depend on torch, so the installed "
                "torch stays; add --no-deps if your environment pins torch by other means)")
 
@@ -178,7 +194,83 @@ def _read_config_json(path: Path):
                           f"{tf.__version__} does not know",
                           "a config.json written by save_pretrained names its model_type "
                           "(e.g. \"llama\"); upgrade transformers for newer architectures")
-    return tf.CONFIG_MAPPING[model_type].from_dict(fields)
+    _check_fields(fields, repr(str(file)))
+    try:
+        return tf.CONFIG_MAPPING[model_type].from_dict(fields)
+    except _config_errors() as exc:  # the config class's own checks, in one line
+        raise HFSpecError(f"{str(file)!r} is not a valid {model_type} config: "
+                          f"{' '.join(str(exc).split())}",
+                          "correct the field it names in the config.json") from None
+
+
+def _positive_int(value: object) -> bool:
+    """A whole number >= 1 (``True`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _valid_dimension(value: object) -> bool:
+    """A positive integer, or one per layer (Gemma 3n's list of MLP widths)."""
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(_positive_int(v) for v in value)
+    return _positive_int(value)
+
+
+def _dimension_error(source: str, field: str, value: object) -> HFSpecError:
+    """``field = value`` of ``source`` is not a positive integer: the cause and the fix."""
+    kind = "" if isinstance(value, int) and not isinstance(value, bool) else \
+        f" (a {type(value).__name__})"
+    quotes = " (a number, without quotes)" if isinstance(value, str) else ""
+    shown = json.dumps(value, default=repr)
+    return HFSpecError(f"{source} has {field} = {shown}{kind}, which is not a positive integer",
+                       f"set {field} to a whole number of at least 1{quotes} in the config")
+
+
+def _check_fields(fields: dict, source: str) -> None:
+    """HFSpecError naming the first model dimension of a config.json that is not a
+    positive integer (as the file spells it)."""
+    for key in DIMENSION_KEYS:
+        value = fields.get(key)
+        if value is not None and not _valid_dimension(value):
+            raise _dimension_error(source, key, value)
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What a transformers config class raises for a field it refuses: ValueError and
+    TypeError, and huggingface_hub's strict-dataclass errors (not ValueErrors)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ValueError, TypeError
+    return ValueError, TypeError, StrictDataclassError
+
+
+def _dimension(config, field: str):
+    """``config.<field>``; None where the config has none, or one per layer (a
+    heterogeneous config refuses to read those as one value, with a RuntimeError)."""
+    try:
+        return getattr(config, field, None)
+    except RuntimeError:
+        return None
+
+
+def check_config_shape(config, source: str) -> None:
+    """HFSpecError when ``config`` cannot describe a model: a dimension that is set and is
+    not a positive integer (:data:`CONFIG_DIMENSIONS`), or query heads that do not divide
+    among the key/value heads. ``source`` names the config; fields are named as it spells
+    them (GPT-2: ``n_embd``). Whether the width splits into heads is the config class's
+    own check (some give ``head_dim`` apart from it)."""
+    names = getattr(config, "attribute_map", {}) or {}
+    shape = {field: _dimension(config, field) for field in CONFIG_DIMENSIONS}
+    for field, value in shape.items():
+        if value is not None and not _valid_dimension(value):
+            raise _dimension_error(source, names.get(field, field), value)
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    if _positive_int(heads) and _positive_int(kv) and heads % kv:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise HFSpecError(f"{source} has {names.get('num_attention_heads', 'num_attention_heads')}"
+                          f" = {heads}, not divisible by num_key_value_heads = {kv} (each "
+                          "key/value head serves a group of query heads)",
+                          f"choose num_key_value_heads in {divisors}")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -193,7 +285,8 @@ def hf_config(name: str):
     """The ``transformers`` config CONFIG names (the part after ``hf:``; order in the
     module docstring), its :data:`CAUSAL_SWITCHES` set to causal attention. Raises
     HFSpecError: transformers missing, file unreadable, unknown name, a config without a
-    causal-LM head, or one whose family cannot attend causally (:data:`NOT_CAUSAL`)."""
+    causal-LM head, one whose family cannot attend causally (:data:`NOT_CAUSAL`), or a
+    shape no model has (:func:`check_config_shape`)."""
     tf = _transformers()
     if _looks_like_path(name):
         config = _read_config_json(Path(name))
@@ -209,6 +302,7 @@ def hf_config(name: str):
             f"'hf:{name}' is a {type(config).__name__} ({config.model_type}), which has no "
             "causal-LM head (AutoModelForCausalLM); autopar trains decoder language models",
             "choose a decoder architecture such as " + ", ".join(HF_ARCHITECTURES))
+    check_config_shape(config, f"'hf:{name}'")
     _make_causal(config, name)
     return config
 

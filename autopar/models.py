@@ -262,7 +262,8 @@ def load_model(spec: str, *, device: str | torch.device | None = "meta",
         same spec with the same seed holds the same initial weights.
     Raises ValueError naming the cause (unknown preset, module or factory not importable,
     transformers not installed, a config without a causal-LM head or of a family that
-    cannot attend causally) and the fix.
+    cannot attend causally, a config dimension that is not a positive integer, e.g.
+    ``"hidden_size": -32``, naming the field) and the fix.
     """
     if spec.startswith(HF_PREFIX):
         try:

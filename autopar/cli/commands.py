@@ -36,6 +36,8 @@ from autopar.api import what_if_plans
 from autopar.cli.verify import run_verify
 from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
+from autopar.cli.outputs import (check_dir_output, check_file_output, check_outputs,
+                                 save_plan, write_whole)
 from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.frameworks.model_shape import build_model, model_shape
@@ -111,46 +113,6 @@ def price_hand_layouts(layouts: dict[str, Layout], model, cluster: Cluster, *,
     return priced
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse output paths that cannot be written before any work (ValueError, exit 2):
-    ``-o FILE`` that is a directory or under a file, ``--report DIR`` that is a file or
-    under one."""
-    output, report = getattr(args, "output", None), getattr(args, "report", None)
-    if output is not None:
-        if output.is_dir():
-            raise ValueError(f"-o {output} is a directory; give a file path, e.g. "
-                             f"{output / 'plan.json'}")
-        _check_parents(output, "-o")
-    if report is not None:
-        if report.exists() and not report.is_dir():
-            raise ValueError(f"--report {report} is a file; give a directory path")
-        _check_parents(report, "--report")
-
-
-def _check_parents(path: Path, flag: str) -> None:
-    """ValueError when an existing ancestor of ``path`` is a file (it cannot be created)."""
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
-            return
-
-
-def save_plan(plan: Plan, path: Path) -> None:
-    """Write the plan's JSON to ``path`` whole or not at all (a temporary file renamed);
-    ValueError naming the path when it cannot be written."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(plan.to_json() + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp.parent.is_dir():
-            tmp.unlink(missing_ok=True)
-        raise ValueError(f"cannot write the plan to {path} ({exc.strerror or exc}); give a "
-                         "file path you can write") from None
-
-
 def _progress(args: argparse.Namespace) -> SearchProgress | None:
     """The search's progress line on stderr: only on a terminal and never with --json."""
     return SearchProgress.for_stream(sys.stderr, enabled=not args.json)
@@ -187,9 +149,7 @@ def _check_emit(args: argparse.Namespace) -> str:
         raise ValueError("--emit with --json prints the plan's JSON on stdout; give "
                          "--emit-to FILE for the framework's configuration")
     if args.emit_to is not None:
-        if args.emit_to.is_dir():
-            raise ValueError(f"--emit-to {args.emit_to} is a directory; give a file path")
-        _check_parents(args.emit_to, "--emit-to")
+        check_file_output(args.emit_to, "--emit-to")
     return args.target or args.emit or "autopar"
 
 
@@ -199,11 +159,7 @@ def _write_emitted(plan: Plan, args: argparse.Namespace) -> None:
     if args.emit_to is None:
         print(f"{args.emit} configuration:\n{text}", end="")
         return
-    try:
-        args.emit_to.parent.mkdir(parents=True, exist_ok=True)
-        args.emit_to.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot write {args.emit_to} ({exc.strerror or exc})") from None
+    write_whole(args.emit_to, text, "--emit-to")
     print(f"{args.emit} configuration written to {args.emit_to}",
           file=sys.stderr if args.json else sys.stdout)
 
@@ -247,9 +203,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     """``autopar report``: the report of a saved plan, optionally with hand layouts priced."""
     plan = read_plan(args.plan_file)  # the one plan validator (autopar.plan_check)
-    if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"--out {args.out} is a file; give a directory path")
-    _check_parents(args.out, "--out")
+    check_dir_output(args.out, "--out")
     hand: dict[str, Plan | str] = {}
     if args.megatron:
         layouts = {f"hand `{text}`": Layout.parse(text) for text in args.megatron}
@@ -342,6 +296,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         from autopar.runtime.calibrate import calibrate_local
     except ImportError as exc:
         raise ImportError(f"autopar.runtime.calibrate is not available in this installation ({exc})") from exc
+    check_file_output(args.out, "--out")  # before the measurement, not after it
     result = calibrate_local(processes=args.processes, out_path=str(args.out))
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True, default=str))

@@ -4,7 +4,8 @@ In flow order: :mod:`~autopar.report.format` (numbers with units, display order 
 :mod:`~autopar.report.formulas` (the published closed forms, as data),
 :mod:`~autopar.report.sections`, :mod:`~autopar.report.ranks` and
 :mod:`~autopar.report.whatif` (Markdown sections), :mod:`~autopar.report.plots` (PNG
-charts), :mod:`~autopar.report.html` (the self-contained page) and
+charts), :mod:`~autopar.report.html` (the self-contained page),
+:mod:`~autopar.report.owned` (the files a report owns in its directory) and
 :mod:`~autopar.report.document` (``render_markdown``, ``write_report``: the whole report).
 Nothing here imports the planner or sympy.
 """

@@ -34,6 +34,7 @@ from autopar.plan import Plan
 from autopar.report.format import cluster_line
 from autopar.report.frameworks import frameworks_section
 from autopar.report.html import write_html
+from autopar.report.owned import owned_files, remove_stale, write_manifest
 from autopar.report.plots import write_charts
 from autopar.report.ranks import rank_layout_section
 from autopar.report.sections import (comm_section, formulas_section, hand_section, image,
@@ -96,22 +97,28 @@ def write_report(plan: Plan, out_dir: str | Path, *,
 
     With ``chart`` (and matplotlib importable) the PNG charts of
     :mod:`autopar.report.plots` are drawn beside them, linked from the Markdown and
-    embedded as data URIs in the self-contained HTML.
+    embedded as data URIs in the self-contained HTML. The files written are recorded in
+    ``out_dir/.autopar-report.json``; those an earlier report there wrote and this one
+    did not (a chart it no longer draws) are removed, other files are left alone
+    (:mod:`autopar.report.owned`).
     """
     out_dir = Path(out_dir)
     extra = dict(title=title, what_ifs=what_ifs, framework_plans=framework_plans)
     text = render_markdown(plan, hand_layouts, **extra)  # fails first
     created = _make_dir(out_dir)
+    earlier = owned_files(out_dir)  # an older report's files here (autopar.report.owned)
     try:
         charts = write_charts(plan, out_dir, hand_layouts) if chart else {}
         text = render_markdown(plan, hand_layouts, charts=charts, **extra)
         path = out_dir / "report.md"
         path.write_text(text, encoding="utf-8")
-        write_html(text, out_dir)
+        written = {path.name, write_html(text, out_dir).name, *charts.values()}
+        write_manifest(out_dir, written)
     except BaseException:  # no half-written report: remove what this call created
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
         raise
+    remove_stale(out_dir, earlier, written)  # e.g. a comparison.png of a report before
     return path
 
 

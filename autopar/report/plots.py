@@ -23,9 +23,12 @@ from autopar.report.format import GIB, MEMORY_KINDS, TIME_KINDS, device_memory_b
 from autopar.report.schedule import drawn_micro_batches, makespan_s, plan_timeline
 
 __all__ = ["write_timeline_chart", "write_memory_chart", "write_breakdown_chart",
-           "write_comparison_chart", "write_charts", "MAX_DRAWN_MICRO", "TIMELINE_COLOURS",
-           "TIMELINE_DETAIL_COLOURS", "MEMORY_COLOURS"]
+           "write_comparison_chart", "write_charts", "CHART_FILES", "MAX_DRAWN_MICRO",
+           "TIMELINE_COLOURS", "TIMELINE_DETAIL_COLOURS", "MEMORY_COLOURS"]
 
+# chart name -> its file in the report directory (names the report owns there)
+CHART_FILES = {"timeline": "timeline.png", "memory": "memory.png",
+               "breakdown": "breakdown.png", "comparison": "comparison.png"}
 MAX_DRAWN_MICRO = 16  # the timeline draws about this many micro-batches at most
 # Colours that only the timeline and only the memory chart use (the breakdown chart takes
 # matplotlib's default cycle, the comparison green and grey), so a screenshot of the HTML
@@ -191,10 +194,10 @@ def write_charts(plan: Plan, out_dir: str | Path,
     """Draw every chart that applies into ``out_dir``; returns chart name -> file name."""
     out_dir = Path(out_dir)
     drawn = {
-        "timeline": write_timeline_chart(plan, out_dir / "timeline.png"),
-        "memory": write_memory_chart(plan, out_dir / "memory.png"),
-        "breakdown": write_breakdown_chart(plan, out_dir / "breakdown.png"),
+        "timeline": write_timeline_chart(plan, out_dir / CHART_FILES["timeline"]),
+        "memory": write_memory_chart(plan, out_dir / CHART_FILES["memory"]),
+        "breakdown": write_breakdown_chart(plan, out_dir / CHART_FILES["breakdown"]),
         "comparison": write_comparison_chart(plan, hand_layouts or {},
-                                             out_dir / "comparison.png"),
+                                             out_dir / CHART_FILES["comparison"]),
     }
     return {name: path.name for name, path in drawn.items() if path is not None}
