@@ -25,8 +25,17 @@ It prints, for a GPT-2-small-sized model (autopar's GPT class) on ``cuda:0`` und
    less the CUDA context, NCCL buffers and headroom, which live outside the allocator); the
    check is that every plan's reservation stays within that share.
 
-Exit status 0 when every check holds, 1 otherwise. Nothing here runs on a CPU-only host
-(it exits 2 saying so).
+Exit status 0 when every check holds, 1 otherwise. On a host without a GPU it exits 2
+saying so, unless ``--cpu``: a rehearsal of the same code on the CPU (gloo, world of one;
+memory is "n/a" there and the speed target is not judged), as far as a CPU can go, e.g.
+under torch 2.11 before a GPU is lent::
+
+    python benchmarks/gpu_check.py --cpu --layers 2 --hidden 64 --heads 4 --vocab 256 \
+        --seq-len 64 --batch 4 --steps 4
+
+``--out FILE`` also writes everything printed to FILE. On a lent GPU machine (torch 2.11,
+Python 3.12, no registry, no OR-Tools) the README's "GPU check" paragraph gives the one
+command, with the wheels ``benchmarks/gpu_wheels.py`` prepares.
 """
 
 from __future__ import annotations
@@ -57,7 +66,27 @@ def _args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per program")
+    p.add_argument("--cpu", action="store_true",
+                   help="rehearse on the CPU (gloo, world of one) where no GPU is")
+    p.add_argument("--out", type=str, default=None, metavar="FILE",
+                   help="also write everything printed to FILE")
     return p.parse_args()
+
+
+class _Tee:
+    """stdout that also writes to a file (``--out``)."""
+
+    def __init__(self, stream, path: str) -> None:
+        self.stream, self.file = stream, open(path, "w", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        self.file.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
 
 
 def _batches(config: GPTConfig, batch: int, seq: int, steps: int, device) -> list:
@@ -142,18 +171,22 @@ def check_bf16(config, args, device) -> bool:
           f"{plan.num_micro_batches} micro-batches, recompute {plan.recompute}")
     for key in ("model_state_bytes", "saved_activation_bytes"):
         ratio = measured[key] / predicted[key]
-        ok &= abs(ratio - 1) < 0.05
+        # the plan prices the GPU's kernels (H100 preset): on the CPU (a rehearsal) the
+        # saved activations are figures, not a verdict
+        ok &= abs(ratio - 1) < 0.05 or (key == "saved_activation_bytes" and device.type == "cpu")
         print(f"{key}: measured {measured[key] / 2**30:.3f} GiB, predicted "
               f"{predicted[key] / 2**30:.3f} GiB, ratio {ratio:.3f}")
     comm = {k: v for k, v in measured["comm_bytes"].items() if v}
     ok &= not comm
     print(f"comm bytes at world size 1: {comm or 'none'} (predicted "
           f"{ {k: v for k, v in predicted['comm_bytes'].items() if v} or 'none'})")
-    print(f"peak memory: measured {peak / 2**30:.2f} GiB (allocator), predicted "
-          f"{plan.predicted.peak_memory_bytes / 2**30:.2f} GiB, ratio "
-          f"{peak / plan.predicted.peak_memory_bytes:.3f}")
+    predicted_peak = plan.predicted.peak_memory_bytes
+    print(f"peak memory: predicted {predicted_peak / 2**30:.2f} GiB, measured "
+          + ("n/a on the CPU" if peak is None else
+             f"{peak / 2**30:.2f} GiB (allocator), ratio {peak / predicted_peak:.3f}"))
     del pm
-    torch.accelerator.empty_cache()
+    if device.type != "cpu":
+        torch.accelerator.empty_cache()
 
     model = _model(config).to(device)
     optim = adamw(model.parameters())
@@ -169,7 +202,7 @@ def check_bf16(config, args, device) -> bool:
     eager_s = _time_steps(eager_step, data, device)
     tokens = args.batch * args.seq_len
     ratio = ours_s / eager_s
-    ok &= ratio <= 1.05
+    ok &= ratio <= 1.05 or device.type == "cpu"  # the target is the GPU's
     print(f"tokens/s: autopar {tokens / ours_s:,.0f}, eager {tokens / eager_s:,.0f}; step "
           f"time ratio autopar/eager {ratio:.3f} (target <= 1.05) "
           f"(predicted step {plan.predicted.step_time_s:.3f} s, measured {ours_s:.3f} s)")
@@ -227,24 +260,30 @@ def check_plans(config, args, device) -> bool:
 
 def main() -> int:
     args = _args()
-    if torch.accelerator.current_accelerator() is None:
-        print("gpu_check: torch sees no accelerator on this machine; run it on a GPU host")
+    if args.out:
+        sys.stdout = _Tee(sys.stdout, args.out)
+    if not args.cpu and not torch.accelerator.is_available():  # a CUDA build sees 0 GPUs
+        print(f"gpu_check: torch {torch.__version__} sees no accelerator on this machine; run "
+              "it on a GPU host (or rehearse with --cpu)")
         return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("gloo" if args.cpu else "nccl", rank=0, world_size=1)
     device = rank_device_module.rank_device()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, backend "
+    name = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {name}, backend "
           f"{dist.get_backend()}, rank device {device}")
     config = GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.hidden,
                        vocab_size=args.vocab, block_size=args.seq_len)
+    start = time.perf_counter()
     try:
         ok = check_verify(config, args, device)
         ok &= check_bf16(config, args, device)
         ok &= check_plans(config, args, device)
     finally:
         dist.destroy_process_group()
-    print("gpu_check:", "every check holds" if ok else "a check FAILED")
+    print(f"gpu_check: {'every check holds' if ok else 'a check FAILED'} "
+          f"({time.perf_counter() - start:.0f} s)")
     return 0 if ok else 1
 
 

@@ -238,3 +238,29 @@ def tiny_plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0,
         plan = autopar.evaluate_plan(meta, cluster, dataclasses.replace(plan, placements=placements))
     assert plan.dtype == "fp32"
     return plan
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``autopar.cli.main(argv)`` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from autopar import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def refused_load(pm, path, error: type[BaseException]) -> tuple[str | None, bool]:
+    """``pm.load_checkpoint(path)`` expected to raise ``error`` (collective: every rank
+    calls it): (the message, None if it loaded; whether every parameter is as it was)."""
+    before = pm.full_state_dict()
+    try:
+        pm.load_checkpoint(path)
+        message = None
+    except error as exc:
+        message = str(exc)
+    after = pm.full_state_dict()
+    return message, all(torch.equal(before[k], after[k]) for k in before)

@@ -19,6 +19,11 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
 * :func:`cpu_memory_events`: the CPU allocator's allocations and frees a
   ``torch.profiler.profile(profile_memory=True)`` recorded, in order
   (``prof.profiler.kineto_results``: the public ``events()`` folds them into ops).
+* ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13's names of
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn as deprecated
+  there; 2.11 has only the old ones).
+
+Tested on torch 2.13 and 2.11 (the supported range, ``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
-           "group_options", "cpu_memory_events"]
+           "group_options", "cpu_memory_events", "all_gather_single", "reduce_scatter_single"]
+
+# (out, in, group=...): the whole tensor gathered / this rank's reduced slice, one call
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def op_schema(func) -> tuple[str, list[str]]:

@@ -29,18 +29,20 @@ def rank_device(backend: str | None = None) -> torch.device:
 
     Raises:
         RuntimeError: the backend needs an accelerator (e.g. "nccl") but torch sees none
-            (``torch.accelerator.current_accelerator()`` is None): initialise the process
-            group with backend="gloo" on a machine without GPUs.
+            (no ``torch.accelerator.current_accelerator()``, or a CUDA build on a host
+            without GPUs: no device): initialise the process group with backend="gloo" on a
+            machine without GPUs.
     """
     backend = (backend or dist.get_backend()).lower()
     if backend == "gloo":
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
+    # a CUDA build of torch on a host without GPUs names "cuda" but counts 0 devices
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    if count == 0:
         raise RuntimeError(f"the process group's backend {backend!r} computes on an "
                            "accelerator, but torch sees none on this machine; initialise the "
                            "process group with backend='gloo' to train on CPUs")
-    count = torch.accelerator.device_count()
     index = int(os.environ.get("LOCAL_RANK", dist.get_rank() % count))
     if not 0 <= index < count:
         raise RuntimeError(f"LOCAL_RANK={index} but this machine has {count} "

@@ -119,6 +119,9 @@ class ParallelModule(nn.Module):
             group after backward (per micro-batch under ZeRO-2).
         boundary_shard_dims: per chunk, the dims along which the activation it receives /
             sends is split over TP (None: whole), see StageShapes.
+        logits_width: the last dim of the last stage's logits (b, s, V, or V/t when they
+            stay split over TP); None: hidden_size (the pipeline library then must not
+            check the last stage's outputs, as torch 2.11's does).
         tp_sharded_parameter_names: parameters split over the TP group (each TP rank holds
             another part); the others are replicated over TP and counted once in the
             gradient norm.
@@ -154,6 +157,7 @@ class ParallelModule(nn.Module):
         master_dtype: torch.dtype | None = None,
         partial_grad_parameter_names: Sequence[str] = (),
         boundary_shard_dims: Sequence[tuple[int | None, int | None]] = ((None, None),),
+        logits_width: int | None = None,
         tp_sharded_parameter_names: Sequence[str] = (),
         max_norm: float | None = None,
         on_nonfinite: str = "raise",
@@ -203,7 +207,8 @@ class ParallelModule(nn.Module):
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
             shapes = [StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype,
-                                  *dims, tp=groups.tp) for dims in boundary_shard_dims]
+                                  *dims, tp=groups.tp, logits_width=logits_width)
+                      for dims in boundary_shard_dims]
             self.runner = PipelineRunner(chunks, groups, shapes, num_micro_batches,
                                          schedule, loss_fn)
 

@@ -318,7 +318,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
         tp_sharded_parameter_names=tp_sharded, **step_options,
-        loss_fn=_loss_fn(traced, plan, groups),
+        loss_fn=_loss_fn(traced, plan, groups), logits_width=_logits(traced, plan)[1],
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
     if init is not None and zero3:
         _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
@@ -343,15 +343,23 @@ def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None
             for c in range(rank, n, plan.pp)]
 
 
-def _loss_fn(traced, plan: Plan, groups: ParallelGroups):
-    """The last stage's per-micro-batch loss: token cross-entropy of the whole logits, or
-    the vocabulary-parallel one when the plan keeps the logits split (b, s, V/t)."""
+def _logits(traced, plan: Plan) -> tuple[bool, int]:
+    """(whether the plan keeps the logits split over TP, the logits' last dim on this rank:
+    V, or V/t when split)."""
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    if parse_strategy_key(plan.placements[out.name]).name != "vocab_parallel":
-        return token_cross_entropy
+    split = parse_strategy_key(plan.placements[out.name]).name == "vocab_parallel"
     logits = out.args[0]
     while logits.name not in traced.nodes:  # a collective the TP rewrite put before the
         logits = logits.args[0]             # output (replicated logits scattered over V)
-    local_vocab = traced.nodes[logits.name].shape[-1] // plan.tp
+    vocab = traced.nodes[logits.name].shape[-1]
+    return split, vocab // plan.tp if split else vocab
+
+
+def _loss_fn(traced, plan: Plan, groups: ParallelGroups):
+    """The last stage's per-micro-batch loss: token cross-entropy of the whole logits, or
+    the vocabulary-parallel one when the plan keeps the logits split (b, s, V/t)."""
+    split, local_vocab = _logits(traced, plan)
+    if not split:
+        return token_cross_entropy
     return functools.partial(vocab_parallel_cross_entropy, group=groups.tp_group,
                              vocab_start=groups.tp_rank * local_vocab)

@@ -15,9 +15,10 @@ How it is used:
   holds TP collectives, which must not run on meta tensors nor run an extra real
   forward/backward. Stage inputs/outputs: first stage idx (b, s) int64, activations
   (b, s, h) of the activation dtype, requiring grad so that gradients flow back.
-  The last stage's outputs (logits (b, s, V), V unknown here) go to the loss, never
-  to a peer, and the library neither sends nor validates them; they are described
-  with the (b, s, h) activation as a stand-in.
+  The last stage's outputs, logits (b, s, V) (or (b, s, V/t) kept split over TP), go to
+  the loss, never to a peer; they are described as they are (``logits_width``), since
+  torch 2.11's library checks every stage's outputs against their description (2.13's
+  does not check the last one's).
 * Micro-batching: ``step`` splits this replica's (m*b, s) batch into m chunks of b
   rows along dim 0. Each micro-batch's mean loss is divided by m before its backward
   (``scale_grads=False``: the library's division of the accumulated gradients at the end
@@ -61,6 +62,7 @@ class StageShapes:
             this stage receives / sends is split over the TP group (None: whole), e.g. 1
             under sequence parallelism: each TP rank sends its (b, s/t, h) shard.
         tp: the TP degree t.
+        logits_width: the last dim of the last stage's output (V or V/t; None: h).
     """
 
     micro_batch_size: int
@@ -70,6 +72,7 @@ class StageShapes:
     input_shard_dim: int | None = None
     output_shard_dim: int | None = None
     tp: int = 1
+    logits_width: int | None = None
 
     def activation_shape(self, shard_dim: int | None = None) -> tuple[int, int, int]:
         """(b, s, h), with ``shard_dim`` divided by t."""
@@ -123,12 +126,15 @@ class PipelineRunner:
             index = groups.pp_rank + j * groups.pp  # round-robin: chunk c on rank c % pp
             act_in = torch.empty(shape.activation_shape(shape.input_shard_dim),
                                  dtype=shape.activation_dtype, device="meta", requires_grad=True)
-            act_out = torch.empty(shape.activation_shape(shape.output_shard_dim),
-                                  dtype=shape.activation_dtype, device="meta", requires_grad=True)
+            out_shape = shape.activation_shape(shape.output_shard_dim)
+            if index == num_stages - 1 and shape.logits_width is not None:
+                out_shape = (*out_shape[:2], shape.logits_width)  # the logits
+            act_out = torch.empty(out_shape, dtype=shape.activation_dtype, device="meta",
+                                  requires_grad=True)
             stages.append(PipelineStage(
                 chunk, index, num_stages, _stage_device(chunk),
                 input_args=first_input if index == 0 else act_in,
-                output_args=act_out,  # on the last stage a stand-in, see the module docstring
+                output_args=act_out,
                 group=groups.pp_group,
             ))
         self.groups, self.shapes = groups, shapes

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.compat import all_gather_single, reduce_scatter_single
+
 __all__ = ["Group", "group_size", "copy_to_tp_region", "reduce_from_tp_region",
            "gather_from_tp_region", "scatter_to_tp_region", "reduce_scatter_to_tp_region",
            "gather_to_tp_region_with_partial_grad"]
@@ -61,7 +63,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     t = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()  # (n, ...)
     out = front.new_empty((t * front.shape[0], *front.shape[1:]))  # (t*n, ...), rank-major
-    dist.all_gather_single(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -80,7 +82,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     _check_divisible(x, dim, t, "reduce-scatter")
     front = x.movedim(dim, 0).contiguous()  # (t*n, ...), rank-major chunks
     out = front.new_empty((front.shape[0] // t, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, front, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim).contiguous()
 
 

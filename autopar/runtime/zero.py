@@ -49,6 +49,7 @@ from torch import nn
 
 from autopar.runtime.buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, BucketReadiness,
                                      cut_buckets)
+from autopar.runtime.compat import all_gather_single, reduce_scatter_single
 from autopar.runtime.health import square_sum
 from autopar.support import EXECUTED_ZERO_STAGES
 
@@ -199,8 +200,8 @@ class DistributedOptimizer:
         if not self.sharded:
             return dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         lo, hi = bucket.shard(self.d, self.dp_rank)
-        return dist.reduce_scatter_single(self._grads[lo:hi], whole, op=dist.ReduceOp.SUM,
-                                          group=self.group, async_op=True)
+        return reduce_scatter_single(self._grads[lo:hi], whole, op=dist.ReduceOp.SUM,
+                                     group=self.group, async_op=True)
 
     def _launch_micro_batch(self, bucket: Bucket):
         """ZeRO-2: copy the bucket's gradients into a temporary flat tensor, free the
@@ -216,8 +217,8 @@ class DistributedOptimizer:
         k = flat.numel() // self.d
         out = flat[self.dp_rank * k:(self.dp_rank + 1) * k]
         self._pending[bucket.start] = out
-        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
-                                          async_op=True)
+        return reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                     async_op=True)
 
     def micro_batch_done(self) -> None:
         """After a micro-batch's backward: ZeRO-2 starts its remaining buckets, waits for
@@ -268,7 +269,7 @@ class DistributedOptimizer:
             lo, hi = bucket.shard(self.d, self.dp_rank)
             if flat[lo:hi].data_ptr() != own.data_ptr():
                 flat[lo:hi] = own
-            dist.all_gather_single(flat[bucket.start:bucket.end], flat[lo:hi], group=self.group)
+            all_gather_single(flat[bucket.start:bucket.end], flat[lo:hi], group=self.group)
         self._bind_grads(flat)
 
     def _counted_ranges(self, counted: set[int]) -> list[tuple[int, int, int]]:
@@ -325,8 +326,8 @@ class DistributedOptimizer:
                 self.buffer[lo:hi].copy_(m)
         if self.sharded:
             for bucket, (lo, hi) in zip(self.buckets, self.shards):
-                dist.all_gather_single(self.buffer[bucket.start:bucket.end], self.buffer[lo:hi],
-                                       group=self.group)
+                all_gather_single(self.buffer[bucket.start:bucket.end], self.buffer[lo:hi],
+                                  group=self.group)
 
     def state_bytes(self) -> int:
         """Bytes held for the model between steps on this rank: parameters (the buffer),

@@ -31,7 +31,8 @@ from autopar.runtime.checkpoint_export import export_consolidated
 from autopar.runtime.checkpoint_files import CheckpointWarning
 from dist_utils import run_distributed
 from examples.nanogpt_model import GPT as NanoGPT, GPTConfig as NanoConfig
-from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, rel, seeded_gpt, train_eagerly
+from helpers import (BATCH, CONFIG, SEQ, batches, fast_cluster, refused_load, rel, seeded_gpt,
+                     train_eagerly)
 
 OPTIMIZERS = {"sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
               "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)}
@@ -175,14 +176,7 @@ def _world2_worker(rank: int, world: int, jobs: list, full_plans: list, small_pl
     out["strict"] = _strict_loads(full_plans[0])
     out["warned"] = _warned_loads(full_plans[0], refused_path)
     pm = _parallel(small_plan, "sgd", "smaller")  # another model refuses the checkpoint
-    before = pm.full_state_dict()
-    try:
-        pm.load_checkpoint(refused_path)
-        out["refused"] = None
-    except ValueError as err:
-        out["refused"] = str(err)
-    after = pm.full_state_dict()
-    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["refused"], out["untouched"] = refused_load(pm, refused_path, ValueError)
     return out if rank == 0 else _losses(out)
 
 

@@ -40,7 +40,7 @@ from autopar.runtime.checkpoint_export import export_consolidated
 from autopar.runtime.checkpoint_files import MANIFEST, CheckpointError, verify_checkpoint
 from autopar.runtime.health import CollectiveError
 from dist_utils import run_distributed, run_survivors
-from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, seeded_gpt
+from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, refused_load, seeded_gpt
 
 TIMEOUT_S = 5.0  # parallelize(timeout=): the checkpoint group's timeout
 SLACK_S = 15.0  # process teardown and a loaded two-core machine
@@ -117,14 +117,7 @@ def _load_worker(rank: int, world: int, plan_json: str, paths: list[str], damage
         out[path] = {"extra": pm.load_checkpoint(path), "state": pm.full_state_dict(),
                      "steps": pm.steps_done}
     pm = _parallel(plan_json, seed=2)
-    before = pm.full_state_dict()
-    try:
-        pm.load_checkpoint(damaged)
-        out["damaged"] = None
-    except CheckpointError as exc:
-        out["damaged"] = str(exc)
-    after = pm.full_state_dict()
-    out["untouched"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["damaged"], out["untouched"] = refused_load(pm, damaged, CheckpointError)
     latest = pm.load_latest_checkpoint(directory)
     out["latest"] = (str(latest.path), latest.extra, [(str(p), why) for p, why in latest.skipped])
     return out

@@ -222,7 +222,7 @@ def _engine_worker(rank: int, world_size: int, tp: int, pp: int, dp: int, schedu
         where = STAGE_PARAMS
     pm = ParallelModule(stage, groups, micro_batch_size=MBS, num_micro_batches=M, seq_len=S, hidden_size=H,
                         schedule=schedule, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR),
-                        tied_parameter_names=tied)
+                        tied_parameter_names=tied, logits_width=V)
     losses = [pm.train_step(idx, targets) for idx, targets in _batches(dp)]
     params = [(*where[n], p.detach().clone()) for n, p in stage.named_parameters()]
     try:

@@ -11,24 +11,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 
 import pytest
 
-from autopar.cli import commands as cli
-from helpers import tiny_plan
+from helpers import run_cli, tiny_plan
 
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8"]
-
-
-def run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

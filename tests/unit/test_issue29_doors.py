@@ -9,8 +9,6 @@ through ``os.access`` as well as ``chmod``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -20,22 +18,14 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.cli import commands as cli
 from autopar.cli.commands import save_plan
 from autopar.plan import Plan
-from helpers import tiny_plan
+from helpers import run_cli, tiny_plan
 
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8"]
 EVAL = ["evaluate", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size",
         "8", "--tp", "1", "--pp", "1", "--dp", "1", "--mbs", "8"]
 NO_PROC = not Path("/proc/self").is_dir()
-
-
-def run_cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

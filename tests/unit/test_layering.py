@@ -26,7 +26,8 @@ MAX_LINES = 400
 # the vocab-parallel embedding/cross-entropy, and the RNG tracker (and the package itself).
 REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.rng", "autopar.runtime.device",
                     "autopar.runtime.tp_ops", "autopar.runtime.tp_modules",
-                    "autopar.runtime.vocab_parallel"}
+                    "autopar.runtime.vocab_parallel",
+                    "autopar.runtime.compat"}  # the TP operators' collectives across torch versions
 
 _BARE_AUTOPAR = """\
 import importlib.util, sys, types
@@ -113,8 +114,9 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
 
 
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
-    """The rewrite reads the plan: from the runtime only the operators it inserts and the
-    RNG tracker (with the device module it forks generators through); from the planner only the strategy vocabulary that decodes the plan's keys
+    """The rewrite reads the plan: from the runtime only the operators it inserts (with the
+    compatibility module their collectives' names come from) and the RNG tracker (with the
+    device module it forks generators through); from the planner only the strategy vocabulary that decodes the plan's keys
     (``planner.strategies.decode_placements``), never the solver, search or OR-Tools."""
     code = "import " + ", ".join(["autopar.rewrite", *_submodules("autopar.rewrite")])
     loaded = _modules_after(code, isolated=True)

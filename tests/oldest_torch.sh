@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The oldest torch autopar supports (pyproject's range, torch>=2.11): the version the lent GPU
+# machines run. In a virtual environment of its own (made on first use, then reused), torch
+# 2.11.0 from PyPI (its CUDA build, about 4 GB with its NVIDIA libraries, which runs on the
+# CPU here; about 1 minute to install) and autopar[test] beside it, then:
+#   * the quick start's 4-rank training, with the plan it solves;
+#   * the unit tier (one process) but two groups whose subject does not depend on the torch
+#     version: the tests that hand autopar's emitted configurations to megatron-core,
+#     torchtitan and DeepSpeed's own code (FRAMEWORK_TESTS: those frameworks are installed,
+#     DeepSpeed built, against the main environment's torch only), and the three property
+#     tests of the input doors (DOOR_TESTS: thousands of generated JSON and CLI inputs, 2 of
+#     the tier's 5 minutes);
+#   * a pairwise slice of the multiprocess tier (MULTIPROCESS below, about 4 minutes): every
+#     technique the runtime executes (TP and SP, 1F1B, GPipe and interleaved pipelines,
+#     ZeRO-1/2/3 and FSDP2, recompute) in all-pairs combinations against one process with
+#     its communication bytes equal to the prediction, bf16 mixed precision, and checkpoints
+#     saved under one plan and loaded under another (DCP).
+# The whole suite on 2.11 (the default tier list): AUTOPAR_OLDEST_TORCH_ALL=1.
+#
+# Environment: AUTOPAR_OLDEST_TORCH (default 2.11.0), AUTOPAR_OLDEST_TORCH_VENV (default
+# ~/.cache/autopar/venv-torch-VERSION).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FRAMEWORK_TESTS=(--ignore tests/unit/test_framework_configs.py
+    --deselect tests/unit/test_frameworks.py::test_emitted_configurations_are_accepted_by_the_frameworks
+    --deselect tests/unit/test_frameworks.py::test_example_plans_are_accepted_by_the_frameworks)
+TORCH=${AUTOPAR_OLDEST_TORCH:-2.11.0}
+VENV=${AUTOPAR_OLDEST_TORCH_VENV:-$HOME/.cache/autopar/venv-torch-$TORCH}
+PY="$VENV/bin/python"
+DOOR_TESTS=(--deselect tests/unit/test_doors_inputs.py::test_plan_cli_door
+    --deselect tests/unit/test_doors_inputs.py::test_cluster_json_door
+    --deselect tests/unit/test_doors_plans.py::test_plan_json_door)
+MULTIPROCESS=(
+    "tests/multiprocess/test_matrix.py::test_world4_every_pair_of_techniques_matches_single_process"
+    "tests/multiprocess/test_matrix.py::test_bf16_mixed_precision_within_documented_tolerance"
+    tests/multiprocess/test_interleaved.py
+    tests/multiprocess/test_fsdp.py
+    tests/multiprocess/test_checkpoint.py
+)
+
+if ! "$PY" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" \
+        2>/dev/null; then
+    rm -rf "$VENV"
+    python -m venv "$VENV"
+    "$PY" -m pip install -q --root-user-action=ignore "torch==$TORCH"
+fi
+# autopar and its test extras; the constraint keeps this torch (pyproject allows it)
+"$PY" -m pip install -q --root-user-action=ignore -c <(echo "torch==$TORCH") -e '.[test]'
+"$PY" -c "import torch; print('oldest supported torch:', torch.__version__)"
+
+echo "quick start on torch $TORCH:"
+"$PY" examples/quickstart.py > /tmp/autopar-quickstart-oldest-torch.log 2>&1 || {
+    tail -40 /tmp/autopar-quickstart-oldest-torch.log; exit 1; }
+tail -3 /tmp/autopar-quickstart-oldest-torch.log
+if [ "${AUTOPAR_OLDEST_TORCH_ALL:-0}" = 1 ]; then
+    exec "$PY" -m pytest -q -p no:cacheprovider "${FRAMEWORK_TESTS[@]}"
+fi
+exec "$PY" -m pytest -q -p no:cacheprovider tests/unit "${FRAMEWORK_TESTS[@]}" "${DOOR_TESTS[@]}" \
+    "${MULTIPROCESS[@]}"
