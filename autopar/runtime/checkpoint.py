@@ -78,9 +78,9 @@ from autopar.runtime.checkpoint_files import (CheckpointError, CheckpointWarning
                                               latest_checkpoint, on_rank0, resolve_checkpoint,
                                               staging_dir, verify_checkpoint, write_manifest)
 from autopar.runtime.checkpoint_state import (META_KEY, check_fits, checkpoint_keys,
-                                              dcp_metadata, from_loaded, layout_of, local_keys,
-                                              optim_key, rank_state_dict, rng_key, rng_state,
-                                              set_rng_state, template)
+                                              dcp_metadata, from_loaded, key_sizes, layout_of,
+                                              local_keys, optim_key, rank_state_dict, rng_key,
+                                              rng_state, set_rng_state, template)
 from autopar.runtime.health import CollectiveError, as_collective_error
 from autopar.runtime.shard_state import dp_state
 
@@ -223,8 +223,9 @@ def _warn_on_load(pm, path: Path, meta: dict, rng_restored: bool) -> None:
     if pm.groups.rank != 0:
         return
     if not rng_restored:
-        warnings.warn(f"{path} was saved under tp/pp/dp {[meta['layout'][k] for k in ('tp', 'pp', 'dp')]}"
-                      f", this program runs {[layout_of(pm)[k] for k in ('tp', 'pp', 'dp')]}: the "
+        saved, here = ([layout[k] for k in ("tp", "pp", "dp")]
+                       for layout in (meta["layout"], layout_of(pm)))
+        warnings.warn(f"{path} was saved under tp/pp/dp {saved}, this program runs {here}: the "
                       "RNG states are per rank, so they are not restored and dropout masks "
                       "restart from this run's seed (losses differ from an uninterrupted run "
                       "only through dropout)", CheckpointWarning, stacklevel=3)
@@ -273,7 +274,7 @@ def load_checkpoint(pm, path: str | os.PathLike) -> dict:
 
 def _load_verified(pm, path: Path, group) -> dict:
     md = dcp_metadata(path)
-    keys = {k: getattr(v, 'size', None) for k, v in md.items()}
+    keys = key_sizes(md)
     meta_sd: dict[str, Any] = {META_KEY: b""}
     dcp.load(meta_sd, checkpoint_id=str(path), process_group=group)
     meta = pickle.loads(meta_sd[META_KEY])

@@ -48,8 +48,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 __all__ = ["MANIFEST", "CheckpointError", "CheckpointWarning", "Manifest", "staging_dir",
-           "write_manifest", "commit", "on_rank0", "resolve_checkpoint", "read_manifest", "file_problems",
-           "verify_checkpoint", "agreed", "latest_checkpoint", "CheckpointScan"]
+           "write_manifest", "commit", "on_rank0", "resolve_checkpoint", "read_manifest",
+           "file_problems", "verify_checkpoint", "agreed", "latest_checkpoint", "CheckpointScan"]
 
 MANIFEST = "autopar.manifest.json"
 MANIFEST_FORMAT = "autopar-checkpoint-manifest"
@@ -108,23 +108,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _broadcast(value: Any, group, rank: int) -> Any:
-    box = [value if rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
 def agreed(value: Any, group) -> Any:
     """Rank 0's ``value`` on every rank of ``group`` (a broadcast; none in a world of one)."""
     if group is None or dist.get_world_size(group) == 1:
         return value
-    return _broadcast(value, group, dist.get_rank(group))
+    box = [value if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
-    """``fn()`` run on rank 0 of ``group``, its value (or the CheckpointError or OSError it
-    raised, as a CheckpointError, an OSError's naming ``what``) on every rank, so that a file-system failure on rank 0
-    raises everywhere instead of leaving the others waiting. Collective over ``group``."""
+    """``fn()`` run on rank 0 of ``group``, its value on every rank; the CheckpointError or
+    OSError it raised (an OSError's message naming ``what``) raised as a CheckpointError on
+    every rank, so that a file-system failure on rank 0 does not leave the others waiting.
+    Collective over ``group``."""
     outcome = None
     if group is None or dist.get_rank(group) == 0:
         try:

@@ -145,14 +145,15 @@ def dcp_metadata(path: Path) -> dict:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
-def _sizes(md: dict) -> dict[str, torch.Size | None]:
+def key_sizes(md: dict) -> dict[str, torch.Size | None]:
+    """Each key of DCP metadata ``md`` with its tensor shape (None: a pickled object)."""
     return {k: (v.size if isinstance(v, TensorStorageMetadata) else None) for k, v in md.items()}
 
 
 def checkpoint_keys(path: str | os.PathLike) -> dict[str, torch.Size | None]:
     """Every key of the checkpoint at ``path`` with its shape (None: a pickled object).
     Local (reads the ``.metadata`` file). Raises CheckpointError if there is none."""
-    return _sizes(dcp_metadata(Path(path)))
+    return key_sizes(dcp_metadata(Path(path)))
 
 
 def check_fits(pm, path, keys: dict, meta: dict) -> None:
