@@ -32,7 +32,7 @@ from ._checks import check_non_negative, check_positive, check_positive_int, is_
 from .reserve import MemoryReserve
 
 PRESET_DIR = Path(__file__).with_name("presets")
-PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx2h-v100", "local-cpu")
+PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx-h200", "dgx2h-v100", "local-cpu")
 """Names accepted by :meth:`Cluster.from_name`; each is ``presets/<name>.json``."""
 
 # Keys a spec dict may carry for humans only; they are accepted and not stored.
@@ -234,7 +234,11 @@ class Cluster:
     attention: str = "math"
     """Attention kernel: "math" keeps the softmax for backward (a·s² per sequence, the
     accounting of Korthikanti et al. 2022); "flash" keeps only output and log-sum-exp
-    (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do."""
+    (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do (``F.scaled_dot_product_
+    attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100
+    and dgx-h200 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
+    the fused kernel); dgx-a100 and dgx2h-v100 keep "math", the kernels of the 2021
+    Megatron-LM runs their efficiency is fitted to (``benchmarks/published_runs.py``)."""
     memory_reserve: MemoryReserve = MemoryReserve()
     """What each process holds besides the cost model's peak (CUDA context, NCCL buffers,
     fragmentation; :mod:`cost_models.reserve`); a cluster file without it gets the GPU
@@ -296,6 +300,12 @@ class Cluster:
         return cls.from_name("dgx-h100", nodes)
 
     @classmethod
+    def dgx_h200(cls, nodes: int = 1) -> "Cluster":
+        """DGX H200 nodes: 8x H200-SXM-141GB (HBM3e, 4.8 TB/s), NVLink4/NVSwitch, 8x NDR
+        400 Gb/s: the DGX H100 with the H200's memory."""
+        return cls.from_name("dgx-h200", nodes)
+
+    @classmethod
     def dgx2h_v100(cls, nodes: int = 1) -> "Cluster":
         """DGX-2H nodes: 16x V100-SXM3-32GB, NVSwitch, 8x EDR 100 Gb/s."""
         return cls.from_name("dgx2h-v100", nodes)
@@ -319,7 +329,8 @@ class Cluster:
     def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":
         """Build a Cluster from :meth:`to_dict` output or a preset-style dict.
 
-        A number may be written plain or as ``{"value": x, "source": "..."}``; in a
+        A number (and ``attention``) may be written plain or as ``{"value": x, "source":
+        "..."}``; in a
         device, link or ``memory_reserve``, such per-number sources are appended to its
         ``source``. ``memory_reserve`` and ``memory_headroom_gib`` are optional (defaults:
         :class:`~cost_models.reserve.MemoryReserve`'s GPU values, 0).
@@ -337,10 +348,10 @@ class Cluster:
         if "memory_reserve" in fields:
             kwargs["memory_reserve"] = _spec_from_dict(MemoryReserve, "Cluster.memory_reserve",
                                                        fields["memory_reserve"])
-        for field in ("gpus_per_node", "nodes", "memory_headroom_gib"):
+        for field in ("gpus_per_node", "nodes", "memory_headroom_gib", "attention"):
             if field in fields:
                 kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
-        for field in ("name", "dtype", "attention"):
+        for field in ("name", "dtype"):
             if field in fields:
                 kwargs[field] = fields[field]
         return cls(**kwargs)

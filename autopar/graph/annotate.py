@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.graph.attention import LSE_BYTES, annotate_attention
 from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
                                linear_features, op_name, packet)
 
@@ -51,8 +52,9 @@ class NodeInfo:
     core_elems / core_mask_elems: attention-core activations (softmax output and, with
         dropout, its output) and mask that selective recompute drops: with 16-bit
         activations 5·a·s² bytes for b = 1 (Korthikanti et al. 2022).
-    flash_elems: what a fused (flash) attention kernel keeps instead of the core: its
-        output and the log-sum-exp, b·a·s·(hd + 1) (Dao et al. 2022, Algorithm 2).
+    flash_elems / lse_elems: what a fused (flash) attention kernel keeps instead of the
+        core: its output, b·a·s·hd, and the fp32 log-sum-exp, b·a·s
+        (:mod:`autopar.graph.attention`).
     per_sequence: the output grows with the batch (False for e.g. position embeddings).
     layer: transformer layer index or None; section: "pre" | "layer" | "post".
     """
@@ -69,6 +71,7 @@ class NodeInfo:
     core_elems: int = 0
     core_mask_elems: int = 0
     flash_elems: int = 0
+    lse_elems: int = 0
     per_sequence: bool = True
     layer: int | None = None
     section: str = "pre"
@@ -78,11 +81,14 @@ class NodeInfo:
         """Bytes saved for backward (attention core excluded) at ``activation_bytes`` per element."""
         return activation_bytes * self.saved_elems + MASK_BYTES * self.mask_elems
 
-    def core_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> float:
+    def core_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES, attention: str = "math",
+                      tp: int = 1) -> float:
         """Attention-core bytes (dropped by selective recompute) for the "math" kernel
-        (softmax kept) or the "flash" kernel (output + log-sum-exp kept)."""
+        (softmax kept) or the "flash" kernel (output + log-sum-exp kept; the output not
+        again where a consumer keeps the same storage, which ``tp`` = 1 guarantees)."""
         if attention == "flash":
-            return activation_bytes * self.flash_elems
+            aliased = tp == 1 and self.extra.get("flash_output_aliased", False)
+            return activation_bytes * self.flash_elems * (not aliased) + LSE_BYTES * self.lse_elems
         return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems
 
 
@@ -356,18 +362,9 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
             info.saved_elems += info.numel
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
             info.mask_elems += info.numel
-        if info.kind == "sdpa":
-            b, nh, s, _ = node.args[0].meta["tensor_meta"].shape
-            s_kv = node.args[1].meta["tensor_meta"].shape[2]
-            scores = b * nh * s * s_kv
-            dropout = node.kwargs.get("dropout_p", 0.0) or 0.0
-            # softmax output; with dropout also its output and its mask
-            info.core_elems = scores * (2 if dropout > 0 else 1)
-            info.core_mask_elems = scores if dropout > 0 else 0
-            info.flash_elems = info.numel + b * nh * s  # output (b, nh, s, hd) + lse (b, nh, s)
-            # memory passes over the (b, nh, s, s) scores of unfused ("math") attention:
-            # write QKᵀ, read+write scale/mask/softmax, read for ·V; dropout adds 3 more
-            info.extra["score_passes_elems"] = scores * (4 + (3 if dropout > 0 else 0))
+    for node in gm.graph.nodes:  # once every output's saved_elems is known
+        if nodes[node.name].kind == "sdpa":
+            annotate_attention(node, nodes)
 
 
 def _group_layers(gm: fx.GraphModule, nodes: dict[str, NodeInfo]):

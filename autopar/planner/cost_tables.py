@@ -263,8 +263,9 @@ def _node_key(info) -> tuple:
     extra = info.extra
     return (info.kind, info.flops, info.per_sequence, info.numel, info.param_numel,
             info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
-            info.flash_elems, extra.get("score_passes_elems", 0), extra.get("gemms"),
-            extra.get("gemm_folded"),
+            info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
+            extra.get("score_passes_elems", 0),
+            extra.get("gemms"), extra.get("gemm_folded"),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
 
 

@@ -124,7 +124,7 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them);
     # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
-    core = info.core_bytes_at(act_bytes, attention) * b / (tp if sharded else 1)
+    core = info.core_bytes_at(act_bytes, attention, tp) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,

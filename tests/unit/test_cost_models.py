@@ -215,7 +215,7 @@ def _a100_kwargs(**changes):
     (lambda: DeviceSpec("x", 1, 1, 1, 0.5, ""), r"DeviceSpec\.source"),
     (lambda: LinkSpec("x", 0, 1e-6, "s"), r"LinkSpec\.bandwidth_gbps must be a positive"),
     (lambda: LinkSpec("x", 1, -1, "s"), r"LinkSpec\.latency_s"),
-    (lambda: Cluster.from_name("dgx-b200"), r"valid names: dgx-a100, dgx-h100, dgx2h-v100, local-cpu"),
+    (lambda: Cluster.from_name("dgx-b200"), r"valid names: dgx-a100, dgx-h100, dgx-h200, dgx2h-v100, local-cpu"),
     (lambda: Cluster.local_cpu(0), r"processes must be a positive int"),
     (lambda: Cluster.from_dict({"device": {}}), r"Cluster is missing field.*gpus_per_node"),
     (lambda: Cluster.from_dict({**Cluster.dgx_a100().to_dict(), "gpu": 1}), r"unknown field.*'gpu'"),

@@ -1,0 +1,63 @@
+"""What ``scaled_dot_product_attention`` keeps for backward, per kernel (one sequence).
+
+"math" (the unfused kernel) keeps the softmax of the (b, a, s, s_kv) scores, and with
+dropout its output and mask: Korthikanti et al. 2022's 5·a·s² bytes per sequence with
+16-bit activations and 1-byte masks. A fused kernel (FlashAttention-2, Dao et al. 2023;
+PyTorch's flash and memory-efficient kernels on GPUs, its flash kernel on CPUs) keeps its
+output and the log-sum-exp of each row, b·a·s values in fp32 (``softmax_lse``), and
+recomputes the scores in backward (Dao et al. 2022, Algorithm 2). The output it keeps is
+often the very storage its consumer keeps: the kernel writes (b, s, a, hd) and returns a
+(b, a, s, hd) view, so the usual ``y.transpose(1, 2).contiguous()`` before the output
+projection copies nothing, and the projection's saved input is the kernel's output
+(measured: ``benchmarks/gpu_check.py`` on an H200, saved activations equal to the
+prediction to 0.1%; the CPU's flash kernel alike).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+__all__ = ["LSE_BYTES", "annotate_attention"]
+
+LSE_BYTES = 4
+"""Bytes per log-sum-exp value a fused kernel keeps: fp32 whatever the activations' dtype."""
+
+_ALIASES = ("view", "transpose", "contiguous")
+"""Node kinds that pass a fused attention output on without copying it."""
+
+
+def annotate_attention(node: fx.Node, nodes: dict) -> None:
+    """Set the attention-core fields of ``nodes[node.name]`` (a NodeInfo of kind "sdpa",
+    output (b, a, s, hd) for q (b, a, s, hd) and k (b, a, s_kv, hd)): ``core_elems`` and
+    ``core_mask_elems`` (math kernel), ``flash_elems`` (the output) and ``lse_elems``
+    (fused kernel), ``extra["flash_output_aliased"]`` (a consumer reached through views,
+    transposes and ``contiguous`` saves the output already: without tensor parallelism it
+    is the same storage; with it a placement may copy it on the way, a gather or a slice,
+    so :meth:`NodeInfo.core_bytes_at` counts it then) and ``extra["score_passes_elems"]``.
+    Call once every node's ``saved_elems`` is set."""
+    info = nodes[node.name]
+    b, nh, s, _ = node.args[0].meta["tensor_meta"].shape
+    s_kv = node.args[1].meta["tensor_meta"].shape[2]
+    scores = b * nh * s * s_kv
+    dropout = node.kwargs.get("dropout_p", 0.0) or 0.0
+    # softmax output; with dropout also its output and its mask
+    info.core_elems = scores * (2 if dropout > 0 else 1)
+    info.core_mask_elems = scores if dropout > 0 else 0
+    info.flash_elems = info.numel
+    info.extra["flash_output_aliased"] = _kept_by_a_consumer(node, nodes)
+    info.lse_elems = b * nh * s
+    # memory passes over the (b, nh, s, s) scores of unfused ("math") attention:
+    # write QKᵀ, read+write scale/mask/softmax, read for ·V; dropout adds 3 more
+    info.extra["score_passes_elems"] = scores * (4 + (3 if dropout > 0 else 0))
+
+
+def _kept_by_a_consumer(node: fx.Node, nodes: dict) -> bool:
+    """Is ``node``'s output, or an alias of it through views, transposes and
+    ``contiguous``, saved for backward by a consumer (its ``saved_elems``)?"""
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        if nodes[current.name].saved_elems:
+            return True
+        frontier.extend(u for u in current.users if nodes[u.name].kind in _ALIASES)
+    return False
