@@ -74,8 +74,10 @@ class DeviceSpec:
     """Host seconds per executed graph node and micro-batch (framework dispatch: Python,
     the aten dispatcher, autograd recording), charged once in forward and twice in
     backward; views included. ``autopar calibrate`` measures it on CPU processes (blocks
-    of negligible size over 3 x their graph nodes). 0 on GPUs: launches are asynchronous
-    and only bind when kernels are shorter (cost_models.compute.host_bound_time_s)."""
+    of negligible size over 3 x their graph nodes). 0 on GPU presets: launches are
+    asynchronous there, so the host binds only where kernels are shorter than their
+    dispatch, which is not priced yet (an H200's host took 22 µs per node in fp32 and 39 µs
+    under autocast, and bound a GPT-2-small step: README, "The GPU check")."""
     recompute_overhead_s: float = 0.0
     """Host seconds per graph node of a recomputed layer and micro-batch that activation
     checkpointing adds besides re-running the node's forward (non-reentrant
