@@ -24,7 +24,8 @@ with plans priced on the preset of that GPU (:func:`device_preset`):
    (``torch.accelerator.max_memory_reserved``) against the plan's predicted step time and
    the allocator's predicted share (peak + temporaries + fragmentation: the memory reserve
    less the CUDA context, NCCL buffers and headroom, which live outside the allocator); the
-   check is that every plan's reservation stays within that share.
+   check is that every plan's reservation stays within that share;
+6. the host's dispatch per graph node, against the preset's ``op_overhead_s`` (figures).
 
 Exit status 0 when every check holds, 1 otherwise. On a host without a GPU it exits 2
 saying so, unless ``--cpu``: a rehearsal of the same code on the CPU (gloo, world of one;
@@ -56,6 +57,7 @@ import torch.distributed as dist
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime import device as rank_device_module
+from autopar.runtime.calibrate import measure_host_overheads_s
 from cost_models.reserve import MemoryReserve
 
 
@@ -310,6 +312,17 @@ def check_plans(config, args, device) -> bool:
     return ok
 
 
+def check_host(args, device) -> None:
+    """The host's dispatch per graph node (tiny GPT blocks: ``autopar calibrate``'s
+    measurement, on this device) against the preset's ``op_overhead_s`` and
+    ``recompute_overhead_s``; figures, not a verdict (a host's speed is its own)."""
+    measured = measure_host_overheads_s(str(device))
+    spec = autopar.Cluster.from_name(args.preset).device
+    print(f"host dispatch per graph node: {measured[0] * 1e6:.1f} µs (preset "
+          f"{spec.op_overhead_s * 1e6:.1f}), checkpointing's extra {measured[1] * 1e6:.1f} µs "
+          f"(preset {spec.recompute_overhead_s * 1e6:.1f})")
+
+
 def main() -> int:
     args = _args()
     if args.out:
@@ -333,6 +346,7 @@ def main() -> int:
         ok = check_verify(config, args, device)
         ok &= check_bf16(config, args, device)
         ok &= check_plans(config, args, device)
+        check_host(args, device)
     finally:
         dist.destroy_process_group()
     print(f"gpu_check: {'every check holds' if ok else 'a check FAILED'} "

@@ -16,8 +16,8 @@ cluster; it does not read graphs.  Modules:
 from ._checks import RECOMPUTE_MODES
 from .comm import (COLLECTIVE_KINDS, all_gather_time_s, all_reduce_time_s, collective_time_s,
                    group_link, p2p_time_s, pipeline_send_time_s, reduce_scatter_time_s)
-from .compute import (gemm_efficiency, gemm_time_s, gpt_model_flops, matmul_time_s,
-                      memory_bound_time_s, op_time_s)
+from .compute import (dispatched_time_s, gemm_efficiency, gemm_time_s, gpt_model_flops,
+                      matmul_time_s, memory_bound_time_s, op_time_s)
 from .hardware import PRESET_NAMES, Cluster, DeviceSpec, LinkSpec
 from .memory import (ADAM_OPTIMIZER_BYTES_PER_PARAM, in_flight_micro_batches,
                      model_state_bytes, transformer_layer_activation_bytes)
@@ -39,6 +39,7 @@ __all__ = [
     "all_reduce_time_s",
     "bubble_fraction",
     "collective_time_s",
+    "dispatched_time_s",
     "gemm_efficiency",
     "gemm_time_s",
     "gpt_model_flops",

@@ -157,6 +157,19 @@ def elementwise_time_s(nbytes: float, transcendentals: float, device: DeviceSpec
     return max(memory_bound_time_s(nbytes, device), count / (rate * 1e9) if rate else 0.0)
 
 
+def dispatched_time_s(device_s: float, dispatches: float, device: DeviceSpec) -> float:
+    """Seconds of ``device_s`` of device work that the host issues in ``dispatches`` op
+    dispatches of ``device.op_overhead_s`` each: their sum where one process does both
+    (a CPU rank), the larger where the device runs what the host queued asynchronously
+    (``device.async_dispatch``, a GPU: short kernels wait on their launch, long ones
+    hide it; measured on an H200 host, 22 µs per fx node in fp32:
+    ``benchmarks/gpu_check.py``)."""
+    device = _check_device(device)
+    host_s = check_non_negative("dispatches", dispatches) * device.op_overhead_s
+    device_s = check_non_negative("device_s", device_s)
+    return max(device_s, host_s) if device.async_dispatch else device_s + host_s
+
+
 def op_time_s(flops: float, bytes_moved: float, device: DeviceSpec) -> float:
     """Roofline time of one operation, seconds: the larger of its compute and memory times."""
     return max(matmul_time_s(flops, device), memory_bound_time_s(bytes_moved, device))

@@ -74,10 +74,15 @@ class DeviceSpec:
     """Host seconds per executed graph node and micro-batch (framework dispatch: Python,
     the aten dispatcher, autograd recording), charged once in forward and twice in
     backward; views included. ``autopar calibrate`` measures it on CPU processes (blocks
-    of negligible size over 3 x their graph nodes). 0 on GPU presets: launches are
-    asynchronous there, so the host binds only where kernels are shorter than their
-    dispatch, which is not priced yet (an H200's host took 22 µs per node in fp32 and 39 µs
-    under autocast, and bound a GPT-2-small step: README, "The GPU check")."""
+    of negligible size over 3 x their graph nodes). The GPU presets hold what an H200's
+    host measured the same way (22 µs), with ``async_dispatch``: there the dispatch
+    overlaps the kernels and binds only where they are shorter."""
+    async_dispatch: bool = False
+    """The host dispatches work the device runs later (a GPU's asynchronous kernel
+    launches): a node then takes the longer of its device time and its host dispatch
+    (``op_overhead_s`` once in forward, twice in backward), not their sum
+    (:func:`cost_models.compute.dispatched_time_s`). False: one process does both in turn
+    (CPU ranks)."""
     recompute_overhead_s: float = 0.0
     """Host seconds per graph node of a recomputed layer and micro-batch that activation
     checkpointing adds besides re-running the node's forward (non-reentrant
@@ -129,6 +134,9 @@ class DeviceSpec:
         for field in ("op_overhead_s", "recompute_overhead_s", "gemm_half_dim",
                       "attention_half_dim"):
             _set(self, field, check_non_negative(f"DeviceSpec.{field}", getattr(self, field)))
+        if not isinstance(self.async_dispatch, bool):
+            raise ValueError("DeviceSpec.async_dispatch must be true or false, got "
+                             f"{self.async_dispatch!r}")
         if not is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"DeviceSpec.comm_overlap must be a number in [0, 1], got "
                              f"{self.comm_overlap!r}")

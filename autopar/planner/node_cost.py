@@ -7,7 +7,8 @@ directly; :func:`loss_cost` prices the cross-entropy as the graph's output node.
 assumptions are :mod:`autopar.planner.cost_tables`' (GEMMs at their shapes, other ops
 memory-bound, backward twice the forward), plus the host's per-node dispatch and
 checkpointing overheads of the device (``DeviceSpec.op_overhead_s``,
-``DeviceSpec.recompute_overhead_s``: measured on CPU processes, 0 on GPU presets).
+``DeviceSpec.recompute_overhead_s``), added to a CPU rank's compute and the longer of the
+two on a GPU (``DeviceSpec.async_dispatch``: :func:`cost_models.compute.dispatched_time_s`).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: C
     temporaries (fp32 copies of the logits beside the saved softmax) are ``temp_bytes``
     (0 unless ``temporaries``: the cluster's ``memory_reserve.step_temporaries``)."""
     div, dev = (tp if strat.name == "vocab_parallel" else 1), cluster.device
-    fwd = compute.elementwise_time_s(LOSS_BYTES_PER_LOGIT * logits / div, logits / div,
-                                     dev) + dev.op_overhead_s  # an exp per logit
+    fwd = compute.dispatched_time_s(compute.elementwise_time_s(
+        LOSS_BYTES_PER_LOGIT * logits / div, logits / div, dev), 1, dev)  # an exp per logit
     comm_s = 3 * comm.all_reduce_time_s(LOSS_BYTES_PER_LOGIT * tokens, tp, tp_link) if div > 1 else 0.0
     temp = loss_temporary_bytes(logits / div, act_bytes) if temporaries else 0.0
     return StrategyCost(fwd_s=fwd + comm_s, bwd_s=2.0 * fwd, param_numel=0.0, core_fwd_s=0.0,
@@ -92,7 +93,8 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     ``in_numel`` input and output elements of ``act_bytes`` bytes (views, transposes and
     dropout with p = 0 move none; erf-GELU no faster than an erf per element:
     :func:`cost_models.compute.elementwise_time_s`), plus the device's per-node host overhead
-    (``op_overhead_s``, :func:`dispatches`); backward = 2 × forward for non-matmul ops
+    (``op_overhead_s``, :func:`dispatches`; on a GPU the longer of the two, not the sum:
+    :func:`cost_models.compute.dispatched_time_s`); backward = 2 × forward for non-matmul ops
     (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
     device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
     saved bytes divided by t when the output is sharded. ``b``: micro-batch size
@@ -117,9 +119,9 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
         fwd = compute.elementwise_time_s(act_bytes * (in_numel + info.numel) * b / div, erf, dev)
         bwd = 2.0 * fwd
     rec = fwd
-    if dispatches(info):  # the host's dispatch of the node (0 on GPU profiles)
-        fwd += dev.op_overhead_s
-        bwd += 2.0 * dev.op_overhead_s
+    if dispatches(info):  # the host's dispatch of the node: forward once, backward twice
+        fwd = compute.dispatched_time_s(fwd, 1, dev)
+        bwd = compute.dispatched_time_s(bwd, 2, dev)
         rec = fwd + dev.recompute_overhead_s
     sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them);

@@ -44,7 +44,7 @@ from autopar.runtime.calibrate_comm import (fit_ring_all_reduce, fit_ring_latenc
 from autopar.runtime.launch import launch
 
 __all__ = ["CalibrationSizes", "calibrate_local", "fit_ring_all_reduce", "tiny_block_nodes",
-           "TINY_GPT"]
+           "host_overheads_s", "measure_host_overheads_s", "TINY_GPT"]
 
 
 @dataclass(frozen=True)
@@ -112,18 +112,19 @@ def _attention_tflops(shape: tuple[int, int, int], seconds: float) -> float:
     return 3 * 4.0 * heads * s * s * hd / mean_time_s(run, seconds) / 1e12
 
 
-def _tiny_blocks_s(seconds: float) -> dict[str, float]:
-    """Seconds per tiny GPT block (:data:`TINY_GPT`) of forward + backward, plain and under
-    non-reentrant checkpointing (``torch.utils.checkpoint``, as full recompute runs it):
-    the time of 5 blocks less that of 1, over 4 (median of three)."""
+def _tiny_blocks_s(seconds: float, device: str = "cpu") -> dict[str, float]:
+    """Seconds per tiny GPT block (:data:`TINY_GPT`) of forward + backward on ``device``,
+    plain and under non-reentrant checkpointing (``torch.utils.checkpoint``, as full
+    recompute runs it): the time of 5 blocks less that of 1, over 4 (median of three). On a
+    GPU the kernels are far shorter than their launch, so this is the host's dispatch."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from autopar.models import Block, GPTConfig
 
     config = GPTConfig(n_layer=max(_BLOCKS), **TINY_GPT)
-    blocks = [Block(config) for _ in range(max(_BLOCKS))]
-    x = torch.randn(1, config.block_size, config.n_embd, requires_grad=True)
+    blocks = [Block(config).to(device) for _ in range(max(_BLOCKS))]
+    x = torch.randn(1, config.block_size, config.n_embd, device=device, requires_grad=True)
 
     def run(n: int, ckpt: bool):
         y = x
@@ -137,6 +138,20 @@ def _tiny_blocks_s(seconds: float) -> dict[str, float]:
              - mean_time_s(lambda: run(min(_BLOCKS), ckpt), seconds / 3))
             / (max(_BLOCKS) - min(_BLOCKS)) for _ in range(3))
     return out
+
+
+def host_overheads_s(blocks: dict[str, float]) -> tuple[float, float]:
+    """(``op_overhead_s``, ``recompute_overhead_s``) from :func:`_tiny_blocks_s`'s seconds
+    per block: plain over 3 x the block's graph nodes (forward once, backward twice), and
+    the checkpointed block's extra per node beyond re-running the forward."""
+    nodes = tiny_block_nodes()
+    overhead = blocks["plain"] / (3 * nodes)
+    return overhead, max(0.0, (blocks["checkpointed"] - blocks["plain"]) / nodes - overhead)
+
+
+def measure_host_overheads_s(device: str, seconds: float = 1.0) -> tuple[float, float]:
+    """:func:`host_overheads_s` measured on ``device`` ("cuda:0": a GPU's host dispatch)."""
+    return host_overheads_s(_tiny_blocks_s(seconds, device))
 
 
 def _measure_compute(sizes: CalibrationSizes) -> dict:
@@ -202,8 +217,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     copy = min(r["compute"]["copy_gbps"] for r in results)
     blocks = {k: max(r["compute"]["block_s"][k] for r in results) for k in ("plain", "checkpointed")}
     nodes = tiny_block_nodes()
-    overhead = blocks["plain"] / (3 * nodes)
-    recompute = max(0.0, (blocks["checkpointed"] - blocks["plain"]) / nodes - overhead)
+    overhead, recompute = host_overheads_s(blocks)
     adam = max(r["compute"]["optimizer_bytes_per_param"] for r in results)
     overlap = min(r["overlap"] for r in results)
     def slowest_s(key):  # per message size, the slowest rank's seconds

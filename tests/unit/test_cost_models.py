@@ -150,6 +150,22 @@ def test_roofline():
     assert cm.op_time_s(sustained, 2 * 2039e9, dev) == pytest.approx(2.0)
 
 
+def test_host_dispatch_adds_on_a_cpu_rank_and_overlaps_on_a_gpu():
+    """A CPU rank computes what it dispatches (sum); a GPU runs kernels its host launched
+    earlier, so only kernels shorter than their launch wait on it (max)."""
+    import dataclasses
+
+    h200 = Cluster.dgx_h200().device
+    assert h200.async_dispatch and h200.op_overhead_s == pytest.approx(22e-6)
+    cpu = dataclasses.replace(h200, async_dispatch=False)
+    assert cm.dispatched_time_s(1e-3, 2, cpu) == pytest.approx(1e-3 + 44e-6)
+    assert cm.dispatched_time_s(1e-3, 2, h200) == pytest.approx(1e-3)  # a long kernel hides it
+    assert cm.dispatched_time_s(5e-6, 2, h200) == pytest.approx(44e-6)  # a short one waits
+    assert not Cluster.dgx_a100().device.async_dispatch  # fitted without it: unchanged
+    with pytest.raises(ValueError, match=r"DeviceSpec\.async_dispatch must be true or false"):
+        dataclasses.replace(h200, async_dispatch="yes")
+
+
 def test_gpt3_175b_model_flops():
     B, s, L, h, V = 1536, 2048, 96, 12288, 51200
     # by hand: 96*B*s*L*h^2 = 4.37740e18; 1 + 2048/73728 + 51200/18874368 = 1.030490
@@ -191,6 +207,9 @@ def test_preset_values():
     assert 0.5 < a100.device.matmul_efficiency < 0.8  # calibrated on the GPT-3 175B run
     assert a100.device.memory_bytes == 80 * 2**30 and a100.inter_node.bandwidth_gbps <= 25
     assert (h100.device.peak_tflops, h100.device.memory_bandwidth_gbps) == (989, 3350)
+    h200 = Cluster.dgx_h200()
+    assert (h200.device.peak_tflops, h200.device.memory_bandwidth_gbps) == (989, 4800)
+    assert (h100.attention, h200.attention, a100.attention) == ("flash", "flash", "math")
     assert (v100.gpus_per_node, v100.device.memory_gib, v100.inter_node.bandwidth_gbps <= 6.25) == (16, 32, True)
     cpu = Cluster.local_cpu(3)
     assert (cpu.gpus_per_node, cpu.nodes, cpu.num_gpus) == (3, 1, 3)
