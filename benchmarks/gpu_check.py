@@ -15,16 +15,19 @@ with plans priced on the preset of that GPU (:func:`device_preset`):
    ``last_step_stats()`` against the plan's ``predicted.stage_stats[0]`` — communication
    bytes (all zero at world size 1 but the step's loss/norm all-reduce, skipped for one
    rank), model-state bytes, saved-activation bytes — and the allocator's peak memory
-   (``torch.accelerator.max_memory_allocated``) against ``predicted.peak_memory_bytes``;
+   (``torch.accelerator.max_memory_allocated``) against ``predicted.peak_memory_bytes``
+   plus the step's temporaries (figures);
 4. tokens/s of the parallelized bf16 program against the same model's plain eager loop
-   (``torch.autocast`` bf16, fp32 weights, AdamW; median of --steps steps after 3 warm-up
-   steps), and their ratio (the target: the parallelized program within 5%);
+   (``torch.autocast`` bf16, fp32 weights, fused AdamW: :func:`adamw`; median of --steps
+   steps after 3 warm-up steps), and their ratio (the target: the parallelized program
+   within 5%);
 5. issue 13's check: a few one-GPU bf16 plans (micro-batch size and recompute varied), each
-   its step time (median, as above) and the caching allocator's peak reservation
-   (``torch.accelerator.max_memory_reserved``) against the plan's predicted step time and
-   the allocator's predicted share (peak + temporaries + fragmentation: the memory reserve
-   less the CUDA context, NCCL buffers and headroom, which live outside the allocator); the
-   check is that every plan's reservation stays within that share;
+   its step time (median, as above; figures), its peak allocation
+   (``max_memory_allocated``) against the predicted peak + temporaries, and the caching
+   allocator's peak reservation (``max_memory_reserved``) against the allocator's predicted
+   share (that plus fragmentation: the memory reserve less the CUDA context, NCCL buffers
+   and headroom, which live outside the allocator); the check is that every plan stays
+   within both;
 6. the host's dispatch per graph node, against the preset's ``op_overhead_s`` (figures).
 
 Exit status 0 when every check holds, 1 otherwise. On a host without a GPU it exits 2
