@@ -143,12 +143,28 @@ def update_difference(initial: dict, ours: dict, eager: dict) -> tuple[float, st
     num, den, worst = 0.0, 0.0, ("", -1.0)
     for key, want in eager.items():
         start = initial[key].double()
-        diff = ((ours[key].double() - start) - (want.double() - start)).square().sum().item()
+        step = want.double() - start
+        diff = ((ours[key].double() - start) - step).square().sum().item()
         num += diff
-        den += (want.double() - start).square().sum().item()
+        den += step.square().sum().item()
         if not diff <= worst[1]:  # NaN takes the place
             worst = (key, diff)
     return (num / den) ** 0.5 if den > 0 else float("nan"), worst[0]
+
+
+ALLOCATOR_OUTSIDE = tuple(MemoryReserve().fixed_bytes(0))
+"""Kinds of the memory reserve held outside PyTorch's caching allocator: its fixed part
+(CUDA context, NCCL buffers, headroom; :meth:`MemoryReserve.fixed_bytes`)."""
+
+
+def predicted_allocator_bytes(plan: autopar.Plan) -> tuple[float, float]:
+    """What the plan predicts the caching allocator holds on stage 0, in bytes: (its peak
+    allocation, the predicted peak plus the step's temporaries; its reservation, that plus
+    fragmentation), the memory reserve less what lives outside the allocator."""
+    reserve = plan.predicted.memory_reserve_bytes_by_stage[0]
+    allocation = plan.predicted.peak_memory_bytes + sum(
+        v for k, v in reserve.items() if k not in ALLOCATOR_OUTSIDE and k != "fragmentation")
+    return allocation, allocation + reserve["fragmentation"]
 
 
 def check_verify(config, args, device) -> bool:
@@ -232,11 +248,9 @@ def check_bf16(config, args, device) -> bool:
     ok &= not comm
     print(f"comm bytes at world size 1: {comm or 'none'} (predicted "
           f"{ {k: v for k, v in predicted['comm_bytes'].items() if v} or 'none'})")
-    reserve = plan.predicted.memory_reserve_bytes_by_stage[0]
-    predicted_peak = plan.predicted.peak_memory_bytes + sum(  # + the step's temporaries
-        v for k, v in reserve.items() if k not in ALLOCATOR_OUTSIDE and k != "fragmentation")
-    print(f"peak memory: predicted {predicted_peak / 2**30:.2f} GiB (peak + temporaries), measured "
-          + ("n/a on the CPU" if peak is None else
+    predicted_peak, _ = predicted_allocator_bytes(plan)
+    print(f"peak memory: predicted {predicted_peak / 2**30:.2f} GiB (peak + temporaries), "
+          "measured " + ("n/a on the CPU" if peak is None else
              f"{peak / 2**30:.2f} GiB (allocator), ratio {peak / predicted_peak:.3f}"))
     del pm
     _fresh_memory(device)
@@ -262,11 +276,6 @@ def check_bf16(config, args, device) -> bool:
     return ok
 
 
-ALLOCATOR_OUTSIDE = tuple(MemoryReserve().fixed_bytes(0))
-"""Kinds of the memory reserve held outside PyTorch's caching allocator: its fixed part
-(CUDA context, NCCL buffers, headroom; :meth:`MemoryReserve.fixed_bytes`)."""
-
-
 def plan_variants(batch: int) -> list[dict]:
     """The one-GPU layouts issue 13 measures: the whole batch in one micro-batch and in
     micro-batches of 1, without recompute, with selective and with full recompute."""
@@ -274,6 +283,11 @@ def plan_variants(batch: int) -> list[dict]:
             dict(micro_batch_size=batch, recompute="selective"),
             dict(micro_batch_size=batch, recompute="full"),
             dict(micro_batch_size=1, recompute="none")]
+
+
+def _gib(nbytes: float | None) -> str:
+    """``nbytes`` in GiB to two places; "n/a" where nothing was measured (the CPU)."""
+    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f}"
 
 
 def check_plans(config, args, device) -> bool:
@@ -296,19 +310,14 @@ def check_plans(config, args, device) -> bool:
         reserved = torch.accelerator.max_memory_reserved(device) if on_gpu else None
         allocated = torch.accelerator.max_memory_allocated(device) if on_gpu else None
         predicted = plan.predicted
-        reserve = predicted.memory_reserve_bytes_by_stage[0]
-        temporaries = sum(v for k, v in reserve.items()
-                          if k not in ALLOCATOR_OUTSIDE and k != "fragmentation")
-        allocation = predicted.peak_memory_bytes + temporaries
-        share = allocation + reserve["fragmentation"]
+        allocation, share = predicted_allocator_bytes(plan)
         ok &= reserved is None or (allocated <= allocation and reserved <= share)
-        gib = (lambda x: "n/a" if x is None else f"{x / 2**30:.2f}")
         ratio = "n/a" if reserved is None else f"{reserved / allocated:.3f}"
         recompute = ",".join(sorted(set(plan.recompute)))  # one per layer
         print(f"| {plan.micro_batch_size} | {recompute} | {predicted.step_time_s:.4f} | "
               f"{measured_s:.4f} | {(predicted.step_time_s - measured_s) / measured_s:+.1%} | "
-              f"{allocation / 2**30:.2f} | {gib(allocated)} | {share / 2**30:.2f} | "
-              f"{gib(reserved)} | {ratio} |")
+              f"{allocation / 2**30:.2f} | {_gib(allocated)} | {share / 2**30:.2f} | "
+              f"{_gib(reserved)} | {ratio} |")
         del pm
     print(f"every plan's allocation within its predicted peak + temporaries and its reservation "
           f"within its predicted allocator share: {ok}")

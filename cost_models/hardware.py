@@ -340,9 +340,9 @@ class Cluster:
         """Build a Cluster from :meth:`to_dict` output or a preset-style dict.
 
         A number (and ``attention``) may be written plain or as ``{"value": x, "source":
-        "..."}``; in a
-        device, link or ``memory_reserve``, such per-number sources are appended to its
-        ``source``. ``memory_reserve`` and ``memory_headroom_gib`` are optional (defaults:
+        "..."}``; in a device, link or ``memory_reserve``, such per-number sources are
+        appended to its ``source``. ``memory_reserve`` and ``memory_headroom_gib`` are
+        optional (defaults:
         :class:`~cost_models.reserve.MemoryReserve`'s GPU values, 0).
         Missing or unknown keys raise ValueError naming them.
         """

@@ -88,7 +88,8 @@ class NodeInfo:
         again where a consumer keeps the same storage, which ``tp`` = 1 guarantees)."""
         if attention == "flash":
             aliased = tp == 1 and self.extra.get("flash_output_aliased", False)
-            return activation_bytes * self.flash_elems * (not aliased) + LSE_BYTES * self.lse_elems
+            output = 0 if aliased else activation_bytes * self.flash_elems
+            return output + LSE_BYTES * self.lse_elems
         return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems
 
 

@@ -140,18 +140,18 @@ def _tiny_blocks_s(seconds: float, device: str = "cpu") -> dict[str, float]:
     return out
 
 
-def host_overheads_s(blocks: dict[str, float]) -> tuple[float, float]:
+def host_overheads_s(blocks: dict[str, float], nodes: int) -> tuple[float, float]:
     """(``op_overhead_s``, ``recompute_overhead_s``) from :func:`_tiny_blocks_s`'s seconds
-    per block: plain over 3 x the block's graph nodes (forward once, backward twice), and
-    the checkpointed block's extra per node beyond re-running the forward."""
-    nodes = tiny_block_nodes()
+    per block: plain over 3 x the block's ``nodes`` graph nodes (:func:`tiny_block_nodes`;
+    forward once, backward twice), and the checkpointed block's extra per node beyond
+    re-running the forward."""
     overhead = blocks["plain"] / (3 * nodes)
     return overhead, max(0.0, (blocks["checkpointed"] - blocks["plain"]) / nodes - overhead)
 
 
 def measure_host_overheads_s(device: str, seconds: float = 1.0) -> tuple[float, float]:
     """:func:`host_overheads_s` measured on ``device`` ("cuda:0": a GPU's host dispatch)."""
-    return host_overheads_s(_tiny_blocks_s(seconds, device))
+    return host_overheads_s(_tiny_blocks_s(seconds, device), tiny_block_nodes())
 
 
 def _measure_compute(sizes: CalibrationSizes) -> dict:
@@ -217,7 +217,7 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
     copy = min(r["compute"]["copy_gbps"] for r in results)
     blocks = {k: max(r["compute"]["block_s"][k] for r in results) for k in ("plain", "checkpointed")}
     nodes = tiny_block_nodes()
-    overhead, recompute = host_overheads_s(blocks)
+    overhead, recompute = host_overheads_s(blocks, nodes)
     adam = max(r["compute"]["optimizer_bytes_per_param"] for r in results)
     overlap = min(r["overlap"] for r in results)
     def slowest_s(key):  # per message size, the slowest rank's seconds
