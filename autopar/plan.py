@@ -18,8 +18,8 @@ from autopar.plan_memory import memory_line
 from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
-           "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "ZERO_STAGES",
-           "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
+           "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "GRAD_DTYPES",
+           "grad_dtype_of", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
 # The one definition of these names (the rules over them: autopar.support).
@@ -30,6 +30,18 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 al. 2022), full (keep only the layer's input)."""
 DTYPES = ("bf16", "fp32")
 """Training precisions: bf16 mixed precision (fp32 master weights) or fp32."""
+GRAD_DTYPES = ("bf16", "fp32")
+"""Gradient precisions under bf16 training: the dtype of the gradient buffer and of its
+data-parallel reduction. "bf16": the autopar runtime, Megatron-LM with
+``--grad-reduce-in-bf16``; "fp32": Megatron-LM's default main gradients under ``--bf16``
+(``accumulate_allreduce_grads_in_fp32``), FSDP2 with ``reduce_dtype=torch.float32``
+(torchtitan), DDP under ``torch.autocast``. fp32 training has fp32 gradients."""
+
+
+def grad_dtype_of(dtype: str, grad_dtype: str | None) -> str:
+    """The gradient dtype of a run in ``dtype`` whose gradient dtype is ``grad_dtype``
+    (None: the training dtype's own, bf16 gradients under bf16 training)."""
+    return "fp32" if dtype == "fp32" else (grad_dtype or "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages the cost model prices (Rajbhandari et al. 2020): 0 is plain DP."""
 # payload kinds of ``last_step_stats()["comm_bytes"]`` and ``Prediction.stage_stats``
@@ -51,6 +63,8 @@ class Layout:
     virtual_stages: v, model chunks per pipeline rank (interleaved schedule only).
     sequence_parallel: Megatron-3 sequence parallelism in the non-TP regions.
     dtype: "bf16" (mixed precision) or "fp32"; None: the cluster's ``dtype``.
+    grad_dtype: the gradients' dtype under bf16 (:data:`GRAD_DTYPES`); None: bf16 (the
+        autopar runtime's), fp32 under fp32 training.
     """
 
     tp: int | None = None
@@ -63,6 +77,7 @@ class Layout:
     virtual_stages: int | None = None
     sequence_parallel: bool | None = None
     dtype: str | None = None
+    grad_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
@@ -82,6 +97,12 @@ class Layout:
             raise ValueError(f"Layout.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"Layout.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"Layout.grad_dtype must be one of {GRAD_DTYPES}, got "
+                             f"{self.grad_dtype!r}")
+        if self.grad_dtype == "bf16" and self.dtype == "fp32":
+            raise ValueError("Layout.grad_dtype='bf16' with dtype='fp32': fp32 training keeps "
+                             "fp32 gradients; drop grad_dtype or train in bf16")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise ValueError("Layout.sequence_parallel must be True, False or None, got "
                              f"{self.sequence_parallel!r}")
@@ -102,9 +123,10 @@ class Layout:
             if not sep or key not in {f.name for f in fields(cls)}:
                 raise ValueError(f"cannot parse layout item {item!r} in {text!r}; "
                                  "expected key=value with keys tp, pp, dp, mbs, zero_stage, "
-                                 "recompute, schedule, virtual_stages, sequence_parallel")
+                                 "recompute, schedule, virtual_stages, sequence_parallel, dtype, "
+                                 "grad_dtype")
             value = value.strip()
-            if key in ("recompute", "schedule", "dtype"):
+            if key in ("recompute", "schedule", "dtype", "grad_dtype"):
                 kwargs[key] = value
             elif key == "sequence_parallel" and value.lower() in ("1", "true", "yes", "on",
                                                                   "0", "false", "no", "off"):
@@ -205,7 +227,8 @@ class Plan:
     cluster: the cluster as ``Cluster.to_dict()``.
     global_batch_size, seq_len: B and s of one step.
     tp, pp, dp, micro_batch_size, num_micro_batches, schedule, zero_stage,
-    virtual_stages, sequence_parallel, dtype: the layout;
+    virtual_stages, sequence_parallel, dtype, grad_dtype: the layout (grad_dtype None in a
+    plan saved before autopar priced it: the dtype's own);
     B = dp · micro_batch_size · num_micro_batches.
     recompute: one mode per transformer layer (length L).
     stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
@@ -245,6 +268,7 @@ class Plan:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     dtype: str = "bf16"
+    grad_dtype: str | None = None
     alternatives: list[dict] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
@@ -263,7 +287,8 @@ class Plan:
                       zero_stage=self.zero_stage,
                       recompute=modes.pop() if len(modes) == 1 else None,
                       schedule=self.schedule, virtual_stages=self.virtual_stages,
-                      sequence_parallel=self.sequence_parallel, dtype=self.dtype)
+                      sequence_parallel=self.sequence_parallel, dtype=self.dtype,
+                      grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype))
 
     def to_dict(self) -> dict:
         """The plan as JSON-able data: every field but :attr:`solve_wall_s`."""
@@ -297,6 +322,8 @@ class Plan:
                 "num_micro_batches", "schedule", "zero_stage", "recompute", "stage_layers",
                 "placements", "virtual_stages", "sequence_parallel", "dtype", "version")
         data = {k: getattr(self, k) for k in keys}
+        if grad_dtype_of(self.dtype, self.grad_dtype) != grad_dtype_of(self.dtype, None):
+            data["grad_dtype"] = self.grad_dtype  # digests of plans before it unchanged
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> str:

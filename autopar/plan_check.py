@@ -32,10 +32,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from autopar.placement import parse_strategy_key
-from autopar.plan import (DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES, SOLVER_STATUSES,
-                          ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
+from autopar.plan import (DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
+                          SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, plan_grad_dtype
 from cost_models.hardware import Cluster
 
 __all__ = ["PlanError", "plan_from_dict", "plan_from_json", "read_plan", "check_plan", "PHASES"]
@@ -211,6 +211,8 @@ def _check_fields(src: str, data: dict) -> None:
         if name in data:
             _expect(src, name, data[name], isinstance(data[name], kind), want)
     choices = [("schedule", SCHEDULES), ("dtype", DTYPES), ("zero_stage", ZERO_STAGES)]
+    if data.get("grad_dtype") is not None:
+        choices.append(("grad_dtype", GRAD_DTYPES))
     for name, allowed in choices:
         if name in data:
             v = data[name]
@@ -363,11 +365,13 @@ def _check_placements(plan: Plan, src: str) -> None:
 def _check_executable(plan: Plan, src: str, support: RuntimeSupport) -> None:
     """Every feature inside what the runtime executes (autopar.support)."""
     checks = [("schedule", plan.schedule, support.schedules),
-              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp)),
+              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
               ("virtual_stages", plan.virtual_stages, support.virtual_stages),
               ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
               ("dtype", plan.dtype, support.dtypes)]
     checks += [("recompute", m, support.recompute) for m in sorted(set(plan.recompute))]
+    if plan.dtype == "bf16":
+        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
     for name, value, allowed in checks:
         if value not in allowed:
             why = (" with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"

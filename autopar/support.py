@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
+from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout, grad_dtype_of
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "check_pins", "interleaving_problem",
            "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
-           "divisors", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
+           "divisors", "plan_grad_dtype", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
 # Defined here, not in the runtime, so that planning loads no torch.distributed code
 # (autopar.runtime.zero and autopar.runtime.fsdp import them from here).
@@ -162,7 +162,9 @@ class RuntimeSupport:
     for the ones a pipeline allows); recompute: recompute modes; sequence_parallel: allowed
     values at tp > 1 (tp = 1 runs without); virtual_stages: allowed v (v > 1 only with
     "interleaved_1f1b", see :func:`interleaving_problem`); dtypes: training precisions
-    ("bf16": bf16 parameters, gradients and activations with fp32 master weights).
+    ("bf16": bf16 parameters and activations with fp32 master weights); grad_dtypes: the
+    gradient dtypes under bf16 (:data:`~autopar.plan.GRAD_DTYPES`), the first the one
+    planned when no layout pins it (the autopar runtime keeps bf16 gradients).
 
     The fields below describe what another framework's runner can express
     (:mod:`autopar.frameworks.targets`); their defaults are the autopar runtime's:
@@ -179,6 +181,15 @@ class RuntimeSupport:
         unevenly: :func:`~autopar.stages.even_stage_layers`).
     max_tp: the largest tensor-parallel size the runner executes (None: no limit but the
         node and the heads).
+    ddp_1d_only: plain data parallelism (ZeRO-0 over d > 1) only without TP and PP
+        (torchtitan 0.2.2 ``parallelize_llama``: "DDP has not supported > 1D parallelism").
+    pipeline_zero_stages: the ZeRO stages run with pp > 1 (None: every one but 2 and 3;
+        DeepSpeed: ZeRO-1 only, its pipeline engine puts ZeRO-0 under ``BF16_Optimizer``,
+        which shards the master weights and keeps a third gradient copy).
+    mixed_precision_by_fsdp: bf16 training with TP or PP only under FSDP (ZeRO-3, d > 1);
+        otherwise such a run trains in fp32 (torchtitan 0.2.2
+        ``distributed/utils.py:maybe_enable_amp``: FSDP's ``MixedPrecisionPolicy``, or
+        ``torch.autocast`` without TP and PP).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -187,17 +198,34 @@ class RuntimeSupport:
     sequence_parallel: tuple[bool, ...] = (False, True)
     virtual_stages: tuple[int, ...] = (1, 2)
     dtypes: tuple[str, ...] = DTYPES
+    grad_dtypes: tuple[str, ...] = ("bf16",)
     name: str = "autopar"
     placements: str = "any"
     recompute_layout: str = "per_layer"
     even_stages: bool = False
     max_tp: int | None = None
+    ddp_1d_only: bool = False
+    mixed_precision_by_fsdp: bool = False
+    pipeline_zero_stages: tuple[int, ...] | None = None
 
-    def zero_stages_for(self, pp: int) -> tuple[int, ...]:
+    def zero_stages_for(self, pp: int, tp: int = 1, dp: int = 1) -> tuple[int, ...]:
         """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 (DistributedOptimizer)
         and ZeRO-3 (FSDP2) reduce-scatter after every micro-batch, which needs the engine's
-        micro-batch loop (pp == 1); as in DeepSpeed, neither is combined with pipelining."""
-        return tuple(z for z in self.zero_stages if not (z >= 2 and pp > 1))
+        micro-batch loop (pp == 1); as in DeepSpeed, neither is combined with pipelining.
+        With :attr:`ddp_1d_only`, ZeRO-0 over ``dp`` > 1 ranks only at ``tp`` = ``pp`` = 1
+        (maybe none is left: that mesh is not executable)."""
+        piped = self.pipeline_zero_stages if pp > 1 and self.pipeline_zero_stages else None
+        return tuple(z for z in self.zero_stages if not (z >= 2 and pp > 1) and not (
+            self.ddp_1d_only and z == 0 and dp > 1 and (tp > 1 or pp > 1))
+            and (piped is None or z in piped))
+
+    def dtype_for(self, dtype: str, tp: int, pp: int, dp: int) -> str:
+        """The precision a run asked for in ``dtype`` trains in on a (tp, pp, dp) mesh:
+        fp32 for bf16 with TP or PP and no data parallelism to shard under
+        :attr:`mixed_precision_by_fsdp`, else ``dtype``."""
+        if self.mixed_precision_by_fsdp and dtype == "bf16" and (tp > 1 or pp > 1) and dp == 1:
+            return "fp32"
+        return dtype
 
     def virtual_stages_for(self, schedule: str, num_layers: int, pp: int,
                            num_micro_batches: int) -> tuple[int, ...]:
@@ -212,6 +240,11 @@ class RuntimeSupport:
 RUNTIME_SUPPORT = RuntimeSupport()
 
 
+def plan_grad_dtype(plan) -> str:
+    """The gradient dtype ``plan`` trains with (:func:`autopar.plan.grad_dtype_of`)."""
+    return grad_dtype_of(plan.dtype, plan.grad_dtype)
+
+
 def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
     """Refuse, before any search, a pinned layout field that the runtime cannot execute
     (``autopar.plan`` only returns executable plans). Raises ValueError naming the rule:
@@ -221,6 +254,8 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
     pins = [("zero_stage", layout.zero_stage, support.zero_stages),
             ("recompute", layout.recompute, support.recompute),
             ("dtype", layout.dtype, support.dtypes),
+            ("grad_dtype", None if layout.dtype == "fp32" else layout.grad_dtype,
+             support.grad_dtypes),
             ("schedule", layout.schedule, support.schedules),
             ("virtual_stages", layout.virtual_stages, support.virtual_stages),
             ("sequence_parallel", layout.sequence_parallel, support.sequence_parallel)]
@@ -235,10 +270,16 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
         raise ValueError(f"tp={layout.tp} is outside what the {support.name} runtime executes "
                          f"(tp <= {support.max_tp}); pin tp <= {support.max_tp}")
     if layout.zero_stage is not None and layout.pp is not None and \
-            layout.zero_stage not in support.zero_stages_for(layout.pp):
-        raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: ZeRO-2/3 "
-                         "reduce-scatter after every micro-batch, which the runtime runs only "
-                         "without pipelining (as DeepSpeed); pin zero_stage 0 or 1, or pp=1")
+            layout.zero_stage not in support.zero_stages_for(layout.pp, layout.tp or 1,
+                                                             layout.dp or 1):
+        if layout.zero_stage >= 2:
+            raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: ZeRO-2/3 "
+                             "reduce-scatter after every micro-batch, which the runtime runs "
+                             "only without pipelining (as DeepSpeed); pin zero_stage 0 or 1, "
+                             "or pp=1")
+        raise ValueError(f"zero_stage=0 with tp={layout.tp} pp={layout.pp} dp={layout.dp}: "
+                         f"{support.name} runs plain data parallelism only without TP and PP; "
+                         "pin zero_stage=3 with pp=1, or dp=1")
     v, schedule = layout.virtual_stages, layout.schedule
     if v is not None and v > 1 and schedule not in (None, "interleaved_1f1b"):
         raise ValueError(f"virtual_stages={v} needs schedule 'interleaved_1f1b', got "
@@ -260,8 +301,11 @@ def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
         ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
         ("virtual_stages", plan.virtual_stages, support.virtual_stages),
         ("dtype", plan.dtype, support.dtypes),
-        ("zero_stage (with pp > 1)", plan.zero_stage, support.zero_stages_for(plan.pp)),
+        ("zero_stage (with this mesh)", plan.zero_stage,
+         support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
     ] + [("recompute", mode, support.recompute) for mode in set(plan.recompute)]
+    if plan.dtype == "bf16":
+        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
     for name, value, allowed in checks:
         if value not in allowed:
             raise NotImplementedError(

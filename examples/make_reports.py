@@ -48,6 +48,8 @@ def write_example(directory: str, name: str, nodes: int, batch: int, seq: int, h
                                 global_batch_size=batch, seq_len=seq, model_name=name)
     targets = {}  # the best plan each framework runs, where this plan is outside its space
     for framework in autopar.frameworks.FRAMEWORKS:
+        if autopar.frameworks.model_problem(plan.model_config, framework):
+            continue  # it would train another model: the report says why
         if autopar.frameworks.outside_target(plan, framework):
             targets[framework] = autopar.plan(model, cluster, global_batch_size=batch,
                                               seq_len=seq, model_name=name, target=framework)

@@ -110,7 +110,8 @@ def _megatron_flag_parser():
     for flag in ("--sequence-parallel", "--bf16", "--fp16", "--group-query-attention",
                  "--recompute-activations", "--account-for-embedding-in-pipeline-split",
                  "--account-for-loss-in-pipeline-split", "--use-distributed-optimizer",
-                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
+                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--grad-reduce-in-bf16"):
         p.add_argument(flag, action="store_true")
     return p
 
@@ -133,6 +134,7 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
     Only the flags of :func:`_megatron_flag_parser` are known (another is an
     ``argparse.ArgumentError``); ``--use-distributed-optimizer``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--seq-length``, ``--vocab-size``, ``--max-position-embeddings``,
+    ``--grad-reduce-in-bf16``,
     ``--position-embedding-type`` and ``--untie-embeddings-and-output-weights`` are read but
     belong to other configs (``DistributedDataParallelConfig``/``OptimizerConfig``, the
     microbatch calculator, ``GPTModel``); ``--swiglu`` sets ``gated_linear_unit`` and SiLU,

@@ -138,7 +138,7 @@ def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
     # (schedule, v): v = 1 for GPipe/1F1B, interleaved with each v the solver's rule allows
     schedules = [(s, v) for s in (support.schedules if pp > 1 else ("1f1b",))
                  for v in support.virtual_stages_for(s, CONFIG.n_layer, pp, m)]
-    zeros = support.zero_stages_for(pp) if dp > 1 else (0,)
+    zeros = support.zero_stages_for(pp, tp, dp) if dp > 1 else (0,)
     sps = support.sequence_parallel if tp > 1 else (False,)
     return [dict(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, schedule=s, virtual_stages=v,
                  zero_stage=z, recompute=r, sequence_parallel=sp, dtype="fp32")

@@ -17,9 +17,10 @@ from autopar.frameworks.targets import (FRAMEWORKS, TARGETS, FrameworkRun, outsi
 from autopar.frameworks.megatron import format_megatron_args, megatron_args, read_megatron_args
 from autopar.frameworks.torchtitan import read_torchtitan_toml, torchtitan_toml
 from autopar.frameworks.deepspeed import deepspeed_config, read_deepspeed_config
+from autopar.frameworks.model_shape import model_problem
 from autopar.frameworks.pricing import emit, price_run, read
 
 __all__ = ["FRAMEWORKS", "TARGETS", "FrameworkRun", "outside_target", "target_support",
            "megatron_args", "format_megatron_args", "read_megatron_args", "torchtitan_toml",
            "read_torchtitan_toml", "deepspeed_config", "read_deepspeed_config", "emit", "read",
-           "price_run"]
+           "price_run", "model_problem"]

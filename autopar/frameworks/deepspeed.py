@@ -8,13 +8,21 @@ pipelining) and activation checkpointing every n layers; a plan for them comes f
 
 * ``train_batch_size`` B = ``train_micro_batch_size_per_gpu`` b ·
   ``gradient_accumulation_steps`` m · d (d = data-parallel ranks);
-* ``zero_optimization.stage``; ``bf16.enabled`` (else fp32);
-* ``pipeline``: ``stages`` p, ``partition`` ("type:<layer class>": equal counts of the
-  transformer layers, the embedding with the first and the head with the last),
-  ``activation_checkpoint_interval`` (1: every layer recomputed, 0: none). With p > 1 the
-  same values go to ``PipelineModule(num_stages=, partition_method=,
-  activation_checkpoint_interval=)``; with p = 1 the model's layers call
-  ``deepspeed.checkpointing.checkpoint`` when the interval is 1.
+* ``zero_optimization.stage``; ``bf16.enabled`` (else fp32) with, written out, DeepSpeed
+  0.19.8's defaults under bf16 that autopar prices: ``data_types.grad_accum_dtype`` "bf16"
+  and ``communication_data_type`` "bf16" (bf16 gradients reduced in bf16; ZeRO-1: 2 + 2 +
+  12/d bytes per parameter, ``runtime/zero/stage_1_and_2.py``). fp32 accumulation or
+  reduction under bf16 is refused when read: autopar does not price it;
+* ``pipeline`` (p > 1): ``stages`` p, ``partition`` ("type:<layer class>": equal counts
+  of the transformer layers, the embedding with the first and the head with the last),
+  ``activation_checkpoint_interval`` (1: every layer recomputed, 0: none). The pipeline
+  engine reads only the interval from the config; the stage count and partition go to
+  ``PipelineModule(num_stages=, partition_method=)`` in the model code (the lines in
+  ``autopar.model_side``);
+* p = 1: no config key makes DeepSpeed recompute (``activation_checkpointing`` only
+  configures ``deepspeed.checkpointing``): with full recompute the model's layers call
+  ``deepspeed.checkpointing.checkpoint``, which ``autopar.recompute`` states and
+  ``autopar.model_side`` shows.
 """
 
 from __future__ import annotations
@@ -38,23 +46,47 @@ def deepspeed_config(plan) -> dict:
     problem = outside_target(plan, "deepspeed")
     if problem:
         raise ValueError(problem)
-    return {"train_batch_size": plan.global_batch_size,
-            "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-            "gradient_accumulation_steps": plan.num_micro_batches,
-            "zero_optimization": {"stage": plan.zero_stage},
-            "bf16": {"enabled": plan.dtype == "bf16"},
-            "pipeline": {"stages": plan.pp, "partition": f"type:{LAYER_CLASS}",
-                         "activation_checkpoint_interval": int("full" in plan.recompute)},
-            "steps_per_print": 10,
-            "autopar": {"plan": f"tp={plan.tp} pp={plan.pp} dp={plan.dp} "
-                                f"mbs={plan.micro_batch_size} zero={plan.zero_stage}",
-                        "predicted_step_time_s": round(plan.predicted.step_time_s, 6)}}
+    full = "full" in plan.recompute
+    config = {"train_batch_size": plan.global_batch_size,
+              "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+              "gradient_accumulation_steps": plan.num_micro_batches,
+              "zero_optimization": {"stage": plan.zero_stage},
+              "bf16": {"enabled": plan.dtype == "bf16"}}
+    if plan.dtype == "bf16":
+        config |= {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
+    if plan.pp > 1:
+        config["pipeline"] = {"stages": plan.pp, "partition": f"type:{LAYER_CLASS}",
+                              "activation_checkpoint_interval": int(full)}
+        model_side = [f"model = deepspeed.pipe.PipelineModule(layers=<embedding, {LAYER_CLASS} "
+                      f"layers, head>, num_stages={plan.pp}, partition_method="
+                      f"'type:{LAYER_CLASS}', activation_checkpoint_interval={int(full)}, "
+                      "loss_fn=<loss>)"]
+    else:
+        model_side = ["model = <the model>"]
+        if full:
+            model_side = ["deepspeed.checkpointing.configure(None, deepspeed_config=<this file>)",
+                          f"in the model's forward, each {LAYER_CLASS}: x = "
+                          "deepspeed.checkpointing.checkpoint(layer, x)"] + model_side
+    model_side.append("engine, *_ = deepspeed.initialize(model=model, "
+                      "model_parameters=model.parameters(), config=<this file>)")
+    config |= {"steps_per_print": 10,
+               "autopar": {"plan": f"tp={plan.tp} pp={plan.pp} dp={plan.dp} "
+                                   f"mbs={plan.micro_batch_size} zero={plan.zero_stage}",
+                           "recompute": "full" if full else "none",
+                           "model_side": model_side,
+                           "predicted_step_time_s": round(plan.predicted.step_time_s, 6)}}
+    return config
 
 
 def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> FrameworkRun:
     """The run a DeepSpeed config (a dict or JSON text) states. d = B / (b·m) when all three
-    are given, else ``num_gpus`` / p. Raises ValueError: not JSON, no micro-batch size,
-    a batch that is not b·m·d, an inferred ("auto") pipeline, an interval other than 0 or 1."""
+    are given, else ``num_gpus`` / p. Recompute: the pipeline's
+    ``activation_checkpoint_interval``, else (p = 1) ``autopar.recompute`` where autopar
+    wrote it, else none (the config cannot say what the model code checkpoints). Raises
+    ValueError: not JSON, no micro-batch size, a batch that is not b·m·d, an inferred
+    ("auto") pipeline, an interval other than 0 or 1, a precision autopar does not price
+    (fp32 gradient accumulation or reduction under bf16, ZeRO-0 under a pipeline with bf16:
+    ``BF16_Optimizer``)."""
     if isinstance(config, str):
         try:
             config = json.loads(config)
@@ -79,15 +111,31 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
     else:
         raise ValueError("give train_batch_size and gradient_accumulation_steps, or the GPUs")
     interval = pipe.get("activation_checkpoint_interval", 0)
+    if p == 1 and not interval:
+        interval = int(config.get("autopar", {}).get("recompute") == "full")
+    bf16 = bool(config.get("bf16", {}).get("enabled"))
+    zero = config.get("zero_optimization", {}).get("stage", 0)
+    if bf16:
+        accum = config.get("data_types", {}).get("grad_accum_dtype", "bf16")
+        reduce = config.get("communication_data_type") or "bf16"
+        if accum != "bf16" or reduce != "bf16":
+            raise ValueError(f"data_types.grad_accum_dtype {accum!r}, communication_data_type "
+                             f"{reduce!r} under bf16: autopar prices bf16 gradients reduced in "
+                             "bf16 (DeepSpeed's defaults); drop them or set both to \"bf16\"")
+        if p > 1 and zero == 0:
+            raise ValueError("zero_optimization.stage 0 under a pipeline with bf16: DeepSpeed "
+                             "runs BF16_Optimizer (sharded fp32 master weights, a third "
+                             "gradient copy), which autopar does not price; use stage 1")
     if interval not in (0, 1):
         raise ValueError(f"activation_checkpoint_interval {interval}: autopar prices 0 (none) "
                          "and 1 (every layer)")
-    layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b,
-                    zero_stage=config.get("zero_optimization", {}).get("stage", 0),
+    dtype = "bf16" if bf16 else "fp32"
+    layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b, zero_stage=zero,
                     recompute="full" if interval else "none", schedule="1f1b",
                     virtual_stages=1, sequence_parallel=False,
-                    dtype="bf16" if config.get("bf16", {}).get("enabled") else "fp32")
+                    dtype=dtype, grad_dtype=dtype)
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization", "bf16", "pipeline", "autopar"}
+             "zero_optimization", "bf16", "pipeline", "autopar", "data_types",
+             "communication_data_type"}
     return FrameworkRun("deepspeed", layout, None, None, {}, B, None,
                         [k for k in config if k not in known])

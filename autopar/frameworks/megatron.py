@@ -21,11 +21,27 @@ name with underscores):
   ``--activations-checkpoint-method`` and ``--activations-checkpoint-num-layers`` of the SC21
   scripts mean full recompute;
 * precision: ``--bf16``, ``--fp16`` (priced as bf16: the same bytes and tensor-core rate),
-  neither: fp32;
+  neither: fp32; under ``--bf16`` the gradients are fp32 ``main_grad`` buffers reduced in
+  fp32 (arguments.py sets ``accumulate_allreduce_grads_in_fp32``) unless
+  ``--grad-reduce-in-bf16`` or ``--main-grads-dtype bf16`` (``grad_dtype`` "bf16", what
+  autopar emits: the precision its plans are priced in); under ``--fp16`` half-precision
+  ones unless ``--accumulate-allreduce-grads-in-fp32``;
 * model: ``--num-layers --hidden-size --num-attention-heads --ffn-hidden-size
   --num-query-groups --seq-length --vocab-size`` (or ``--padded-vocab-size``), ``--swiglu``,
   ``--untie-embeddings-and-output-weights``, ``--hidden-dropout`` (Megatron-LM's default
   0.1; ``--attention-dropout`` is read with it).
+
+Read as Megatron-LM reads them, or refused by name where autopar cannot price the run
+yet (:func:`_refuse_unpriced`): ``--context-parallel-size`` and
+``--expert-model-parallel-size`` above 1, ``--num-experts``, ``--use-megatron-fsdp``,
+``--use-torch-fsdp2``, any ``--fp8-*`` flag, ``--recompute-modules`` other than
+``core_attn`` under selective recompute. ``--swiglu`` without ``--ffn-hidden-size`` has
+int(8h/3/64)·64 (arguments.py); ``--num-query-groups`` counts only with
+``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
+(interleaved); block recompute needs ``--recompute-num-layers``. A launch script's plain
+variables (``NAME=value``, ``NAME=${X:-default}``) are substituted and a quoted array
+element holding a flag and its value is split, as bash would run the script without
+arguments.
 
 Every other flag is listed in ``FrameworkRun.ignored``.
 """
@@ -34,13 +50,15 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
+from autopar.frameworks.launch_script import script_words
 from autopar.frameworks.model_shape import model_shape
-from autopar.frameworks.targets import FrameworkRun, megatron_block_layers, outside_target
+from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, outside_target,
+                                        torchrun_line)
 from autopar.models import pad_vocab_size
 from autopar.plan import Layout
 from autopar.stages import equal_chunks
+from autopar.support import plan_grad_dtype
 
 __all__ = ["read_megatron_args", "megatron_args", "format_megatron_args", "parse_pp_layout",
            "pp_layout"]
@@ -51,26 +69,23 @@ _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-bat
         "recompute-num-layers", "activations-checkpoint-num-layers",
         "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
         "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
-        "max-position-embeddings", "make-vocab-size-divisible-by")
+        "max-position-embeddings", "make-vocab-size-divisible-by", "context-parallel-size",
+        "expert-model-parallel-size", "num-experts")
 _TEXT = ("recompute-granularity", "recompute-method", "activations-checkpoint-method",
-         "pipeline-model-parallel-layout")
+         "pipeline-model-parallel-layout", "main-grads-dtype")
 _FLOAT = ("hidden-dropout", "attention-dropout")
 _BOOL = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "swiglu",
          "group-query-attention", "untie-embeddings-and-output-weights",
-         "recompute-activations", "checkpoint-activations")
-
-
-def _tokens(source: str) -> list[str]:
-    """The words of ``source`` (flags text, or the path of a file holding it), comments
-    and line continuations removed."""
-    text = source
-    if not source.lstrip().startswith("-") and not any(c.isspace() for c in source.strip()):
-        path = Path(source)  # one word, not a flag: a file
-        if not path.is_file():
-            raise ValueError(f"{source!r} is neither Megatron-LM flags nor a file holding them")
-        text = path.read_text(encoding="utf-8")
-    lines = [re.sub(r"(^|\s)#.*$", "", line) for line in text.splitlines()]  # comments
-    return shlex.split("\n".join(lines).replace("\\\n", " "))
+         "recompute-activations", "checkpoint-activations", "grad-reduce-in-bf16",
+         "accumulate-allreduce-grads-in-fp32", "use-megatron-fsdp", "use-torch-fsdp2")
+_LIST = ("recompute-modules",)  # nargs="+"
+_REFUSED = {  # read but not priced yet: refused by name, never priced as something else
+    "context-parallel-size": lambda v: v > 1 and "context parallelism",
+    "expert-model-parallel-size": lambda v: v > 1 and "expert parallelism",
+    "num-experts": lambda v: "a mixture-of-experts model",
+    "use-megatron-fsdp": lambda v: "Megatron-FSDP (sharded data parallelism)",
+    "use-torch-fsdp2": lambda v: "PyTorch FSDP2 under Megatron-LM",
+}
 
 
 def _flags(words: list[str]) -> tuple[dict, list[str]]:
@@ -84,6 +99,13 @@ def _flags(words: list[str]) -> tuple[dict, list[str]]:
         name, eq, inline = word[2:].partition("=")
         if name in _BOOL:
             out[name] = True
+            continue
+        if name in _LIST:
+            values = [inline] if eq else []
+            while not eq and i < len(words) and not words[i].startswith("--"):
+                values.append(words[i])
+                i += 1
+            out[name] = values
             continue
         takes = name in _INT or name in _TEXT or name in _FLOAT or not (
             i >= len(words) or words[i].startswith("--"))
@@ -110,9 +132,11 @@ def _flags(words: list[str]) -> tuple[dict, list[str]]:
 
 
 def parse_pp_layout(text: str, num_layers: int, pp: int) -> list[int]:
-    """Transformer layers per stage of ``--pipeline-model-parallel-layout`` ``text`` for p =
-    ``pp`` stages (v = 1). Raises ValueError (stage count not p, a count that does not add up
-    to ``num_layers``, the embedding not on the first stage or the loss not on the last, a
+    """Transformer layers per stage of ``--pipeline-model-parallel-layout`` ``text`` over p =
+    ``pp`` ranks: p·v stages in model order, stage i on rank i % p as virtual stage i // p
+    (megatron-core's ``PipelineParallelLayerLayout``; autopar's chunk order). Raises
+    ValueError (a stage count that is not a multiple of p, a count that does not add up to
+    ``num_layers``, the embedding not on the first stage or the loss not on the last, a
     symbol other than E, t, L)."""
     expanded = text.replace(",", "").replace(" ", "")
     group = re.compile(r"\(([^()]*)\)\*(\d+)")
@@ -120,13 +144,12 @@ def parse_pp_layout(text: str, num_layers: int, pp: int) -> list[int]:
         expanded = group.sub(lambda m: m.group(1) * int(m.group(2)), expanded)
     expanded = re.sub(r"([EtL])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
     stages = expanded.split("|")
-    if expanded.endswith("|") and len(stages) == pp + 1 and stages[-1] == "":
+    if expanded.endswith("|") and len(stages) % pp == 1 and stages[-1] == "":
         stages = stages[:-1]
-    if len(stages) != pp or set(expanded) - set("EtL|"):
-        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: expected {pp} stages of "
-                         "E, t and L separated by '|' (autopar reads transformer layers, "
-                         "the embedding and the loss; interleaved layouts use "
-                         "--num-layers-per-virtual-pipeline-stage)")
+    if len(stages) % pp or set(expanded) - set("EtL|"):
+        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: expected a multiple of "
+                         f"pp={pp} stages of E, t and L separated by '|' (autopar reads "
+                         f"transformer layers, the embedding and the loss), got {len(stages)}")
     if "E" not in stages[0] or "L" not in stages[-1] or expanded.count("E") != 1 \
             or expanded.count("L") != 1:
         raise ValueError(f"--pipeline-model-parallel-layout {text!r}: autopar places the "
@@ -151,11 +174,10 @@ def _stages(flags: dict, L: int, p: int, v: int) -> list[list[int]] | None:
     first, last = (flags.get("decoder-first-pipeline-num-layers"),
                    flags.get("decoder-last-pipeline-num-layers"))
     if "pipeline-model-parallel-layout" in flags:
-        if v > 1:
-            raise ValueError("--pipeline-model-parallel-layout with virtual stages: autopar "
-                             "reads interleaved layouts from "
-                             "--num-layers-per-virtual-pipeline-stage")
         counts = parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)
+        if len(counts) != p * v:
+            raise ValueError(f"--pipeline-model-parallel-layout has {len(counts)} stages, "
+                             f"pp*v = {p}*{v}")
     elif first or last:
         inner = L - (first or 0) - (last or 0)
         middle = p - bool(first) - bool(last)
@@ -194,7 +216,32 @@ def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | 
     if granularity == "full" and method not in ("uniform", "block"):
         raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
                          f"block (got {method}); Megatron-LM refuses it without")
+    if granularity == "full" and method == "block" and k is None:
+        raise ValueError("--recompute-method block needs --recompute-num-layers; Megatron-LM "
+                         "refuses it without (TransformerConfig: recompute_num_layers must "
+                         "be between 1 and the layers per stage)")
     return granularity or "none", method, k
+
+
+def _refuse_unpriced(flags: dict, unknown: list[str]) -> None:
+    """ValueError naming the first flag whose run autopar cannot price yet (context or
+    expert parallelism, a mixture-of-experts model, FSDP under Megatron-LM, FP8, selective
+    recompute of modules other than core attention) rather than price another run."""
+    for name, rule in _REFUSED.items():
+        what = name in flags and rule(flags[name])
+        if what:
+            raise ValueError(f"--{name} {flags[name]}: {what} is not priced by autopar yet; "
+                             "it would price another run than this script's, so it refuses it")
+    fp8 = [flag for flag in unknown if flag.startswith("--fp8")]
+    if fp8:
+        raise ValueError(f"{fp8[0]}: FP8 training is not priced by autopar yet (it prices "
+                         "bf16); drop the --fp8-* flags to price the bf16 run")
+    modules = flags.get("recompute-modules")
+    selective = flags.get("recompute-granularity") == "selective" or (
+        "recompute-granularity" not in flags and flags.get("recompute-activations"))
+    if modules is not None and selective and modules != ["core_attn"]:
+        raise ValueError(f"--recompute-modules {' '.join(modules)}: autopar prices selective "
+                         "recompute of core attention only (Megatron-LM's default core_attn)")
 
 
 def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun:
@@ -204,8 +251,9 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
     ``--num-layers``, an unsubstituted shell variable, a value Megatron-LM refuses (L not
     divisible by p without a layout, full recompute without a method), or GPUs not
     divisible by t·p."""
-    flags, unknown = _flags(_tokens(source))
+    flags, unknown = _flags(script_words(source))
     ignored = unknown
+    _refuse_unpriced(flags, unknown)
     for need in ("micro-batch-size", "num-layers"):
         if need not in flags:
             raise ValueError(f"the Megatron-LM flags give no --{need}")
@@ -222,6 +270,8 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per}: {L} layers do "
                              f"not split into pp={p} ranks of chunks of {per}")
         v = L // (p * per)
+    if "pipeline-model-parallel-layout" in flags:  # p·v stages: the layout sets v
+        v = len(parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)) // p
     stages = _stages(flags, L, p, v)
     granularity, method, k = _recompute(flags, ignored)
     recompute, per_layer = (granularity if granularity != "full" or method == "uniform"
@@ -233,24 +283,39 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
             for layer in range(lo, min(hi, lo + (k or 0))):
                 per_layer[layer] = "full"
     dtype = "bf16" if flags.get("bf16") or flags.get("fp16") else "fp32"
+    # arguments.py validate_args: under --bf16, fp32 main grads reduced in fp32 unless
+    # --grad-reduce-in-bf16 or --main-grads-dtype bf16; --fp16 keeps fp16 ones unless
+    # --accumulate-allreduce-grads-in-fp32
+    fp32_grads = bool(flags.get("accumulate-allreduce-grads-in-fp32")) or bool(
+        flags.get("bf16") and not flags.get("grad-reduce-in-bf16")
+        and flags.get("main-grads-dtype", "fp32") == "fp32")
+    grad_dtype = "fp32" if dtype == "fp32" or fp32_grads else "bf16"
     if flags.get("fp16"):
         ignored.append("--fp16: priced as bf16 (the same bytes and tensor-core peak)")
     sp = bool(flags.get("sequence-parallel")) and t > 1
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b,
                     zero_stage=1 if flags.get("use-distributed-optimizer") else 0,
                     recompute=recompute, schedule="interleaved_1f1b" if v > 1 else "1f1b",
-                    virtual_stages=v, sequence_parallel=sp, dtype=dtype)
+                    virtual_stages=v, sequence_parallel=sp, dtype=dtype, grad_dtype=grad_dtype)
     h = flags.get("hidden-size")
     shape = {"num_layers": L, "hidden_size": h,
              "num_attention_heads": flags.get("num-attention-heads"),
+             # arguments.py: 4h, or with --swiglu 8h/3 rounded down to a multiple of 64
              "ffn_hidden_size": flags.get("ffn-hidden-size") or (
-                 None if flags.get("swiglu") or h is None else 4 * h),
-             "num_query_groups": flags.get("num-query-groups"),
+                 None if h is None else int(4 * h * 2 / 3 / 64) * 64 if flags.get("swiglu")
+                 else 4 * h),
+             # counted only with --group-query-attention (arguments.py)
+             "num_query_groups": flags.get("num-query-groups")
+             if flags.get("group-query-attention") else None,
              "seq_length": flags.get("max-position-embeddings") or flags.get("seq-length"),
              "vocab_size": flags.get("padded-vocab-size") or flags.get("vocab-size"),
              "swiglu": bool(flags.get("swiglu")),
              "dropout": flags.get("hidden-dropout", 0.1),  # Megatron-LM's default
              "untied": bool(flags.get("untie-embeddings-and-output-weights"))}
+    if "num-query-groups" in flags and not flags.get("group-query-attention"):
+        ignored.append(f"--num-query-groups {flags['num-query-groups']}: without "
+                       "--group-query-attention Megatron-LM keeps a key/value head per query "
+                       "head, priced so")
     if shape["vocab_size"] is None and any(w.startswith("--vocab-file") for w in unknown):
         multiple = flags.get("make-vocab-size-divisible-by", 128) * t
         shape["vocab_size"] = pad_vocab_size(50257, multiple)
@@ -307,7 +372,9 @@ def megatron_args(plan) -> list[str]:
         out += ["--recompute-granularity", "full", "--recompute-method", "block",
                 "--recompute-num-layers", str(k)]
     out += ["--use-distributed-optimizer"] if plan.zero_stage == 1 else []
-    out += ["--bf16"] if plan.dtype == "bf16" else []
+    if plan.dtype == "bf16":
+        out += ["--bf16"] + (["--grad-reduce-in-bf16"]
+                             if plan_grad_dtype(plan) == "bf16" else [])
     return out
 
 
@@ -322,5 +389,5 @@ def format_megatron_args(plan) -> str:
     head = (f"# autopar plan for {plan.model} on {plan.num_gpus} GPUs "
             f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}): predicted step "
             f"{plan.predicted.step_time_s:.3f} s\n"
-            f"# torchrun --nnodes <nodes> --nproc-per-node <GPUs per node> pretrain_gpt.py \\\n")
+            f"# {torchrun_line(plan)} pretrain_gpt.py \\\n")
     return head + " \\\n".join(f"    {line}" for line in lines) + "\n"

@@ -14,7 +14,11 @@ import torch
 
 from autopar.models import GPT, GPTConfig
 
-__all__ = ["model_shape", "build_model", "SHAPE_KEYS"]
+__all__ = ["model_shape", "build_model", "model_problem", "SHAPE_KEYS", "MOE_KEYS"]
+
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys that make a model a mixture of experts when > 1 (Hugging Face's Mixtral,
+Qwen-MoE and OLMoE, DeepSeek-V2/V3, and others)."""
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_query_groups", "seq_length", "vocab_size", "swiglu", "untied", "dropout")
@@ -42,12 +46,48 @@ def model_shape(model_config: dict) -> dict:
                  "num_query_groups": c.get("num_key_value_heads") or c["num_attention_heads"],
                  "seq_length": c.get("max_position_embeddings"), "vocab_size": c["vocab_size"],
                  "swiglu": c.get("hidden_act", "silu") == "silu",
-                 "untied": not c.get("tie_word_embeddings", True)}
+                 "untied": not c.get("tie_word_embeddings", True),
+                 # transformers 5 keeps it in rope_parameters, 4.x at the top level
+                 "rope_theta": c.get("rope_theta") or (c.get("rope_parameters") or {}).get(
+                     "rope_theta"),
+                 "norm_eps": c.get("rms_norm_eps")}
     else:
         raise ValueError(f"cannot read a model shape from config keys {sorted(c)[:12]}; "
                          "autopar emits framework configurations for GPT-2/3 and "
                          "Llama-family models")
     return {k: v for k, v in shape.items() if v is not None}
+
+
+def model_problem(model_config: dict, framework: str) -> str | None:
+    """Why ``framework`` would train another model than ``model_config``, or None: a
+    mixture-of-experts model (:data:`MOE_KEYS`; autopar emits dense configurations only, so
+    any framework would train a dense model), or for torchtitan a model its Llama 3
+    definition (``torchtitan/models/llama3``: RMSNorm, SwiGLU, rotary positions, an untied
+    head, no biases) does not reproduce: a GPT-2/3 model, a tied head, biased projections."""
+    c = model_config
+    experts = {k: c[k] for k in MOE_KEYS if isinstance(c.get(k), int) and c[k] > 1}
+    if experts:
+        key, n = next(iter(experts.items()))
+        return (f"a mixture-of-experts model ({key}={n}): autopar plans and emits dense "
+                "models only (expert parallelism is not priced yet), so the configuration "
+                "would train a dense model")
+    if framework != "torchtitan":
+        return None
+    try:
+        shape = model_shape(c)
+    except ValueError as exc:
+        return str(exc)
+    if not shape["swiglu"]:
+        return ("torchtitan 0.2.2 defines Llama-family models (llama3: RMSNorm, SwiGLU, rotary "
+                "positions, untied head), not this GPT-2/3 model (LayerNorm, GELU, learned "
+                "positions, tied head); train it with Megatron-LM or DeepSpeed, or plan a "
+                "Llama-family model")
+    if not shape["untied"]:
+        return ("torchtitan's llama3 model has an untied output head; this model ties it to "
+                "the embedding (tie_word_embeddings)")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        return "torchtitan's llama3 model has no biases; this model's projections have them"
+    return None
 
 
 def build_model(shape: dict) -> tuple[torch.nn.Module, str]:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from autopar.frameworks.deepspeed import deepspeed_config, read_deepspeed_config
 from autopar.frameworks.megatron import format_megatron_args, read_megatron_args
-from autopar.frameworks.model_shape import build_model
+from autopar.frameworks.model_shape import build_model, model_problem
 from autopar.frameworks.targets import FRAMEWORKS, FrameworkRun
 from autopar.frameworks.torchtitan import read_torchtitan_toml, torchtitan_toml
 
@@ -24,8 +24,13 @@ __all__ = ["emit", "read", "price_run"]
 def emit(plan, framework: str) -> str:
     """``plan`` as ``framework``'s configuration text: Megatron-LM flags
     (:func:`~autopar.frameworks.megatron.format_megatron_args`), a torchtitan job TOML or a
-    DeepSpeed config JSON. Raises ValueError for an unknown framework or a plan outside its
-    space (the message says to plan with ``--target``)."""
+    DeepSpeed config JSON. Raises ValueError for an unknown framework, a model the framework
+    would not train as it is (:func:`~autopar.frameworks.model_shape.model_problem`) or a
+    plan outside its space (the message says to plan with ``--target``)."""
+    if framework in FRAMEWORKS:
+        problem = model_problem(plan.model_config, framework)
+        if problem:
+            raise ValueError(problem)
     if framework == "megatron":
         return format_megatron_args(plan)
     if framework == "torchtitan":

@@ -13,16 +13,26 @@ priced by the same cost model:
   (``--pipeline-model-parallel-layout``), recompute as one granularity: full on the first k
   layers of every stage (``--recompute-method block --recompute-num-layers k``) or selective
   everywhere; under interleaving one mode for all layers; ZeRO-1 as the distributed
-  optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free.
+  optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free;
+  bf16 gradients (``--grad-reduce-in-bf16``, planned) or its default fp32 main gradients
+  reduced in fp32 (``accumulate_allreduce_grads_in_fp32``, read from a script without it).
 * ``torchtitan``: Megatron's pattern through its Llama TP plan, which always runs norms on
   sequence shards (sequence parallelism on at tp > 1), GPipe, 1F1B or interleaved 1F1B with
   any stage split (``module_fqns_per_model_part``), activation checkpointing "none" or "full"
   on every layer (its "selective" is op-level, which autopar does not price), DDP (ZeRO-0)
-  or FSDP2 (ZeRO-3, without pipelining here as in the autopar runtime).
+  only without TP and PP ("DDP has not supported > 1D parallelism") or FSDP2 (ZeRO-3,
+  without pipelining: torchtitan keeps FSDP's parameters gathered through a pipeline
+  step, which autopar does not price yet), so with pipelining no data parallelism; bf16
+  only under FSDP or without TP and PP (``maybe_enable_amp``: otherwise fp32), its
+  gradients reduced in fp32 (FSDP's ``reduce_dtype``: 0.2.2 accepts "float32" alone; DDP
+  under autocast keeps fp32 gradients).
 * ``deepspeed``: DeepSpeed's engine and pipeline engine: no tensor parallelism, 1F1B-style
   pipeline (``TrainSchedule``) without interleaving, stages of equal layer counts
-  (``partition_method="type:..."``), ZeRO 0-3 (2 and 3 only without pipelining),
-  activation checkpointing on every layer or none.
+  (``partition_method="type:..."``), ZeRO 0-3 without pipelining and ZeRO-1 with it (its
+  pipeline engine runs ZeRO-0 under ``BF16_Optimizer``, a different precision), bf16
+  gradients reduced in bf16 (its defaults, ``data_types.grad_accum_dtype`` and
+  ``communication_data_type``, written out), activation checkpointing on every layer or
+  none.
 
 Every target is a subset of what the cost model prices; each restriction is one field of
 :class:`~autopar.support.RuntimeSupport`.
@@ -34,26 +44,28 @@ from dataclasses import dataclass, field
 
 from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
 from autopar.report.format import recompute_counts
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, plan_grad_dtype
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
-           "megatron_block_layers"]
+           "megatron_block_layers", "torchrun_line"]
 
 TARGETS: dict[str, RuntimeSupport] = {
     "autopar": RUNTIME_SUPPORT,
     "megatron": RuntimeSupport(
         name="megatron", schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 1),
         recompute=RECOMPUTE_MODES, sequence_parallel=(False, True),
-        virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, placements="megatron",
-        recompute_layout="block"),
+        virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
+        placements="megatron", recompute_layout="block"),
     "torchtitan": RuntimeSupport(
         name="torchtitan", schedules=SCHEDULES, zero_stages=(0, 3), recompute=("none", "full"),
         sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
-        placements="megatron", recompute_layout="uniform"),
+        grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
+        ddp_1d_only=True, mixed_precision_by_fsdp=True),
     "deepspeed": RuntimeSupport(
         name="deepspeed", schedules=("1f1b",), zero_stages=(0, 1, 2, 3),
         recompute=("none", "full"), sequence_parallel=(False,), virtual_stages=(1,),
-        dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1),
+        dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1,
+        pipeline_zero_stages=(1,)),
 }
 """Target name -> the plans its runner executes (module docstring)."""
 
@@ -131,9 +143,15 @@ def outside_target(plan, target: str) -> str | None:
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
     checks = [("schedule", plan.schedule, support.schedules),
-              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp)),
+              ("zero_stage", plan.zero_stage,
+               support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
               ("virtual_stages", plan.virtual_stages, support.virtual_stages),
               ("dtype", plan.dtype, support.dtypes)]
+    if plan.dtype == "bf16":
+        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
+        if support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
+            return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
+                    f"plan would run in fp32{fix}")
     if plan.tp > 1:
         checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
     checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]
@@ -142,6 +160,10 @@ def outside_target(plan, target: str) -> str | None:
             return f"{target} cannot run {name}={value!r} (it runs {allowed}){fix}"
     if support.max_tp is not None and plan.tp > support.max_tp:
         return f"{target} cannot run tp={plan.tp} (tp <= {support.max_tp}){fix}"
+    kv = _kv_heads(plan.model_config)
+    if support.placements == "megatron" and kv and kv % plan.tp:
+        return (f"{target} splits whole key/value heads over TP (megatron-core: "
+                f"num_query_groups % tp == 0): {kv} do not divide over tp={plan.tp}{fix}")
     uniform = len(set(plan.recompute)) <= 1
     if support.recompute_layout == "uniform" and not uniform:
         return f"{target} runs one recompute mode for every layer, the plan mixes them{fix}"
@@ -158,6 +180,26 @@ def outside_target(plan, target: str) -> str | None:
                                                   plan.virtual_stages):
             return f"{target} splits the layers evenly over the stages, the plan does not{fix}"
     return None
+
+
+def torchrun_line(plan) -> str:
+    """The ``torchrun`` launch of ``plan``'s GPUs: its cluster's GPUs per node, the nodes
+    the plan uses (every rank on one node for a plan smaller than a node)."""
+    per_node = plan.cluster.get("gpus_per_node") or plan.num_gpus
+    per_node = min(per_node, plan.num_gpus)
+    return (f"torchrun --nnodes {-(-plan.num_gpus // per_node)} --nproc-per-node {per_node} "
+            "--node-rank <this node> --master-addr <node 0> --master-port 29500")
+
+
+def _kv_heads(model_config: dict) -> int | None:
+    """The key/value heads ``model_config`` states (its query heads without grouped-query
+    attention), or None when its shape cannot be read."""
+    from autopar.frameworks.model_shape import model_shape
+
+    try:
+        return model_shape(model_config).get("num_query_groups")
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _by_stage(plan) -> str:

@@ -12,25 +12,94 @@ The fields (``torchtitan/config/job_config.py``):
   ``layers.i``, ``norm`` and ``output`` last);
 * ``[training]`` ``local_batch_size`` (sequences per data-parallel rank per gradient
   accumulation step: b·m with pipelining, else b), ``global_batch_size`` B, ``seq_len`` s,
-  ``mixed_precision_param`` ("bfloat16" | "float32");
-* ``[activation_checkpoint]`` ``mode`` ("none" | "full").
+  ``mixed_precision_param`` ("bfloat16" | "float32": FSDP's parameter dtype, or autocast's
+  without TP and PP; with TP or PP and no FSDP torchtitan trains fp32,
+  ``distributed/utils.py:maybe_enable_amp``), ``mixed_precision_reduce`` ("float32", the
+  only value 0.2.2 accepts: gradients reduced in fp32);
+* ``[activation_checkpoint]`` ``mode`` ("none" | "full");
+* ``[model]`` ``name`` "llama3" and ``flavor``: the llama3 flavor of the model's exact shape,
+  or :data:`FLAVOR` with the ``TransformerModelArgs`` to register written in the header
+  (:func:`torchtitan_model_args`); a model torchtitan does not define is refused.
+
+The header's first lines are the ``torchrun`` launch of the plan's nodes.
 """
 
 from __future__ import annotations
 
 import tomllib
 
-from autopar.frameworks.model_shape import model_shape
-from autopar.frameworks.targets import FrameworkRun, outside_target
+from autopar.frameworks.model_shape import model_problem, model_shape
+from autopar.frameworks.targets import (FrameworkRun, outside_target, target_support,
+                                        torchrun_line)
 from autopar.plan import Layout
 
-__all__ = ["torchtitan_toml", "read_torchtitan_toml", "TORCHTITAN_SCHEDULES"]
+__all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",
+           "TORCHTITAN_SCHEDULES", "FLAVOR"]
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 """autopar's schedule -> torchtitan's ``pipeline_parallel_schedule`` name."""
 
-# torchtitan's Llama 3 flavors (torchtitan/models/llama3/__init__.py): (layers, dim) -> name
-_FLAVORS = {(32, 4096): "8B", (80, 8192): "70B", (126, 16384): "405B"}
+# torchtitan 0.2.2's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args),
+# the TransformerModelArgs fields that set the shape; the rest are its defaults
+_DEFAULTS = {"vocab_size": 128256, "norm_eps": 1e-5}
+_FLAVORS = {
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+               multiple_of=1024, rope_theta=500000),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                multiple_of=4096, rope_theta=500000),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                 multiple_of=4096, rope_theta=500000),
+}
+FLAVOR = "autopar"
+"""The flavor name the emitted TOML gives a model no torchtitan flavor reproduces; its
+``TransformerModelArgs`` are written in the TOML's header, to register as
+``llama3_args["autopar"]`` in ``torchtitan/models/llama3/__init__.py``."""
+
+
+def ffn_hidden_size(args: dict) -> int:
+    """The SwiGLU hidden size torchtitan's llama3 ``FeedForward`` builds from
+    ``TransformerModelArgs`` fields ``args`` (``model/model.py``: int(2·4·dim/3), times
+    ``ffn_dim_multiplier`` when set, rounded up to a multiple of ``multiple_of``)."""
+    hidden = int(2 * 4 * args["dim"] / 3)
+    if args.get("ffn_dim_multiplier") is not None:
+        hidden = int(args["ffn_dim_multiplier"] * hidden)
+    multiple = args.get("multiple_of", 256)
+    return multiple * ((hidden + multiple - 1) // multiple)
+
+
+def _shape_of(args: dict) -> tuple:
+    """What of a model ``args`` sets: layers, dim, heads, kv heads, ffn, vocab, rope, eps."""
+    a = {**_DEFAULTS, **args}
+    return (a["n_layers"], a["dim"], a["n_heads"], a.get("n_kv_heads") or a["n_heads"],
+            ffn_hidden_size(a), a["vocab_size"], float(a.get("rope_theta", 10000)),
+            float(a["norm_eps"]))
+
+
+def torchtitan_model_args(plan) -> tuple[str, dict]:
+    """(flavor, ``TransformerModelArgs`` keyword arguments) of ``plan``'s model in
+    torchtitan's llama3: the flavor of that exact shape (layers, dim, heads, kv heads, FFN
+    size, vocabulary, rope theta, norm eps) when torchtitan has one, else :data:`FLAVOR`
+    with arguments that reproduce it: ``multiple_of`` the FFN size (and
+    ``ffn_dim_multiplier`` below 1 when 8·dim/3 exceeds it), so the rounding lands on it
+    exactly. ``max_seq_len`` is the plan's s (torchtitan sets it from ``training.seq_len``).
+    Raises ValueError for a model torchtitan does not define
+    (:func:`~autopar.frameworks.model_shape.model_problem`)."""
+    problem = model_problem(plan.model_config, "torchtitan")
+    if problem:
+        raise ValueError(problem)
+    shape = model_shape(plan.model_config)
+    h, ffn = shape["hidden_size"], shape["ffn_hidden_size"]
+    base = int(2 * 4 * h / 3)
+    args = dict(dim=h, n_layers=shape["num_layers"], n_heads=shape["num_attention_heads"],
+                n_kv_heads=shape["num_query_groups"], vocab_size=shape["vocab_size"],
+                multiple_of=ffn, ffn_dim_multiplier=None if base <= ffn else ffn / base,
+                norm_eps=float(shape.get("norm_eps", 1e-5)),
+                rope_theta=float(shape.get("rope_theta", 10000)), max_seq_len=plan.seq_len)
+    assert ffn_hidden_size(args) == ffn, (args, ffn)
+    for name, flavor in _FLAVORS.items():
+        if _shape_of(flavor) == _shape_of(args):
+            return name, args
+    return FLAVOR, args
 
 
 def _chunks(stage_layers: list[list[int]]) -> list[list[str]]:
@@ -58,17 +127,17 @@ def torchtitan_toml(plan) -> str:
     problem = outside_target(plan, "torchtitan")
     if problem:
         raise ValueError(problem)
-    shape = model_shape(plan.model_config)
-    flavor = _FLAVORS.get((shape["num_layers"], shape["hidden_size"]))
+    flavor, args = torchtitan_model_args(plan)
     fsdp = plan.zero_stage == 3
     sections = {
         "job": {"description": f"autopar plan for {plan.model} on {plan.num_gpus} GPUs, "
                                f"predicted step {plan.predicted.step_time_s:.3f} s"},
-        "model": {"name": "llama3", "flavor": flavor or "debugmodel"},
+        "model": {"name": "llama3", "flavor": flavor},
         "training": {"local_batch_size": plan.micro_batch_size * (
                          plan.num_micro_batches if plan.pp > 1 else 1),
                      "global_batch_size": plan.global_batch_size, "seq_len": plan.seq_len,
-                     "mixed_precision_param": "bfloat16" if plan.dtype == "bf16" else "float32"},
+                     "mixed_precision_param": "bfloat16" if plan.dtype == "bf16" else "float32",
+                     "mixed_precision_reduce": "float32"},
         "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else plan.dp,
                         "data_parallel_shard_degree": plan.dp if fsdp else 1,
                         "tensor_parallel_degree": plan.tp,
@@ -80,10 +149,16 @@ def torchtitan_toml(plan) -> str:
     if plan.pp > 1:
         sections["parallelism"]["module_fqns_per_model_part"] = _chunks(plan.stage_layers)
     lines = [f"# autopar plan: tp={plan.tp} pp={plan.pp} dp={plan.dp} "
-             f"mbs={plan.micro_batch_size} {plan.schedule} zero={plan.zero_stage}"]
-    if flavor is None:
-        lines.append(f"# no torchtitan llama3 flavor has {shape['num_layers']} layers of "
-                     f"{shape['hidden_size']}: register one with this shape and name it here")
+             f"mbs={plan.micro_batch_size} {plan.schedule} zero={plan.zero_stage}",
+             f"# {torchrun_line(plan)} -m torchtitan.train --job.config_file <this file>"]
+    if flavor == FLAVOR:
+        fields = ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "max_seq_len")
+        lines += ["# no torchtitan llama3 flavor has this model's shape; register it in",
+                  "# torchtitan/models/llama3/__init__.py before training:",
+                  f'#   llama3_args["{FLAVOR}"] = TransformerModelArgs({fields}, '
+                  "rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0))",
+                  "# (RoPEScalingArgs from torchtitan.models.llama3.model.args; a factor of 1 "
+                  "leaves rotary frequencies unscaled: set Llama 3.1's scaling if yours has it)"]
     for name, fields in sections.items():
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
     return "\n".join(lines) + "\n"
@@ -124,6 +199,18 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
                          f"degree={shard}: autopar reads DDP or FSDP with explicit degrees, "
                          "not HSDP or an inferred -1")
     t, p = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1)
+    if replicate > 1 and (t > 1 or p > 1):
+        raise ValueError(f"data_parallel_replicate_degree={replicate} with tensor/pipeline "
+                         f"parallel degrees {t}/{p}: torchtitan stops at start-up (\"DDP has "
+                         "not supported > 1D parallelism\"); shard the data-parallel degree "
+                         "(data_parallel_shard_degree) instead")
+    support = target_support("torchtitan")
+    dtype = "bf16" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
+    notes = []
+    if support.dtype_for(dtype, t, p, replicate * shard) != dtype:
+        dtype = "fp32"
+        notes.append("mixed_precision_param bfloat16 with TP or PP and no FSDP: torchtitan "
+                     "trains fp32 (maybe_enable_amp), priced so")
     schedules = {v: k for k, v in TORCHTITAN_SCHEDULES.items()}
     name = par.get("pipeline_parallel_schedule", "1F1B")
     if name not in schedules or ac not in ("none", "full"):
@@ -143,12 +230,10 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
     d = replicate * shard
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
                     recompute=ac, schedule=schedules[name], virtual_stages=v,
-                    sequence_parallel=t > 1,
-                    dtype="bf16" if train.get("mixed_precision_param", "bfloat16") == "bfloat16"
-                    else "fp32")
+                    sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32")
     batch = train.get("global_batch_size", -1)
     known = {"parallelism", "training", "activation_checkpoint"}
-    ignored = [f"[{s}]" for s in data if s not in known]
+    ignored = [f"[{s}]" for s in data if s not in known] + notes
     return FrameworkRun("torchtitan", layout, stages, None,
                         {"seq_length": train.get("seq_len", 2048)},
                         batch if batch > 0 else train.get("local_batch_size", 8) * d,

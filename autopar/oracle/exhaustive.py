@@ -367,7 +367,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
         key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # costs' inputs
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
-        zeros = zero_choices(layout, support, cfg.pp)
+        zeros = zero_choices(layout, support, cfg)
         found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zeros, modes, rounding)
         priced += n
         seen.append({"layout": cfg, "step_time_s": found[0] if found else None})

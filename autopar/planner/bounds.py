@@ -73,7 +73,7 @@ def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages,
     ``total_params``: ``traced.total_params()`` when already known (a walk of every node)."""
     total = traced.total_params() if total_params is None else total_params
     states = total / (cfg.tp * cfg.pp) * min(
-        bytes_per_param(z, cfg.dp, cfg.dtype) for z in zero_stages)
+        bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
     ckpt = cfg.activation_bytes * traced.boundary_numel() * cfg.micro_batch_size * layers
     return max(states, ckpt)
@@ -219,7 +219,7 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     memory = usable_bytes(tables.p2p_bytes, cluster, cfg, 0) * MEMORY_ROUNDING
     best = float("inf")
     for z in zero_stages:
-        per_param = bytes_per_param(z, cfg.dp, cfg.dtype)
+        per_param = bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype)
         dp_s = dp_comm_s_per_param(z, cluster, cfg)
         opt_s = optimizer_s_per_param(z, cluster, cfg)
         for n in range(lo, hi + 1):

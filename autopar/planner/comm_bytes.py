@@ -48,7 +48,8 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
         [decision.stage_layers[c][0] - 1 for c in mine if c > 0]
     comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
                              for l in cuts)
-    param_b, grad_b, _ = state_bytes(cfg.dtype)
+    b = state_bytes(cfg.dtype, cfg.grad_dtype, decision.zero_stage)
+    param_b, grad_b = b.gather, b.reduce
     if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
         names = [n for l in rank_layers(decision.stage_layers, p, i) for n in traced.layers[l]]
         names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])

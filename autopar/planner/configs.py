@@ -29,6 +29,32 @@ def _heads(traced: TracedModel) -> int | None:
     return None
 
 
+def _kv_heads(traced: TracedModel) -> int | None:
+    """Key/value heads of the traced model's attention (grouped-query attention: fewer than
+    the query heads; None without attention): the Linear that produces the keys, found by
+    walking back from the attention's key input (through any repeat of the kv heads),
+    over the head size, at most the query heads (a fused QKV Linear holds all three)."""
+    graph = {n.name: n for n in traced.gm.graph.nodes}
+    for name in traced.layers[0] if traced.layers else []:
+        info = traced.nodes[name]
+        if info.kind != "sdpa":
+            continue
+        node = graph[name]
+        ins = [a for a in node.all_input_nodes if a.name in traced.nodes]
+        head_dim = traced.nodes[ins[0].name].shape[-1]
+        key, seen = ins[1], 0
+        while traced.nodes[key.name].kind != "linear" and seen < 32:
+            parents = [a for a in key.all_input_nodes if a.name in traced.nodes]
+            if not parents:
+                return info.shape[1]
+            key, seen = parents[0], seen + 1
+        if traced.nodes[key.name].kind != "linear":
+            return info.shape[1]
+        out = traced.gm.get_submodule(key.target).out_features
+        return min(info.shape[1], out // head_dim)
+    return None
+
+
 def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
     """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
     saying what to change)."""
@@ -55,6 +81,8 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     reason each rule rejected a config for (the error when none is left).
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
+    # Megatron's pattern splits whole key/value heads (megatron-core: num_query_groups % tp)
+    kv = _kv_heads(traced) if support is not None and support.placements == "megatron" else None
     why = {} if why is None else why
     interleave = support is not None and "interleaved_1f1b" in support.schedules
     schedules = [layout.schedule] if layout.schedule else \
@@ -64,16 +92,29 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     for tp in divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
             continue
+        if kv and kv % tp:
+            why.setdefault("kv", f"{support.name} splits whole key/value heads over TP: "
+                                 f"{kv} kv heads do not divide over tp={tp}")
+            continue
         if support is not None and support.max_tp is not None and tp > support.max_tp:
             continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
                 continue
-            if support is not None and layout.zero_stage is not None and \
-                    layout.zero_stage not in support.zero_stages_for(pp):
+            zeros = support.zero_stages_for(pp, tp, dp) if support is not None else None
+            if zeros is not None and layout.zero_stage is not None and \
+                    layout.zero_stage not in zeros:
                 why.setdefault("zero", f"zero_stage={layout.zero_stage} runs only with pp=1 "
-                                       "(ZeRO-2/3 reduce-scatter after every micro-batch)")
+                                       "(ZeRO-2/3 reduce-scatter after every micro-batch)"
+                               if layout.zero_stage >= 2 else
+                               f"zero_stage=0 with tp or pp > 1: {support.name} runs plain "
+                               "data parallelism only without TP and PP")
+                continue
+            if zeros == ():
+                why.setdefault("mesh", f"{support.name} runs no ZeRO stage at tp={tp} pp={pp} "
+                                       f"dp={dp} (plain DP only without TP and PP, ZeRO-3 only "
+                                       "without PP)")
                 continue
             if global_batch_size % dp:
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
@@ -93,6 +134,17 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
                          if layout.sequence_parallel is not None or support is None
                          else tuple(sp for sp in (False, True) if sp in support.sequence_parallel))
+    dtype = layout.dtype or cluster.dtype
+    if support is not None and support.dtype_for(dtype, tp, pp, dp) != dtype:
+        if layout.dtype is not None:  # pinned bf16 the target would run in fp32
+            why.setdefault("dtype", f"{support.name} trains bf16 with tp or pp > 1 only under "
+                                    "FSDP (dp > 1); it would run fp32 at "
+                                    f"tp={tp} pp={pp} dp={dp}")
+            return out
+        dtype = support.dtype_for(dtype, tp, pp, dp)
+    # gradients: the layout's, else the first the target runs (fp32 under fp32 training)
+    grad_dtype = None if dtype == "fp32" else (
+        layout.grad_dtype or (support.grad_dtypes[0] if support else None))
     for mbs in divisors(per_replica):
         if layout.micro_batch_size not in (None, mbs) or (
                 layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
@@ -111,8 +163,8 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                 if problem:
                     why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
                     continue
-                out += [Config(tp, pp, dp, mbs, m, sched, v, layout.dtype or cluster.dtype,
-                               cluster.attention, sp) for sp in sequence_parallel]
+                out += [Config(tp, pp, dp, mbs, m, sched, v, dtype, cluster.attention, sp,
+                               grad_dtype) for sp in sequence_parallel]
     if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
         why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "
                               f"the {per_replica} sequences of a replica at dp={dp} (choose "

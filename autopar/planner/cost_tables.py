@@ -6,7 +6,9 @@ through these functions, so every comparison is apples to apples.
 Assumptions (the standard ones of Megatron-LM papers, stated once):
 
 * bf16/fp16 mixed precision: 2-byte activations and communication, mixed-precision Adam
-  model states (2 + 2 + 12 bytes per parameter, ZeRO paper section 3.1);
+  model states (2 + 2 + 12 bytes per parameter, ZeRO paper section 3.1); with fp32
+  gradients (``Config.grad_dtype``, what Megatron-LM and torchtitan run by default) the
+  gradient buffer and its reductions are 4 bytes per element (:func:`state_bytes`);
 * matmuls (linear, attention, batched matmul) run at the device's calibrated
   ``matmul_efficiency`` inside a GEMM tile, with the tile and wave quantisation of their
   (m, n, k) shapes on a GPU (:func:`cost_models.compute.gemm_time_s`), forward and the two
@@ -29,13 +31,15 @@ from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
+from autopar.plan import grad_dtype_of
+from autopar.planner.precision import StateBytes, bytes_per_param, state_bytes
 from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
                                        node_cost)
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
-           "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
+           "StateBytes", "state_bytes", "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
            "dispatches"]
 
 DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_cap_mb default)
@@ -55,11 +59,17 @@ class Config:
     dtype: str = "bf16"
     attention: str = "math"
     sequence_parallel: bool = False
+    grad_dtype: str | None = None
 
     @property
     def activation_bytes(self) -> int:
         """Bytes per activation/communicated element: 2 (bf16) or 4 (fp32)."""
         return ACTIVATION_BYTES if self.dtype == "bf16" else 4
+
+    @property
+    def grads(self) -> str:
+        """The gradients' dtype (:func:`autopar.plan.grad_dtype_of`)."""
+        return grad_dtype_of(self.dtype, self.grad_dtype)
 
 
 @dataclass(frozen=True)
@@ -122,21 +132,6 @@ def f_cost(tables: CostTables, u: str, placement: str) -> tuple[str, float]:
     return kind, (tables.f_rs_s if kind == "reduce_scatter" else tables.f_s).get(u, 0.0)
 
 
-def state_bytes(dtype: str) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter with Adam: mixed precision
-    bf16 keeps 2 + 2 + 12 (fp32 master, m, v; ZeRO paper section 3.1); fp32 keeps 4 + 4 + 8."""
-    return (2, 2, 12) if dtype == "bf16" else (4, 4, 8)
-
-
-def bytes_per_param(zero_stage: int, dp: int, dtype: str = "bf16") -> float:
-    """Model-state bytes per parameter under Adam and ZeRO (Rajbhandari et al. 2020,
-    Fig. 1): for bf16 16, 4 + 12/d, 2 + 14/d, 16/d for stages 0..3."""
-    from cost_models.memory import model_state_bytes
-
-    p, g, o = state_bytes(dtype)
-    return model_state_bytes(1.0, zero_stage, dp, param_bytes=p, grad_bytes=g, optimizer_bytes=o)
-
-
 def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
     """Seconds per parameter per step of the DP communication that backward can hide: a
     ring all-reduce of the gradients; ZeRO-1 its reduce-scatter half (the all-gather of
@@ -150,21 +145,24 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
         return 0.0
-    per_param = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg)
+    b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
+    per_param = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg, b.reduce)
     if zero_stage in (1, 2):  # gloo reduce-scatters as a whole all-reduce (LinkSpec)
-        rs = _bucketed_s_per_param(comm.reduce_scatter_time_s, cluster, cfg)
+        rs = _bucketed_s_per_param(comm.reduce_scatter_time_s, cluster, cfg, b.reduce)
         return rs * (cfg.num_micro_batches if zero_stage == 2 else 1)
-    if zero_stage == 3:
-        return per_param * 1.5 * cfg.num_micro_batches
+    if zero_stage == 3:  # two all-gathers (an all-reduce's half each) and a reduce-scatter
+        gather = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg, b.gather)
+        return (gather + 0.5 * per_param) * cfg.num_micro_batches
     return per_param
 
 
-def _bucketed_s_per_param(collective, cluster: Cluster, cfg: Config) -> float:
-    """Seconds per parameter of ``collective`` over the DP group, in buckets: gradients are
-    reduced in 25 MB buckets (PyTorch DDP's bucket_cap_mb=25 default; Megatron's
-    contiguous grad buffer is coarser still), so one ring latency per bucket."""
+def _bucketed_s_per_param(collective, cluster: Cluster, cfg: Config, elem_bytes: int) -> float:
+    """Seconds per parameter of ``collective`` over the DP group on ``elem_bytes``-byte
+    elements, in buckets: gradients are reduced in 25 MB buckets (PyTorch DDP's
+    bucket_cap_mb=25 default; Megatron's contiguous grad buffer is coarser still), so one
+    ring latency per bucket."""
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
-    return collective(DP_BUCKET_BYTES, cfg.dp, link) * state_bytes(cfg.dtype)[1] / DP_BUCKET_BYTES
+    return collective(DP_BUCKET_BYTES, cfg.dp, link) * elem_bytes / DP_BUCKET_BYTES
 
 
 def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float:
@@ -177,7 +175,9 @@ def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> flo
     per_param = compute.memory_bound_time_s(dev.optimizer_bytes_per_param, dev)
     if zero_stage == 0 or cfg.dp == 1:
         return per_param
-    gather = _bucketed_s_per_param(comm.all_gather_time_s, cluster, cfg) if zero_stage in (1, 2) else 0.0
+    gather = (_bucketed_s_per_param(comm.all_gather_time_s, cluster, cfg,
+                                    state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage).gather)
+              if zero_stage in (1, 2) else 0.0)
     return per_param / cfg.dp + gather
 
 
@@ -254,7 +254,8 @@ def step_end_s(traced: TracedModel, tables: CostTables, cluster: Cluster, cfg: C
                     if g[-1] in traced.post)
         if numel:
             link = comm.group_link(cluster, 2, cfg.tp * cfg.dp * (cfg.pp - 1))
-            end += comm.all_reduce_time_s(numel * state_bytes(cfg.dtype)[1], 2, link)
+            end += comm.all_reduce_time_s(numel * state_bytes(cfg.dtype, cfg.grad_dtype).reduce,
+                                          2, link)
     return end
 
 

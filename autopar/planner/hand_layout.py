@@ -40,7 +40,8 @@ def complete_hand_layout(layout: Layout) -> Layout:
                   recompute=layout.recompute or "none",
                   schedule=layout.schedule or ("interleaved_1f1b" if v > 1 else "1f1b"),
                   virtual_stages=layout.virtual_stages,
-                  sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype)
+                  sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype,
+                  grad_dtype=layout.grad_dtype)
 
 
 def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_size: int,

@@ -35,12 +35,12 @@ def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, memo: 
     return memo[key]
 
 
-def zero_choices(layout: Layout, support: RuntimeSupport | None, pp: int) -> tuple[int, ...]:
-    """ZeRO stages to consider: the layout's if pinned, else what the runtime executes with
-    ``pp`` stages (support None: every stage the cost model prices, for evaluation)."""
+def zero_choices(layout: Layout, support: RuntimeSupport | None, cfg: Config) -> tuple[int, ...]:
+    """ZeRO stages to consider: the layout's if pinned, else what the runtime executes on
+    ``cfg``'s mesh (support None: every stage the cost model prices, for evaluation)."""
     if layout.zero_stage is not None:
         return (layout.zero_stage,)
-    return support.zero_stages_for(pp) if support else ZERO_STAGES
+    return support.zero_stages_for(cfg.pp, cfg.tp, cfg.dp) if support else ZERO_STAGES
 
 
 def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, memo: dict, layout: Layout,
@@ -68,7 +68,7 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, memo: dict, la
         memo[("pieces",) + key] = layer_pieces(traced, tables, kept)
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
     modes = tuple(m for m in modes if not support or m in support.recompute)
-    zero = zero_choices(layout, support, cfg.pp)
+    zero = zero_choices(layout, support, cfg)
 
     def step_bound(layer_s: float) -> float:
         return step_bound_s(traced, tables, cfg, layer_s, cluster, zero, modes,
@@ -103,7 +103,7 @@ def memory_bounds(traced, cluster, cfg: Config, memo: dict, layout: Layout,
     if key not in memo:
         if ("total_params",) not in memo:
             memo[("total_params",)] = traced.total_params()
-        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg.pp),
+        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg),
                                       memo[("total_params",)])
         memo[key] = lb, max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
     return memo[key]

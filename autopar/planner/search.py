@@ -89,7 +89,7 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
     memo = {} if memo is None else memo
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
-    zero = zero_choices(layout, support, cfg.pp)
+    zero = zero_choices(layout, support, cfg)
     modes = support.recompute if support else RECOMPUTE_MODES
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         allowed=allowed_strategies(traced, strategies, cfg.tp,

@@ -103,17 +103,18 @@ def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config) -> di
     ZeRO shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3) over
     d (Rajbhandari et al. 2020, Fig. 1); bytes per parameter from
     :func:`~autopar.planner.cost_tables.state_bytes`."""
-    pb, gb, ob = state_bytes(cfg.dtype)
+    b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
     d = cfg.dp
-    return {"parameters": params * pb / (d if zero_stage >= 3 else 1),
-            "gradients": params * gb / (d if zero_stage >= 2 else 1),
-            "optimizer_states": params * ob / (d if zero_stage >= 1 else 1)}
+    return {"parameters": params * b.param / (d if zero_stage >= 3 else 1),
+            "gradients": params * b.grad / (d if zero_stage >= 2 else 1),
+            "optimizer_states": params * b.optimizer / (d if zero_stage >= 1 else 1)}
 
 
 def state_kib_times_d(zero_stage: int, cfg: Config) -> int:
     """Model-state KiB per :data:`PARAM_UNIT` parameters, times d: an exact integer
-    (bf16: 16d, 4d + 12, 2d + 14, 16 for ZeRO 0..3)."""
-    return round(bytes_per_param(zero_stage, cfg.dp, cfg.dtype) * cfg.dp)
+    (bf16: 16d, 4d + 12, 2d + 14, 16 for ZeRO 0..3; fp32 gradients 18d, 6d + 12, 2d + 16,
+    16)."""
+    return round(bytes_per_param(zero_stage, cfg.dp, cfg.dtype, cfg.grad_dtype) * cfg.dp)
 
 
 def in_flight_times_v(cfg: Config, rank: int) -> int:

@@ -7,7 +7,7 @@ plans for it (``--target``).
 
 from __future__ import annotations
 
-from autopar.frameworks import FRAMEWORKS, emit
+from autopar.frameworks import FRAMEWORKS, emit, model_problem
 from autopar.plan import Plan
 
 __all__ = ["frameworks_section"]
@@ -35,6 +35,10 @@ def frameworks_section(plan: Plan, framework_plans: dict[str, Plan | str] | None
     framework_plans = framework_plans or {}
     for framework in FRAMEWORKS:
         name = _NAMES[framework]
+        problem = model_problem(plan.model_config, framework)
+        if problem:  # no layout helps: the framework would train another model
+            lines += [f"- **{name}**: not this model: {problem}.", ""]
+            continue
         try:
             lines += [f"- **{name}** ({_WHAT[framework]}):"] + _block(framework, emit(plan, framework))
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import string
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import autopar
-from autopar.frameworks import (FRAMEWORKS, TARGETS, emit, outside_target, read,
+from autopar.frameworks import (FRAMEWORKS, TARGETS, emit, model_problem, outside_target, read,
                                 read_megatron_args)
 from autopar.frameworks.megatron import parse_pp_layout, pp_layout
 from autopar.frameworks.targets import megatron_block_layers
@@ -47,8 +48,11 @@ def _cuts(draw, num_layers: int, parts: int) -> list[list[int]]:
 
 
 @st.composite
-def target_plans(draw, base: Plan, target: str) -> Plan:
-    """A plan inside ``target``'s space (TARGETS), fields consistent (B = d·b·m, stages)."""
+def target_plans(draw, base: Plan, target: str, max_world: int | None = None,
+                 tiny: bool = False) -> Plan:
+    """A plan inside ``target``'s space (TARGETS), fields consistent (B = d·b·m, stages);
+    at most ``max_world`` ranks when given; ``tiny``: 16-wide heads and 512 tokens, a model
+    small enough to build (the shapes' head counts and layers are the same)."""
     support = TARGETS[target]
     L = draw(st.integers(2, 40))
     heads = draw(st.sampled_from([8, 16, 32]))
@@ -60,10 +64,13 @@ def target_plans(draw, base: Plan, target: str) -> Plan:
     if schedule == "interleaved_1f1b" and not vs:
         schedule = "1f1b"
     v = draw(st.sampled_from(vs)) if schedule == "interleaved_1f1b" else 1
-    dp, mbs = draw(st.integers(1, 16)), draw(st.integers(1, 4))
+    dp = draw(st.integers(1, 16 if max_world is None else max(1, max_world // (tp * pp))))
+    mbs = draw(st.integers(1, 4))
     m = draw(st.integers(pp, 16))
     m += (-m) % pp if v > 1 else 0
-    zero = draw(st.sampled_from(support.zero_stages_for(pp)))
+    if not support.zero_stages_for(pp, tp, dp):  # no ZeRO stage runs this mesh
+        dp = 1
+    zero = draw(st.sampled_from(support.zero_stages_for(pp, tp, dp)))
     if dp == 1 and target == "torchtitan":
         zero = 0  # FSDP over one rank is DDP: torchtitan states no ZeRO stage then
     if support.even_stages:
@@ -80,14 +87,27 @@ def target_plans(draw, base: Plan, target: str) -> Plan:
         for lo, hi in stages:
             recompute[lo:min(hi, lo + k)] = ["full"] * (min(hi, lo + k) - lo)
     sp = tp > 1 and draw(st.sampled_from(support.sequence_parallel))
-    config = {"n_layer": L, "n_head": heads, "n_embd": 64 * heads, "vocab_size": 51200,
-              "block_size": 2048, "dropout": draw(st.sampled_from([0.0, 0.1]))}
+    dtype = support.dtype_for(draw(st.sampled_from(support.dtypes)), tp, pp, dp)
+    if target == "torchtitan":  # it defines Llama-family models only
+        config = {"num_hidden_layers": L, "hidden_size": (16 if tiny else 64) * heads,
+                  "num_attention_heads": heads,
+                  # whole kv heads per TP rank (megatron-core: num_query_groups % tp)
+                  "num_key_value_heads": draw(st.sampled_from([heads, max(tp, heads // 4)])),
+                  "intermediate_size": draw(st.sampled_from([128, 172, 256])) * heads
+                  // (4 if tiny else 1),
+                  "vocab_size": 512 if tiny else draw(st.sampled_from([32000, 128256])),
+                  "max_position_embeddings": 2048, "hidden_act": "silu",
+                  "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+    else:
+        config = {"n_layer": L, "n_head": heads, "n_embd": (16 if tiny else 64) * heads,
+                  "vocab_size": 512 if tiny else 51200,
+                  "block_size": 2048, "dropout": draw(st.sampled_from([0.0, 0.1]))}
     return dataclasses.replace(
         base, model="gpt-random", model_config=config, tp=tp, pp=pp, dp=dp,
         micro_batch_size=mbs, num_micro_batches=m, global_batch_size=dp * mbs * m,
         seq_len=2048, schedule=schedule, virtual_stages=v, zero_stage=zero,
-        recompute=recompute, stage_layers=stages, sequence_parallel=sp,
-        dtype=draw(st.sampled_from(support.dtypes)))
+        recompute=recompute, stage_layers=stages, sequence_parallel=sp, dtype=dtype,
+        grad_dtype="fp32" if dtype == "fp32" else draw(st.sampled_from(support.grad_dtypes)))
 
 
 def _assert_round_trip(plan: Plan, framework: str) -> None:
@@ -141,6 +161,12 @@ def test_example_report_plans_round_trip_or_name_the_target():
     for path in paths:
         plan = Plan.from_json(path.read_text(), str(path))
         for framework in FRAMEWORKS:
+            model = model_problem(plan.model_config, framework)
+            if model:  # GPT-2/3 in torchtitan: another model, refused whatever the layout
+                assert not path.name.startswith(f"plan-{framework}")
+                with pytest.raises(ValueError, match=re.escape(model[:40])):
+                    emit(plan, framework)
+                continue
             problem = outside_target(plan, framework)
             assert path.name != f"plan-{framework}.json" or problem is None, problem
             if problem is None:
@@ -181,7 +207,7 @@ def test_sc21_table_1_flags_read_as_the_papers_layouts(size):
     assert run.layout == autopar.Layout(
         tp=t, pp=p, dp=8 * values["NNODES"] // (t * p), micro_batch_size=values["MBS"],
         zero_stage=0, recompute="full", schedule="interleaved_1f1b" if v > 1 else "1f1b",
-        virtual_stages=v, sequence_parallel=False, dtype="bf16")
+        virtual_stages=v, sequence_parallel=False, dtype="bf16", grad_dtype="bf16")
     assert run.global_batch_size == values["GBS"] and run.seq_len == 2048
     assert run.model["num_layers"] == values["NLS"] and run.model["hidden_size"] == values["HS"]
     assert run.model["vocab_size"] == pad_vocab_size(50257, 128 * t)  # as Megatron-LM pads
@@ -234,14 +260,23 @@ def test_framework_configs_refused_with_the_cause(framework, text, match):
 
 
 # ----------------------------------------------------------------------- target searches
-def _small_problem(memory_gib: float):
-    """A 4-layer h=64 GPT on 4 local ranks whose memory (no reserve) is ``memory_gib``."""
+def _small_problem(memory_gib: float, llama: bool = False):
+    """A 4-layer h=64 GPT (``llama``: a Llama-family model of that size, what torchtitan
+    defines) on 4 local ranks whose memory (no reserve) is ``memory_gib``."""
     import torch
+    from autopar.frameworks.model_shape import build_model
     from autopar.models import GPT, GPTConfig
     from cost_models.reserve import MemoryReserve
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=64))
+    if llama:
+        model, _ = build_model({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                                "ffn_hidden_size": 172, "num_query_groups": 2,
+                                "seq_length": 64, "vocab_size": 256, "swiglu": True,
+                                "untied": True})
+    else:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256,
+                                  block_size=64))
     cluster = autopar.Cluster.local_cpu(processes=4)
     return model, dataclasses.replace(
         cluster, device=dataclasses.replace(cluster.device, memory_gib=memory_gib),
@@ -251,12 +286,13 @@ def _small_problem(memory_gib: float):
 @pytest.mark.parametrize("target", ["megatron", "torchtitan", "deepspeed"])
 def test_plan_for_a_target_stays_inside_it(target):
     """A search for ``target`` where memory forces recompute (6 MiB per rank: autopar
-    recomputes one of the 4 layers, under ZeRO-3) returns a plan the target runs, never
+    recomputes one (the Llama for torchtitan: two) of the 4 layers) returns a plan the target runs, never
     faster than autopar's own (a subset of its space), whose configuration reads back."""
-    model, cluster = _small_problem(0.006)
+    model, cluster = _small_problem(0.006, llama=target == "torchtitan")
     kwargs = dict(global_batch_size=16, seq_len=64, model_name="gpt-small")
     own = autopar.plan(model, cluster, **kwargs)
-    assert sorted(own.recompute) == ["full", "none", "none", "none"]
+    assert sorted(own.recompute) == (["full", "full", "none", "none"] if target == "torchtitan"
+                                     else ["full", "none", "none", "none"])
     plan = autopar.plan(model, cluster, target=target, **kwargs)
     assert outside_target(plan, target) is None
     assert outside_target(own, target) is not None  # the restriction binds here
@@ -336,7 +372,7 @@ def _accepted_by_the_framework(plan: Plan, framework: str) -> None:
 
     import framework_configs as fc
 
-    text, p, v = emit(plan, framework), plan.pp, plan.virtual_stages
+    text, p = emit(plan, framework), plan.pp
     counts = [[hi - lo for lo, hi in plan.stage_layers[r::p]] for r in range(p)]
     if framework == "megatron":
         lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
@@ -386,7 +422,8 @@ def test_example_plans_are_accepted_by_the_frameworks():
     for path in sorted((REPO / "reports").glob("*/plan*.json")):
         plan = Plan.from_json(path.read_text(), str(path))
         for framework in FRAMEWORKS:
-            if outside_target(plan, framework) is None:
+            if model_problem(plan.model_config, framework) is None and \
+                    outside_target(plan, framework) is None:
                 _accepted_by_the_framework(plan, framework)
                 accepted += 1
     assert accepted >= 9
@@ -399,7 +436,8 @@ def test_megatron_gpt3_175b_example_script_reads_as_written():
     run = read_megatron_args(str(DATA / "megatron_train_gpt3_175b_distributed.sh"), 1024)
     assert run.layout == autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1, zero_stage=0,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
-                                        sequence_parallel=False, dtype="bf16")
+                                        sequence_parallel=False, dtype="bf16",
+                                        grad_dtype="bf16")  # --fp16: fp16 grads
     assert (run.global_batch_size, run.seq_len) == (1536, 2048)
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "num_attention_heads")} == \
         {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96}
@@ -407,3 +445,94 @@ def test_megatron_gpt3_175b_example_script_reads_as_written():
     for flag in ("--step-batch-size-schedule", "--data-path", "--lr", "--attention-backend",
                  "--fp16: priced as bf16"):
         assert flag in ignored, flag
+
+
+LLAMA3_8B = (DATA / "megatron_train_llama3_8b_h100_fp8.sh").read_text()
+"""Megatron-LM core_v0.16.1 examples/llama/train_llama3_8b_h100_fp8.sh, as it stands."""
+
+
+def _llama3_8b(*edits: tuple[str, str]) -> str:
+    """The Llama 3 8B script in bf16 (its four quoted --fp8-* array elements removed, as
+    DTYPE="bf16" would leave them out: autopar reads flags, not the script's if), with
+    further (old, new) text edits; each must apply."""
+    text = LLAMA3_8B
+    for flag in ('"--fp8-format hybrid"', '"--fp8-amax-history-len 1024"',
+                 '"--fp8-amax-compute-algo max"', '"--fp8-param-gather"'):
+        assert flag in text, flag
+        text = text.replace(flag, "")
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_megatron_llama3_8b_example_script_refused_for_fp8_as_written():
+    """As it stands the script trains in FP8 (its DTYPE="fp8" adds the quoted
+    "--fp8-format hybrid" array elements): refused by name, not priced as bf16."""
+    with pytest.raises(ValueError, match="--fp8-format hybrid: FP8 training is not priced"):
+        read_megatron_args(str(DATA / "megatron_train_llama3_8b_h100_fp8.sh"), 8)
+
+
+def test_megatron_llama3_8b_example_script_reads_in_bf16():
+    """The script's own variables substituted (TP_SIZE, MICRO_BATCH_SIZE, SEQ_LENGTH ...),
+    its quoted "--vocab-size 128256" element split, --sequence-parallel dropped at tp = 1,
+    --grad-reduce-in-bf16 read as bf16 gradients, the distributed optimizer as ZeRO-1."""
+    run = read_megatron_args(_llama3_8b(), 8)
+    assert run.layout == autopar.Layout(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=1,
+                                        recompute="none", schedule="1f1b", virtual_stages=1,
+                                        sequence_parallel=False, dtype="bf16",
+                                        grad_dtype="bf16")
+    assert (run.global_batch_size, run.seq_len) == (128, 8192)
+    assert {k: run.model[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size",
+                                      "num_query_groups", "vocab_size", "swiglu", "untied")} == {
+        "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
+        "num_query_groups": 8, "vocab_size": 128256, "swiglu": True, "untied": True}
+    # without --grad-reduce-in-bf16: Megatron-LM's fp32 main gradients
+    default = read_megatron_args(_llama3_8b(("    --grad-reduce-in-bf16\n", "")), 8)
+    assert default.layout.grad_dtype == "fp32"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (("CP_SIZE=1", "CP_SIZE=2"), "--context-parallel-size 2: context parallelism"),
+    (("    --use-distributed-optimizer\n", "    --use-megatron-fsdp\n"), "Megatron-FSDP"),
+    (("    --use-distributed-optimizer\n", "    --use-torch-fsdp2\n"), "FSDP2"),
+    (("    --disable-bias-linear \n", "    --disable-bias-linear\n    --num-experts 8\n"),
+     "mixture-of-experts"),
+    (("    --bf16\n", "    --bf16\n    --recompute-granularity selective\n"
+                     "    --recompute-modules core_attn mlp\n"), "core_attn mlp"),
+    (("    --bf16\n", "    --bf16\n    --recompute-granularity full\n"
+                     "    --recompute-method block\n"), "needs --recompute-num-layers"),
+])
+def test_megatron_flags_autopar_cannot_price_are_refused_by_name(edit, match):
+    with pytest.raises(ValueError, match=match):
+        read_megatron_args(_llama3_8b(edit), 8)
+
+
+def test_megatron_flags_read_as_megatron_reads_them():
+    # --swiglu without --ffn-hidden-size: int(8h/3/64)*64 (arguments.py), not 4h
+    run = read_megatron_args(_llama3_8b(("    --ffn-hidden-size 14336\n", "")), 8)
+    assert run.model["ffn_hidden_size"] == int(4 * 4096 * 2 / 3 / 64) * 64 == 10880
+    # --num-query-groups without --group-query-attention: one key/value head per query head
+    run = read_megatron_args(_llama3_8b(("    --group-query-attention\n", "")), 8)
+    assert "num_query_groups" not in run.model
+    assert any("--group-query-attention" in note for note in run.ignored)
+    # Megatron's default module list is what selective recompute prices
+    run = read_megatron_args(_llama3_8b(("    --bf16\n", "    --bf16\n    --recompute-granularity "
+                                         "selective\n    --recompute-modules core_attn\n")), 8)
+    assert run.layout.recompute == "selective"
+    # an interleaved layout: p*v stages, stage i on rank i % p (megatron-core's layout)
+    layout = "Et*3|t*4|t*4|t*4|t*4|t*4|t*4|t*5L"
+    run = read_megatron_args(_llama3_8b(
+        ("    --context-parallel-size $CP_SIZE\n",
+         f"    --pipeline-model-parallel-size 4\n    --pipeline-model-parallel-layout "
+         f"'{layout}'\n")), 8)
+    assert (run.layout.pp, run.layout.virtual_stages, run.layout.schedule) == (
+        4, 2, "interleaved_1f1b")
+    assert [hi - lo for lo, hi in run.stage_layers] == [3, 4, 4, 4, 4, 4, 4, 5]
+
+
+def test_megatron_mixtral_example_script_refused_as_a_mixture_of_experts():
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh as it stands: expert parallelism
+    and 8 experts, which autopar does not price yet: refused by name."""
+    with pytest.raises(ValueError, match="expert parallelism|mixture-of-experts"):
+        read_megatron_args(str(DATA / "megatron_train_mixtral_8x7b_distributed.sh"), 32)

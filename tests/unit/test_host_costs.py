@@ -177,7 +177,7 @@ def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient
     tied = [g[-1] for g in tied_groups(traced) if g[-1] in traced.post]
     assert tied  # gpt-tiny ties lm_head to the token embedding
     numel = sum(traced.nodes[n].param_numel for n in tied)
-    sync = comm.all_reduce_time_s(numel * state_bytes("fp32")[1], 2, CPU.intra_node)
+    sync = comm.all_reduce_time_s(numel * state_bytes("fp32").reduce, 2, CPU.intra_node)
     assert end(1, 2, 1) == pytest.approx(2 * alpha + sync)
 
 

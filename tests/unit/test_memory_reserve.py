@@ -175,4 +175,4 @@ def test_summary_and_report_show_reserve_and_margin(hand_plan):
     markdown = render_markdown(hand_plan)
     assert "| memory margin per GPU |" in markdown and "| memory reserve per GPU |" in markdown
     assert "| reserve | margin |" in markdown  # the per-stage memory table
-    assert f"memory[stage" in hand_plan.binding[0] and "margin" in hand_plan.binding[0]
+    assert "memory[stage" in hand_plan.binding[0] and "margin" in hand_plan.binding[0]
