@@ -380,7 +380,10 @@ def megatron_args(plan) -> list[str]:
 
 def format_megatron_args(plan) -> str:
     """:func:`megatron_args` as a launch fragment: a comment naming the plan and the GPUs,
-    then one flag (with its value) per line, continued with backslashes."""
+    the environment the launch needs (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM's
+    ``validate_args`` requires with tp > 1 on GPUs before Blackwell, arguments.py L927-952
+    at core_v0.16.1, and its example scripts export), the ``torchrun`` line, then one flag
+    (with its value) per line, continued with backslashes."""
     args, lines, i = megatron_args(plan), [], 0
     while i < len(args):
         takes = i + 1 < len(args) and not args[i + 1].startswith("--")
@@ -389,5 +392,6 @@ def format_megatron_args(plan) -> str:
     head = (f"# autopar plan for {plan.model} on {plan.num_gpus} GPUs "
             f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}): predicted step "
             f"{plan.predicted.step_time_s:.3f} s\n"
-            f"# {torchrun_line(plan)} pretrain_gpt.py \\\n")
+            + ("# export CUDA_DEVICE_MAX_CONNECTIONS=1\n" if plan.tp > 1 else "")
+            + f"# {torchrun_line(plan)} pretrain_gpt.py \\\n")
     return head + " \\\n".join(f"    {line}" for line in lines) + "\n"
