@@ -169,15 +169,14 @@ def pp_layout(counts: list[int]) -> str:
     return "|".join(stages)
 
 
-def _stages(flags: dict, L: int, p: int, v: int) -> list[list[int]] | None:
-    """``stage_layers`` when the flags cut the stages unevenly, else None (L / p each)."""
+def _stages(flags: dict, L: int, p: int, v: int,
+            layout: list[int] | None) -> list[list[int]] | None:
+    """``stage_layers`` when the flags cut the stages unevenly, else None (L / p each);
+    ``layout``: the layers per stage of ``--pipeline-model-parallel-layout``, parsed."""
     first, last = (flags.get("decoder-first-pipeline-num-layers"),
                    flags.get("decoder-last-pipeline-num-layers"))
-    if "pipeline-model-parallel-layout" in flags:
-        counts = parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)
-        if len(counts) != p * v:
-            raise ValueError(f"--pipeline-model-parallel-layout has {len(counts)} stages, "
-                             f"pp*v = {p}*{v}")
+    if layout is not None:
+        counts = layout
     elif first or last:
         inner = L - (first or 0) - (last or 0)
         middle = p - bool(first) - bool(last)
@@ -270,9 +269,11 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
             raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per}: {L} layers do "
                              f"not split into pp={p} ranks of chunks of {per}")
         v = L // (p * per)
-    if "pipeline-model-parallel-layout" in flags:  # p·v stages: the layout sets v
-        v = len(parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)) // p
-    stages = _stages(flags, L, p, v)
+    counts = (parse_pp_layout(flags["pipeline-model-parallel-layout"], L, p)
+              if "pipeline-model-parallel-layout" in flags else None)
+    if counts is not None:  # p·v stages: the layout sets v
+        v = len(counts) // p
+    stages = _stages(flags, L, p, v, counts)
     granularity, method, k = _recompute(flags, ignored)
     recompute, per_layer = (granularity if granularity != "full" or method == "uniform"
                             else None), None
