@@ -19,7 +19,7 @@ from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
            "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "GRAD_DTYPES",
-           "grad_dtype_of", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
+           "grad_dtype_of", "ATTENTION_KERNELS", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
 # The one definition of these names (the rules over them: autopar.support).
@@ -36,6 +36,11 @@ data-parallel reduction. "bf16": the autopar runtime, Megatron-LM with
 ``--grad-reduce-in-bf16``; "fp32": Megatron-LM's default main gradients under ``--bf16``
 (``accumulate_allreduce_grads_in_fp32``), FSDP2 with ``reduce_dtype=torch.float32``
 (torchtitan), DDP under ``torch.autocast``. fp32 training has fp32 gradients."""
+
+ATTENTION_KERNELS = ("math", "flash")
+"""Attention kernels the cost model prices (:attr:`cost_models.hardware.Cluster.attention`):
+"math" keeps the softmax and runs every score, "flash" keeps output and log-sum-exp, skips
+causal tiles and recomputes the scores in backward (:mod:`autopar.graph.attention`)."""
 
 
 def grad_dtype_of(dtype: str, grad_dtype: str | None) -> str:
@@ -230,6 +235,11 @@ class Plan:
     virtual_stages, sequence_parallel, dtype, grad_dtype: the layout (grad_dtype None in a
     plan saved before autopar priced it: the dtype's own);
     B = dp · micro_batch_size · num_micro_batches.
+    attention: the attention kernel the plan is priced with, "math" or "flash"
+        (:data:`ATTENTION_KERNELS`), when its target fixes one other than the cluster's
+        (:meth:`autopar.support.RuntimeSupport.attention_for`: torchtitan runs flash in
+        bf16); None: the cluster's (``cluster["attention"]``). :attr:`attention_kernel`
+        gives the one in force.
     recompute: one mode per transformer layer (length L).
     stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
         pp·v contiguous chunks covering the L layers; chunk c runs on pipeline rank c % pp
@@ -269,6 +279,7 @@ class Plan:
     sequence_parallel: bool = False
     dtype: str = "bf16"
     grad_dtype: str | None = None
+    attention: str | None = None
     alternatives: list[dict] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
@@ -290,10 +301,21 @@ class Plan:
                       sequence_parallel=self.sequence_parallel, dtype=self.dtype,
                       grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype))
 
+    @property
+    def attention_kernel(self) -> str:
+        """The attention kernel the plan is priced with: :attr:`attention`, else the
+        cluster's ("math" for a cluster saved without one, :class:`~cost_models.hardware.
+        Cluster`'s default)."""
+        return self.attention or self.cluster.get("attention", "math")
+
     def to_dict(self) -> dict:
-        """The plan as JSON-able data: every field but :attr:`solve_wall_s`."""
+        """The plan as JSON-able data: every field but :attr:`solve_wall_s` (and
+        :attr:`attention` when None, so plans priced with the cluster's kernel read as
+        before)."""
         data = asdict(self)
         del data["solve_wall_s"]
+        if data["attention"] is None:
+            del data["attention"]
         return data
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -32,7 +32,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from autopar.placement import parse_strategy_key
-from autopar.plan import (DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
+from autopar.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, plan_grad_dtype
@@ -213,6 +213,8 @@ def _check_fields(src: str, data: dict) -> None:
     choices = [("schedule", SCHEDULES), ("dtype", DTYPES), ("zero_stage", ZERO_STAGES)]
     if data.get("grad_dtype") is not None:
         choices.append(("grad_dtype", GRAD_DTYPES))
+    if data.get("attention") is not None:
+        choices.append(("attention", ATTENTION_KERNELS))
     for name, allowed in choices:
         if name in data:
             v = data[name]

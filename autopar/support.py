@@ -190,6 +190,11 @@ class RuntimeSupport:
         otherwise such a run trains in fp32 (torchtitan 0.2.2
         ``distributed/utils.py:maybe_enable_amp``: FSDP's ``MixedPrecisionPolicy``, or
         ``torch.autocast`` without TP and PP).
+    attention_kernels: per training dtype, the attention kernels ("math", "flash":
+        :attr:`cost_models.hardware.Cluster.attention`) the runner can run, as
+        ``((dtype, kernels), ...)``; the cluster's kernel when it is one of them, else the
+        first (:meth:`attention_for`). None: the cluster's kernel in every dtype (the
+        model's own ``scaled_dot_product_attention`` call: the autopar runtime, DeepSpeed).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -207,6 +212,13 @@ class RuntimeSupport:
     ddp_1d_only: bool = False
     mixed_precision_by_fsdp: bool = False
     pipeline_zero_stages: tuple[int, ...] | None = None
+    attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+
+    def attention_for(self, cluster_kernel: str, dtype: str) -> str:
+        """The attention kernel a run in ``dtype`` uses on a cluster whose kernel is
+        ``cluster_kernel`` (:attr:`attention_kernels`)."""
+        kernels = dict(self.attention_kernels or ()).get(dtype)
+        return cluster_kernel if not kernels or cluster_kernel in kernels else kernels[0]
 
     def zero_stages_for(self, pp: int, tp: int = 1, dp: int = 1) -> tuple[int, ...]:
         """ZeRO stages executable with ``pp`` pipeline stages: ZeRO-2 (DistributedOptimizer)

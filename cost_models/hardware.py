@@ -248,7 +248,9 @@ class Cluster:
     attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100
     and dgx-h200 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
     the fused kernel); dgx-a100 and dgx2h-v100 keep "math", the kernels of the 2021
-    Megatron-LM runs their efficiency is fitted to (``benchmarks/published_runs.py``)."""
+    Megatron-LM runs their efficiency is fitted to (``benchmarks/published_runs.py``). A
+    plan for a framework that fixes its kernel is priced with that one instead
+    (``RuntimeSupport.attention_for``: torchtitan runs flash in bf16)."""
     memory_reserve: MemoryReserve = MemoryReserve()
     """What each process holds besides the cost model's peak (CUDA context, NCCL buffers,
     fragmentation; :mod:`cost_models.reserve`); a cluster file without it gets the GPU

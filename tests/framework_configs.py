@@ -107,6 +107,9 @@ def _megatron_flag_parser():
     p.add_argument("--pipeline-model-parallel-layout", type=str)
     p.add_argument("--recompute-granularity", choices=["full", "selective"])
     p.add_argument("--recompute-method", choices=["uniform", "block"])
+    # arguments.py generates it from TransformerConfig: type=lambda name: AttnBackend[name]
+    p.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"],
+                   default="auto")
     for flag in ("--sequence-parallel", "--bf16", "--fp16", "--group-query-attention",
                  "--recompute-activations", "--account-for-embedding-in-pipeline-split",
                  "--account-for-loss-in-pipeline-split", "--use-distributed-optimizer",
@@ -138,8 +141,11 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
     ``--position-embedding-type`` and ``--untie-embeddings-and-output-weights`` are read but
     belong to other configs (``DistributedDataParallelConfig``/``OptimizerConfig``, the
     microbatch calculator, ``GPTModel``); ``--swiglu`` sets ``gated_linear_unit`` and SiLU,
-    ``--disable-bias-linear`` ``add_bias_linear=False``, the dropouts their fields.
+    ``--disable-bias-linear`` ``add_bias_linear=False``, the dropouts their fields,
+    ``--attention-backend`` the ``AttnBackend`` of its name.
     """
+    from megatron.core.transformer.enums import AttnBackend
+
     args, unknown = _megatron_flag_parser().parse_known_args(list(argv))
     if unknown:
         raise ValueError(f"flags megatron_fields_from_flags does not know: {unknown}")
@@ -197,6 +203,7 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
         "add_bias_linear": not args.disable_bias_linear,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
+        "attention_backend": AttnBackend[args.attention_backend],
     }
     if args.swiglu:
         fields["activation_func"] = torch.nn.functional.silu

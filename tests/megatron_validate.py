@@ -23,7 +23,8 @@ Ported, in order:
 
 * arguments.py L309-312: the legacy-model checkpoint format, and ``use_dist_ckpt``
   (``training/utils.py`` L762-763).
-* arguments.py L314-328: world size divisible by tp·pp·cp, ``data_parallel_size``.
+* arguments.py L314-328: world size divisible by tp·pp·cp, ``--attention-backend local``
+  only with ``--spec local`` (L321), ``data_parallel_size``.
 * arguments.py L339-388: the ``--perform-rl-step`` rules on expert parallelism, micro/global
   batch and the intervals counted in global batches. As at the tag, they run before the
   global batch's default (L497): without ``--global-batch-size`` they raise TypeError. The
@@ -294,6 +295,13 @@ def layout_flag_parser() -> argparse.ArgumentParser:
     store_true("--grad-reduce-in-bf16")  # L2178
     store_true("--accumulate-allreduce-grads-in-fp32")  # L2194
     p.add_argument("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"])  # L2844
+
+    # --- attention kernel
+    from megatron.core.transformer.enums import AttnBackend  # argument_utils.py L85-94: an Enum
+
+    p.add_argument("--attention-backend", type=lambda name: AttnBackend[name],  # TransformerConfig
+                   choices=list(AttnBackend), default=AttnBackend.auto)
+    p.add_argument("--spec", type=str, default=None, nargs="*")  # L2815
     return p
 
 
@@ -309,6 +317,7 @@ def validate_layout_args(argv: Sequence[str], world_size: int, *,
     :func:`layout_flag_parser` raises ValueError; a bad value for a declared flag raises
     ``argparse.ArgumentError``.
     """
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.utils import get_torch_version, is_torch_min_version
 
     env = os.environ if environ is None else environ
@@ -330,6 +339,9 @@ def validate_layout_args(argv: Sequence[str], world_size: int, *,
     assert args.world_size % total_model_size == 0, (  # arguments.py L317
         f"world size ({args.world_size}) is not divisible by total_model_size ({total_model_size=})"
     )
+
+    if args.attention_backend == AttnBackend.local:  # arguments.py L321
+        assert args.spec[0] == 'local' , '--attention-backend local is only supported with --spec local'  # arguments.py L322
 
     # Pipeline model parallel size.
     args.transformer_pipeline_model_parallel_size = args.pipeline_model_parallel_size  # arguments.py L325

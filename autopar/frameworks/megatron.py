@@ -26,6 +26,9 @@ name with underscores):
   ``--grad-reduce-in-bf16`` or ``--main-grads-dtype bf16`` (``grad_dtype`` "bf16", what
   autopar emits: the precision its plans are priced in); under ``--fp16`` half-precision
   ones unless ``--accumulate-allreduce-grads-in-fp32``;
+* attention: ``--attention-backend`` (default ``auto``): flash, fused and auto priced as the
+  "flash" kernel in 16-bit training, unfused and local as "math"; fp32 runs unfused
+  (:data:`ATTENTION_BACKENDS`);
 * model: ``--num-layers --hidden-size --num-attention-heads --ffn-hidden-size
   --num-query-groups --seq-length --vocab-size`` (or ``--padded-vocab-size``), ``--swiglu``,
   ``--untie-embeddings-and-output-weights``, ``--hidden-dropout`` (Megatron-LM's default
@@ -48,10 +51,10 @@ Every other flag is listed in ``FrameworkRun.ignored``.
 
 from __future__ import annotations
 
-import re
 import shlex
 
 from autopar.frameworks.launch_script import script_words
+from autopar.frameworks.megatron_layout import parse_pp_layout, pp_layout
 from autopar.frameworks.model_shape import model_shape
 from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, outside_target,
                                         torchrun_line)
@@ -61,7 +64,7 @@ from autopar.stages import equal_chunks
 from autopar.support import plan_grad_dtype
 
 __all__ = ["read_megatron_args", "megatron_args", "format_megatron_args", "parse_pp_layout",
-           "pp_layout"]
+           "pp_layout", "ATTENTION_BACKENDS"]
 
 _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
         "global-batch-size", "num-layers", "hidden-size", "num-attention-heads",
@@ -72,7 +75,7 @@ _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-bat
         "max-position-embeddings", "make-vocab-size-divisible-by", "context-parallel-size",
         "expert-model-parallel-size", "num-experts")
 _TEXT = ("recompute-granularity", "recompute-method", "activations-checkpoint-method",
-         "pipeline-model-parallel-layout", "main-grads-dtype")
+         "pipeline-model-parallel-layout", "main-grads-dtype", "attention-backend")
 _FLOAT = ("hidden-dropout", "attention-dropout")
 _BOOL = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "swiglu",
          "group-query-attention", "untie-embeddings-and-output-weights",
@@ -129,44 +132,6 @@ def _flags(words: list[str]) -> tuple[dict, list[str]]:
         else:
             unknown.append(f"--{name}" + (f" {value}" if value is not None else ""))
     return out, unknown
-
-
-def parse_pp_layout(text: str, num_layers: int, pp: int) -> list[int]:
-    """Transformer layers per stage of ``--pipeline-model-parallel-layout`` ``text`` over p =
-    ``pp`` ranks: p·v stages in model order, stage i on rank i % p as virtual stage i // p
-    (megatron-core's ``PipelineParallelLayerLayout``; autopar's chunk order). Raises
-    ValueError (a stage count that is not a multiple of p, a count that does not add up to
-    ``num_layers``, the embedding not on the first stage or the loss not on the last, a
-    symbol other than E, t, L)."""
-    expanded = text.replace(",", "").replace(" ", "")
-    group = re.compile(r"\(([^()]*)\)\*(\d+)")
-    while group.search(expanded):
-        expanded = group.sub(lambda m: m.group(1) * int(m.group(2)), expanded)
-    expanded = re.sub(r"([EtL])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), expanded)
-    stages = expanded.split("|")
-    if expanded.endswith("|") and len(stages) % pp == 1 and stages[-1] == "":
-        stages = stages[:-1]
-    if len(stages) % pp or set(expanded) - set("EtL|"):
-        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: expected a multiple of "
-                         f"pp={pp} stages of E, t and L separated by '|' (autopar reads "
-                         f"transformer layers, the embedding and the loss), got {len(stages)}")
-    if "E" not in stages[0] or "L" not in stages[-1] or expanded.count("E") != 1 \
-            or expanded.count("L") != 1:
-        raise ValueError(f"--pipeline-model-parallel-layout {text!r}: autopar places the "
-                         "embedding (E) on the first stage and the loss (L) on the last")
-    counts = [stage.count("t") for stage in stages]
-    if sum(counts) != num_layers:
-        raise ValueError(f"--pipeline-model-parallel-layout {text!r} holds {sum(counts)} "
-                         f"transformer layers, --num-layers is {num_layers}")
-    return counts
-
-
-def pp_layout(counts: list[int]) -> str:
-    """``--pipeline-model-parallel-layout`` of stages with ``counts`` layers each (the
-    embedding on the first, the loss on the last): e.g. [3, 4, 4, 5] -> "Et*3|t*4|t*4|t*5L"."""
-    stages = [f"t*{n}" if n else "" for n in counts]
-    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
-    return "|".join(stages)
 
 
 def _stages(flags: dict, L: int, p: int, v: int,
@@ -284,6 +249,7 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
             for layer in range(lo, min(hi, lo + (k or 0))):
                 per_layer[layer] = "full"
     dtype = "bf16" if flags.get("bf16") or flags.get("fp16") else "fp32"
+    attention = _attention(flags.get("attention-backend", "auto"), dtype)
     # arguments.py validate_args: under --bf16, fp32 main grads reduced in fp32 unless
     # --grad-reduce-in-bf16 or --main-grads-dtype bf16; --fp16 keeps fp16 ones unless
     # --accumulate-allreduce-grads-in-fp32
@@ -325,13 +291,42 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
     batch = flags.get("global-batch-size") or (d * b if d else None)
     return FrameworkRun("megatron", layout, stages, per_layer,
                         {k2: val for k2, val in shape.items() if val is not None}, batch,
-                        flags.get("seq-length"), ignored)
+                        flags.get("seq-length"), ignored, attention)
+
+
+ATTENTION_BACKENDS = {"flash": "flash", "fused": "flash", "auto": "flash", "unfused": "math",
+                      "local": "math"}
+"""Megatron-LM's ``--attention-backend`` (megatron-core ``AttnBackend``,
+``transformer/enums.py`` at core_v0.16.1; default ``auto``) -> the kernel priced:
+Transformer Engine's FlashAttention and cuDNN fused attention keep output and log-sum-exp
+("flash"; ``auto`` picks one of them for 16-bit inputs); its ``UnfusedDotProductAttention``
+and megatron-core's ``local`` ``DotProductAttention`` keep the softmax ("math").
+``LanguageModule._set_attention_backend`` turns the choice into TE's ``NVTE_FLASH_ATTN``,
+``NVTE_FUSED_ATTN`` and ``NVTE_UNFUSED_ATTN``."""
+
+
+def _attention(backend: str, dtype: str) -> str:
+    """The kernel ``--attention-backend backend`` runs in ``dtype`` (:data:`ATTENTION_
+    BACKENDS`); fp32 runs unfused under ``auto``. Raises ValueError for an unknown backend
+    or a fused one in fp32 (TE's flash and cuDNN kernels take fp16/bf16 inputs only:
+    ``get_attention_backend`` disables both for other dtypes)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend}: Megatron-LM knows "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    if dtype == "fp32":
+        if backend in ("flash", "fused"):
+            raise ValueError(f"--attention-backend {backend} without --bf16 or --fp16: "
+                             "Transformer Engine's fused kernels take 16-bit inputs only; "
+                             "use --attention-backend unfused or train in bf16")
+        return "math"
+    return ATTENTION_BACKENDS[backend]
 
 
 def megatron_args(plan) -> list[str]:
     """The Megatron-LM flags that run ``plan`` (a :class:`~autopar.plan.Plan`): model shape,
-    parallel sizes, batch, pipeline split, recompute, optimizer sharding and precision, in
-    that order. Raises ValueError when the plan is outside Megatron-LM's space
+    parallel sizes, batch, pipeline split, recompute, optimizer sharding, precision and the
+    attention kernel priced (``--attention-backend flash`` or ``unfused``:
+    :data:`ATTENTION_BACKENDS`), in that order. Raises ValueError when the plan is outside Megatron-LM's space
     (:func:`~autopar.frameworks.targets.outside_target`)."""
     problem = outside_target(plan, "megatron")
     if problem:
@@ -376,6 +371,7 @@ def megatron_args(plan) -> list[str]:
     if plan.dtype == "bf16":
         out += ["--bf16"] + (["--grad-reduce-in-bf16"]
                              if plan_grad_dtype(plan) == "bf16" else [])
+    out += ["--attention-backend", "flash" if plan.attention_kernel == "flash" else "unfused"]
     return out
 
 

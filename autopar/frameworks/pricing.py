@@ -17,6 +17,7 @@ from autopar.frameworks.megatron import format_megatron_args, read_megatron_args
 from autopar.frameworks.model_shape import build_model, model_problem
 from autopar.frameworks.targets import FRAMEWORKS, FrameworkRun
 from autopar.frameworks.torchtitan import read_torchtitan_toml, torchtitan_toml
+from cost_models.hardware import Cluster
 
 __all__ = ["emit", "read", "price_run"]
 
@@ -57,7 +58,8 @@ def price_run(run: FrameworkRun, cluster, *, model=None, model_name: str | None 
     """``autopar.evaluate`` of ``run`` on ``cluster``: its layout, stage split and
     per-layer recompute, on ``model`` (default: the model its shape states,
     :func:`~autopar.frameworks.model_shape.build_model`) with its batch and sequence length
-    unless given. d defaults to the cluster's GPUs / (t·p). Raises ValueError (a shape or
+    unless given, with the attention kernel it runs (``run.attention``, else the cluster's).
+    d defaults to the cluster's GPUs / (t·p). Raises ValueError (a shape or
     batch the run does not state, degrees that do not fit) and InfeasibleError like
     ``evaluate``."""
     from autopar.api import evaluate
@@ -75,6 +77,8 @@ def price_run(run: FrameworkRun, cluster, *, model=None, model_name: str | None 
     if not batch or not seq:
         raise ValueError(f"the {run.framework} configuration states no "
                          f"{'global batch size' if not batch else 'sequence length'}; give it")
+    if run.attention is not None and isinstance(cluster, Cluster):
+        cluster = replace(cluster, attention=run.attention)  # the kernel the run uses
     return evaluate(model, cluster, layout, global_batch_size=batch, seq_len=seq,
                     model_name=model_name or "model", stage_layers=run.stage_layers,
                     recompute=run.recompute)

@@ -15,7 +15,11 @@ priced by the same cost model:
   everywhere; under interleaving one mode for all layers; ZeRO-1 as the distributed
   optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free;
   bf16 gradients (``--grad-reduce-in-bf16``, planned) or its default fp32 main gradients
-  reduced in fp32 (``accumulate_allreduce_grads_in_fp32``, read from a script without it).
+  reduced in fp32 (``accumulate_allreduce_grads_in_fp32``, read from a script without it);
+  attention as the cluster says in bf16, emitted as ``--attention-backend flash`` or
+  ``unfused`` (Transformer Engine's kernel that keeps the softmax), unfused in fp32 (TE's
+  flash and cuDNN kernels take 16-bit inputs only; its default ``auto`` picks one of them
+  in bf16, so a script without the flag is read as flash).
 * ``torchtitan``: Megatron's pattern through its Llama TP plan, which always runs norms on
   sequence shards (sequence parallelism on at tp > 1), GPipe, 1F1B or interleaved 1F1B with
   any stage split (``module_fqns_per_model_part``), activation checkpointing "none" or "full"
@@ -25,14 +29,17 @@ priced by the same cost model:
   step, which autopar does not price yet), so with pipelining no data parallelism; bf16
   only under FSDP or without TP and PP (``maybe_enable_amp``: otherwise fp32), its
   gradients reduced in fp32 (FSDP's ``reduce_dtype``: 0.2.2 accepts "float32" alone; DDP
-  under autocast keeps fp32 gradients).
+  under autocast keeps fp32 gradients); attention through ``scaled_dot_product_attention``
+  with cuDNN, flash and math kernels in that order (``models/attention.py``
+  ``ScaledDotProductAttentionWrapper``): flash in bf16 whatever the cluster says, math in
+  fp32 (neither fused kernel takes fp32).
 * ``deepspeed``: DeepSpeed's engine and pipeline engine: no tensor parallelism, 1F1B-style
   pipeline (``TrainSchedule``) without interleaving, stages of equal layer counts
   (``partition_method="type:..."``), ZeRO 0-3 without pipelining and ZeRO-1 with it (its
   pipeline engine runs ZeRO-0 under ``BF16_Optimizer``, a different precision), bf16
   gradients reduced in bf16 (its defaults, ``data_types.grad_accum_dtype`` and
   ``communication_data_type``, written out), activation checkpointing on every layer or
-  none.
+  none; the attention kernel of the model's own code, the cluster's.
 
 Every target is a subset of what the cost model prices; each restriction is one field of
 :class:`~autopar.support.RuntimeSupport`.
@@ -55,12 +62,14 @@ TARGETS: dict[str, RuntimeSupport] = {
         name="megatron", schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 1),
         recompute=RECOMPUTE_MODES, sequence_parallel=(False, True),
         virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
-        placements="megatron", recompute_layout="block"),
+        placements="megatron", recompute_layout="block",
+        attention_kernels=(("bf16", ("flash", "math")), ("fp32", ("math",)))),
     "torchtitan": RuntimeSupport(
         name="torchtitan", schedules=SCHEDULES, zero_stages=(0, 3), recompute=("none", "full"),
         sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
         grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
-        ddp_1d_only=True, mixed_precision_by_fsdp=True),
+        ddp_1d_only=True, mixed_precision_by_fsdp=True,
+        attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",)))),
     "deepspeed": RuntimeSupport(
         name="deepspeed", schedules=("1f1b",), zero_stages=(0, 1, 2, 3),
         recompute=("none", "full"), sequence_parallel=(False,), virtual_stages=(1,),
@@ -100,6 +109,9 @@ class FrameworkRun:
     seq_len: s tokens per sequence, or None.
     ignored: the flags or keys read but not priced (data, optimiser, logging ...), and
         notes on how a stated value was read.
+    attention: the attention kernel the configuration runs ("math" or "flash":
+        :attr:`cost_models.hardware.Cluster.attention`), or None for the cluster's (the
+        model's own code decides: DeepSpeed).
     """
 
     framework: str
@@ -110,6 +122,7 @@ class FrameworkRun:
     global_batch_size: int | None = None
     seq_len: int | None = None
     ignored: list[str] = field(default_factory=list)
+    attention: str | None = None
 
     def recompute_modes(self, num_layers: int) -> list[str]:
         """The mode of each of ``num_layers`` layers ("none" when nothing was stated)."""
@@ -137,8 +150,8 @@ def megatron_block_layers(recompute: list[str], stage_layers: list[list[int]]) -
 
 def outside_target(plan, target: str) -> str | None:
     """Why ``plan`` (a :class:`~autopar.plan.Plan`) is outside what ``target`` executes, or
-    None: its schedule, ZeRO stage, v, sequence parallelism, dtype, tp, recompute layout
-    or stage split against :data:`TARGETS` (placements are not checked: a framework with a
+    None: its schedule, ZeRO stage, v, sequence parallelism, dtype, attention kernel, tp,
+    recompute layout or stage split against :data:`TARGETS` (placements are not checked: a framework with a
     fixed TP plan runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
@@ -152,6 +165,14 @@ def outside_target(plan, target: str) -> str | None:
         if support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
             return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
                     f"plan would run in fp32{fix}")
+    kernels = dict(support.attention_kernels or ()).get(plan.dtype)
+    if kernels and plan.attention_kernel not in kernels:
+        return (f"{target} runs {' or '.join(kernels)} attention in {plan.dtype}, the plan is "
+                f"priced with {plan.attention_kernel} attention{fix}")
+    if not kernels and plan.attention_kernel != plan.cluster.get("attention", "math"):
+        return (f"{target} runs the model's own attention, the cluster's "
+                f"{plan.cluster.get('attention', 'math')} kernel; the plan is priced with "
+                f"{plan.attention_kernel}{fix}")
     if plan.tp > 1:
         checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
     checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]

@@ -237,4 +237,4 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
     return FrameworkRun("torchtitan", layout, stages, None,
                         {"seq_length": train.get("seq_len", 2048)},
                         batch if batch > 0 else train.get("local_batch_size", 8) * d,
-                        train.get("seq_len", 2048), ignored)
+                        train.get("seq_len", 2048), ignored, support.attention_for("flash", dtype))

@@ -11,11 +11,19 @@ often the very storage its consumer keeps: the kernel writes (b, s, a, hd) and r
 projection copies nothing, and the projection's saved input is the kernel's output
 (measured: ``benchmarks/gpu_check.py`` on an H200, saved activations equal to the
 prediction to 0.1%; the CPU's flash kernel alike).
+
+Its time differs too: a fused kernel with ``is_causal`` and no mask skips the tiles above
+the diagonal (half the score FLOPs, as FlashAttention-2 counts causal attention:
+``benchmarks/benchmark_flash_attention.py`` in Dao-AILab/flash-attention), and its backward
+recomputes the scores (Q·Kᵀ once more: 2.5 times the forward FLOPs, the same source);
+``extra["causal_skip"]`` says whether the first applies (:mod:`autopar.planner.matmul_cost`).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
+
+from autopar.graph.ops import SDPA_ARGS
 
 __all__ = ["LSE_BYTES", "annotate_attention"]
 
@@ -30,7 +38,8 @@ def annotate_attention(node: fx.Node, nodes: dict) -> None:
     """Set the attention-core fields of ``nodes[node.name]`` (a NodeInfo of kind "sdpa",
     output (b, a, s, hd) for q (b, a, s, hd) and k (b, a, s_kv, hd)): ``core_elems`` and
     ``core_mask_elems`` (math kernel), ``flash_elems`` (the output) and ``lse_elems``
-    (fused kernel), ``extra["flash_output_aliased"]`` (a consumer reached through views,
+    (fused kernel), ``extra["causal_skip"]`` (``is_causal`` without an explicit mask: a fused
+kernel skips the tiles above the diagonal), ``extra["flash_output_aliased"]`` (a consumer reached through views,
     transposes and ``contiguous`` saves the output already: without tensor parallelism it
     is the same storage; with it a placement may copy it on the way, a gather or a slice,
     so :meth:`NodeInfo.core_bytes_at` counts it then) and ``extra["score_passes_elems"]``.
@@ -39,13 +48,15 @@ def annotate_attention(node: fx.Node, nodes: dict) -> None:
     b, nh, s, _ = node.args[0].meta["tensor_meta"].shape
     s_kv = node.args[1].meta["tensor_meta"].shape[2]
     scores = b * nh * s * s_kv
-    dropout = node.kwargs.get("dropout_p", 0.0) or 0.0
+    kwargs = {**dict(zip(SDPA_ARGS, node.args[3:])), **node.kwargs}
+    dropout = kwargs.get("dropout_p", 0.0) or 0.0
     # softmax output; with dropout also its output and its mask
     info.core_elems = scores * (2 if dropout > 0 else 1)
     info.core_mask_elems = scores if dropout > 0 else 0
     info.flash_elems = info.numel
     info.extra["flash_output_aliased"] = _kept_by_a_consumer(node, nodes)
     info.lse_elems = b * nh * s
+    info.extra["causal_skip"] = bool(kwargs.get("is_causal")) and kwargs.get("attn_mask") is None
     # memory passes over the (b, nh, s, s) scores of unfused ("math") attention:
     # write QKᵀ, read+write scale/mask/softmax, read for ·V; dropout adds 3 more
     info.extra["score_passes_elems"] = scores * (4 + (3 if dropout > 0 else 0))

@@ -145,6 +145,8 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     # gradients: the layout's, else the first the target runs (fp32 under fp32 training)
     grad_dtype = None if dtype == "fp32" else (
         layout.grad_dtype or (support.grad_dtypes[0] if support else None))
+    # attention: the kernel the target runs in this dtype (the cluster's when it can)
+    attention = support.attention_for(cluster.attention, dtype) if support else cluster.attention
     for mbs in divisors(per_replica):
         if layout.micro_batch_size not in (None, mbs) or (
                 layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
@@ -163,7 +165,7 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                 if problem:
                     why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
                     continue
-                out += [Config(tp, pp, dp, mbs, m, sched, v, dtype, cluster.attention, sp,
+                out += [Config(tp, pp, dp, mbs, m, sched, v, dtype, attention, sp,
                                grad_dtype) for sp in sequence_parallel]
     if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
         why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "

@@ -124,7 +124,9 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                 zero_stage=decision.zero_stage, recompute=decision.recompute,
                 stage_layers=decision.stage_layers, placements=placements, predicted=pred,
                 virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel,
-                dtype=cfg.dtype, grad_dtype=cfg.grads, alternatives=others,
+                dtype=cfg.dtype, grad_dtype=cfg.grads,
+                attention=cfg.attention if cfg.attention != cluster.attention else None,
+                alternatives=others,
                 binding=[peak_memory_line(pred, cluster)],
                 replicated_ops=replicated_ops(traced, strategies, placements, cfg.tp,
                                               cfg.sequence_parallel))
@@ -137,7 +139,8 @@ def decision_from_plan(traced: TracedModel, cluster, plan: Plan
     placement does not exist for this model at the plan's tp
     (:func:`~autopar.planner.strategies.decode_placements`)."""
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
-                 plan.schedule, plan.virtual_stages, plan.dtype, cluster.attention,
+                 plan.schedule, plan.virtual_stages, plan.dtype,
+                 plan.attention or cluster.attention,
                  plan.sequence_parallel, plan.grad_dtype)
     strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
     decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)

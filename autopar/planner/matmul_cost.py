@@ -15,17 +15,32 @@ from cost_models.hardware import DeviceSpec
 from autopar.graph.annotate import NodeInfo
 from autopar.planner.strategies import Strategy
 
-__all__ = ["gemm_times_s"]
+__all__ = ["gemm_times_s", "CAUSAL_SKIP_FRACTION"]
 
 
-def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tuple[float, float]:
+CAUSAL_SKIP_FRACTION = 0.5
+"""Share of the score tiles a fused causal attention kernel computes: those on and below
+the diagonal, counted as half, as FlashAttention-2's own benchmark counts causal FLOPs
+(Dao-AILab/flash-attention ``benchmarks/benchmark_flash_attention.py``, ``flops``:
+``4·b·s²·a·hd // (2 if causal else 1)``)."""
+
+
+def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
+                 attention: str = "math") -> tuple[float, float]:
     """(forward, backward) seconds of node ``info``'s GEMMs (``extra["gemms"]``, annotation)
     for ``b`` sequences on one rank under ``strat``: a column split divides n by t, a row
     split k, a split of heads (attention, batched matmul) the batch, a folded matmul m.
     Backward of C = A·B runs dA = dC·Bᵀ (m x k, depth n) and dB = Aᵀ·dC (k x n, depth m),
     each at its own shape (:func:`cost_models.compute.gemm_time_s`). A node without
     shapes is priced by its FLOPs, backward twice the forward; so is fused attention on a
-    device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`)."""
+    device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`).
+
+    ``attention`` is the kernel of an "sdpa" node (:attr:`autopar.planner.cost_tables.Config.
+    attention`): "math" runs Q·Kᵀ and P·V over every score, masked or not; "flash" (a fused
+    kernel, FlashAttention-2, Dao 2023, Algorithm 1 and 2) computes only the tiles on and
+    below the diagonal of a causal node (:data:`CAUSAL_SKIP_FRACTION`, ``extra
+    ["causal_skip"]``) and recomputes Q·Kᵀ in backward (five GEMMs where the math kernel runs
+    four: 2.5 times the forward FLOPs, as the same benchmark counts them)."""
     div, gemms = strat.compute_divisor, info.extra.get("gemms")
     if info.kind == "sdpa":  # a fused kernel with its own measured rate (a CPU process)
         head = min(min(g[1:]) for g in gemms) if gemms else 0  # min(s, hd)
@@ -36,7 +51,7 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tu
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
         return fwd, 2.0 * fwd
     fwd = bwd = 0.0
-    for batch, m, n, k in gemms:
+    for i, (batch, m, n, k) in enumerate(gemms):
         if info.extra.get("gemm_folded"):
             m *= b
         else:
@@ -50,6 +65,11 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec) -> tu
                 batch //= div
             else:
                 m = -(-m // div)
-        fwd += compute.gemm_time_s(m, n, k, dev, batch)
+        gemm = compute.gemm_time_s(m, n, k, dev, batch)
+        if info.kind == "sdpa" and attention == "flash" and i == 0:  # Q·Kᵀ again
+            bwd += gemm
+        fwd += gemm
         bwd += compute.gemm_time_s(m, k, n, dev, batch) + compute.gemm_time_s(k, n, m, dev, batch)
+    if info.kind == "sdpa" and attention == "flash" and info.extra.get("causal_skip"):
+        fwd, bwd = fwd * CAUSAL_SKIP_FRACTION, bwd * CAUSAL_SKIP_FRACTION
     return fwd, bwd

@@ -103,7 +103,7 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
     if info.kind in ("linear", "sdpa", "matmul"):
-        fwd, bwd = gemm_times_s(info, strat, b, dev)
+        fwd, bwd = gemm_times_s(info, strat, b, dev, attention)
         if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
             passes = info.extra.get("score_passes_elems", 0)
             memory = compute.memory_bound_time_s(act_bytes * passes * b / div, dev)

@@ -47,8 +47,11 @@ def frameworks_section(plan: Plan, framework_plans: dict[str, Plan | str] | None
         other = framework_plans.get(framework)
         if isinstance(other, Plan):
             ratio = other.predicted.step_time_s / plan.predicted.step_time_s
+            kernel = (f" (priced with {other.attention_kernel} attention, the kernel {name} "
+                      f"runs in {other.dtype})"
+                      if other.attention_kernel != plan.attention_kernel else "")
             lines += [f"  The best plan {name} runs (`--target {framework}`): "
-                      f"`{other.headline()}`, {ratio:.3f}× this plan's step time; "
+                      f"`{other.headline()}`{kernel}, {ratio:.3f}× this plan's step time; "
                       f"{_WHAT[framework]}:"] + _block(framework, emit(other, framework))
         elif other is not None:
             lines += [f"  No plan for {name}: {other}", ""]

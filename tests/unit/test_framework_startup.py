@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.frameworks import emit, outside_target
+from autopar.frameworks import emit, outside_target, target_support
 from autopar.plan import Plan
 from autopar.stages import even_stage_layers
 import framework_startup as fs
@@ -60,6 +60,9 @@ def _plan(base: Plan, target: str, config: dict, *, tp=1, pp=1, dp=1, mbs=1, m=1
         recompute=recompute if isinstance(recompute, list) else [recompute] * layers,
         stage_layers=stages or even_stage_layers(layers, pp, v), sequence_parallel=tp > 1,
         dtype=dtype, grad_dtype=grad_dtype or ("fp32" if dtype == "fp32" else "bf16"))
+    kernel = target_support(target).attention_for(base.cluster["attention"], dtype)
+    plan = dataclasses.replace(plan, attention=None if kernel == base.cluster["attention"]
+                               else kernel)
     problem = outside_target(plan, target) if check else None
     assert problem is None, problem
     return plan

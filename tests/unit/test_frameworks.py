@@ -102,12 +102,15 @@ def target_plans(draw, base: Plan, target: str, max_world: int | None = None,
         config = {"n_layer": L, "n_head": heads, "n_embd": (16 if tiny else 64) * heads,
                   "vocab_size": 512 if tiny else 51200,
                   "block_size": 2048, "dropout": draw(st.sampled_from([0.0, 0.1]))}
+    kernel = draw(st.sampled_from(dict(support.attention_kernels or ()).get(
+        dtype, (base.cluster["attention"],))))
     return dataclasses.replace(
         base, model="gpt-random", model_config=config, tp=tp, pp=pp, dp=dp,
         micro_batch_size=mbs, num_micro_batches=m, global_batch_size=dp * mbs * m,
         seq_len=2048, schedule=schedule, virtual_stages=v, zero_stage=zero,
         recompute=recompute, stage_layers=stages, sequence_parallel=sp, dtype=dtype,
-        grad_dtype="fp32" if dtype == "fp32" else draw(st.sampled_from(support.grad_dtypes)))
+        grad_dtype="fp32" if dtype == "fp32" else draw(st.sampled_from(support.grad_dtypes)),
+        attention=None if kernel == base.cluster["attention"] else kernel)
 
 
 def _assert_round_trip(plan: Plan, framework: str) -> None:
@@ -118,6 +121,9 @@ def _assert_round_trip(plan: Plan, framework: str) -> None:
         == plan.stage_layers
     assert run.recompute_modes(L) == plan.recompute
     assert run.global_batch_size == plan.global_batch_size
+    # the kernel the configuration runs: Megatron-LM's --attention-backend, torchtitan's by
+    # dtype; DeepSpeed runs the model's own (None: the cluster's)
+    assert (run.attention or plan.cluster["attention"]) == plan.attention_kernel
 
 
 @pytest.mark.parametrize("target", FRAMEWORKS)
@@ -139,7 +145,7 @@ def test_random_plans_in_each_target_round_trip(base_plan, target):
 
 
 def test_megatron_flags_carry_the_model_shape(base_plan):
-    plan = dataclasses.replace(base_plan, model_config={
+    plan = dataclasses.replace(base_plan, attention="math", model_config={
         "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
         "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 688,
         "vocab_size": 1024, "max_position_embeddings": 512, "tie_word_embeddings": False})
@@ -432,7 +438,8 @@ def test_example_plans_are_accepted_by_the_frameworks():
 def test_megatron_gpt3_175b_example_script_reads_as_written():
     """NVIDIA/Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, as it stands (bash
     arrays, shell variables in flags autopar does not price, comments): its layout on 1024
-    GPUs, no recompute (the script sets none), fp16 read as bf16, the rest listed."""
+    GPUs, no recompute (the script sets none), fp16 read as bf16, ``--attention-backend auto``
+    as the flash kernel Transformer Engine picks for 16-bit inputs, the rest listed."""
     run = read_megatron_args(str(DATA / "megatron_train_gpt3_175b_distributed.sh"), 1024)
     assert run.layout == autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1, zero_stage=0,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
@@ -442,8 +449,8 @@ def test_megatron_gpt3_175b_example_script_reads_as_written():
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "num_attention_heads")} == \
         {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96}
     ignored = " ".join(run.ignored)
-    for flag in ("--step-batch-size-schedule", "--data-path", "--lr", "--attention-backend",
-                 "--fp16: priced as bf16"):
+    assert run.attention == "flash"
+    for flag in ("--step-batch-size-schedule", "--data-path", "--lr", "--fp16: priced as bf16"):
         assert flag in ignored, flag
 
 

@@ -14,6 +14,7 @@ import pytest
 from autopar.planner.cost_tables import (Config, dp_comm_s_per_param, node_cost,
                                          optimizer_s_per_param)
 from autopar.planner.node_cost import dispatches
+from autopar.planner.matmul_cost import CAUSAL_SKIP_FRACTION
 from autopar.planner.step import exposed_dp_s
 from autopar.planner.strategies import node_strategies
 from cost_models import comm
@@ -78,9 +79,11 @@ def test_fused_attention_at_its_measured_rate(traced):
     fwd = 2 * info.flops / (dev.attention_tflops * 1e12)
     assert c.fwd_s == pytest.approx(fwd + dev.op_overhead_s)
     assert c.bwd_s == pytest.approx(2 * fwd + 2 * dev.op_overhead_s)
-    # without a measured rate its GEMMs are priced like any other (the GPU presets)
+    # without a measured rate its GEMMs are priced like any other (the GPU presets), the
+    # flash kernel's on the causal half of the scores (nanoGPT's is_causal=True)
     plain = dataclasses.replace(CPU, device=dataclasses.replace(dev, attention_tflops=None))
-    gemm = 2 * info.flops / (dev.peak_flops * dev.matmul_efficiency)
+    assert CPU.attention == "flash" and info.extra["causal_skip"]
+    gemm = CAUSAL_SKIP_FRACTION * 2 * info.flops / (dev.peak_flops * dev.matmul_efficiency)
     assert _cost(traced, plain, name, b=2).fwd_s == pytest.approx(gemm + dev.op_overhead_s)
 
 
