@@ -1,8 +1,8 @@
 """autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
 
 Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
-:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``), :func:`load_model`
-and :func:`init_model`.
+:class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``), :func:`load_model`,
+:func:`init_model` and :func:`meta_parameters`.
 """
 
 import copy
@@ -19,7 +19,7 @@ from autopar.planner.search_outcome import SolverTimeLimitError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
-           "report", "load_model", "init_model", "InfeasibleError", "TraceError", "PlanError",
+           "report", "load_model", "init_model", "meta_parameters", "InfeasibleError", "TraceError", "PlanError",
            "SolverTimeLimitError"]
 
 
@@ -35,6 +35,18 @@ def init_model(model, seed=0, *, device=None, init_fn=None):
     from autopar.runtime.materialize import init_model as materialize
 
     return materialize(model, seed, device=device, init_fn=init_fn)
+
+
+def meta_parameters():
+    """A context manager that builds a model with its parameters on the meta device and its
+    buffers real (as accelerate's ``init_empty_weights()``): ``with autopar.meta_parameters():
+    model = Model(config)``, then :func:`plan`, :func:`parallelize` (each rank creates only
+    its shards) or :func:`init_model`. Buffers the constructor computes (rotary caches, a
+    causal mask) keep their values; no weight is filled
+    (:func:`autopar.runtime.materialize.meta_parameters`)."""
+    from autopar.runtime.materialize import meta_parameters as build
+
+    return build()
 
 
 def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=None,

@@ -19,9 +19,10 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
 from autopar.graph.export import export_logits, user_frame
+from autopar.graph.shared_reads import hoist_shared_reads
 
-__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm",
-           "COMPUTE_DTYPES", "place_meta_devices"]
+__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm", "meta_buffers",
+           "cast_floating", "COMPUTE_DTYPES", "place_meta_devices"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # Plan.dtype -> torch
 
@@ -45,7 +46,10 @@ def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
     concrete = {name: None for name in list(params)[1:]
                 if params[name].default is None}
     try:
-        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        tracer = fx.Tracer()
+        tracer.record_stack_traces = True  # each node's source line, for messages
+        graph = tracer.trace(model, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises TraceError, TypeError, AssertionError, ...
         raise TraceError(
             f"torch.fx could not trace {type(model).__name__}: {type(exc).__name__}: {exc}\n"
@@ -83,7 +87,8 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
     model and its output is the logits (a module-level graph, e.g. autopar's own GPT);
     otherwise non-strict ``torch.export`` (:mod:`autopar.graph.export`: nanoGPT as written,
     Hugging Face models). The model may live on any device; shapes are propagated on a
-    ``meta`` copy (models already on ``meta`` are not copied). Returns a
+    ``meta`` copy (models already on ``meta`` are not copied; a model with meta parameters
+    and real buffers is captured as a copy with meta buffers, :func:`meta_buffers`). Returns a
     :class:`~autopar.graph.annotate.TracedModel` with ``gm`` (the logits graph over the
     ORIGINAL modules and parameters, for rewriting) and per-node ``NodeInfo`` for one
     sequence (b = 1).
@@ -102,7 +107,10 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
     want = COMPUTE_DTYPES[dtype] if dtype is not None else None
     if want is not None and any(p.is_floating_point() and p.dtype != want
                                 for p in model.parameters()):
-        model = copy.deepcopy(model).to(want)
+        model = cast_floating(copy.deepcopy(model), want)
+    if any(p.is_meta for p in model.parameters()) and \
+            not all(b.is_meta for b in model.buffers()):
+        model = meta_buffers(copy.deepcopy(model))
     try:
         gm = symbolic_trace_logits(model)
     except TraceError:
@@ -115,8 +123,39 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
     return _annotated(model, export_logits(model, seq_len, TraceError), seq_len, name)
 
 
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with its floating-point parameters and buffers cast to ``dtype`` (in place:
+    parameters keep their identity, tied ones stay tied; returned). Unlike
+    ``Module.to(dtype)``, a complex buffer stays complex (torchtitan's rotary ``freqs_cis``:
+    ``to`` would drop its imaginary part)."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
+    return model
+
+
+def meta_buffers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every buffer moved to the meta device (in place; returned). A model
+    built with meta parameters and real buffers (``autopar.meta_parameters()``,
+    accelerate's ``init_empty_weights()``) is captured so: its operations would otherwise
+    mix meta and real tensors, and capture reads only shapes (the buffers' values are kept
+    by :mod:`autopar.runtime.materialize`)."""
+    for module in model.modules():
+        for name, b in list(module.named_buffers(recurse=False)):
+            if not b.is_meta:
+                setattr(module, name, torch.empty_like(b, device="meta"))
+    return model
+
+
 def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: str) -> TracedModel:
-    """Shape-propagate ``gm`` for idx (1, seq_len) on the meta device, annotate, check."""
+    """Shape-propagate ``gm`` for idx (1, seq_len) on the meta device, annotate, check
+    (reads of a parameter or buffer that several layers share moved to the prelude first:
+    :func:`~autopar.graph.shared_reads.hoist_shared_reads`)."""
+    hoist_shared_reads(gm)
     meta_gm = gm if _all_meta(gm) else _meta_copy(gm)
     idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     try:

@@ -61,14 +61,35 @@ def template_map(traced: TracedModel) -> dict[str, str]:
     """
     tmpl = traced.layers[0]
     mapping = {n: n for n in traced.pre + traced.post + tmpl}
-    for layer in traced.layers[1:]:
+    for i, layer in enumerate(traced.layers[1:], 1):
         kinds = [traced.nodes[n].kind for n in layer]
         if kinds != [traced.nodes[n].kind for n in tmpl]:
             raise NotImplementedError(
-                f"layers of {traced.layer_prefix} are not identical op sequences; autopar "
-                "solves one template layer and needs every layer to match it")
+                f"layers of {traced.layer_prefix} are not identical op sequences "
+                f"({_first_difference(traced, tmpl, layer, i)}); autopar solves one template "
+                "layer and needs every layer to match it")
         mapping.update(zip(layer, tmpl))
     return mapping
+
+
+def _first_difference(traced: TracedModel, tmpl: list[str], layer: list[str], i: int) -> str:
+    """Where layer ``i`` first differs from layer 0: the two ops (name, kind) and the
+    source line of the one in layer ``i`` (fx's ``stack_trace``), or their lengths."""
+    for k, (a, b) in enumerate(zip(tmpl, layer)):
+        if traced.nodes[a].kind != traced.nodes[b].kind:
+            return (f"layer 0 op {k} is {a} ({traced.nodes[a].kind}), layer {i} op {k} is {b} "
+                    f"({traced.nodes[b].kind}){_source(traced, b)}")
+    return f"layer 0 has {len(tmpl)} ops, layer {i} has {len(layer)}, the same up to there"
+
+
+def _source(traced: TracedModel, name: str) -> str:
+    """", at <file:line of the user's code>" of node ``name`` (its innermost frame outside
+    torch and autopar) when fx recorded one."""
+    node = next((n for n in traced.gm.graph.nodes if n.name == name), None)
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines() if node is not None else []
+    frames = [line.strip() for line in trace if line.strip().startswith("File ")
+              and "/torch/" not in line and "/autopar/" not in line]  # the user's frames
+    return f", at {frames[-1]}" if frames else ""
 
 
 def precision_scale(coefs: list[float], digits: int = 4) -> int:

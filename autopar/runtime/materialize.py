@@ -13,7 +13,9 @@ equals the same slice of the single-device model initialised with the same seed:
    the model's init rule ``init_fn(name, module)`` runs under the CPU (and ``device``'s)
    generator seeded with :func:`module_seed` ``(seed, name)``: a SHA-256 of both, so
    neither Python's hash randomisation nor the order modules are visited in changes a
-   value. A floating parameter still holding NaN afterwards was not written by the rule:
+   value. A floating parameter still holding NaN afterwards was not written by the rule;
+   it takes the module's own ``reset_parameters()`` (run the same way: litgpt's
+   ``_init_weights`` leaves LayerNorm to its constructor), and one that neither writes is a
    ValueError naming it.
 3. **Slicing.** ``parallelize`` keeps ``ShardSpec.local(whole, tp_rank, tp)`` of each local
    parameter (ZeRO-3: then FSDP2's dim-0 chunk of the DP rank), cast to the local
@@ -31,13 +33,17 @@ pass ``init_fn`` (``functools.partial(gpt2_init, n_layer=L)`` for nanoGPT).
 
 **Buffers** are state the model derives, not learns (a causal mask, rotary ``inv_freq``),
 and small. A real buffer (created on a device, e.g. ``torch.ones(s, s, device="cpu")``
-even under ``with torch.device("meta")``) is used as it is, moved to ``device``. A meta
-buffer is filled by the same rule run on its module (Hugging Face's ``_init_weights``
-recomputes the rotary ``inv_freq`` and ``original_inv_freq``, as torchtitan's models
-recompute ``freqs_cis`` in ``init_weights(buffer_device)`` after ``to_empty``): every
-buffer, whole, on every rank, before any collective (:meth:`Initializer.of`). The rule runs
-twice, over the buffer filled with 0 and with 1; a buffer it does not set the same both
-times is a ValueError naming it and the fix.
+even under ``with torch.device("meta")``, or any buffer of a model built under
+:func:`meta_parameters` or accelerate's ``init_empty_weights()``) is used as it is, moved to
+``device``. A meta buffer is computed on its module the way the model's stack computes it,
+trying in order: the same rule (Hugging Face's ``_init_weights`` recomputes the rotary
+``inv_freq`` and ``original_inv_freq``), the module's ``reset_parameters()`` (litgpt's
+``GPT`` recomputes its rotary ``cos``/``sin`` there), its ``init_weights(buffer_device)``
+(torchtitan's models recompute ``freqs_cis`` there after ``to_empty``) or
+``init_weights()``: every buffer, whole, on every rank, before any collective
+(:meth:`Initializer.of`). Each runs twice, over the buffer filled with 0 and with 1, with
+the parameters on meta (what it writes into them is a no-op); a buffer none of them sets
+the same both times is a ValueError naming it and the fix.
 
 Values depend on the seed, the module's name, the shapes and dtypes and the device type
 (CPU and CUDA generators draw different numbers from one seed); not on tp, pp, dp or ZeRO.
@@ -48,14 +54,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-__all__ = ["InitFn", "Initializer", "init_model", "model_init_fn", "module_seed", "on_meta",
-           "replace_tensors"]
+__all__ = ["InitFn", "Initializer", "init_model", "meta_parameters", "model_init_fn",
+           "module_seed", "on_meta", "replace_tensors"]
 
 InitFn = Callable[[str, nn.Module], None]
 """``init_fn(qualified module name, module)``: initialise the module's own parameters (and
@@ -67,6 +74,32 @@ def module_seed(seed: int, name: str) -> int:
     SHA-256 of ``f"{seed}/{name}"``, the same in every process and Python version."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build a model with its parameters on the meta device and its buffers real, as
+    accelerate's ``init_empty_weights()`` does: ``with autopar.meta_parameters(): model =
+    Model(config)``. A buffer the model computes in its constructor (rotary caches, a
+    causal mask) is computed on the default device; each parameter is moved to meta as it is
+    registered, before the module initialises it, so no weight is ever filled (a parameter
+    is created empty for a moment, one at a time). Patches ``nn.Module.register_parameter``
+    for the duration of the block, in this thread's view of the class: build one model at a
+    time."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kept = module._parameters[name]
+            module._parameters[name] = type(kept)(kept.to("meta"),
+                                                  requires_grad=kept.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -120,6 +153,28 @@ def model_init_fn(model: nn.Module) -> InitFn:
     return _reset_parameters
 
 
+def _buffer_hooks(module: nn.Module, device: torch.device) -> list[tuple[str, InitFn]]:
+    """The hooks of ``module`` that other stacks compute buffers in, in the order tried
+    after the init rule: ``reset_parameters()`` (litgpt's ``GPT`` recomputes its rotary
+    ``cos``/``sin`` there; torch's modules), then ``init_weights(buffer_device=device)``
+    (torchtitan's models recompute ``freqs_cis`` there after ``to_empty``) or
+    ``init_weights()``. Parameters are on meta while they run, so what they write into
+    parameters is a no-op."""
+    hooks: list[tuple[str, InitFn]] = []
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        hooks.append(("reset_parameters()", lambda _name, m: m.reset_parameters()))
+    init_weights = getattr(module, "init_weights", None)
+    if callable(init_weights):
+        try:
+            takes_device = "buffer_device" in inspect.signature(init_weights).parameters
+        except (TypeError, ValueError):
+            takes_device = False
+        hooks.append(("init_weights()", (lambda _name, m: m.init_weights(buffer_device=device))
+                      if takes_device else (lambda _name, m: m.init_weights())))
+    return hooks
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -142,13 +197,15 @@ def _device(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
-def _unset_buffer(key: str, module: nn.Module) -> ValueError:
+def _unset_buffer(key: str, module: nn.Module, tried: list[str]) -> ValueError:
     return ValueError(
-        f"buffer {key!r} of {type(module).__name__} is on the meta device and the init rule "
-        "does not set it (it must be computable, not left empty); create it on a real device "
+        f"buffer {key!r} of {type(module).__name__} is on the meta device and nothing autopar "
+        f"runs sets it ({', '.join(tried)}; it must be computable, not left empty); create it "
+        "on a real device "
         "in the model (e.g. torch.tril(torch.ones(s, s, device='cpu')), which stays real under "
-        "`with torch.device('meta')`), or set it in init_fn(name, module) / the model's "
-        "init_module or _init_weights")
+        "`with torch.device('meta')`, or build the model under autopar.meta_parameters()), "
+        "or set it in init_fn(name, module), the model's init_module or _init_weights, or "
+        "the module's reset_parameters() or init_weights(buffer_device)")
 
 
 def _unset_param(key: str, module: nn.Module) -> ValueError:
@@ -204,22 +261,42 @@ class Initializer:
                 init.buffers.update(init._rule_buffers(name, module, meta))
         return init
 
-    def _run(self, name: str, module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict:
-        """The rule on ``module`` with ``tensors`` installed; what it holds afterwards."""
+    def _run(self, name: str, module: nn.Module, tensors: dict[str, torch.Tensor],
+             rule: InitFn | None = None) -> dict:
+        """``rule`` (default the init rule) on ``module`` with ``tensors`` installed; what
+        it holds afterwards."""
         with _installed(module, tensors):
             with _seeded(self.seed, name, self.device):
-                self.init_fn(name, module)
+                (rule or self.init_fn)(name, module)
             return {n: getattr(module, n).detach() for n in tensors}
 
     def _rule_buffers(self, name: str, module: nn.Module, meta: dict) -> dict[str, torch.Tensor]:
-        runs = [self._run(name, module, {n: torch.full(b.shape, fill, dtype=b.dtype,
-                                                       device=self.device)
-                                         for n, b in meta.items()}) for fill in (0, 1)]
-        for n in meta:
-            a, b = runs[0][n], runs[1][n]
-            if a.is_meta or a.shape != meta[n].shape or not torch.equal(a, b):
-                raise _unset_buffer(_join(name, n), module)
-        return {_join(name, n): t for n, t in runs[0].items()}
+        """The meta buffers ``meta`` of ``module`` as the init rule computes them, then, for
+        those it leaves unset, as the module's own hooks do (:func:`_buffer_hooks`). Raises
+        ValueError naming the first buffer none of them sets."""
+        out: dict[str, torch.Tensor] = {}
+        rules = [("the init rule", self.init_fn), *_buffer_hooks(module, self.device)]
+        for _, rule in rules:
+            unset = {n: b for n, b in meta.items() if _join(name, n) not in out}
+            if not unset:
+                break
+            try:
+                runs = [self._run(name, module, {n: torch.full(b.shape, fill, dtype=b.dtype,
+                                                               device=self.device)
+                                                 for n, b in unset.items()}, rule)
+                        for fill in (0, 1)]
+            except Exception:  # a stack's hook that cannot run on a meta model sets nothing
+                if rule is self.init_fn:
+                    raise
+                continue
+            for n in unset:  # set: the same value whatever the buffer held before
+                a, b = runs[0][n], runs[1][n]
+                if not a.is_meta and a.shape == unset[n].shape and torch.equal(a, b):
+                    out[_join(name, n)] = a
+        missing = [n for n in meta if _join(name, n) not in out]
+        if missing:
+            raise _unset_buffer(_join(name, missing[0]), module, [k for k, _ in rules])
+        return out
 
     def owner(self, key: str) -> str:
         """The module that owns parameter ``key`` (a first qualified name)."""
@@ -227,7 +304,8 @@ class Initializer:
 
     def module_params(self, name: str) -> dict[str, torch.Tensor]:
         """Whole values, on ``device``, of the parameters module ``name`` owns, by
-        qualified name (rule 2). Raises ValueError for a parameter the rule left unset."""
+        qualified name (rule 2); a parameter the rule leaves unset takes the value of the
+        module's own ``reset_parameters()``. Raises ValueError for one neither sets."""
         module = self.model.get_submodule(name)
         owned = {n: p for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
                  if self.names[id(p)] == _join(name, n)}
@@ -241,6 +319,12 @@ class Initializer:
             if b.is_meta and _join(name, n) in self.buffers:
                 scratch[n] = self.buffers[_join(name, n)].clone()
         got = self._run(name, module, scratch)
+        unset = [n for n in owned if got[n].is_floating_point() and bool(got[n].isnan().any())]
+        if unset and callable(getattr(module, "reset_parameters", None)):
+            # the module's own initialisation for what the rule leaves (litgpt's
+            # _init_weights skips LayerNorm, whose constructor initialises it)
+            again = self._run(name, module, scratch, lambda _name, m: m.reset_parameters())
+            got.update({n: again[n] for n in unset})
         for n in owned:
             if got[n].is_floating_point() and bool(got[n].isnan().any()):
                 raise _unset_param(_join(name, n), module)

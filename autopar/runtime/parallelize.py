@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
-from autopar.graph.capture import COMPUTE_DTYPES, trace_model
+from autopar.graph.capture import COMPUTE_DTYPES, cast_floating, meta_buffers, trace_model
 from autopar.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.placement import parse_strategy_key
@@ -261,13 +261,15 @@ def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
     was made on: :func:`~autopar.graph.capture.trace_model`'s ``dtype``). ZeRO-3: the
     (sharded) parameters then go back to fp32 master weights; FSDP2 casts them to the
     plan's dtype when it gathers them (runtime.fsdp), so the graph computes as traced."""
-    local_model = copy.deepcopy(model).to(PARAM_DTYPES[plan.dtype])
+    local_model = cast_floating(copy.deepcopy(model), PARAM_DTYPES[plan.dtype])
+    if on_meta(local_model):  # real buffers beside meta parameters: their values are the
+        meta_buffers(local_model)  # Initializer's, the trace needs shapes on one device
     traced = trace_model(local_model, plan.seq_len)
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for name, b in local_model.named_buffers(remove_duplicate=False):
         buffers.setdefault(id(b), (name, b))
     if plan.zero_stage == FULLY_SHARDED_STAGE:
-        local_model.to(torch.float32)
+        cast_floating(local_model, torch.float32)
     keys = ModelKeys(
         parameters=frozenset(n for n, _ in local_model.named_parameters(remove_duplicate=False)),
         buffers=frozenset(n for n, _ in local_model.named_buffers(remove_duplicate=False)))

@@ -127,3 +127,66 @@ def test_hugging_face_rules_fill_rotary_buffers_and_scale_gpt2_projections():
     ratio = block.mlp.c_proj.weight.std() / block.mlp.c_fc.weight.std()
     assert abs(ratio - 1 / (2 * gpt2.config.n_layer) ** 0.5) < 0.05
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+
+
+# ---------------------------------------------- model definitions of other stacks (issue 32)
+def test_meta_buffers_are_computed_by_the_stacks_own_hooks():
+    """litgpt recomputes its rotary cos/sin in ``reset_parameters()``, torchtitan its
+    ``freqs_cis`` in ``init_weights(buffer_device)``: a meta model's buffers equal the ones
+    the constructor computes on the CPU; litgpt's ``_init_weights`` leaves LayerNorm to the
+    module's own ``reset_parameters()`` (ones and zeros)."""
+    from stack_models import LitStyleGPT, StackConfig, TitanStyleLlama
+
+    cfg = StackConfig()
+    for cls in (LitStyleGPT, TitanStyleLlama):
+        with torch.device("meta"):
+            meta = cls(cfg)
+        model = autopar.init_model(meta, seed=1)
+        real = dict(cls(cfg).named_buffers())
+        for name, buf in model.named_buffers():
+            assert not buf.is_meta and torch.equal(buf, real[name]), (cls.__name__, name)
+        assert not any(p.is_meta or p.isnan().any() for p in model.parameters())
+    norm = model.layers["0"].attention_norm
+    assert torch.equal(norm.weight, torch.ones(cfg.n_embd))
+    with torch.device("meta"):
+        lit = autopar.init_model(LitStyleGPT(cfg))
+    assert torch.equal(lit.transformer.h[0].norm_1.weight, torch.ones(cfg.n_embd))
+    assert torch.equal(lit.transformer.h[0].norm_1.bias, torch.zeros(cfg.n_embd))
+
+
+def test_meta_parameters_keeps_the_constructors_buffers():
+    """Built under ``autopar.meta_parameters()`` (as accelerate's ``init_empty_weights``):
+    parameters on meta, the buffers the constructor computed real, and init_model gives the
+    values of the all-meta model."""
+    from stack_models import LitStyleGPT, StackConfig
+
+    cfg = StackConfig()
+    with autopar.meta_parameters():
+        model = LitStyleGPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.cos.is_meta and torch.equal(model.cos, LitStyleGPT(cfg).cos)
+    assert not nn.Linear(2, 2).weight.is_meta  # the class is restored afterwards
+    with torch.device("meta"):
+        meta = LitStyleGPT(cfg)
+    want = autopar.init_model(meta, seed=2).state_dict()
+    got = autopar.init_model(model, seed=2).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+class Unsettable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+
+    def init_weights(self) -> None:
+        pass  # sets nothing
+
+
+def test_a_buffer_no_hook_sets_names_what_was_tried():
+    with torch.device("meta"):
+        model = Unsettable()
+    with pytest.raises(ValueError, match=r"buffer 'table' of Unsettable .*the init rule, "
+                                         r"init_weights\(\).*meta_parameters"):
+        autopar.init_model(model)
+
