@@ -84,16 +84,14 @@ def meta_parameters() -> Iterator[None]:
     causal mask) is computed on the default device; each parameter is moved to meta as it is
     registered, before the module initialises it, so no weight is ever filled (a parameter
     is created empty for a moment, one at a time). Patches ``nn.Module.register_parameter``
-    for the duration of the block, in this thread's view of the class: build one model at a
-    time."""
+    for the duration of the block, process-wide: build no other model in another thread
+    meanwhile."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
         if param is not None and not param.is_meta:
-            kept = module._parameters[name]
-            module._parameters[name] = type(kept)(kept.to("meta"),
-                                                  requires_grad=kept.requires_grad)
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta
     try:
