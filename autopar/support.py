@@ -214,10 +214,15 @@ class RuntimeSupport:
     pipeline_zero_stages: tuple[int, ...] | None = None
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
 
+    def kernels_in(self, dtype: str) -> tuple[str, ...] | None:
+        """The attention kernels the runner runs in ``dtype`` (:attr:`attention_kernels`), or
+        None: the cluster's."""
+        return dict(self.attention_kernels or ()).get(dtype)
+
     def attention_for(self, cluster_kernel: str, dtype: str) -> str:
         """The attention kernel a run in ``dtype`` uses on a cluster whose kernel is
-        ``cluster_kernel`` (:attr:`attention_kernels`)."""
-        kernels = dict(self.attention_kernels or ()).get(dtype)
+        ``cluster_kernel`` (:meth:`kernels_in`)."""
+        kernels = self.kernels_in(dtype)
         return cluster_kernel if not kernels or cluster_kernel in kernels else kernels[0]
 
     def zero_stages_for(self, pp: int, tp: int = 1, dp: int = 1) -> tuple[int, ...]:

@@ -165,14 +165,15 @@ def outside_target(plan, target: str) -> str | None:
         if support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
             return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
                     f"plan would run in fp32{fix}")
-    kernels = dict(support.attention_kernels or ()).get(plan.dtype)
+    kernels = support.kernels_in(plan.dtype)
     if kernels and plan.attention_kernel not in kernels:
         return (f"{target} runs {' or '.join(kernels)} attention in {plan.dtype}, the plan is "
                 f"priced with {plan.attention_kernel} attention{fix}")
-    if not kernels and plan.attention_kernel != plan.cluster.get("attention", "math"):
+    if not kernels and plan.attention is not None and \
+            plan.attention != plan.cluster.get("attention", "math"):
         return (f"{target} runs the model's own attention, the cluster's "
                 f"{plan.cluster.get('attention', 'math')} kernel; the plan is priced with "
-                f"{plan.attention_kernel}{fix}")
+                f"{plan.attention}{fix}")
     if plan.tp > 1:
         checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
     checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]

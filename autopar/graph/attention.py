@@ -39,8 +39,9 @@ def annotate_attention(node: fx.Node, nodes: dict) -> None:
     output (b, a, s, hd) for q (b, a, s, hd) and k (b, a, s_kv, hd)): ``core_elems`` and
     ``core_mask_elems`` (math kernel), ``flash_elems`` (the output) and ``lse_elems``
     (fused kernel), ``extra["causal_skip"]`` (``is_causal`` without an explicit mask: a fused
-kernel skips the tiles above the diagonal), ``extra["flash_output_aliased"]`` (a consumer reached through views,
-    transposes and ``contiguous`` saves the output already: without tensor parallelism it
+    kernel skips the tiles above the diagonal), ``extra["flash_output_aliased"]`` (a
+    consumer reached through views, transposes and ``contiguous`` saves the output
+    already: without tensor parallelism it
     is the same storage; with it a placement may copy it on the way, a gather or a slice,
     so :meth:`NodeInfo.core_bytes_at` counts it then) and ``extra["score_passes_elems"]``.
     Call once every node's ``saved_elems`` is set."""

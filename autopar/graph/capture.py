@@ -105,12 +105,16 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
         ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`).
     """
     want = COMPUTE_DTYPES[dtype] if dtype is not None else None
-    if want is not None and any(p.is_floating_point() and p.dtype != want
-                                for p in model.parameters()):
-        model = cast_floating(copy.deepcopy(model), want)
-    if any(p.is_meta for p in model.parameters()) and \
-            not all(b.is_meta for b in model.buffers()):
-        model = meta_buffers(copy.deepcopy(model))
+    recast = want is not None and any(p.is_floating_point() and p.dtype != want
+                                      for p in model.parameters())
+    mixed = any(p.is_meta for p in model.parameters()) and \
+        not all(b.is_meta for b in model.buffers())
+    if recast or mixed:  # one copy for both
+        model = copy.deepcopy(model)
+        if recast:
+            cast_floating(model, want)
+        if mixed:
+            meta_buffers(model)
     try:
         gm = symbolic_trace_logits(model)
     except TraceError:

@@ -23,7 +23,10 @@ def hoist_shared_reads(gm: fx.GraphModule) -> list[str]:
     first user's) dropped; recompile ``gm`` when any moved. Returns their names."""
     nodes = list(gm.graph.nodes)
     layer = dict(zip(nodes, layer_of_nodes(gm)))
-    anchor = max((n for n in nodes if n.op == "placeholder"), key=nodes.index, default=None)
+    anchor = None  # the last input: placeholders lead an fx graph
+    for node in nodes:
+        if node.op == "placeholder":
+            anchor = node
     moved = []
     for node in nodes:
         if node.op == "get_attr" and len({layer[u] for u in node.users} - {None}) > 1:

@@ -50,6 +50,7 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
     if not gemms:
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
         return fwd, 2.0 * fwd
+    flash = info.kind == "sdpa" and attention == "flash"
     fwd = bwd = 0.0
     for i, (batch, m, n, k) in enumerate(gemms):
         if info.extra.get("gemm_folded"):
@@ -66,10 +67,10 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
             else:
                 m = -(-m // div)
         gemm = compute.gemm_time_s(m, n, k, dev, batch)
-        if info.kind == "sdpa" and attention == "flash" and i == 0:  # Q·Kᵀ again
+        if flash and i == 0:  # Q·Kᵀ again
             bwd += gemm
         fwd += gemm
         bwd += compute.gemm_time_s(m, k, n, dev, batch) + compute.gemm_time_s(k, n, m, dev, batch)
-    if info.kind == "sdpa" and attention == "flash" and info.extra.get("causal_skip"):
+    if flash and info.extra.get("causal_skip"):
         fwd, bwd = fwd * CAUSAL_SKIP_FRACTION, bwd * CAUSAL_SKIP_FRACTION
     return fwd, bwd

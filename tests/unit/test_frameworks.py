@@ -102,8 +102,7 @@ def target_plans(draw, base: Plan, target: str, max_world: int | None = None,
         config = {"n_layer": L, "n_head": heads, "n_embd": (16 if tiny else 64) * heads,
                   "vocab_size": 512 if tiny else 51200,
                   "block_size": 2048, "dropout": draw(st.sampled_from([0.0, 0.1]))}
-    kernel = draw(st.sampled_from(dict(support.attention_kernels or ()).get(
-        dtype, (base.cluster["attention"],))))
+    kernel = draw(st.sampled_from(support.kernels_in(dtype) or (base.cluster["attention"],)))
     return dataclasses.replace(
         base, model="gpt-random", model_config=config, tp=tp, pp=pp, dp=dp,
         micro_batch_size=mbs, num_micro_batches=m, global_batch_size=dp * mbs * m,
