@@ -17,6 +17,12 @@ and writes ``reports/model_zoo.md``: one row per family, with the op that stoppe
 where one did; families beyond the list (:data:`EXTRA`, from their default configs) get
 tp2 and tp2·pp2. Run: ``python benchmarks/model_zoo.py`` (about 30 minutes on 2 cores;
 ``--no-verify`` for the planning half only, seconds per family).
+
+``--all`` instead walks every causal-LM family ``transformers`` ships
+(:mod:`benchmarks.hf_families`: decoder-only dense, MoE, or out of scope with the reason),
+verifies Megatron-LM's tp2 layout of each at the tiny size from its config's defaults, and
+rewrites only the report's section on them (about 20 s per family; ``--groups dense`` for
+the dense ones).
 """
 
 from __future__ import annotations
@@ -282,7 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extra", nargs="*", default=EXTRA,
                         help="families beyond the list, verified at tp2 and tp2·pp2 only")
     parser.add_argument("--out", default=str(ROOT / "reports" / "model_zoo.md"))
+    parser.add_argument("--all", action="store_true",
+                        help="every causal-LM family of transformers at tp2 instead "
+                             "(benchmarks/hf_families.py); rewrites only that section")
+    parser.add_argument("--groups", nargs="*", default=["dense", "moe"],
+                        help="with --all: the groups to verify")
     args = parser.parse_args(argv)
+    if args.all:
+        from benchmarks.hf_families import all_families_section, write_section
+
+        write_section(args.out, all_families_section(args.groups))
+        print(f"wrote {args.out}")
+        return
     import transformers
 
     rows = []

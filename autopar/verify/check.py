@@ -30,7 +30,11 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
    re-pricing of its exact tp/pp/dp, placements, stages and recompute), so an edited plan
    (tp=2 over placements made for tp=1) fails instead of verifying a program that is not
    the one the plan describes;
-8. returns a :class:`~autopar.verify.result.VerifyReport` (identical on every rank), or
+8. when an fp32 report fails by gradient or parameter differences alone, measures how far
+   the fp32 reference itself is from the same training in fp64
+   (:func:`autopar.verify.noise.fp32_noise`): a tensor within a fixed multiple of that
+   rounding noise passes (cancelling sums, ReLU kinks);
+9. returns a :class:`~autopar.verify.result.VerifyReport` (identical on every rank), or
    raises :class:`~autopar.verify.result.VerificationError` on every rank past tolerance.
 
 The relative measure and the default tolerances are documented in
@@ -50,17 +54,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.graph.export import causal_lm_logits
 from autopar.plan import Plan
 from autopar.runtime.compat import DropoutBase
-from autopar.runtime.engine import token_cross_entropy
 from autopar.runtime.health import NonFiniteError
 from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
 from autopar.runtime.materialize import InitFn, init_model, on_meta
 from autopar.verify.claims import claim_problem
+from autopar.verify.noise import fp32_noise, reference_step
 from autopar.verify.result import (NonFinite, ParamDiff, StepLoss, Tolerances, VerificationError,
+                                   relative_diff,
                                    VerifyReport, finite_or_inf)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "default_batches", "first_nonfinite",
@@ -168,22 +172,6 @@ def _local_drift(pm, reference: dict[str, torch.Tensor],
     return drift
 
 
-def _relative(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
-              drift: dict[str, float], floor: float) -> dict[str, float]:
-    """Per key max|a - b| / max(max|b|, floor·S), S the largest max|b| (module docstring)."""
-    scale = {k: b.abs().max().item() if b.numel() else 0.0 for k, b in reference.items()}
-    floor_abs = floor * max(scale.values(), default=0.0)
-    out = {}
-    for key, b in reference.items():
-        if key not in full:
-            raise RuntimeError(f"the parallel program has no parameter {key!r} (it holds "
-                               f"{sorted(full)}); this is a bug in the rewrite")
-        diff = (full[key].float() - b.float()).abs().max().item() if b.numel() else 0.0
-        diff = max(finite_or_inf(diff), finite_or_inf(drift.get(key, 0.0)))
-        out[key] = diff / max(finite_or_inf(scale[key]), floor_abs, 1e-30)
-    return out
-
-
 def first_nonfinite(step: int, what: str, parallel: dict[str, torch.Tensor],
                     reference: dict[str, torch.Tensor]) -> NonFinite | None:
     """The first key (reference order) whose tensor holds NaN/inf on either side, as a
@@ -208,20 +196,6 @@ def _loss_nonfinite(step: int, loss: float, ref_loss: float) -> NonFinite | None
 
 
 # ------------------------------------------------------------------ the check
-def _reference_step(model: nn.Module, optim: torch.optim.Optimizer,
-                    batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
-    """One single-device step; returns (loss, gradients by key)."""
-    idx, targets = batch
-    optim.zero_grad(set_to_none=True)
-    logits = causal_lm_logits(model, idx)  # called as capture calls it (graph.export)
-    loss = token_cross_entropy(logits, targets)  # (b, s, V), (b, s) -> scalar
-    loss.backward()
-    grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for k, p in model.named_parameters()}
-    optim.step()
-    return float(loss.item()), grads
-
-
 def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
     """Everything that can be checked before any collective (ValueError); the plan against
     the model is checked by the runtime's ``parallelize``, also before any collective
@@ -236,7 +210,7 @@ def _compare_step(pm, base: nn.Module, ref_optim, batch: Batch, step: int, loss:
                   report: VerifyReport) -> None:
     """One reference step on ``batch``; the step's loss, gradients and parameters compared
     into ``report`` (NaN/inf recorded as :class:`NonFinite`, never as a zero difference)."""
-    ref_loss, ref_grads = _reference_step(base, ref_optim, batch)
+    ref_loss, ref_grads = reference_step(base, ref_optim, batch)
     loss_diff = finite_or_inf(abs(loss - ref_loss) / max(abs(ref_loss), 1e-30))
     report.losses.append(StepLoss(step, loss, ref_loss, loss_diff))
     full_grads = full_gradients(pm)
@@ -247,8 +221,8 @@ def _compare_step(pm, base: nn.Module, ref_optim, batch: Batch, step: int, loss:
              first_nonfinite(step, "parameter after the step", full_params, ref_params)]
     report.nonfinite += [n for n in found if n is not None]
     tol = report.tolerances
-    grads = _relative(full_grads, ref_grads, _local_drift(pm, ref_grads, _grad_or_zeros), tol.floor)
-    params = _relative(full_params, ref_params, _local_drift(pm, ref_params, lambda p: p),
+    grads = relative_diff(full_grads, ref_grads, _local_drift(pm, ref_grads, _grad_or_zeros), tol.floor)
+    params = relative_diff(full_params, ref_params, _local_drift(pm, ref_params, lambda p: p),
                        tol.floor)
     for key, diff in report.params.items():
         diff.grad.append(grads[key])
@@ -291,6 +265,7 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
                                          seed=seed, init_fn=init_fn)
     if on_meta(base):  # the same rule and seed as the program's shards, whole on the CPU
         init_model(base, seed, init_fn=init_fn)
+    initial = copy.deepcopy(base) if plan.dtype == "fp32" else None  # for fp32_noise
     ref_optim = optimizer(base.parameters())
     stages = _stages_of(pm)
     layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp} {plan.dtype}"
@@ -307,6 +282,12 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
                                               "parallel program", str(exc)))
             break
         _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
+    if initial is not None and report.failed_by_differences_only():
+        noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor)
+        for grad_noise, param_noise in noise:
+            for key, diff in report.params.items():
+                diff.grad_noise.append(grad_noise[key])
+                diff.param_noise.append(param_noise[key])
     if raise_on_failure and not report.ok:
         raise VerificationError(report)
     return report

@@ -105,3 +105,36 @@ def test_cli_verify_mismatch_exits_5(plans, tmp_path, capsys, monkeypatch):
     code, out, err = _run_cli(["verify", str(path)], capsys)
     assert code == cli_verify.EXIT_VERIFY_FAILED == 5
     assert "FAILED" in out and "'b.weight' (pipeline stage 1)" in err
+
+
+def _noisy_report(noise: float) -> VerifyReport:
+    """A report whose only difference is a gradient of 4e-5 (past the 1e-5 tolerance), the
+    fp32 reference's own rounding against fp64 measured as ``noise`` for it."""
+    report = VerifyReport(layout="tp=2 pp=1 dp=1 fp32", optimizer="SGD", steps=1,
+                          tolerances=Tolerances())
+    report.losses = [StepLoss(0, 4.0, 4.0, 0.0)]
+    report.params = {"lam": ParamDiff("lam", [0], [4e-5], [1e-7], [noise], [0.0])}
+    return report
+
+
+def test_a_difference_within_the_references_own_rounding_passes_and_past_it_fails():
+    assert _noisy_report(1e-5).ok  # 4e-5 <= 8 x 1e-5
+    report = _noisy_report(1e-6)  # 4e-5 > max(1e-5, 8e-6)
+    assert not report.ok and report.failed_by_differences_only()
+    assert "the fp32 reference's own rounding against fp64 is 1.0e-06" in report.failure_message()
+    nan = _noisy_report(1e-5)
+    nan.params["lam"].grad[0] = float("nan")  # never within any noise
+    assert not nan.ok
+
+
+def test_fp32_noise_is_the_reference_against_fp64():
+    from autopar.verify.noise import fp32_noise
+
+    model = GPT(CONFIG)
+    batches = [(torch.randint(0, CONFIG.vocab_size, (2, 8)),) * 2 for _ in range(2)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    noise = fp32_noise(model, lambda p: torch.optim.SGD(p, lr=0.1), batches, floor=1e-3)
+    assert len(noise) == 2 and set(noise[0][0]) == {k for k, _ in model.named_parameters()}
+    worst = max(max(g.values()) for g, _ in noise)
+    assert 0 < worst < 1e-4  # fp32 rounding: present, and small
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
