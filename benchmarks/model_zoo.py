@@ -293,11 +293,14 @@ def main(argv: list[str] | None = None) -> None:
                              "(benchmarks/hf_families.py); rewrites only that section")
     parser.add_argument("--groups", nargs="*", default=["dense", "moe"],
                         help="with --all: the groups to verify")
+    parser.add_argument("--retry", action="store_true",
+                        help="with --all: keep the report's rows that verified, run the rest")
     args = parser.parse_args(argv)
     if args.all:
-        from benchmarks.hf_families import all_families_section, write_section
+        from benchmarks.hf_families import all_families_section, earlier_rows, write_section
 
-        write_section(args.out, all_families_section(args.groups))
+        keep = earlier_rows(args.out) if args.retry else {}
+        write_section(args.out, all_families_section(args.groups, keep=keep))
         print(f"wrote {args.out}")
         return
     import transformers

@@ -122,8 +122,8 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
     if gm is not None:
         try:
             return _annotated(model, gm, seq_len, name)
-        except ValueError:  # traced, but not to (b, s, V) logits (e.g. a baked branch)
-            pass
+        except (ValueError, TraceError):  # traced, but not to (b, s, V) logits, or to a
+            pass  # graph whose shapes do not propagate: a branch fx baked (Gemma 4's GQA)
     return _annotated(model, export_logits(model, seq_len, TraceError), seq_len, name)
 
 

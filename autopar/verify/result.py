@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 NOISE_FACTOR = 8.0
 """How many times the fp32 reference's own rounding (against fp64) a parallel program's
 difference may be: two fp32 programs summing in different orders each sit about that
