@@ -10,6 +10,10 @@ model types in transformers 5.24). A family is, by these rules in this order:
   BERT, RoBERTa, XLM ...), a multimodal model (a vision or audio config, or an
   image-text-to-text head; its text decoder, where transformers has one, is a family of
   its own: ``gemma3`` → ``gemma3_text``), or a family listed in :data:`NOT_DECODER_ONLY`;
+* **hybrid** when the tiny model has a recurrent, state-space, convolution or
+  linear-attention layer (Mamba, RWKV, xLSTM, Griffin, Gated DeltaNet ...; with or without
+  experts): not a transformer decoder, so Megatron's attention/MLP placements do not
+  describe it; verified and reported apart;
 * **moe** when the tiny model has experts (a parameter or module path with "expert");
 * **dense** otherwise.
 
@@ -63,7 +67,7 @@ class Family:
     model_type: str
     model_class: str
     group: str
-    """"dense", "moe" or "out of scope" (then ``reason`` says why)"""
+    """"dense", "moe", "hybrid" or "out of scope" (then ``reason`` says why)"""
     reason: str = ""
 
 
@@ -110,8 +114,24 @@ def causal_lm_families() -> list[Family]:
                                    reason or f"tiny build: {_first(exc)}"))
             continue
         moe = any("expert" in name.lower() for name, _ in model.named_modules())
-        families.append(Family(model_type, cls, "moe" if moe else "dense"))
+        group = "hybrid" if _recurrent(model) else "moe" if moe else "dense"
+        families.append(Family(model_type, cls, group))
     return families
+
+
+RECURRENT = ("Mixer", "Rwkv", "xLSTM", "Recurrent", "Rglru", "ShortConv", "GatedDeltaNet",
+             "DeltaAttention", "LightningAttention")
+"""Class-name parts of recurrent, state-space and linear-attention layers (Mamba's mixer,
+RWKV, xLSTM, Griffin's RG-LRU, LFM's short convolution, Gated DeltaNet, MiniMax's
+lightning attention)."""
+
+
+def _recurrent(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a recurrent, state-space, convolution or linear-attention
+    layer (a causal ``nn.Conv1d`` or a class of :data:`RECURRENT`; not GPT-2's ``Conv1D``,
+    a Linear)."""
+    return any(isinstance(m, torch.nn.Conv1d) or any(k in type(m).__name__ for k in RECURRENT)
+               for m in model.modules())
 
 
 def _default_build_error(model_type: str, cfg) -> str:
@@ -187,9 +207,16 @@ def tiny_config(model_type: str, d: dict):
                  num_experts_per_tok=TOP_K, moe_top_k=TOP_K, num_experts_per_token=TOP_K,
                  moe_intermediate_size=MOE_FFN, expert_intermediate_size=MOE_FFN,
                  shared_expert_intermediate_size=MOE_FFN, moe_ffn_hidden_size=MOE_FFN,
-                 n_group=1, topk_group=1, num_kv_shared_layers=0, **MOE_EVERY_LAYER)
+                 n_group=1, topk_group=1, num_kv_shared_layers=0,
+                 # multi-head latent attention (DeepSeek-V2/V3): its head_dim is the RoPE part
+                 q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                 v_head_dim=16, **MOE_EVERY_LAYER)
     default = tf.AutoConfig.for_model(model_type)
     fields = {**_sized(default, sizes, d["vocab"], d["layers"]), **FIXUPS.get(model_type, {})}
+    if "qk_rope_head_dim" in fields:  # MLA expands its latent to every head: kv = heads
+        fields.update({k: d["heads"] for k in ("num_key_value_heads", "num_kv_heads") if k in fields})
+        if "head_dim" in fields:
+            fields["head_dim"] = fields["qk_rope_head_dim"]
     return tf.AutoConfig.for_model(model_type, **fields)
 
 
@@ -267,7 +294,9 @@ def verify_family(model_type: str) -> tuple[str, str]:
                         pg_timeout_s=60)[0]
     except Exception as exc:  # the row records the typed error that stopped the family
         return pattern, f"stopped: {type(exc).__name__}: {_first_line(exc)}"
-    return pattern, (f"ok ({report['max_grad_diff']:.1e})" if report["ok"] else "MISMATCH")
+    noisy = any(p["grad_noise"] for p in report["params"])
+    judged = ", against fp32's own rounding" if noisy else ""
+    return pattern, (f"ok ({report['max_grad_diff']:.1e}{judged})" if report["ok"] else "MISMATCH")
 
 
 MARKER = "## Every causal-LM family of transformers"
@@ -297,11 +326,11 @@ def all_families_section(groups: list[str], log=print,
     whose verification is taken as it is when it passed (``--retry``)."""
     import transformers
 
-    rows, verified = [], {"dense": [0, 0], "moe": [0, 0]}
+    rows, verified = [], {"dense": [0, 0], "moe": [0, 0], "hybrid": [0, 0]}
     for family in causal_lm_families():
         old = (keep or {}).get(family.model_type)
         if family.group in groups and old and old[4].startswith("ok"):
-            row = old
+            row = (family.model_type, family.group, *old[2:])
             verified[family.group][0] += 1
             verified[family.group][1] += 1
         elif family.group == "out of scope":
@@ -323,8 +352,8 @@ def all_families_section(groups: list[str], log=print,
     return [MARKER, "",
             f"`python benchmarks/model_zoo.py --all` (transformers {transformers.__version__}, "
             f"torch {torch.__version__}): every model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, "
-            "sorted by `benchmarks/hf_families.py` (decoder-only dense, MoE, or out of scope "
-            "with the reason), built from its config's defaults at the tiny size (h = 64, "
+            "sorted by `benchmarks/hf_families.py` (decoder-only dense, MoE, hybrid: with "
+            "recurrent, state-space or linear-attention layers; or out of scope with the reason), built from its config's defaults at the tiny size (h = 64, "
             "2 layers, s = 16, fp32; MoE: 4 experts, top-2, every layer MoE). Verify: "
             "Megatron-LM's tp2 layout (`autopar.evaluate`: column-parallel QKV and MLP-in, "
             "row-parallel outputs, vocabulary-parallel embedding, sequence parallelism, "

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--all", action="store_true",
                         help="every causal-LM family of transformers at tp2 instead "
                              "(benchmarks/hf_families.py); rewrites only that section")
-    parser.add_argument("--groups", nargs="*", default=["dense", "moe"],
+    parser.add_argument("--groups", nargs="*", default=["dense", "moe", "hybrid"],
                         help="with --all: the groups to verify")
     parser.add_argument("--retry", action="store_true",
                         help="with --all: keep the report's rows that verified, run the rest")

@@ -15,6 +15,7 @@ import copy
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
@@ -46,9 +47,10 @@ def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
     concrete = {name: None for name in list(params)[1:]
                 if params[name].default is None}
     try:
-        tracer = fx.Tracer()
+        tracer = _GradModeTracer()
         tracer.record_stack_traces = True  # each node's source line, for messages
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with torch.enable_grad():  # a no_grad region of forward then shows as one
+            graph = tracer.trace(model, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises TraceError, TypeError, AssertionError, ...
         raise TraceError(
@@ -58,6 +60,9 @@ def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
             "values or sizes (use torch.where / torch._assert), or make the offending "
             "sub-module a leaf, so that forward(idx) is a static graph"
         ) from exc
+    if _no_grad_reads_parameters(gm):  # export keeps the region, and says where it is
+        raise TraceError(f"{type(model).__name__}.forward runs ops on its parameters under "
+                         "torch.no_grad(), which torch.fx does not record")
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     result = out.args[0]
@@ -73,6 +78,38 @@ def symbolic_trace_logits(model: torch.nn.Module) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+class _GradModeTracer(fx.Tracer):
+    """An fx tracer that marks each node created while gradients are off
+    (``node.meta["no_grad"]``): fx records ops, not the grad mode they ran under."""
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            node.meta["no_grad"] = True
+        return node
+
+
+def _no_grad_reads_parameters(gm: fx.GraphModule) -> bool:
+    """Whether a node traced under ``torch.no_grad()`` reads a parameter or a value
+    computed from one (a rotary table of buffers under no_grad does not)."""
+    depends: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        reads = ((node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter))
+                 or (node.op == "call_module"
+                     and any(True for _ in gm.get_submodule(node.target).parameters()))
+                 or any(a in depends for a in node.all_input_nodes))
+        if reads and node.meta.get("no_grad"):
+            return True
+        if reads:
+            depends.add(node)
+    return False
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
 
 
 def _first_placeholder(graph: fx.Graph) -> fx.Node:

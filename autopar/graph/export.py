@@ -222,6 +222,8 @@ def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
             env[node].meta.update(node.meta)
             continue
         if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            _check_no_grad_region(node, getattr(src, node.args[1].target),
+                                  set(sig.inputs_to_parameters))
             env[node] = _inline(graph, getattr(src, node.args[1].target),
                                 [env[a] for a in node.args[2:]], node.meta)
             continue
@@ -272,6 +274,55 @@ def _is_batch(node: fx.Node, idx: fx.Node) -> bool:
     val, batch = node.meta.get("val"), idx.meta["val"].shape[0]
     return isinstance(val, torch.SymInt) and isinstance(batch, torch.SymInt) \
         and val.node.expr == batch.node.expr
+
+
+def _check_no_grad_region(node: fx.Node, body: fx.GraphModule, parameters: set[str]) -> None:
+    """Refuse a ``torch.no_grad()`` region of the forward (export's
+    ``wrap_with_set_grad_enabled(False, body, *inputs)``) that reads a parameter or a value
+    computed from one: inlined, its ops would pass gradients the model stops (HRM's inner
+    cycles); a region of buffers and constants (a rotary table under ``@torch.no_grad()``)
+    has no gradient to stop and is inlined. Raises ValueError naming the first op of the
+    region that reads one, with its source line."""
+    if node.args[0]:  # grad enabled: nothing to stop
+        return
+    reads = [_reads_parameter(arg, parameters) for arg in node.args[2:]]
+    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    depends = {n for n, r in zip(inputs, reads) if r}
+    for inner in body.graph.nodes:
+        if inner.op != "call_function" or not any(a in depends for a in inner.all_input_nodes):
+            continue
+        depends.add(inner)
+        if inner.target in _DROPPED:
+            continue
+        raise ValueError(
+            f"forward runs {inner.target} on the model's parameters under torch.no_grad() "
+            f"(at {_user_line(inner.meta.get('stack_trace') or '')}): autopar's program computes and prices every op with its "
+            "gradient, so it would train what the model does not; fix: move the no_grad "
+            "region out of forward, or train the model without it (e.g. every cycle with "
+            "gradients)")
+
+
+def _user_line(stack_trace: str) -> str:
+    """The innermost frame of an fx ``stack_trace`` outside torch, as "file:line: code"."""
+    lines = stack_trace.strip().splitlines()
+    frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].strip().startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f[0]] or frames
+    return f"{user[-1][0]}: `{user[-1][1]}`" if user else "<unknown location>"
+
+
+def _reads_parameter(arg, parameters: set[str]) -> bool:
+    """Whether export node ``arg`` is a parameter or is computed from one."""
+    seen, todo = set(), [arg]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder" and node.name in parameters:
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
 
 
 def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict) -> tuple:

@@ -7,19 +7,24 @@ same solver space (:mod:`autopar.planner.strategies`) with every node's choice f
 from __future__ import annotations
 
 
+import torch
+
 from autopar.graph.annotate import TracedModel
 from autopar.placement import REPLICATE, Shard
 from autopar.planner.strategies import (SEQUENCE_DIM, NodeStrategies, node_strategies,
                                         tensor_inputs, tied_groups)
 
-__all__ = ["megatron_placements", "linear_roles", "allowed_strategies"]
+aten = torch.ops.aten
+
+__all__ = ["megatron_placements", "linear_roles", "moe_routers", "allowed_strategies"]
 
 
 def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
     """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
     placements: a Linear reading a hidden-dim shard is row-split; a Linear of a layer that
     reads the residual stream (:func:`linear_roles` "in": QKV, MLP-in, SwiGLU's gate and
-    up) and the LM head are column-split; the token embedding is vocabulary-split;
+    up) and the LM head are column-split, an MoE router (:func:`moe_routers`) is whole;
+    the token embedding is vocabulary-split;
     attention runs on whole heads; every other op keeps the placement its inputs arrive in
     (replicated when none fits), so rotary embeddings and SwiGLU's product run on shards.
     ``sequence_parallel`` (Korthikanti et al. 2022, Fig. 5): LayerNorm, dropout and residual
@@ -30,6 +35,7 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
     nodes, placement, out = traced.nodes, {}, {}
     tied = {n for group in tied_groups(traced) for n in group}
     roles = linear_roles(traced)
+    routers = moe_routers(traced)
     heads = {n for n in traced.post if nodes[n].kind == "linear"}  # the LM head
     residual = nodes[traced.layers[0][-1]].shape if traced.layers else None
     seq = Shard(SEQUENCE_DIM)
@@ -41,7 +47,9 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
         in_shape = nodes[ins[0].name].shape if ins else None
         hidden = Shard(len(in_shape) - 1) if in_shape else None  # the hidden (last) dim
         on_sequence = [s for s in strategies[node.name] if s.name == "sharded" and s.output == seq]
-        if kind == "linear" and arriving and arriving[0] == hidden and "row" in options:
+        if node.name in routers:  # Megatron-LM keeps the router whole on every TP rank
+            chosen = options["replicate"]
+        elif kind == "linear" and arriving and arriving[0] == hidden and "row" in options:
             chosen = options["row"]
         elif kind == "linear" and "column" in options and (
                 node.name in tied or node.name in heads or roles.get(node.name) == "in"):
@@ -58,10 +66,41 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
                                                             "vocab_parallel")
                                                  or s.reads_size)]
             chosen = same[-1] if same else options["replicate"]
-        completed = seq if sequence_parallel else REPLICATE  # where a partial sum is completed
+        # where a partial sum is completed: sequence shards of the residual stream under SP;
+        # an all-reduce elsewhere (an MoE block's (tokens, h) rows have no sequence dim)
+        completed = seq if sequence_parallel and shape == residual else REPLICATE
         placement[node.name] = completed if chosen.output.is_partial else chosen.output
         out[node.name] = chosen.key
     return out
+
+
+def moe_routers(traced: TracedModel) -> set[str]:
+    """The Linears of the layers whose output reaches a top-k through no other projection
+    and not through the residual stream: an MoE block's router (gate), which Megatron-LM
+    keeps whole on every TP rank (``TopKRouter``'s weight is not tensor-parallel). A
+    router written as ``F.linear`` on a parameter is not a Linear node and stays whole
+    by the pass-through rule."""
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    found = set()
+    for names in traced.layers:
+        members, width = set(names), traced.nodes[names[-1]].shape
+        for name in names:
+            if traced.nodes[name].kind != "linear":
+                continue
+            frontier, seen = list(by_name[name].users), set()
+            while frontier:
+                n = frontier.pop()
+                info = traced.nodes.get(n.name)
+                if (n.name in seen or n.name not in members or info.kind == "linear"
+                        or n.target is aten.linear.default
+                        or (info.kind == "add" and info.shape == width)):
+                    continue  # another projection, or the residual stream
+                seen.add(n.name)
+                if "topk" in getattr(n.target, "__name__", str(n.target)):
+                    found.add(name)
+                    break
+                frontier.extend(n.users)
+    return found
 
 
 def linear_roles(traced: TracedModel) -> dict[str, str]:

@@ -30,7 +30,7 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
    re-pricing of its exact tp/pp/dp, placements, stages and recompute), so an edited plan
    (tp=2 over placements made for tp=1) fails instead of verifying a program that is not
    the one the plan describes;
-8. when an fp32 report fails by gradient or parameter differences alone, measures how far
+8. when an fp32 report fails by loss, gradient or parameter differences alone, measures how far
    the fp32 reference itself is from the same training in fp64
    (:func:`autopar.verify.noise.fp32_noise`): a tensor within a fixed multiple of that
    rounding noise passes (cancelling sums, ReLU kinks);
@@ -284,7 +284,8 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
         _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
     if initial is not None and report.failed_by_differences_only():
         noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor)
-        for grad_noise, param_noise in noise:
+        for step_loss, (loss_noise, grad_noise, param_noise) in zip(report.losses, noise):
+            step_loss.noise = loss_noise
             for key, diff in report.params.items():
                 diff.grad_noise.append(grad_noise[key])
                 diff.param_noise.append(param_noise[key])

@@ -10,12 +10,12 @@ that is far below ``Tolerances.grad`` (1e-5 relative), but not for all:
 * a kink (ReLU) turns a rounding difference in a pre-activation near 0 into a unit that is
   on in one program and off in the other.
 
-So when an fp32 report fails only by gradient or parameter differences, :func:`fp32_noise`
+So when an fp32 report fails only by loss, gradient or parameter differences, :func:`fp32_noise`
 trains the single-device model again from the same initial state on the same batches in
 fp64 and measures, per tensor and step, how far the fp32 reference itself is from it
 (the relative measure of :mod:`autopar.verify.result`). A tensor passes when its
 difference is within ``max(tolerance, NOISE_FACTOR · that noise)``
-(:meth:`~autopar.verify.result.ParamDiff.excess`): the parallel program is then as close
+(:meth:`~autopar.verify.result.ParamDiff.excess`; the loss alike): the parallel program is then as close
 to the reference as the reference is to exact arithmetic, up to the factor. A real error
 (a missing all-reduce, a wrong slice) is orders of magnitude past both. The fp64 run is
 local, deterministic and the same on every rank; it costs one more single-device training
@@ -56,8 +56,9 @@ def reference_step(model: nn.Module, optim: torch.optim.Optimizer,
 
 
 def fp32_noise(initial: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-               batches: Sequence[Batch], floor: float) -> list[tuple[dict[str, float], dict[str, float]]]:
-    """Per step, (gradient noise, parameter noise) by key: the relative difference between
+               batches: Sequence[Batch], floor: float) -> list[tuple[float, dict[str, float], dict[str, float]]]:
+    """Per step, (loss noise, gradient noise by key, parameter noise by key): the relative
+    difference between
     the fp32 single-device reference and the same training in fp64, both from ``initial``
     (the reference model before its first step, fp32; not modified) with ``optimizer`` on
     ``batches`` (each (idx, targets) of shape (B, s)). Both runs take
@@ -66,9 +67,10 @@ def fp32_noise(initial: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]],
     o32, o64 = optimizer(m32.parameters()), optimizer(m64.parameters())
     noise = []
     for batch in batches:
-        _, g32 = reference_step(m32, o32, batch)
-        _, g64 = reference_step(m64, o64, batch)
+        l32, g32 = reference_step(m32, o32, batch)
+        l64, g64 = reference_step(m64, o64, batch)
         p32 = {k: p.detach() for k, p in m32.named_parameters()}
         p64 = {k: p.detach() for k, p in m64.named_parameters()}
-        noise.append((relative_diff(g32, g64, {}, floor), relative_diff(p32, p64, {}, floor)))
+        noise.append((abs(l32 - l64) / max(abs(l64), 1e-30), relative_diff(g32, g64, {}, floor),
+                      relative_diff(p32, p64, {}, floor)))
     return noise

@@ -56,3 +56,36 @@ def test_the_cli_says_so_with_exit_2(capsys, monkeypatch):
             "--nodes", "1", "--global-batch-size", "4", "--seq-len", "16"]
     assert cli.main(argv) == 2
     assert "not a causal language model" in capsys.readouterr().err
+
+
+class CycleLM(nn.Module):
+    """Two layers run twice, the first pass under torch.no_grad() when ``stop`` (HRM's
+    inner cycles), else only a buffer under it (a rotary table's way)."""
+
+    def __init__(self, stop: bool) -> None:
+        super().__init__()
+        self.stop = stop
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.register_buffer("scale", torch.ones(32))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        with torch.no_grad():
+            scale = self.scale * 2
+            if self.stop:
+                for layer in self.layers:
+                    x = layer(x)
+        for layer in self.layers:
+            x = layer(x) * scale
+        return self.head(x)
+
+
+def test_a_no_grad_region_over_parameters_is_refused_where_it_is():
+    from autopar.graph.capture import trace_model
+
+    traced = trace_model(CycleLM(stop=False), 8)  # a buffer under no_grad: nothing to stop
+    assert traced.num_layers == 2
+    with pytest.raises(ValueError, match=r"runs aten.linear.* under torch.no_grad\(\) .at .*"
+                                         r"test_capture_checks.py"):
+        trace_model(CycleLM(stop=True), 8)

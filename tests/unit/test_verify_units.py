@@ -122,6 +122,11 @@ def test_a_difference_within_the_references_own_rounding_passes_and_past_it_fail
     report = _noisy_report(1e-6)  # 4e-5 > max(1e-5, 8e-6)
     assert not report.ok and report.failed_by_differences_only()
     assert "the fp32 reference's own rounding against fp64 is 1.0e-06" in report.failure_message()
+    loss = _noisy_report(1e-5)
+    loss.losses[0] = StepLoss(0, 4.0002, 4.0, 5e-5, noise=1e-6)  # past max(1e-5, 8e-6)
+    assert not loss.ok and "loss differs by 5.0e-05" in loss.failure_message()
+    loss.losses[0].noise = 1e-5
+    assert loss.ok
     nan = _noisy_report(1e-5)
     nan.params["lam"].grad[0] = float("nan")  # never within any noise
     assert not nan.ok
@@ -134,7 +139,8 @@ def test_fp32_noise_is_the_reference_against_fp64():
     batches = [(torch.randint(0, CONFIG.vocab_size, (2, 8)),) * 2 for _ in range(2)]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     noise = fp32_noise(model, lambda p: torch.optim.SGD(p, lr=0.1), batches, floor=1e-3)
-    assert len(noise) == 2 and set(noise[0][0]) == {k for k, _ in model.named_parameters()}
-    worst = max(max(g.values()) for g, _ in noise)
+    assert len(noise) == 2 and set(noise[0][1]) == {k for k, _ in model.named_parameters()}
+    assert all(0 <= loss < 1e-5 for loss, _, _ in noise)
+    worst = max(max(g.values()) for _, g, _ in noise)
     assert 0 < worst < 1e-4  # fp32 rounding: present, and small
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
