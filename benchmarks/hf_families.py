@@ -177,10 +177,12 @@ def _sized(cfg, sizes: dict, vocab: int, layers: int) -> dict:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= vocab:
             fields[key] = 0
-    kinds = getattr(cfg, "layer_types", None)  # a field of its own, not an alias
-    if ("layer_types" in getattr(type(cfg), "__dataclass_fields__", {})
-            and isinstance(kinds, (list, tuple)) and len(kinds) != layers):
+    own = getattr(type(cfg), "__dataclass_fields__", {})  # fields of its own, not aliases
+    kinds = getattr(cfg, "layer_types", None)
+    if "layer_types" in own and isinstance(kinds, (list, tuple)) and len(kinds) != layers:
         fields["layer_types"] = list(kinds[:layers])
+    if "mlp_layer_types" in own and isinstance(getattr(cfg, "mlp_layer_types", None), list):
+        fields["mlp_layer_types"] = ["sparse"] * layers  # every layer MoE (GLM-4.7-Flash ...)
     for key in ("ffn_config", "attn_config"):
         sub = getattr(cfg, key, None)
         if sub is not None and hasattr(sub, "to_dict"):

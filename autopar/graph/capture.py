@@ -22,7 +22,8 @@ from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
 from autopar.graph.export import export_logits, user_frame
 from autopar.graph.shared_reads import hoist_shared_reads
 
-__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm", "meta_buffers",
+__all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm",
+           "check_parameters_read", "meta_buffers",
            "cast_floating", "COMPUTE_DTYPES", "place_meta_devices"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # Plan.dtype -> torch
@@ -213,7 +214,25 @@ def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: s
             node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
     traced = annotate(gm, seq_len=seq_len, name=name, model=model)
     check_causal_lm(traced, type(model).__name__)
+    check_parameters_read(traced, model)
     return traced
+
+
+def check_parameters_read(traced: TracedModel, model: torch.nn.Module) -> None:
+    """Raise ValueError naming the parameters ``forward(idx)`` never reads at the traced
+    seq_len: the parallel program holds what the graph reads, so they would be dropped from
+    training, the optimizer and checkpoints (DeepSeek-V4's compressor position bias at a
+    sequence shorter than its compression window)."""
+    read = {p for info in traced.nodes.values() for p in info.params}
+    read |= set(traced.tied_params)
+    unread = [name for name, _ in model.named_parameters() if name not in read]
+    if unread:
+        shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+        raise ValueError(
+            f"{type(model).__name__}.forward(idx) never reads {len(unread)} of its parameters "
+            f"at seq_len={traced.seq_len} ({shown}): autopar's program holds only what the "
+            "forward reads, so they would leave training and its checkpoints; fix: plan at "
+            "the sequence length the model trains at, or remove the parameters")
 
 
 def check_causal_lm(traced: TracedModel, model_name: str) -> None:

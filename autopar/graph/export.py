@@ -166,7 +166,15 @@ def _export(model: nn.Module, seq_len: int):
     dynamic = {names[0]: {0: batch}}
     dynamic.update({k: ({0: batch} if isinstance(v, torch.Tensor) else None)
                     for k, v in kwargs.items()})
-    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    config = getattr(model, "config", None)
+    cache = getattr(config, "use_cache", None) if "use_cache" not in kwargs else None
+    if cache:  # a forward without use_cache that reads the config's (GraniteMoE): a cache
+        config.use_cache = False  # object in the output stops export
+    try:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    finally:
+        if cache:
+            config.use_cache = cache
 
 
 def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None

@@ -283,7 +283,11 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
             break
         _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
     if initial is not None and report.failed_by_differences_only():
-        noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor)
+        try:
+            noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor)
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # an op without fp64
+            report.noise_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            noise = []  # local and deterministic: every rank alike
         for step_loss, (loss_noise, grad_noise, param_noise) in zip(report.losses, noise):
             step_loss.noise = loss_noise
             for key, diff in report.params.items():

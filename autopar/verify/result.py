@@ -182,6 +182,7 @@ class VerifyReport:
     nonfinite: every NaN/inf seen, in step order (any one fails the report).
     claims: why the plan's recorded prediction does not describe its own decisions (""
         when it does; :func:`autopar.verify.claims.claim_problem`).
+    noise_error: see the field.
     """
 
     layout: str
@@ -192,6 +193,9 @@ class VerifyReport:
     params: dict[str, ParamDiff] = field(default_factory=dict)
     nonfinite: list[NonFinite] = field(default_factory=list)
     claims: str = ""
+    noise_error: str = ""
+    """why the fp64 re-run of :mod:`autopar.verify.noise` could not run (an op with no
+    fp64 kernel, e.g. grouped_mm); "" when it ran or was not needed"""
 
     # ------------------------------------------------------------------ summaries
     @property
@@ -252,7 +256,7 @@ class VerifyReport:
         (parameters worst first)."""
         return _json_safe({
             "ok": self.ok, "layout": self.layout, "optimizer": self.optimizer,
-            "nonfinite": [asdict(n) for n in self.nonfinite], "claims": self.claims,
+            "nonfinite": [asdict(n) for n in self.nonfinite], "claims": self.claims, "noise_error": self.noise_error,
             "steps": self.steps, "tolerances": asdict(self.tolerances),
             "max_loss_diff": self.max_loss_diff, "max_grad_diff": self.max_grad_diff,
             "max_param_diff": self.max_param_diff,
@@ -324,6 +328,9 @@ class VerifyReport:
             if what:
                 parts.append(f"parameter {p.key!r} (pipeline stage "
                              f"{','.join(map(str, p.stages))}): " + ", ".join(what))
+        if self.noise_error:
+            parts.append("the fp64 re-run that measures fp32's own rounding could not run "
+                         f"({self.noise_error})")
         return (f"autopar verify failed for {self.layout}: " + "; ".join(parts)
                 + ". The parallel program does not compute what the single-device model does; "
                   "see .report.table() for every parameter")
