@@ -181,8 +181,10 @@ def _sized(cfg, sizes: dict, vocab: int, layers: int) -> dict:
     kinds = getattr(cfg, "layer_types", None)
     if "layer_types" in own and isinstance(kinds, (list, tuple)) and len(kinds) != layers:
         fields["layer_types"] = list(kinds[:layers])
-    if "mlp_layer_types" in own and isinstance(getattr(cfg, "mlp_layer_types", None), list):
-        fields["mlp_layer_types"] = ["sparse"] * layers  # every layer MoE (GLM-4.7-Flash ...)
+    mlp_kinds = getattr(cfg, "mlp_layer_types", None)
+    sparse = [k for k in mlp_kinds or [] if k != "dense"] if "mlp_layer_types" in own else []
+    if sparse:  # every layer MoE, in the family's own word ("sparse", "moe")
+        fields["mlp_layer_types"] = [max(set(sparse), key=sparse.count)] * layers
     for key in ("ffn_config", "attn_config"):
         sub = getattr(cfg, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
