@@ -14,8 +14,7 @@ nanoGPT-style single file ``examples/nanogpt_model.py`` — this script
    and selective recompute where TP is on;
 
 and writes ``reports/model_zoo.md``: one row per family, with the op that stopped it
-where one did; families beyond the list (:data:`EXTRA`, from their default configs) get
-tp2 and tp2·pp2. Run: ``python benchmarks/model_zoo.py`` (about 30 minutes on 2 cores;
+where one did, keeping the report's section on every other family. Run: ``python benchmarks/model_zoo.py`` (about 30 minutes on 2 cores;
 ``--no-verify`` for the planning half only, seconds per family).
 
 ``--all`` instead walks every causal-LM family ``transformers`` ships
@@ -28,7 +27,6 @@ the dense ones).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -83,37 +81,6 @@ def _hf(name: str, d: dict):
     return model_cls(config_cls(**common))
 
 
-# families beyond the issue's list, built from their config class's defaults with the tiny
-# or wide sizes set on whichever of these fields the class has (``--extra``)
-EXTRA = ["bloom", "falcon", "gptj", "gpt_bigcode", "stablelm", "starcoder2", "olmo", "qwen3",
-         "gemma2", "phi", "mixtral", "granite", "cohere"]
-
-
-def _hf_extra(model_type: str, d: dict):
-    """``model_type``'s default config (transformers) at the sizes of ``d``, dropout off."""
-    import transformers as tf
-
-    cfg = tf.AutoConfig.for_model(model_type)
-    h, a = d["hidden"], d["heads"]
-    kv = a if model_type == "falcon" else d["kv_heads"]  # Falcon-7B's layout: kv = heads
-    sizes = dict(hidden_size=h, num_attention_heads=a, num_hidden_layers=d["layers"],
-                 intermediate_size=d["ffn"], ffn_hidden_size=d["ffn"], n_inner=d["ffn"],
-                 vocab_size=d["vocab"], max_position_embeddings=d["positions"],
-                 num_key_value_heads=kv, num_kv_heads=kv, head_dim=h // a,
-                 rotary_dim=h // a // 2, num_local_experts=2)
-    for key, value in sizes.items():
-        if hasattr(cfg, key) or key in getattr(cfg, "attribute_map", {}):
-            with contextlib.suppress(AttributeError):  # a derived, read-only property
-                setattr(cfg, key, value)
-    for key in dir(cfg):
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(getattr(cfg, key, None), float):
-            setattr(cfg, key, 0.0)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= d["vocab"]:
-            setattr(cfg, key, 0)
-    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-
-
 def _autopar_gpt(d: dict):
     from autopar.models import GPT, GPTConfig
 
@@ -144,8 +111,6 @@ def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
             return _autopar_gpt(d)
         if family == "nanogpt":
             return _nanogpt(d)
-        if family in EXTRA:
-            return _hf_extra(family, d)
         return _hf(family, d)
 
 
@@ -285,8 +250,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-verify", action="store_true", help="planning only")
     parser.add_argument("--families", nargs="*", default=FAMILIES)
-    parser.add_argument("--extra", nargs="*", default=EXTRA,
-                        help="families beyond the list, verified at tp2 and tp2·pp2 only")
     parser.add_argument("--out", default=str(ROOT / "reports" / "model_zoo.md"))
     parser.add_argument("--all", action="store_true",
                         help="every causal-LM family of transformers at tp2 instead "
@@ -306,23 +269,19 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     rows = []
-    for family in args.families + args.extra:
+    for family in args.families:
         try:
             wide = plan_wide(family)
             pattern = "Megatron" if not wide["broken"] else "differs: " + ", ".join(wide["broken"][:3])
             planned = f"{wide['plan_s']:.1f} s, {wide['nodes']} nodes"
         except Exception as exc:
             pattern, planned = "—", "stopped: " + _first_line(exc)
-        run = list(LAYOUTS) if family in args.families else ["tp2", "tp2·pp2"]
-        cells = [] if args.no_verify else [verify_tiny(family, name) if name in run else "not run"
-                                           for name in LAYOUTS]
+        cells = [] if args.no_verify else [verify_tiny(family, name) for name in LAYOUTS]
         rows.append((family, planned, pattern, *cells))
         print(" | ".join(rows[-1]), flush=True)
     head = ["family", "capture + plan (wide, tp=2, 8×A100)", "TP placements"]
     head += [] if args.no_verify else [f"verify {name}" for name in LAYOUTS]
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ours = [r for r in rows if r[0] in args.families]
-    extra = [r for r in rows if r[0] not in args.families]
     lines = ["# Model zoo", "",
              f"`python benchmarks/model_zoo.py` (torch {torch.__version__}, transformers "
              f"{transformers.__version__}). Wide: h = {WIDE['hidden']}, {WIDE['heads']} heads "
@@ -331,16 +290,15 @@ def main(argv: list[str] | None = None) -> None:
              "against one process (max relative gradient difference); TP layouts with "
              "sequence parallelism and selective recompute; pp2·v2: the interleaved "
              "schedule on 4 layers.", "", *table]
-    lines += ["| " + " | ".join(row) + " |" for row in ours]
-    if extra:
-        lines += ["", "## Families beyond the list", "",
-                  "Each family's default `transformers` config with the tiny/wide sizes set "
-                  "(`_hf_extra`), verified at tp2 and tp2·pp2.", "", *table]
-        lines += ["| " + " | ".join(row) + " |" for row in extra]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += bf16_notes([row[0] for row in rows if any(
         "bf16" in name and not cell.startswith(("ok", "not run"))
         for name, cell in zip(LAYOUTS, row[3:]))])
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    from benchmarks.hf_families import MARKER
+
+    out = Path(args.out)
+    kept = MARKER + out.read_text().split(MARKER)[1] if out.exists() and MARKER in out.read_text() else ""
+    out.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print(f"wrote {args.out}")
 
 
