@@ -262,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.all:
         from benchmarks.hf_families import all_families_section, earlier_rows, write_section
 
-        keep = earlier_rows(args.out) if args.retry else {}
-        write_section(args.out, all_families_section(args.groups, keep=keep))
+        keep = earlier_rows(args.out) if args.retry or args.no_verify else {}
+        write_section(args.out, all_families_section(args.groups, keep=keep,
+                                                     run=not args.no_verify))
         print(f"wrote {args.out}")
         return
     import transformers
