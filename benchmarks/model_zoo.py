@@ -116,13 +116,16 @@ def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
 
 def megatron_pattern(traced, placements: dict[str, str]) -> list[str]:
     """The Linears whose placement breaks Megatron's pattern ("in" by columns, "out" by
-    rows); empty when the plan follows it."""
-    from autopar.planner.megatron import linear_roles
+    rows, an MoE router whole); empty when the plan follows it."""
+    from autopar.planner.megatron import linear_roles, moe_routers
 
+    routers = moe_routers(traced)
     want = {"in": "column", "out": "row"}
+    roles = {name: "router" if name in routers else role
+             for name, role in linear_roles(traced).items()}
     return [f"{name} ({role}: {placements[name].split(':')[0]})"
-            for name, role in linear_roles(traced).items()
-            if placements[name].split(":")[0] != want[role]]
+            for name, role in roles.items()
+            if placements[name].split(":")[0] != want.get(role, "replicate")]
 
 
 def plan_wide(family: str) -> dict:
