@@ -281,6 +281,16 @@ def _verify_rank(rank: int, world: int, model_type: str, plan) -> dict:
     return verify(build_family(model_type), plan).to_dict()
 
 
+def planned(model_type: str) -> str:
+    """:func:`solver_pattern`, or "stopped: <typed error>" where planning stopped."""
+    from benchmarks.model_zoo import _first_line
+
+    try:
+        return solver_pattern(model_type)
+    except Exception as exc:  # the planning half's typed error
+        return f"stopped: {type(exc).__name__}: {_first_line(exc)}"
+
+
 def verify_family(model_type: str) -> tuple[str, str]:
     """(the solver's TP placements: "Megatron" or the Linears that differ, the outcome of
     verifying Megatron-LM's tp2 layout against one process: "ok (max grad diff)" or
@@ -289,10 +299,7 @@ def verify_family(model_type: str) -> tuple[str, str]:
     from benchmarks.hf_families import _verify_rank  # importable by the spawned ranks
     from benchmarks.model_zoo import _first_line
 
-    try:
-        pattern = solver_pattern(model_type)
-    except Exception as exc:  # the planning half's typed error
-        pattern = f"stopped: {type(exc).__name__}: {_first_line(exc)}"
+    pattern = planned(model_type)
     try:
         report = launch(_verify_rank, 2, model_type, megatron_tp2(model_type), timeout_s=300,
                         pg_timeout_s=60)[0]
@@ -329,25 +336,27 @@ def all_families_section(groups: list[str], log=print,
     in ``groups`` verified by :func:`verify_family`, the others with their reason, and
     the share of each group that verifies. ``keep``: earlier rows (:func:`earlier_rows`)
     whose verification is taken as it is when it passed (``--retry``), or whatever it was
-    when ``run`` is False (``--no-verify``: the table re-rendered, nothing verified)."""
+    when ``run`` is False (``--no-verify``: planned again, nothing verified); a family
+    outside ``groups`` keeps its earlier row."""
     import transformers
 
     rows = []
     for family in causal_lm_families():
         old = (keep or {}).get(family.model_type)
-        if family.group in groups and old and (old[4].startswith("ok") or not run):
-            row = (family.model_type, family.group, *old[2:])
-        elif family.group in groups and not run:
-            row = (family.model_type, family.group, "", "—", "not run")
-        elif family.group == "out of scope":
+        if family.group == "out of scope":
             row = (family.model_type, family.group, family.reason, "—", "not run")
-        elif family.group not in groups:
-            row = (family.model_type, family.group, "", "—", "not run")
+        elif family.group not in groups:  # another run's row, or none
+            row = (family.model_type, family.group, *old[2:]) if old else (
+                family.model_type, family.group, "", "—", "not run")
         elif family.reason:  # the tiny model does not build
             row = (family.model_type, family.group, "", "—", f"stopped: {family.reason}")
+        elif not run:  # planned again; the verification as the report had it
+            row = (family.model_type, family.group, "", planned(family.model_type),
+                   old[4] if old else "not run")
+        elif old and old[4].startswith("ok"):
+            row = (family.model_type, family.group, *old[2:])
         else:
-            pattern, outcome = verify_family(family.model_type)
-            row = (family.model_type, family.group, "", pattern, outcome)
+            row = (family.model_type, family.group, "", *verify_family(family.model_type))
         rows.append(row)
         log(" | ".join(row))
     totals = []
