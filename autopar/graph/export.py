@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # public, not _private
 
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
 from autopar.graph.repeat import EXPORTED_LAYERS, cut_stack, layer_stack, repeat_last_layer
@@ -183,6 +184,7 @@ def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
     ``repeat`` (stack path, layer count): ``ep`` is of the cut stack, whose last layer is
     repeated up to the count (:func:`~autopar.graph.repeat.repeat_last_layer`); None when
     its checks fail."""
+    _check_static_shapes(ep)
     sig = ep.graph_signature
     state = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     constants = getattr(sig, "inputs_to_lifted_tensor_constants", {})
@@ -282,6 +284,20 @@ def _is_batch(node: fx.Node, idx: fx.Node) -> bool:
     val, batch = node.meta.get("val"), idx.meta["val"].shape[0]
     return isinstance(val, torch.SymInt) and isinstance(batch, torch.SymInt) \
         and val.node.expr == batch.node.expr
+
+
+def _check_static_shapes(ep) -> None:
+    """Refuse a graph whose shapes depend on the data (a size read from a tensor's values:
+    JetMoE's ``split`` by the tokens routed to each expert): autopar prices and shards
+    static shapes. Raises ValueError naming the first such op and its source line."""
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
+            raise ValueError(
+                f"forward computes a tensor whose shape depends on the data ({node.target}, "
+                f"shape {tuple(val.shape)}, at {_user_line(node.meta.get('stack_trace') or '')}"
+                "): autopar plans and shards static shapes; fix: route with fixed-size "
+                "tensors (a capacity per expert, or the grouped/batched experts kernels)")
 
 
 def _check_no_grad_region(node: fx.Node, body: fx.GraphModule, parameters: set[str]) -> None:

@@ -89,3 +89,27 @@ def test_a_no_grad_region_over_parameters_is_refused_where_it_is():
     with pytest.raises(ValueError, match=r"runs aten.linear.* under torch.no_grad\(\) .at .*"
                                          r"test_capture_checks.py"):
         trace_model(CycleLM(stop=True), 8)
+
+
+class SplitByCountLM(nn.Module):
+    """A layer that splits its tokens by counts read from the data (JetMoE's dispatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        counts = torch.stack([(idx < 32).sum(), (idx >= 32).sum()]).tolist()
+        for layer in self.layers:
+            pieces = layer(x).flatten(0, 1).split(counts)
+            x = torch.cat([pieces[0] * 2, pieces[1]]).view_as(x)
+        return self.head(x)
+
+
+def test_shapes_read_from_the_data_are_refused_where_they_are():
+    from autopar.graph.capture import trace_model
+
+    with pytest.raises(ValueError, match=r"shape depends on the data .*test_capture_checks.py"):
+        trace_model(SplitByCountLM(), 8)
