@@ -110,8 +110,8 @@ def causal_lm_families() -> list[Family]:
             model = build_family(model_type, device="meta")
         except Exception as exc:  # counted unless transformers cannot build it either
             reason = _default_build_error(model_type, cfg)
-            families.append(Family(model_type, cls, "out of scope" if reason else "dense",
-                                   reason or f"tiny build: {_first(exc)}"))
+            group = "out of scope" if reason else "hybrid" if _recurrent_config(cfg) else "dense"
+            families.append(Family(model_type, cls, group, reason or f"tiny build: {_first(exc)}"))
             continue
         moe = any("expert" in name.lower() for name, _ in model.named_modules())
         group = "hybrid" if _recurrent(model) else "moe" if moe else "dense"
@@ -132,6 +132,14 @@ def _recurrent(model: torch.nn.Module) -> bool:
     a Linear)."""
     return any(isinstance(m, torch.nn.Conv1d) or any(k in type(m).__name__ for k in RECURRENT)
                for m in model.modules())
+
+
+def _recurrent_config(cfg) -> bool:
+    """Whether ``cfg``'s per-layer kinds name a recurrent, state-space or linear-attention
+    layer (for a family whose tiny model does not build, so :func:`_recurrent` cannot look)."""
+    kinds = [str(k) for key in ("layer_types", "layers_block_type")
+             for k in (getattr(cfg, key, None) or [])]
+    return any(w in k for k in kinds for w in ("linear", "mamba", "hybrid", "recurrent", "conv"))
 
 
 def _default_build_error(model_type: str, cfg) -> str:

@@ -102,9 +102,14 @@ FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "gemma", "ph
 def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
           layers: int | None = None) -> torch.nn.Module:
     """A ``family`` model of ``size`` "tiny" (verification) or "wide" (planning), seeded;
-    ``layers`` overrides the size's depth (2)."""
+    ``layers`` overrides the size's depth (2). A family outside :data:`FAMILIES` is any
+    causal-LM model type of transformers (:func:`benchmarks.hf_families.build_family`)."""
     d = dict(TINY if size == "tiny" else WIDE)
     d["layers"] = layers or d["layers"]
+    if family not in FAMILIES:  # any other causal-LM family of transformers, as --all builds it
+        from benchmarks.hf_families import build_family
+
+        return build_family(family, device=device, d=d, seed=seed)
     torch.manual_seed(seed)
     with torch.device(device):
         if family == "autopar-gpt":
