@@ -161,7 +161,7 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
         try:
             return _annotated(model, gm, seq_len, name)
         except (ValueError, TraceError):  # traced, but not to (b, s, V) logits, or to a
-            pass  # graph whose shapes do not propagate: a branch fx baked (Gemma 4's GQA)
+            pass  # graph whose shapes do not propagate (a branch fx baked): export decides
     return _annotated(model, export_logits(model, seq_len, TraceError), seq_len, name)
 
 

@@ -64,8 +64,7 @@ from autopar.runtime.materialize import InitFn, init_model, on_meta
 from autopar.verify.claims import claim_problem
 from autopar.verify.noise import fp32_noise, reference_step
 from autopar.verify.result import (NonFinite, ParamDiff, StepLoss, Tolerances, VerificationError,
-                                   relative_diff,
-                                   VerifyReport, finite_or_inf)
+                                   VerifyReport, finite_or_inf, relative_diff)
 
 __all__ = ["verify", "full_gradients", "disable_dropout", "default_batches", "first_nonfinite",
            "Tolerances", "VerifyReport", "VerificationError"]
