@@ -51,7 +51,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # publi
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
 from autopar.graph.repeat import EXPORTED_LAYERS, cut_stack, layer_stack, repeat_last_layer
 
-__all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "TARGET_ARGS"]
+__all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "user_frames",
+           "TARGET_ARGS"]
 
 aten = torch.ops.aten
 
@@ -320,19 +321,25 @@ def _check_no_grad_region(node: fx.Node, body: fx.GraphModule, parameters: set[s
             continue
         raise ValueError(
             f"forward runs {inner.target} on the model's parameters under torch.no_grad() "
-            f"(at {_user_line(inner.meta.get('stack_trace') or '')}): autopar's program computes and prices every op with its "
-            "gradient, so it would train what the model does not; fix: move the no_grad "
+            f"(at {_user_line(inner.meta.get('stack_trace') or '')}): autopar's program "
+            "computes and prices every op with its gradient, so it would train what the model does not; fix: move the no_grad "
             "region out of forward, or train the model without it (e.g. every cycle with "
             "gradients)")
 
 
-def _user_line(stack_trace: str) -> str:
-    """The innermost frame of an fx ``stack_trace`` outside torch, as "file:line: code"."""
+def user_frames(stack_trace: str) -> list[tuple[str, str]]:
+    """The frames of an fx node's ``stack_trace`` outside torch and autopar, innermost
+    last, each ("File ..., line N, in f", "code"); every frame when none is outside."""
     lines = stack_trace.strip().splitlines()
     frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
               for i in range(len(lines)) if lines[i].strip().startswith("File ")]
-    user = [f for f in frames if "/torch/" not in f[0]] or frames
-    return f"{user[-1][0]}: `{user[-1][1]}`" if user else "<unknown location>"
+    return [f for f in frames if "/torch/" not in f[0] and "/autopar/" not in f[0]] or frames
+
+
+def _user_line(stack_trace: str) -> str:
+    """The innermost user frame of an fx ``stack_trace`` as "file:line: `code`"."""
+    frames = user_frames(stack_trace)
+    return f"{frames[-1][0]}: `{frames[-1][1]}`" if frames else "<unknown location>"
 
 
 def _reads_parameter(arg, parameters: set[str]) -> bool:

@@ -14,6 +14,7 @@ import math
 from ortools.sat.python import cp_model
 
 from autopar.graph.annotate import TracedModel
+from autopar.graph.export import user_frames
 from autopar.planner.step import PARAM_UNIT
 from autopar.planner.strategies import tied_groups
 
@@ -86,9 +87,8 @@ def _source(traced: TracedModel, name: str) -> str:
     """", at <file:line of the user's code>" of node ``name`` (its innermost frame outside
     torch and autopar) when fx recorded one."""
     node = next((n for n in traced.gm.graph.nodes if n.name == name), None)
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines() if node is not None else []
-    frames = [line.strip() for line in trace if line.strip().startswith("File ")
-              and "/torch/" not in line and "/autopar/" not in line]  # the user's frames
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    frames = [f for f, _ in user_frames(trace) if "/torch/" not in f and "/autopar/" not in f]
     return f", at {frames[-1]}" if frames else ""
 
 
