@@ -15,7 +15,12 @@ it follows named:
   ``nn.ModuleDict`` keyed "0", "1", ...; ``init_weights(buffer_device)`` recomputes the
   table (torchtitan calls it after ``to_empty``).
 
-Both are causal LMs with ``forward(idx (b, s)) -> logits (b, s, V)``. Built under
+* :class:`LoopedLM`, after Hugging Face's Dory (``models/dory/modeling_dory.py``) and other
+  looped-depth models: the same layers run twice, so each Linear is called twice; its
+  forward branches on the sequence length, so ``torch.export`` captures it, not
+  ``symbolic_trace``, and draws random numbers in training (input jitter).
+
+All are causal LMs with ``forward(idx (b, s)) -> logits (b, s, V)``. Built under
 ``torch.device("meta")`` their buffers are on meta too: only the stacks' own hooks can
 compute them.
 """
@@ -28,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["StackConfig", "LitStyleGPT", "TitanStyleLlama"]
+__all__ = ["StackConfig", "LitStyleGPT", "TitanStyleLlama", "LoopedLM"]
 
 
 @dataclass(frozen=True)
@@ -239,4 +244,30 @@ class TitanStyleLlama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+class LoopedLM(nn.Module):
+    """Looped depth (module docstring): ``loops`` passes through the same titan-style
+    layers; the branch on ``tokens.size(1)`` stops ``symbolic_trace``."""
+
+    def __init__(self, cfg: StackConfig, loops: int = 2) -> None:
+        super().__init__()
+        self.config, self.loops = cfg, loops
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.register_buffer("freqs_cis", _precompute_freqs_cis(
+            cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_base), persistent=False)
+        self.layers = nn.ModuleList(_TitanBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=1e-5)
+        self.output = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if tokens.size(1) > 1:  # a Python branch on a size: export follows it, fx cannot
+            h = h * 1.0
+        if self.training:  # input jitter, as PhiMoE's and Mixtral's routers draw in training
+            h = h * torch.empty_like(h).uniform_(0.99, 1.01)
+        for _ in range(self.loops):
+            for layer in self.layers:
+                h = layer(h, self.freqs_cis)
         return self.output(self.norm(h))

@@ -142,9 +142,10 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         mod = resolve(model, path) if path else None
         call = _leaf_call(gm, node, mod) if isinstance(mod, nn.Module) else None
         replaced = node
-        if call is not None and path not in used:
-            used.add(path)
-            _set_module(gm, path, _as_leaf(mod))
+        if call is not None:  # every call: a module run twice (a looped layer) is two nodes
+            if path not in used:
+                used.add(path)
+                _set_module(gm, path, _as_leaf(mod))
             users = list(node.users)
             if (_is_conv1d(mod) and call[0] is not node.args[1] and len(users) == 1
                     and packet(users[0].target) in (aten.view, aten.reshape)):

@@ -338,6 +338,14 @@ class _Rewriter:
             if path is None:
                 continue
             value = resolve(self.gm, node.target)
+            split = next((d for (pid, d) in self.shard_params if pid == id(value)), None)
+            if split is not None:
+                raise NotImplementedError(
+                    f"{', '.join(u.name for u in node.users)} reads the whole {node.target}, which "
+                    f"the plan splits along dim {split} for its module's call: its gradient would "
+                    "miss that read. Read the parameter through its module's own call (e.g. "
+                    "self.lm_head(x), not F.linear(x, self.lm_head.weight)), or pin that module "
+                    "replicated")
             name = "_".join(node.target.split(".")) + "_attr"
             if isinstance(value, nn.Parameter):
                 self.gm.register_parameter(name, value)

@@ -243,7 +243,9 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
         (Adam amplifies rounding of near-zero gradients; loosen ``tolerances.param``).
     seed / batches: the seeded random batches of :func:`default_batches`, or your own
         ``steps`` pairs (idx, targets) of shape (B, s) int64; ``seed`` also initialises a
-        meta model.
+        meta model, and seeds torch's default RNG with ``seed + step`` before each side's
+        step, so that random ops of a training forward (a router's jitter or sampling,
+        replicated over TP) draw alike on both sides.
     tolerances: default :meth:`Tolerances.for_dtype` of ``plan.dtype``.
     Returns the :class:`VerifyReport` (the same on every rank).
 
@@ -275,11 +277,13 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     report.claims = claim_problem(model, plan)  # local and deterministic: the same on every rank
     for step, (idx, targets) in enumerate(batches):
         try:
+            torch.manual_seed(seed + step)  # the reference step draws from the same state
             loss = pm.train_step(idx, targets)
         except NonFiniteError as exc:  # raised on every rank alike, before the update
             report.nonfinite.append(NonFinite(step, "loss or gradient norm",
                                               "parallel program", str(exc)))
             break
+        torch.manual_seed(seed + step)
         _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
     if initial is not None and report.failed_by_differences_only():
         try:

@@ -9,6 +9,10 @@ reads, recomputed by ``init_weights(buffer_device)``; layers in an ``nn.ModuleDi
 * plan and ``verify`` against one process at tp2, pp2 and tp2·pp2, from the meta device;
 * ``parallelize`` from the meta device gives shards whose gathered state equals
   ``autopar.init_model`` of the same meta model, bit for bit;
+* a looped-depth model (``LoopedLM``: every layer runs twice, captured by export, random
+  input jitter in training) verifies at tp2 with Megatron's placements: both calls of a
+  Linear train its one shard, and verify draws the jitter from the same RNG state on both
+  sides;
 * the same models built under ``autopar.meta_parameters()`` (parameters on meta, the
   buffers computed by the constructor) give the same shards.
 """
@@ -23,7 +27,7 @@ import torch
 import autopar
 from dist_utils import run_distributed
 from helpers import fast_cluster
-from stack_models import LitStyleGPT, StackConfig, TitanStyleLlama
+from stack_models import LitStyleGPT, LoopedLM, StackConfig, TitanStyleLlama
 
 CONFIG = StackConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=32)
 SEQ, BATCH, SEED = 16, 4, 3
@@ -81,3 +85,23 @@ def test_stack_models_verify_and_shard_like_init_model(world):
             assert set(state) == set(want), (name, layout, how, set(state) ^ set(want))
             unequal = [k for k, v in want.items() if not torch.equal(state[k], v)]
             assert unequal == [], (name, layout, how, unequal)
+
+
+def _looped_rank(rank: int, world: int, plan) -> dict:
+    from autopar.verify.check import verify
+
+    torch.manual_seed(SEED)
+    return verify(LoopedLM(LOOPED), plan, steps=2, seed=SEED, raise_on_failure=False).to_dict()
+
+
+LOOPED = StackConfig(n_layer=2, n_head=4, n_embd=48, vocab_size=128, block_size=SEQ)
+
+
+def test_looped_layers_verify_at_tp2():
+    torch.manual_seed(SEED)
+    plan = autopar.evaluate(LoopedLM(LOOPED), fast_cluster(2), autopar.Layout(
+        tp=2, pp=1, dp=1, micro_batch_size=BATCH, dtype="fp32"), global_batch_size=BATCH,
+        seq_len=SEQ)
+    assert plan.placements["layers_0_feed_forward_w1_1"].startswith("column")  # the second call
+    report = run_distributed(_looped_rank, 2, plan, timeout_s=300)[0]
+    assert report["ok"] and report["max_grad_diff"] < 1e-5, report
