@@ -57,6 +57,9 @@ class NodeInfo:
         (:mod:`autopar.graph.attention`).
     per_sequence: the output grows with the batch (False for e.g. position embeddings).
     layer: transformer layer index or None; section: "pre" | "layer" | "post".
+    no_grad: the op runs in a ``torch.no_grad()`` region of forward (its output reaches the
+        rest through ``detach``, :func:`autopar.graph.export._inline`): it has no backward,
+        saves nothing for one and makes no gradient partial.
     """
 
     name: str
@@ -75,6 +78,7 @@ class NodeInfo:
     per_sequence: bool = True
     layer: int | None = None
     section: str = "pre"
+    no_grad: bool = False
     extra: dict = field(default_factory=dict)
 
     def saved_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES) -> float:
@@ -153,8 +157,8 @@ def last_saver_index(nodes: dict[str, NodeInfo], names: list[str]) -> int:
 
 
 def saves_inputs(info: NodeInfo) -> bool:
-    """Does this op keep its tensor inputs for backward?"""
-    return info.kind in _SAVES_INPUT or info.extra.get("saves_inputs", False)
+    """Does this op keep its tensor inputs for backward (never under ``no_grad``)?"""
+    return not info.no_grad and (info.kind in _SAVES_INPUT or info.extra.get("saves_inputs", False))
 
 
 def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -305,6 +309,7 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
             name=node.name, kind=kind, shape=shape, numel=numel,
             flops=_flops(node, kind, gm, numel), params=tuple(params),
             param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
+            no_grad=bool(node.meta.get("no_grad")),
             extra={"param_sizes": params,
                    "saves_inputs": packet(node.target) in SAVES_INPUTS and kind != "other",
                    **gemm_shapes(node, kind, gm, numel)},

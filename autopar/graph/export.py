@@ -233,10 +233,9 @@ def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
             env[node].meta.update(node.meta)
             continue
         if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-            _check_no_grad_region(node, getattr(src, node.args[1].target),
-                                  set(sig.inputs_to_parameters))
             env[node] = _inline(graph, getattr(src, node.args[1].target),
-                                [env[a] for a in node.args[2:]], node.meta)
+                                [env[a] for a in node.args[2:]], node.meta,
+                                no_grad=not node.args[0])
             continue
         if node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
             env[node] = env[node.args[0]][node.args[1]]
@@ -301,32 +300,6 @@ def _check_static_shapes(ep) -> None:
                 "tensors (a capacity per expert, or the grouped/batched experts kernels)")
 
 
-def _check_no_grad_region(node: fx.Node, body: fx.GraphModule, parameters: set[str]) -> None:
-    """Refuse a ``torch.no_grad()`` region of the forward (export's
-    ``wrap_with_set_grad_enabled(False, body, *inputs)``) that reads a parameter or a value
-    computed from one: inlined, its ops would pass gradients the model stops (HRM's inner
-    cycles); a region of buffers and constants (a rotary table under ``@torch.no_grad()``)
-    has no gradient to stop and is inlined. Raises ValueError naming the first op of the
-    region that reads one, with its source line."""
-    if node.args[0]:  # grad enabled: nothing to stop
-        return
-    reads = [_reads_parameter(arg, parameters) for arg in node.args[2:]]
-    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-    depends = {n for n, r in zip(inputs, reads) if r}
-    for inner in body.graph.nodes:
-        if inner.op != "call_function" or not any(a in depends for a in inner.all_input_nodes):
-            continue
-        depends.add(inner)
-        if inner.target in _DROPPED:
-            continue
-        raise ValueError(
-            f"forward runs {inner.target} on the model's parameters under torch.no_grad() "
-            f"(at {_user_line(inner.meta.get('stack_trace') or '')}): autopar's program "
-            "computes and prices every op with its gradient, so it would train what the model does not; fix: move the no_grad "
-            "region out of forward, or train the model without it (e.g. every cycle with "
-            "gradients)")
-
-
 def user_frames(stack_trace: str) -> list[tuple[str, str]]:
     """The frames of an fx node's ``stack_trace`` outside torch and autopar, innermost
     last, each ("File ..., line N, in f", "code"); every frame when none is outside."""
@@ -342,37 +315,43 @@ def _user_line(stack_trace: str) -> str:
     return f"{frames[-1][0]}: `{frames[-1][1]}`" if frames else "<unknown location>"
 
 
-def _reads_parameter(arg, parameters: set[str]) -> bool:
-    """Whether export node ``arg`` is a parameter or is computed from one."""
-    seen, todo = set(), [arg]
-    while todo:
-        node = todo.pop()
-        if not isinstance(node, fx.Node) or node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and node.name in parameters:
-            return True
-        todo.extend(node.all_input_nodes)
-    return False
-
-
-def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict) -> tuple:
+def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict,
+            no_grad: bool = False) -> tuple:
     """Copy ``body``'s nodes into ``graph`` reading ``args``; returns its outputs. Used for
-    ``wrap_with_set_grad_enabled`` (e.g. rotary embeddings computed under ``no_grad``):
-    its inputs are positions and buffers, so nothing in it needs a gradient either way."""
+    ``wrap_with_set_grad_enabled``: a ``torch.no_grad()`` region of forward (``no_grad``)
+    has its nodes marked ``meta["no_grad"]`` (priced without a backward or saved
+    activations, :attr:`~autopar.graph.annotate.NodeInfo.no_grad`) and each tensor output
+    ``detach``-ed, so the program passes no gradient the model stops (DeepSeek-V3.2's
+    indexer scores, HRM's inner cycles) and computes the same values."""
     env: dict[fx.Node, fx.Node] = {}
     placeholders = iter(args)
     for node in body.graph.nodes:
         if node.op == "placeholder":
             env[node] = next(placeholders)
         elif node.op == "output":
-            return tuple(env[n] for n in node.args[0])
+            inputs = {id(a) for a in args}  # returned as they came in: their gradient flows, as in eager
+            outs = tuple(env[n] for n in node.args[0])
+            return tuple(_detached(graph, out) if no_grad and id(out) not in inputs else out
+                         for out in outs)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
             for key in ("nn_module_stack", "stack_trace"):
                 if key not in env[node].meta and key in meta:
                     env[node].meta[key] = meta[key]
+            if no_grad:
+                env[node].meta["no_grad"] = True
     raise ValueError("higher-order op body without an output")
+
+
+def _detached(graph: fx.Graph, out):
+    """``aten.detach(out)`` just after ``out``, for a tensor node."""
+    if not isinstance(out, fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
+        return out
+    with graph.inserting_after(out):
+        new = graph.call_function(aten.detach.default, (out,))
+    new.meta.update({k: v for k, v in out.meta.items() if k != "no_grad"})
+    new.meta["no_grad"] = True
+    return new
 
 
 def _place_attrs(graph: fx.Graph) -> None:

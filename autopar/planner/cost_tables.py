@@ -262,7 +262,7 @@ def step_end_s(traced: TracedModel, tables: CostTables, cluster: Cluster, cfg: C
 def _node_key(info) -> tuple:
     """Everything :func:`node_cost` reads of a node, hashable."""
     extra = info.extra
-    return (info.kind, info.flops, info.per_sequence, info.numel, info.param_numel,
+    return (info.kind, info.no_grad, info.flops, info.per_sequence, info.numel, info.param_numel,
             info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
             info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
             extra.get("score_passes_elems", 0),
@@ -292,10 +292,11 @@ def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: 
                 src_info = nodes[src.name]
                 outs = tuple(su.output for su in strategies[src.name])
                 wants = tuple(sv.inputs[j] for sv in options)
-                saves = saves_inputs(info)
+                saves, grad = saves_inputs(info), not info.no_grad
                 esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
-                                       saves), len(ids))
-                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves))
+                                       saves, grad), len(ids))
+                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves,
+                              grad))
             rows.append((node.name, info, sig, in_numel, edges))
         memo[key] = rows
     return memo[key]
@@ -322,13 +323,13 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
             memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
                           for st in strategies[name]]
         node_tab[name] = memo[nkey]
-        for src, j, esig, numel, per_sequence, saves in edges:
+        for src, j, esig, numel, per_sequence, saves, grad in edges:
             ekey = ("edge", tp, sp, scope, esig, b, act)
             if ekey not in memo:
                 nbytes = act * numel * (b if per_sequence else 1)
                 outs = tuple(su.output for su in strategies[src])
                 wants = tuple(sv.inputs[j] for sv in strategies[name])
-                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves)
+                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves, grad)
             edge_tab[(src, name, j)] = memo[ekey]
         if info.shape is not None:
             nbytes = act * info.numel * (b if info.per_sequence else 1)
@@ -348,7 +349,8 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     node_tab[out.name] = [loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
                                      cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
-    matmul = sum(i.flops for i in nodes.values() if i.kind in ("linear", "sdpa"))
+    matmul = sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values()
+                 if i.kind in ("linear", "sdpa"))  # forward + backward; no_grad: forward
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,
@@ -358,14 +360,17 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
 
 
 def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: bool,
-                saves: bool = False) -> dict:
+                saves: bool = False, grad: bool = True) -> dict:
     """{(ku, kv): EdgeCost | None} from producer output placements ``outs`` to consumer
     input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered);
-    ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`)."""
+    ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`);
+    ``grad`` False: the consumer runs under ``no_grad``, so no gradient crosses the edge."""
     table = {}
     for ku, src in enumerate(outs):
         for kv, dst in enumerate(wants):
             kinds = reshard_kinds(src, dst, sp)
+            if kinds is not None and not grad:
+                kinds = (kinds[0], None)
             kept = nbytes / (tp if dst.is_sharded else 1) if saves else 0.0
             table[(ku, kv)] = None if kinds is None else EdgeCost(
                 fwd_s=comm.collective_time_s(kinds[0], nbytes, tp, tp_link) if kinds[0] else 0.0,

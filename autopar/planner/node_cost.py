@@ -119,9 +119,11 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
         fwd = compute.elementwise_time_s(act_bytes * (in_numel + info.numel) * b / div, erf, dev)
         bwd = 2.0 * fwd
     rec = fwd
+    if info.no_grad:  # a torch.no_grad() region: no backward
+        bwd = 0.0
     if dispatches(info):  # the host's dispatch of the node: forward once, backward twice
         fwd = compute.dispatched_time_s(fwd, 1, dev)
-        bwd = compute.dispatched_time_s(bwd, 2, dev)
+        bwd = compute.dispatched_time_s(bwd, 0 if info.no_grad else 2, dev)
         rec = fwd + dev.recompute_overhead_s
     sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them);

@@ -24,7 +24,7 @@ arrives sharded becomes a reduce-scatter (:func:`f_kind`). Other transitions are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -212,6 +212,9 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
         twin = twins.get(node.name)
         out[node.name] = out[twin] if twin is not None else _strategies_for(
             node, traced.nodes[node.name], traced.nodes, gm, tp, sequence_parallel)
+        if traced.nodes[node.name].no_grad:  # no gradient: none is partial, no f
+            out[node.name] = [replace(s, partial_grad_inputs=(False,) * len(s.partial_grad_inputs))
+                              for s in out[node.name]]
     return out
 
 
@@ -226,7 +229,7 @@ def _layer_twins(traced: TracedModel) -> dict[str, str]:
 
     def signature(name: str) -> tuple:
         info = nodes[name]
-        return info.kind, info.shape, info.flops, info.param_numel, info.numel
+        return info.kind, info.no_grad, info.shape, info.flops, info.param_numel, info.numel
     model = [signature(n) for n in traced.layers[1]]
     twins: dict[str, str] = {}
     for layer in traced.layers[2:]:

@@ -81,14 +81,39 @@ class CycleLM(nn.Module):
         return self.head(x)
 
 
-def test_a_no_grad_region_over_parameters_is_refused_where_it_is():
+def test_a_no_grad_region_over_parameters_stops_gradients_as_eager():
+    """HRM's way: the region's ops are kept, marked ``no_grad`` (no backward, nothing saved,
+    priced forward only) and their outputs detached, so the captured graph's gradients are
+    the eager model's, bit for bit."""
+    from autopar.graph.annotate import saves_inputs
     from autopar.graph.capture import trace_model
+    from autopar.planner.node_cost import node_cost
+    from autopar.planner.strategies import node_strategies
 
     traced = trace_model(CycleLM(stop=False), 8)  # a buffer under no_grad: nothing to stop
     assert traced.num_layers == 2
-    with pytest.raises(ValueError, match=r"runs aten.linear.* under torch.no_grad\(\) .at .*"
-                                         r"test_capture_checks.py"):
-        trace_model(CycleLM(stop=True), 8)
+    torch.manual_seed(0)
+    model = CycleLM(stop=True)
+    traced = trace_model(model, 8)
+    region = [i for i in traced.nodes.values() if i.no_grad]
+    assert [i.kind for i in region if i.kind in ("linear", "detach")] == ["linear", "linear"]
+    assert sum(1 for n in traced.gm.graph.nodes if "detach" in n.name) == 2  # x and scale
+    assert not any(saves_inputs(i) for i in region)
+    first = region[[i.kind for i in region].index("linear")]
+    strategies = node_strategies(traced, 2)[first.name]
+    cost = node_cost(first, strategies[0], 1, CLUSTER, 2, 32 * 8, 4, "math")
+    assert cost.fwd_s > 0 and cost.bwd_s == 0
+    assert all(not any(s.partial_grad_inputs) for s in strategies)
+
+    idx = torch.randint(0, 64, (2, 8))
+    eager = {k: g for k, g in zip(dict(model.named_parameters()),
+                                   torch.autograd.grad(model(idx).sum(), list(model.parameters()),
+                                                       allow_unused=True))}
+    graph = dict(zip(dict(model.named_parameters()),
+                     torch.autograd.grad(traced.gm(idx).sum(), list(model.parameters()),
+                                         allow_unused=True)))
+    for key, g in eager.items():
+        assert (g is None) == (graph[key] is None) and (g is None or torch.equal(g, graph[key])), key
 
 
 class SplitByCountLM(nn.Module):
