@@ -319,7 +319,7 @@ class RepeatedLayerShapeProp(ShapeProp):
                 continue
             for node, twin in zip(by_layer[k], before):
                 same = node.op == twin.op and (
-                    type(modules.get(node.target)) is type(modules.get(twin.target))
+                    _module_shape(modules.get(node.target)) == _module_shape(modules.get(twin.target))
                     if node.op == "call_module" else node.target == twin.target)
                 if same:
                     self.previous[node] = twin
@@ -329,8 +329,9 @@ class RepeatedLayerShapeProp(ShapeProp):
     def run_node(self, n: fx.Node):
         twin = self.previous.get(n)
         if twin is not None and twin in self.outputs and "tensor_meta" in twin.meta:
-            def meta(a):
-                return fx.node.map_arg(a, lambda x: (x.meta.get("tensor_meta"), x.meta.get("type")))
+            def meta(a):  # a tensor by its metadata; a size or other value by itself
+                return fx.node.map_arg(a, lambda x: (x.meta["tensor_meta"], x.meta.get("type"))
+                                       if "tensor_meta" in x.meta else _plain(self.env.get(x)))
             if meta(n.args) == meta(twin.args) and meta(n.kwargs) == meta(twin.kwargs):
                 n.meta["tensor_meta"] = twin.meta["tensor_meta"]
                 n.meta["type"] = twin.meta.get("type")
@@ -341,3 +342,26 @@ class RepeatedLayerShapeProp(ShapeProp):
         if n in self.twinned:  # the interpreter frees env entries after their last use
             self.outputs[n] = result
         return result
+
+
+def _plain(value) -> object:
+    """``value`` where equality means the same value (an int, a size, a tuple of them), its
+    identity otherwise: a non-tensor argument of a repeated layer's op (Gemma 4's global
+    layers read sizes 512 where its sliding ones read 256) takes the twin's output only when
+    equal."""
+    if isinstance(value, (int, float, bool, str, type(None), torch.SymInt, torch.Size)):
+        return ("value", value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, bool, type(None))) for v in value):
+        return ("value", tuple(value))
+    return ("object", id(value))
+
+
+def _module_shape(module: nn.Module | None) -> tuple:
+    """What a module's output shape may depend on besides its inputs: its class, settings
+    (``extra_repr``) and the shapes of its own parameters and buffers (Gemma 4's global
+    layers project to 512-wide heads where its sliding ones project to 256)."""
+    if module is None:
+        return (None,)
+    tensors = [(n, tuple(t.shape)) for n, t in (*module.named_parameters(recurse=False),
+                                                 *module.named_buffers(recurse=False))]
+    return type(module), module.extra_repr(), tuple(tensors)

@@ -10,6 +10,8 @@ shown to happen (so a regression to op-by-op would also fail).
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 import autopar
@@ -35,7 +37,6 @@ def _small(spec: str):
                             ("vocab_size", 512)):
             if hasattr(config, name):
                 setattr(config, name, value)
-        import torch
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
     return autopar.load_model(spec)[0]
@@ -71,3 +72,34 @@ def test_strategies_once_per_layer_equal_node_by_node(spec, seq, monkeypatch):
     fast = [strategies.node_strategies(traced, tp, sp) for tp, sp in cases]
     monkeypatch.setattr(strategies, "_layer_twins", lambda traced: {})
     assert fast == [strategies.node_strategies(traced, tp, sp) for tp, sp in cases]
+
+
+class _WidthBlock(nn.Module):
+    def __init__(self, h: int, ffn: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(h), nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class WidthsLM(nn.Module):
+    """Layers of one class and one op sequence whose Linears differ in width (Gemma 4's
+    global layers have 512-wide heads where its sliding ones have 256)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(_WidthBlock(32, ffn) for ffn in (64, 128, 128))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_layer_of_other_widths_is_propagated_not_copied():
+    traced = trace_model(WidthsLM(), 8)
+    ups = [traced.nodes[n].shape for layer in traced.layers for n in layer if n.endswith("_up")]
+    assert ups == [(1, 8, 64), (1, 8, 128), (1, 8, 128)]
