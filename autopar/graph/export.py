@@ -49,6 +49,7 @@ from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # public, not _private
 
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
+from autopar.graph.functions import keep_functions, restore_calls
 from autopar.graph.repeat import EXPORTED_LAYERS, cut_stack, layer_stack, repeat_last_layer
 
 __all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "user_frames",
@@ -173,7 +174,10 @@ def _export(model: nn.Module, seq_len: int):
     if cache:  # a forward without use_cache that reads the config's (GraniteMoE): a cache
         config.use_cache = False  # object in the output stops export
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        with keep_functions() as calls:
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        restore_calls(ep.graph_module.graph, calls)  # the model's own autograd Functions
+        return ep
     finally:
         if cache:
             config.use_cache = cache
