@@ -12,7 +12,7 @@ import torch
 from autopar.graph.annotate import TracedModel
 from autopar.placement import REPLICATE, Shard
 from autopar.planner.strategies import (SEQUENCE_DIM, NodeStrategies, node_strategies,
-                                        tensor_inputs, tied_groups)
+                                        reshard_kinds, tensor_inputs, tied_groups)
 
 aten = torch.ops.aten
 
@@ -36,7 +36,10 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
     tied = {n for group in tied_groups(traced) for n in group}
     roles = linear_roles(traced)
     routers = moe_routers(traced)
-    heads = {n for n in traced.post if nodes[n].kind == "linear"}  # the LM head
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    vocab = (nodes[out_node.args[0].name].shape or (None,))[-1]
+    heads = {n for n in traced.post if nodes[n].kind == "linear"  # the LM head, not a
+             and (nodes[n].shape or (None,))[-1] == vocab}   # prediction head's dense before it
     residual = nodes[traced.layers[0][-1]].shape if traced.layers else None
     seq = Shard(SEQUENCE_DIM)
     for node in traced.gm.graph.nodes:
@@ -66,6 +69,9 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
                                                             "vocab_parallel")
                                                  or s.reads_size)]
             chosen = same[-1] if same else options["replicate"]
+        if not all(reshard_kinds(a, want, sequence_parallel) is not None
+                   for a, want in zip(arriving, chosen.inputs)):
+            chosen = options["replicate"]  # e.g. a hyper-connection stream sharded on its own dim
         # where a partial sum is completed: sequence shards of the residual stream under SP;
         # an all-reduce elsewhere (an MoE block's (tokens, h) rows have no sequence dim)
         completed = seq if sequence_parallel and shape == residual else REPLICATE
