@@ -19,7 +19,8 @@ difference is within ``max(tolerance, NOISE_FACTOR · that noise)``
 to the reference as the reference is to exact arithmetic, up to the factor. A real error
 (a missing all-reduce, a wrong slice) is orders of magnitude past both. The fp64 run is
 local, deterministic and the same on every rank; it costs one more single-device training
-run, paid only by a report that would otherwise fail.
+run, paid only by a report that would otherwise fail. Experts that run a grouped matmul
+run their per-expert loop in fp64 (:func:`_fp64`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def fp32_noise(initial: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]],
     (the reference model before its first step, fp32; not modified) with ``optimizer`` on
     ``batches`` (each (idx, targets) of shape (B, s)). Both runs take
     :func:`reference_step`, verify's own reference step."""
-    m32, m64 = copy.deepcopy(initial), copy.deepcopy(initial).double()
+    m32, m64 = copy.deepcopy(initial), _fp64(initial)
     o32, o64 = optimizer(m32.parameters()), optimizer(m64.parameters())
     noise = []
     for batch in batches:
@@ -74,3 +75,16 @@ def fp32_noise(initial: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]],
         noise.append((abs(l32 - l64) / max(abs(l64), 1e-30), relative_diff(g32, g64, {}, floor),
                       relative_diff(p32, p64, {}, floor)))
     return noise
+
+
+def _fp64(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model``. A Hugging Face MoE whose experts run a grouped matmul
+    (``torch._grouped_mm``: fp32/bf16/fp16 only) runs them in its "eager" per-expert loop
+    instead, the same function in every dtype (``set_experts_implementation``), so that
+    the exact reference exists for it too."""
+    m64 = copy.deepcopy(model).double()
+    config = getattr(m64, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager") and \
+            hasattr(m64, "set_experts_implementation"):
+        m64.set_experts_implementation("eager")
+    return m64

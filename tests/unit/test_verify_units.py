@@ -144,3 +144,23 @@ def test_fp32_noise_is_the_reference_against_fp64():
     worst = max(max(g.values()) for _, g, _ in noise)
     assert 0 < worst < 1e-4  # fp32 rounding: present, and small
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+
+
+def test_the_fp64_reference_of_grouped_mm_experts_runs_their_loop():
+    """``torch._grouped_mm`` has no fp64 kernel; the noise run's fp64 twin runs the experts'
+    own per-expert loop instead (DeepSeek-V4's noise could not be measured before)."""
+    tf = pytest.importorskip("transformers")
+    from autopar.verify.noise import fp32_noise
+
+    cfg = tf.Qwen2MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=1, vocab_size=64, intermediate_size=64,
+                            moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(cfg)
+    model.set_experts_implementation("grouped_mm")
+    idx = torch.randint(0, 64, (2, 8))
+    [(loss, grads, params)] = fp32_noise(model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                         [(idx, idx)], 1e-6)
+    assert model.config._experts_implementation == "grouped_mm"  # the model itself unchanged
+    assert 0 <= loss < 1e-5 and 0 < max(grads.values()) < 1e-4, (loss, grads)
