@@ -57,6 +57,13 @@ FIXUPS = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one kind per layer
     "mamba2": dict(num_heads=8),  # hidden·expand = num_heads·head_dim: 64·2 = 8·16
     "zaya": dict(num_experts_per_tok=1),  # "supports num_experts_per_tok=1 only"
+    # input + recurrent + output layers must sum to the layer count (the defaults' 8 + 8
+    # run both tiny layers twice); the recurrent one still loops twice
+    "dory": dict(n_input_layers=1, n_recurrent_layers=1, n_output_layers=0),
+    # compression rates 4 and 128 tokens: at the tiny seq_len 16 the heavily compressed
+    # layers' compressor would read nothing; 8 keeps it in the graph
+    "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4,
+                                        "heavily_compressed_attention": 8}),
 }
 
 
