@@ -58,7 +58,7 @@ class NodeInfo:
     per_sequence: the output grows with the batch (False for e.g. position embeddings).
     layer: transformer layer index or None; section: "pre" | "layer" | "post".
     no_grad: the op runs in a ``torch.no_grad()`` region of forward (its output reaches the
-        rest through ``detach``, :func:`autopar.graph.export._inline`): it has no backward,
+        rest through ``detach``, :mod:`autopar.graph.no_grad`): it has no backward,
         saves nothing for one and makes no gradient partial.
     """
 

@@ -50,6 +50,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # publi
 
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
 from autopar.graph.functions import keep_functions, restore_calls
+from autopar.graph.no_grad import inline_region
 from autopar.graph.repeat import EXPORTED_LAYERS, cut_stack, layer_stack, repeat_last_layer
 
 __all__ = ["export_logits", "causal_lm_call", "causal_lm_logits", "user_frame", "user_frames",
@@ -237,7 +238,7 @@ def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
             env[node].meta.update(node.meta)
             continue
         if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-            env[node] = _inline(graph, getattr(src, node.args[1].target),
+            env[node] = inline_region(graph, getattr(src, node.args[1].target),
                                 [env[a] for a in node.args[2:]], node.meta,
                                 no_grad=not node.args[0])
             continue
@@ -317,45 +318,6 @@ def _user_line(stack_trace: str) -> str:
     """The innermost user frame of an fx ``stack_trace`` as "file:line: `code`"."""
     frames = user_frames(stack_trace)
     return f"{frames[-1][0]}: `{frames[-1][1]}`" if frames else "<unknown location>"
-
-
-def _inline(graph: fx.Graph, body: fx.GraphModule, args: list, meta: dict,
-            no_grad: bool = False) -> tuple:
-    """Copy ``body``'s nodes into ``graph`` reading ``args``; returns its outputs. Used for
-    ``wrap_with_set_grad_enabled``: a ``torch.no_grad()`` region of forward (``no_grad``)
-    has its nodes marked ``meta["no_grad"]`` (priced without a backward or saved
-    activations, :attr:`~autopar.graph.annotate.NodeInfo.no_grad`) and each tensor output
-    ``detach``-ed, so the program passes no gradient the model stops (DeepSeek-V3.2's
-    indexer scores, HRM's inner cycles) and computes the same values."""
-    env: dict[fx.Node, fx.Node] = {}
-    placeholders = iter(args)
-    for node in body.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(placeholders)
-        elif node.op == "output":
-            inputs = {id(a) for a in args}  # returned as they came in: their gradient flows, as in eager
-            outs = tuple(env[n] for n in node.args[0])
-            return tuple(_detached(graph, out) if no_grad and id(out) not in inputs else out
-                         for out in outs)
-        else:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-            for key in ("nn_module_stack", "stack_trace"):
-                if key not in env[node].meta and key in meta:
-                    env[node].meta[key] = meta[key]
-            if no_grad:
-                env[node].meta["no_grad"] = True
-    raise ValueError("higher-order op body without an output")
-
-
-def _detached(graph: fx.Graph, out):
-    """``aten.detach(out)`` just after ``out``, for a tensor node."""
-    if not isinstance(out, fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
-        return out
-    with graph.inserting_after(out):
-        new = graph.call_function(aten.detach.default, (out,))
-    new.meta.update({k: v for k, v in out.meta.items() if k != "no_grad"})
-    new.meta["no_grad"] = True
-    return new
 
 
 def _place_attrs(graph: fx.Graph) -> None:

@@ -116,6 +116,38 @@ def test_a_no_grad_region_over_parameters_stops_gradients_as_eager():
         assert (g is None) == (graph[key] is None) and (g is None or torch.equal(g, graph[key])), key
 
 
+class HandBackLM(nn.Module):
+    """A no_grad region that returns its input through a ``.to()`` that changes nothing
+    (Dots3's indexer): eager hands back the tensor itself, gradient and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            with torch.no_grad():
+                x = x.to(torch.float32)
+                score = layer(x).amax(-1, keepdim=True)
+            x = layer(x) * torch.sigmoid(score)
+        return self.head(x)
+
+
+def test_a_tensor_a_no_grad_region_hands_back_keeps_its_gradient():
+    from autopar.graph.capture import trace_model
+
+    torch.manual_seed(0)
+    model = HandBackLM()
+    traced = trace_model(model, 8)
+    idx = torch.randint(0, 64, (2, 8))
+    params = list(model.parameters())
+    eager = torch.autograd.grad(model(idx).sum(), params)
+    graph = torch.autograd.grad(traced.gm(idx).sum(), params)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graph))
+
+
 class SplitByCountLM(nn.Module):
     """A layer that splits its tokens by counts read from the data (JetMoE's dispatch)."""
 
