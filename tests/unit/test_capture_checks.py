@@ -58,15 +58,32 @@ def test_the_cli_says_so_with_exit_2(capsys, monkeypatch):
     assert "not a causal language model" in capsys.readouterr().err
 
 
-class CycleLM(nn.Module):
+class _TwoLinearLM(nn.Module):
+    """An embedding, two Linear "layers" and a head: h = 32, V = 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+
+def _same_gradients(model: nn.Module, gm, idx) -> list[str]:
+    """The parameters whose gradient of ``sum(logits)`` differs between ``model`` and its
+    captured graph ``gm`` (None on one side only counts as different)."""
+    params = dict(model.named_parameters())
+    eager = torch.autograd.grad(model(idx).sum(), list(params.values()), allow_unused=True)
+    graph = torch.autograd.grad(gm(idx).sum(), list(params.values()), allow_unused=True)
+    return [k for k, a, b in zip(params, eager, graph)
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b))]
+
+
+class CycleLM(_TwoLinearLM):
     """Two layers run twice, the first pass under torch.no_grad() when ``stop`` (HRM's
     inner cycles), else only a buffer under it (a rotary table's way)."""
 
     def __init__(self, stop: bool) -> None:
         super().__init__()
         self.stop = stop
-        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
         self.register_buffer("scale", torch.ones(32))
 
     def forward(self, idx):
@@ -105,25 +122,12 @@ def test_a_no_grad_region_over_parameters_stops_gradients_as_eager():
     assert cost.fwd_s > 0 and cost.bwd_s == 0
     assert all(not any(s.partial_grad_inputs) for s in strategies)
 
-    idx = torch.randint(0, 64, (2, 8))
-    eager = {k: g for k, g in zip(dict(model.named_parameters()),
-                                   torch.autograd.grad(model(idx).sum(), list(model.parameters()),
-                                                       allow_unused=True))}
-    graph = dict(zip(dict(model.named_parameters()),
-                     torch.autograd.grad(traced.gm(idx).sum(), list(model.parameters()),
-                                         allow_unused=True)))
-    for key, g in eager.items():
-        assert (g is None) == (graph[key] is None) and (g is None or torch.equal(g, graph[key])), key
+    assert _same_gradients(model, traced.gm, torch.randint(0, 64, (2, 8))) == []
 
 
-class HandBackLM(nn.Module):
+class HandBackLM(_TwoLinearLM):
     """A no_grad region that returns its input through a ``.to()`` that changes nothing
     (Dots3's indexer): eager hands back the tensor itself, gradient and all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
 
     def forward(self, idx):
         x = self.emb(idx)
@@ -141,20 +145,11 @@ def test_a_tensor_a_no_grad_region_hands_back_keeps_its_gradient():
     torch.manual_seed(0)
     model = HandBackLM()
     traced = trace_model(model, 8)
-    idx = torch.randint(0, 64, (2, 8))
-    params = list(model.parameters())
-    eager = torch.autograd.grad(model(idx).sum(), params)
-    graph = torch.autograd.grad(traced.gm(idx).sum(), params)
-    assert all(torch.equal(a, b) for a, b in zip(eager, graph))
+    assert _same_gradients(model, traced.gm, torch.randint(0, 64, (2, 8))) == []
 
 
-class SplitByCountLM(nn.Module):
+class SplitByCountLM(_TwoLinearLM):
     """A layer that splits its tokens by counts read from the data (JetMoE's dispatch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
 
     def forward(self, idx):
         x = self.emb(idx)
