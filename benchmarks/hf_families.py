@@ -43,6 +43,8 @@ NOT_DECODER_ONLY = {
     "cpmant": "its model attends to the whole sequence whatever the config says "
               "(autopar.hf_models.NOT_CAUSAL)",
     "reformer": "LSH / chunked attention with reversible layers (an encoder family)",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: its forward needs the main "
+                                "model's inputs_embeds and KV states, not token ids",
 }
 EXPERTS, TOP_K, MOE_FFN = 4, 2, 64
 # per-layer switches between dense and MoE layers, and the value that makes every layer MoE

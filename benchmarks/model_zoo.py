@@ -249,9 +249,16 @@ def bf16_notes(families: list[str]) -> list[str]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    lines = [line for line in text if "Error" in line] or text or [type(exc).__name__]
-    return lines[-1][:160].replace("|", "/")
+    """The error's diagnosis in one table cell: its last line naming an error, else its
+    first line, and where it happened (autopar's "at FILE:LINE" line) when it says."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    named = [line for line in text if "Error" in line and not line.startswith("fix:")]
+    lines = named[-1:] or text[:1] or [type(exc).__name__]
+    at = next((line for line in text if line.startswith("at ") and ":" in line), None)
+    where = ""
+    if at is not None:  # "at /path/modeling_x.py:915 in forward: `code`" -> modeling_x.py:915
+        where = f" (at {at[3:].split(' in ')[0].rsplit('/', 1)[-1]})"
+    return (lines[-1][:160 - len(where)] + where).replace("|", "/")
 
 
 def main(argv: list[str] | None = None) -> None:
