@@ -20,6 +20,10 @@ it follows named:
   forward branches on the sequence length, so ``torch.export`` captures it, not
   ``symbolic_trace``, and draws random numbers in training (input jitter).
 
+* :class:`FunctionLM`: each layer's output through the model's own
+  ``torch.autograd.Function`` (:class:`ScaledStraightThrough`, a backward that is not the
+  derivative of its forward), as PhiMoE's router and Bloom's GELU are written.
+
 All are causal LMs with ``forward(idx (b, s)) -> logits (b, s, V)``. Built under
 ``torch.device("meta")`` their buffers are on meta too: only the stacks' own hooks can
 compute them.
@@ -33,7 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["StackConfig", "LitStyleGPT", "TitanStyleLlama", "LoopedLM"]
+__all__ = ["StackConfig", "LitStyleGPT", "TitanStyleLlama", "LoopedLM", "FunctionLM",
+           "ScaledStraightThrough"]
 
 
 @dataclass(frozen=True)
@@ -271,3 +276,30 @@ class LoopedLM(nn.Module):
             for layer in self.layers:
                 h = layer(h, self.freqs_cis)
         return self.output(self.norm(h))
+
+
+class ScaledStraightThrough(torch.autograd.Function):
+    """x · k forward, a gradient of 100 · g (not k · g) backward."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        return x * k
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 100, None
+
+
+class FunctionLM(nn.Module):
+    """Two Linear layers, each through :class:`ScaledStraightThrough` (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.emb(idx) * (1.0 if idx.size(1) > 1 else 2.0)  # export, not symbolic_trace
+        for layer in self.layers:
+            x = ScaledStraightThrough.apply(layer(x), 2.0)
+        return self.head(x)

@@ -9,36 +9,11 @@ captured graph calls the Function itself, so its gradient is the model's, bit fo
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from autopar.graph.capture import trace_model
 from autopar.graph.functions import FunctionCall
 from autopar.planner.strategies import node_strategies
-
-
-class ScaledStraightThrough(torch.autograd.Function):
-    """x · k forward, a gradient of 100 · g (not k · g) backward."""
-
-    @staticmethod
-    def forward(ctx, x, k):
-        return x * k
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 100, None
-
-
-class FunctionLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-
-    def forward(self, idx):
-        x = self.emb(idx) * (1.0 if idx.size(1) > 1 else 2.0)  # export, not symbolic_trace
-        for layer in self.layers:
-            x = ScaledStraightThrough.apply(layer(x), 2.0)
-        return self.head(x)
+from stack_models import FunctionLM, ScaledStraightThrough
 
 
 def test_a_custom_function_keeps_its_backward():
