@@ -45,11 +45,8 @@ class _Ctx:
     def __init__(self) -> None:
         self.needs_input_grad = ()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # save_for_backward, mark_non_differentiable, ...
         return lambda *args, **kwargs: None
-
-    def __setattr__(self, name, value):
-        object.__setattr__(self, name, value)
 
 
 @torch.library.custom_op("autopar::function_call", mutates_args=())
@@ -105,7 +102,7 @@ def keep_functions():
 
     def apply(cls, *args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if kwargs or not tensors or not _traced(tensors):
+        if kwargs or not tensors or not torch.compiler.is_exporting():
             return original.__func__(cls, *args, **kwargs)
         call = FunctionCall(cls, tuple(_TENSOR if isinstance(a, torch.Tensor) else a
                                        for a in args), len(calls.calls))
@@ -120,13 +117,6 @@ def keep_functions():
     finally:
         torch.autograd.Function.apply = original
         _ACTIVE.reset(token)
-
-
-def _traced(tensors) -> bool:
-    """Whether these are export's fake tensors (a Function on real tensors runs as is)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    return any(isinstance(t, FakeTensor) or type(t).__name__ == "FunctionalTensor"
-               for t in tensors)
 
 
 def restore_calls(graph: fx.Graph, calls: _Calls) -> None:
