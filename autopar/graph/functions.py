@@ -102,8 +102,12 @@ def keep_functions():
 
     def apply(cls, *args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if kwargs or not tensors or not torch.compiler.is_exporting():
+        if not tensors or not torch.compiler.is_exporting():
             return original.__func__(cls, *args, **kwargs)
+        if kwargs:  # traced through, its backward would be lost: say so instead
+            raise TypeError(f"{cls.__qualname__}.apply is called with keyword arguments "
+                            f"({', '.join(kwargs)}); autopar keeps a custom autograd Function "
+                            "whole only when called positionally: pass them by position")
         call = FunctionCall(cls, tuple(_TENSOR if isinstance(a, torch.Tensor) else a
                                        for a in args), len(calls.calls))
         calls.calls.append(call)
