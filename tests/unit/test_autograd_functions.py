@@ -8,6 +8,7 @@ captured graph calls the Function itself, so its gradient is the model's, bit fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopar.graph.capture import trace_model
@@ -32,3 +33,18 @@ def test_a_custom_function_keeps_its_backward():
     assert all(torch.equal(a, b) for a, b in zip(eager, graph))
     plain = torch.autograd.grad((model.emb.weight * 2.0).sum(), model.emb.weight)[0]
     assert eager[0].abs().sum() > 100 * plain.abs().sum()  # the custom rule, not 2 · g
+
+
+class KeywordFunctionLM(FunctionLM):
+    def forward(self, idx):
+        x = self.emb(idx) * (1.0 if idx.size(1) > 1 else 2.0)
+        for layer in self.layers:
+            x = ScaledStraightThrough.apply(layer(x), k=2.0)
+        return self.head(x)
+
+
+def test_a_custom_function_called_with_keywords_is_refused_by_name():
+    from autopar.graph.capture import TraceError
+
+    with pytest.raises(TraceError, match=r"ScaledStraightThrough.apply is called with keyword"):
+        trace_model(KeywordFunctionLM(), 4)
