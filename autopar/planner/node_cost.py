@@ -97,8 +97,9 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     :func:`cost_models.compute.dispatched_time_s`); backward = 2 × forward for non-matmul ops
     (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
     device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
-    saved bytes divided by t when the output is sharded. ``b``: micro-batch size
-    (per-sequence nodes scale by it)."""
+    saved bytes divided by t when the output is sharded; a node of a ``torch.no_grad()``
+    region (``info.no_grad``) has no backward. ``b``: micro-batch size (per-sequence nodes
+    scale by it)."""
     dev = cluster.device
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
