@@ -205,11 +205,12 @@ def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
         raise ValueError(f"{len(batches)} batches given for {steps} steps")
 
 
-def _compare_step(pm, base: nn.Module, ref_optim, batch: Batch, step: int, loss: float,
-                  report: VerifyReport) -> None:
-    """One reference step on ``batch``; the step's loss, gradients and parameters compared
-    into ``report`` (NaN/inf recorded as :class:`NonFinite`, never as a zero difference)."""
-    ref_loss, ref_grads = reference_step(base, ref_optim, batch)
+def _compare_step(pm, base: nn.Module, ref_optim, batch: Batch, step: int, rng_seed: int,
+                  loss: float, report: VerifyReport) -> None:
+    """One reference step on ``batch`` from RNG seed ``rng_seed`` (the program's step's);
+    the step's loss, gradients and parameters compared into ``report`` (NaN/inf recorded
+    as :class:`NonFinite`, never as a zero difference)."""
+    ref_loss, ref_grads = reference_step(base, ref_optim, batch, rng_seed)
     loss_diff = finite_or_inf(abs(loss - ref_loss) / max(abs(ref_loss), 1e-30))
     report.losses.append(StepLoss(step, loss, ref_loss, loss_diff))
     full_grads = full_gradients(pm)
@@ -277,17 +278,17 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     report.claims = claim_problem(model, plan)  # local and deterministic: the same on every rank
     for step, (idx, targets) in enumerate(batches):
         try:
-            torch.manual_seed(seed + step)  # the reference step draws from the same state
+            torch.manual_seed(seed + step)  # as the reference step (reference_step)
             loss = pm.train_step(idx, targets)
         except NonFiniteError as exc:  # raised on every rank alike, before the update
             report.nonfinite.append(NonFinite(step, "loss or gradient norm",
                                               "parallel program", str(exc)))
             break
-        torch.manual_seed(seed + step)
-        _compare_step(pm, base, ref_optim, (idx, targets), step, loss, report)
+        _compare_step(pm, base, ref_optim, (idx, targets), step, seed + step, loss, report)
     if initial is not None and report.failed_by_differences_only():
         try:
-            noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor)
+            noise = fp32_noise(initial, optimizer, batches[:len(report.losses)], tolerances.floor,
+                               seed)
         except (RuntimeError, TypeError, NotImplementedError) as exc:  # an op without fp64
             report.noise_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             noise = []  # local and deterministic: every rank alike

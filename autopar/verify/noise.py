@@ -41,11 +41,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def reference_step(model: nn.Module, optim: torch.optim.Optimizer,
-                    batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+                    batch: Batch, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     """One single-device training step of ``model`` on ``batch`` ((idx, targets), each
     (B, s) int64): the runtime's per-token cross-entropy of ``model(idx)``'s logits,
-    backward, ``optim.step()``. Returns (loss, gradients by key, zeros where None)."""
+    backward, ``optim.step()``, from torch's default RNG seeded with ``seed`` (a training
+    forward's random ops: a router's jitter or sampling). Returns (loss, gradients by key,
+    zeros where None)."""
     idx, targets = batch
+    torch.manual_seed(seed)
     optim.zero_grad(set_to_none=True)
     logits = causal_lm_logits(model, idx)  # called as capture calls it (graph.export)
     loss = token_cross_entropy(logits, targets)  # (b, s, V), (b, s) -> scalar
@@ -57,19 +60,21 @@ def reference_step(model: nn.Module, optim: torch.optim.Optimizer,
 
 
 def fp32_noise(initial: nn.Module, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-               batches: Sequence[Batch], floor: float) -> list[tuple[float, dict[str, float], dict[str, float]]]:
+               batches: Sequence[Batch], floor: float,
+               seed: int = 0) -> list[tuple[float, dict[str, float], dict[str, float]]]:
     """Per step, (loss noise, gradient noise by key, parameter noise by key): the relative
     difference between
     the fp32 single-device reference and the same training in fp64, both from ``initial``
     (the reference model before its first step, fp32; not modified) with ``optimizer`` on
     ``batches`` (each (idx, targets) of shape (B, s)). Both runs take
-    :func:`reference_step`, verify's own reference step."""
+    :func:`reference_step`, verify's own reference step, step k from RNG seed ``seed + k``
+    as verify's."""
     m32, m64 = copy.deepcopy(initial), _fp64(initial)
     o32, o64 = optimizer(m32.parameters()), optimizer(m64.parameters())
     noise = []
-    for batch in batches:
-        l32, g32 = reference_step(m32, o32, batch)
-        l64, g64 = reference_step(m64, o64, batch)
+    for step, batch in enumerate(batches):
+        l32, g32 = reference_step(m32, o32, batch, seed + step)
+        l64, g64 = reference_step(m64, o64, batch, seed + step)
         p32 = {k: p.detach() for k, p in m32.named_parameters()}
         p64 = {k: p.detach() for k, p in m64.named_parameters()}
         noise.append((abs(l32 - l64) / max(abs(l64), 1e-30), relative_diff(g32, g64, {}, floor),
