@@ -20,22 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass, field
-
 import torch
 import torch.fx as fx
 
 __all__ = ["FunctionCall", "keep_functions", "restore_calls"]
 
-_ACTIVE: contextvars.ContextVar["_Calls | None"] = contextvars.ContextVar(
+# the Function calls met during the export under way, by key (their position in the trace)
+_ACTIVE: contextvars.ContextVar["list[FunctionCall] | None"] = contextvars.ContextVar(
     "autopar_function_calls", default=None)
-
-
-@dataclass
-class _Calls:
-    """The Function calls met during one export, by key (their position in the trace)."""
-
-    calls: list["FunctionCall"] = field(default_factory=list)
 
 
 class _Ctx:
@@ -56,7 +48,7 @@ def _function_call(inputs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
 
 @_function_call.register_fake
 def _(inputs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    call = _ACTIVE.get().calls[key]
+    call = _ACTIVE.get()[key]
     out = call.cls.forward(_Ctx(), *call.arguments(inputs))
     single = isinstance(out, torch.Tensor)
     outs = [out] if single else list(out)
@@ -98,7 +90,7 @@ def keep_functions():
     """While active, ``torch.autograd.Function.apply`` of any Function on tensors the
     exporter traces records one ``autopar::function_call`` op (module docstring)."""
     original = torch.autograd.Function.__dict__["apply"]
-    calls = _Calls()
+    calls: list[FunctionCall] = []
 
     def apply(cls, *args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -109,8 +101,8 @@ def keep_functions():
                             f"({', '.join(kwargs)}); autopar keeps a custom autograd Function "
                             "whole only when called positionally: pass them by position")
         call = FunctionCall(cls, tuple(_TENSOR if isinstance(a, torch.Tensor) else a
-                                       for a in args), len(calls.calls))
-        calls.calls.append(call)
+                                       for a in args), len(calls))
+        calls.append(call)
         outs = torch.ops.autopar.function_call(tensors, call.key)
         return outs[0] if call.single else tuple(outs)
 
@@ -123,11 +115,11 @@ def keep_functions():
         _ACTIVE.reset(token)
 
 
-def restore_calls(graph: fx.Graph, calls: _Calls) -> None:
+def restore_calls(graph: fx.Graph, calls: list[FunctionCall]) -> None:
     """Each ``autopar::function_call`` node of ``graph`` becomes a call of its
     :class:`FunctionCall` (the same inputs and list output)."""
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.autopar.function_call.default:
             inputs, key = node.args
-            node.target = calls.calls[key]
+            node.target = calls[key]
             node.args = (inputs,)
