@@ -30,7 +30,9 @@ form the rest of autopar reads:
   argument (so nanoGPT-style models return logits for every position), with
   ``use_cache=False`` when it has that argument, and its own loss is dropped.
 
-The batch dimension is exported dynamic, so the graph runs at any micro-batch size. A deep
+The batch dimension is exported dynamic, so the graph runs at any micro-batch size. The
+expert loops of the MoE families whose shapes depend on the routing run in their static
+grouped form while captured (:mod:`autopar.graph.expert_loops`). A deep
 stack of identical layers is exported as three and the rest written by copying the last
 (:mod:`autopar.graph.repeat`): the same graph, in seconds instead of half a minute for 80
 layers.
@@ -48,6 +50,7 @@ import torch.nn as nn
 from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # public, not _private
 
+from autopar.graph.expert_loops import static_experts
 from autopar.graph.normalize import lift_modules, renamed, resolve, split_to_slices
 from autopar.graph.functions import keep_functions, restore_calls
 from autopar.graph.no_grad import inline_region
@@ -165,7 +168,11 @@ def _export(model: nn.Module, seq_len: int):
     device = next(iter(model.parameters()), torch.empty(0)).device
     idx = torch.zeros(2, seq_len, dtype=torch.long, device=device)  # b = 2: not specialised
     args, kwargs = causal_lm_call(model, idx, torch.zeros_like(idx))
-    batch = Dim("batch")
+    # Dim.DYNAMIC, not Dim("batch"): a named Dim refuses every guard sympy cannot prove for
+    # all batch sizes, even one that holds for all of them (Llama 4's MoE guards
+    # 16·b·min(64, 1024·b) == 1024·b); DYNAMIC keeps such guards as export's runtime checks
+    # and still refuses a model that specialises the batch size.
+    batch = Dim.DYNAMIC
     names = list(inspect.signature(model.forward).parameters)
     dynamic = {names[0]: {0: batch}}
     dynamic.update({k: ({0: batch} if isinstance(v, torch.Tensor) else None)
@@ -175,7 +182,7 @@ def _export(model: nn.Module, seq_len: int):
     if cache:  # a forward without use_cache that reads the config's (GraniteMoE): a cache
         config.use_cache = False  # object in the output stops export
     try:
-        with keep_functions() as calls:
+        with keep_functions() as calls, static_experts(model):
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
         restore_calls(ep.graph_module.graph, calls)  # the model's own autograd Functions
         return ep

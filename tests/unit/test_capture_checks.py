@@ -165,3 +165,46 @@ def test_shapes_read_from_the_data_are_refused_where_they_are():
 
     with pytest.raises(ValueError, match=r"shape depends on the data .*test_capture_checks.py"):
         trace_model(SplitByCountLM(), 8)
+
+
+class RepeatedTokensLM(_TwoLinearLM):
+    """Every token repeated once per expert and viewed back per expert (Llama 4's MoE): a
+    size guard that holds for every batch size but sympy cannot prove for all of them. A
+    branch on a shape keeps fx's symbolic trace out, so export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(32, 4)
+        self.experts = nn.Parameter(torch.randn(4, 32, 32) / 32)
+
+    def forward(self, idx):
+        x = self.emb(idx).reshape(-1, 32)
+        if x.shape[-1] != 32:
+            raise ValueError("h = 32")
+        for layer in self.layers:
+            scores = self.router(x)
+            routed = x.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1)
+            out = torch.bmm(routed.view(4, -1, 32), self.experts).view(-1, 32)
+            x = layer(x) + out.reshape(4, -1, 32).sum(0)
+        return self.head(x).view(idx.shape[0], idx.shape[1], -1)
+
+
+class BatchOfTwoLM(_TwoLinearLM):
+    """A forward written for batches of exactly two sequences."""
+
+    def forward(self, idx):
+        x = self.emb(idx).view(2, -1)
+        return self.head(x.view(2, idx.shape[1], 32))
+
+
+def test_a_guard_true_for_every_batch_size_is_captured_and_a_fixed_batch_refused():
+    from autopar.graph.capture import TraceError, trace_model
+
+    torch.manual_seed(0)
+    model = RepeatedTokensLM()
+    idx = torch.randint(0, 64, (3, 8))
+    gm = trace_model(model, 8).gm
+    torch.testing.assert_close(gm(idx), model(idx), rtol=0, atol=0)
+    assert _same_gradients(model, gm, idx) == []
+    with pytest.raises(TraceError, match="BatchOfTwoLM.forward"):
+        trace_model(BatchOfTwoLM(), 8)
