@@ -95,7 +95,7 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     Raises ValueError (a plan made for another model: another config or traced graph,
     :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
     interleaved plan breaking
-    :func:`~autopar.support.interleaving_problem`, e.g. m % pp != 0: before any
+    :func:`~autopar.techniques.pipeline_schedules.interleaving_problem`, e.g. m % pp != 0: before any
     collective; a bad timeout, max_norm or on_nonfinite; a meta buffer the init rule does
     not set: before any collective; a parameter it leaves unset: on every rank),
     NotImplementedError (a plan feature the runtime cannot run), RuntimeError (no process

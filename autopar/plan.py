@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from autopar.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
 from autopar.plan_memory import memory_line
 from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
+from autopar.techniques.pipeline_schedules import SCHEDULES  # one record per schedule
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
            "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "GRAD_DTYPES",
@@ -23,8 +24,6 @@ __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "Sol
 
 PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
 # The one definition of these names (the rules over them: autopar.support).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""Pipeline schedules: GPipe, 1F1B (PipeDream-flush), interleaved 1F1B (Narayanan et al. 2021)."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation recomputation per layer: none, selective (the attention core; Korthikanti et
 al. 2022), full (keep only the layer's input)."""
@@ -64,7 +63,8 @@ class Layout:
     micro_batch_size: b, sequences per micro-batch.
     zero_stage: 0 (plain DP), 1, 2 or 3 (Rajbhandari et al. 2020).
     recompute: "none" | "selective" | "full", applied to every layer when fixed.
-    schedule: "gpipe" | "1f1b" | "interleaved_1f1b".
+    schedule: a pipeline schedule's name (:data:`SCHEDULES`: "gpipe" | "1f1b" |
+        "interleaved_1f1b"; :mod:`autopar.techniques.pipeline_schedules`).
     virtual_stages: v, model chunks per pipeline rank (interleaved schedule only).
     sequence_parallel: Megatron-3 sequence parallelism in the non-TP regions.
     dtype: "bf16" (mixed precision) or "fp32"; None: the cluster's ``dtype``.

@@ -6,9 +6,9 @@ layout the cost model understands (e.g. a published Megatron run with interleavi
 comparison. The rules every step of the flow shares live here, each with a message that says
 what to change: :func:`validate_degrees` (t·p·d against the world size),
 :func:`validate_layout` (heads divisible by t, p <= L, the batch split over d),
-:func:`pipeline_problem` (1F1B needs m >= p; interleaved 1F1B needs m % p == 0 and
-L % (p·v) == 0: :func:`interleaving_problem`). The schedule and recompute names are
-:data:`autopar.plan.SCHEDULES` and :data:`autopar.plan.RECOMPUTE_MODES`.
+:func:`pipeline_problem` (each schedule's record's rule,
+:mod:`autopar.techniques.pipeline_schedules`: 1F1B needs m >= p; interleaved 1F1B needs
+m % p == 0 and L % (p·v) == 0). The recompute names are :data:`autopar.plan.RECOMPUTE_MODES`.
 
 This module imports no torch.distributed code: planning must not load the runtime.
 """
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout, grad_dtype_of
+from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
+from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
+                                                   pipeline_schedule)
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "check_pins", "interleaving_problem",
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "check_pins",
            "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
            "divisors", "plan_grad_dtype", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
@@ -100,58 +102,15 @@ def pipeline_problem(schedule: str, pp: int, num_micro_batches: int, num_layers:
                      virtual_stages: int = 1) -> str | None:
     """Why ``schedule`` cannot run p = ``pp`` stages over m = ``num_micro_batches``
     micro-batches of an L = ``num_layers`` layer model with v = ``virtual_stages`` chunks
-    per rank, or None. The one pipeline rule of the solver, the search and the runtime:
-
-    * the schedule is one of :data:`~autopar.plan.SCHEDULES`;
-    * v > 1 only with "interleaved_1f1b";
-    * 1F1B needs m >= p when p > 1 (PipeDream-flush warms up with p - 1 forwards;
-      Narayanan et al. 2021, section 2.2.1);
-    * interleaved 1F1B: :func:`interleaving_problem` (p > 1, v >= 2, L % (p·v) == 0,
-      m % p == 0).
-
-    num_layers None skips the layer-count rule (the runtime, whose chunks are already cut).
-    """
-    p, m, v = pp, num_micro_batches, virtual_stages
-    if schedule not in SCHEDULES:
+    per rank, or None: the schedule's record's rule
+    (:meth:`~autopar.techniques.pipeline_schedules.PipelineSchedule.problem`: v > 1 only
+    interleaved; 1F1B m >= p; interleaved p > 1, v >= 2, L % (p·v) == 0, m % p == 0), the
+    one pipeline rule of the solver, the search and the runtime. num_layers None skips the
+    layer-count rule (the runtime, whose chunks are already cut)."""
+    if schedule not in PIPELINE_SCHEDULES:
         return f"pipeline schedule {schedule!r} is not one of {SCHEDULES}"
-    if schedule == "interleaved_1f1b":
-        return interleaving_problem(num_layers, p, v, m)
-    if v != 1:
-        return (f"virtual_stages={v} needs schedule 'interleaved_1f1b', got {schedule!r}; "
-                "use virtual_stages=1")
-    if schedule == "1f1b" and p > 1 and m < p:
-        return (f"1F1B needs at least as many micro-batches as stages: m={m} < p={p}; raise "
-                f"num_micro_batches to {p} or use schedule='gpipe'")
-    return None
-
-
-def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
-                         num_micro_batches: int) -> str | None:
-    """Why interleaved 1F1B with v = ``virtual_stages`` chunks per rank cannot run, or None.
-
-    The rules (Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``; Narayanan et al.
-    2021, section 2.2.2): p > 1 (with one rank the chunks would not interleave), v >= 2
-    (v = 1 is plain 1F1B), L divisible by p·v (p·v equal chunks of L/(p·v) layers; chunk c
-    runs on pipeline rank c % p), m divisible by p (the schedule runs rounds of p
-    micro-batches; ``cost_models.pipeline`` prices the same condition). The solver, the
-    test matrix and :func:`check_executable` share this one rule.
-    """
-    L, p, v, m = num_layers, pp, virtual_stages, num_micro_batches
-    if p < 2:
-        return f"interleaved 1F1B needs pp > 1, got pp={p}; use schedule='1f1b'"
-    if v < 2:
-        return (f"interleaved 1F1B needs virtual_stages >= 2, got v={v} (v=1 is plain "
-                "1F1B: use schedule='1f1b')")
-    if L is not None and L % (p * v):
-        ok = [k for k in range(2, L // p + 1) if L % (p * k) == 0]
-        return (f"interleaved 1F1B cuts the {L} layers into pp*v = {p}*{v} equal chunks, but "
-                f"{L} is not divisible by {p * v}; choose virtual_stages in {ok or '(none)'} "
-                "or schedule='1f1b'")
-    if m % p:
-        return (f"interleaved 1F1B needs num_micro_batches divisible by pp: m={m}, pp={p}; "
-                f"choose m in multiples of {p} (global batch = dp * micro_batch_size * m) or "
-                "schedule='1f1b'")
-    return None
+    return PIPELINE_SCHEDULES[schedule].problem(pp, num_micro_batches, virtual_stages,
+                                                num_layers)
 
 
 @dataclass(frozen=True)
@@ -161,7 +120,7 @@ class RuntimeSupport:
     schedules: pipeline schedules; zero_stages: ZeRO stages (see :meth:`zero_stages_for`
     for the ones a pipeline allows); recompute: recompute modes; sequence_parallel: allowed
     values at tp > 1 (tp = 1 runs without); virtual_stages: allowed v (v > 1 only with
-    "interleaved_1f1b", see :func:`interleaving_problem`); dtypes: training precisions
+    an interleaved schedule, see its record's rule); dtypes: training precisions
     ("bf16": bf16 parameters and activations with fp32 master weights); grad_dtypes: the
     gradient dtypes under bf16 (:data:`~autopar.plan.GRAD_DTYPES`), the first the one
     planned when no layout pins it (the autopar runtime keeps bf16 gradients).
@@ -246,12 +205,13 @@ class RuntimeSupport:
 
     def virtual_stages_for(self, schedule: str, num_layers: int, pp: int,
                            num_micro_batches: int) -> tuple[int, ...]:
-        """The v executable with ``schedule``: (1,) for GPipe/1F1B; for interleaved 1F1B
-        the declared v >= 2 that :func:`interleaving_problem` accepts (maybe none)."""
-        if schedule != "interleaved_1f1b":
+        """The v executable with ``schedule``: (1,) for a schedule of one chunk per rank;
+        for an interleaved one the declared v >= 2 its rule accepts (maybe none)."""
+        record = pipeline_schedule(schedule)
+        if not record.interleaved:
             return (1,)
         return tuple(v for v in self.virtual_stages
-                     if interleaving_problem(num_layers, pp, v, num_micro_batches) is None)
+                     if record.problem(pp, num_micro_batches, v, num_layers) is None)
 
 
 RUNTIME_SUPPORT = RuntimeSupport()
@@ -297,12 +257,13 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
         raise ValueError(f"zero_stage=0 with tp={layout.tp} pp={layout.pp} dp={layout.dp}: "
                          f"{support.name} runs plain data parallelism only without TP and PP; "
                          "pin zero_stage=3 with pp=1, or dp=1")
-    v, schedule = layout.virtual_stages, layout.schedule
-    if v is not None and v > 1 and schedule not in (None, "interleaved_1f1b"):
-        raise ValueError(f"virtual_stages={v} needs schedule 'interleaved_1f1b', got "
-                         f"{schedule!r}; drop one of the two pins")
-    if schedule == "interleaved_1f1b" and (layout.pp == 1 or v == 1):
-        raise ValueError(interleaving_problem(None, layout.pp or 2, v or 2, 0))
+    v = layout.virtual_stages
+    record = pipeline_schedule(layout.schedule) if layout.schedule else None
+    if v is not None and v > 1 and record is not None and not record.interleaved:
+        raise ValueError(f"virtual_stages={v} needs schedule {interleaved_names()}, got "
+                         f"{record.name!r}; drop one of the two pins")
+    if record is not None and record.interleaved and (layout.pp == 1 or v == 1):
+        raise ValueError(record.problem(layout.pp or 2, 0, v or 2))
     if layout.sequence_parallel and layout.tp == 1:
         raise ValueError("sequence_parallel=True splits activations over the TP group but "
                          "tp=1 is pinned; pin tp > 1 or drop sequence_parallel")

@@ -19,9 +19,10 @@ from .comm import (COLLECTIVE_KINDS, all_gather_time_s, all_reduce_time_s, colle
 from .compute import (dispatched_time_s, gemm_efficiency, gemm_time_s, gpt_model_flops,
                       matmul_time_s, memory_bound_time_s, op_time_s)
 from .hardware import PRESET_NAMES, Cluster, DeviceSpec, LinkSpec
-from .memory import (ADAM_OPTIMIZER_BYTES_PER_PARAM, in_flight_micro_batches,
-                     model_state_bytes, transformer_layer_activation_bytes)
-from .pipeline import SCHEDULES, bubble_fraction, pipeline_step_time_s
+from .memory import (ADAM_OPTIMIZER_BYTES_PER_PARAM, all_forwards_in_flight,
+                     interleaved_in_flight, model_state_bytes,
+                     one_forward_one_backward_in_flight, transformer_layer_activation_bytes)
+from .pipeline import bubble_fraction, pipeline_step_time_s
 from .reserve import RESERVE_KINDS, MemoryReserve
 
 __all__ = [
@@ -29,12 +30,12 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "PRESET_NAMES",
     "RECOMPUTE_MODES",
-    "SCHEDULES",
     "Cluster",
     "DeviceSpec",
     "LinkSpec",
     "MemoryReserve",
     "RESERVE_KINDS",
+    "all_forwards_in_flight",
     "all_gather_time_s",
     "all_reduce_time_s",
     "bubble_fraction",
@@ -44,10 +45,11 @@ __all__ = [
     "gemm_time_s",
     "gpt_model_flops",
     "group_link",
-    "in_flight_micro_batches",
+    "interleaved_in_flight",
     "matmul_time_s",
     "memory_bound_time_s",
     "model_state_bytes",
+    "one_forward_one_backward_in_flight",
     "op_time_s",
     "p2p_time_s",
     "pipeline_send_time_s",

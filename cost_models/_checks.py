@@ -54,24 +54,3 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
             f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"
         )
     return value  # type: ignore[return-value]
-
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""Pipeline schedules: GPipe (Huang et al. 2019), 1F1B / PipeDream-flush and
-interleaved 1F1B (Narayanan et al. 2021)."""
-
-
-def check_schedule(schedule: object, virtual_stages: object) -> int:
-    """Validate a schedule name and its virtual-stage count v; return v.
-
-    v > 1 is only meaningful for ``interleaved_1f1b``; asking for it with another
-    schedule is an error rather than a silently ignored argument.
-    """
-    check_choice("schedule", schedule, PIPELINE_SCHEDULES)
-    v = check_positive_int("virtual_stages", virtual_stages)
-    if v > 1 and schedule != "interleaved_1f1b":
-        raise ValueError(
-            f"virtual_stages={v} needs schedule 'interleaved_1f1b', got {schedule!r} "
-            "(use virtual_stages=1)"
-        )
-    return v

@@ -9,7 +9,7 @@ data-parallel size, Psi parameter count.
 from __future__ import annotations
 
 from ._checks import (RECOMPUTE_MODES, check_choice, check_non_negative, check_positive,
-                      check_positive_int, check_schedule)
+                      check_positive_int)
 
 ADAM_OPTIMIZER_BYTES_PER_PARAM = 12
 """K in ZeRO (Rajbhandari et al. 2020, section 3.1): mixed-precision Adam keeps an
@@ -89,42 +89,40 @@ def transformer_layer_activation_bytes(
     return sbh * (linear_part + attention_core)
 
 
-def in_flight_micro_batches(
-    schedule: str,
-    pp: int,
-    stage: int,
-    num_micro_batches: int,
-    virtual_stages: int = 1,
-) -> float:
-    """Micro-batches' worth of whole-stage activations stage ``stage`` holds at peak.
-
-    Multiply by the activation bytes of one micro-batch through all of the stage's
-    layers to get the stage's peak activation memory.
-
-    * ``gpipe``: all forwards run before any backward, so every stage holds m.
-    * ``1f1b`` (PipeDream-flush, Narayanan et al. 2021 section 2.2.1): stage i runs
-      p - i - 1 warm-up forwards, then one more before its first backward, so it
-      holds ``min(p - i, m)``.
-    * ``interleaved_1f1b``: each rank holds v chunks of L/(p*v) layers.  Megatron-LM's
-      ``forward_backward_pipelining_with_interleaving`` runs
-      ``2*(p - i - 1) + (v - 1)*p`` warm-up chunk-forwards on rank i, plus one before
-      the first backward, capped at the m*v chunk-forwards of the step.  A chunk is
-      1/v of the stage, so the peak is ``min(2*(p-i-1) + (v-1)*p + 1, m*v) / v``
-      whole-stage micro-batches.  For stage 0 that is ``p + (p-1)/v =
-      p * (1 + (p-1)/(p*v))``, the factor of Narayanan et al. 2021 / Korthikanti et
-      al. 2022 (section 4.2.3); it decreases by 2/v per later stage.
-
-    ValueError for an unknown schedule, ``stage`` outside [0, pp), or
-    ``virtual_stages > 1`` with a schedule other than ``interleaved_1f1b``.
-    """
-    v = check_schedule(schedule, virtual_stages)
+def _stage_args(pp: int, stage: int, num_micro_batches: int) -> tuple[int, int, int]:
     p = check_positive_int("pp", pp)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < p:
         raise ValueError(f"stage must be an int in [0, pp={p}), got {stage!r}")
-    m = check_positive_int("num_micro_batches", num_micro_batches)
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "1f1b":
-        return float(min(p - stage, m))
-    chunk_forwards = 2 * (p - stage - 1) + (v - 1) * p + 1
-    return min(chunk_forwards, m * v) / v
+    return p, stage, check_positive_int("num_micro_batches", num_micro_batches)
+
+
+def all_forwards_in_flight(pp: int, stage: int, num_micro_batches: int) -> float:
+    """Micro-batches' worth of whole-stage activations a stage holds at peak when all m
+    forwards run before any backward (GPipe, Huang et al. 2019): m on every stage.
+
+    Multiply by the activation bytes of one micro-batch through all of the stage's layers
+    to get the stage's peak activation memory. ValueError for ``stage`` outside [0, pp)."""
+    return float(_stage_args(pp, stage, num_micro_batches)[2])
+
+
+def one_forward_one_backward_in_flight(pp: int, stage: int, num_micro_batches: int) -> float:
+    """The same for 1F1B (PipeDream-flush, Narayanan et al. 2021 section 2.2.1): stage i
+    runs p - i - 1 warm-up forwards, then one more before its first backward, so it holds
+    ``min(p - i, m)``. ValueError for ``stage`` outside [0, pp)."""
+    p, i, m = _stage_args(pp, stage, num_micro_batches)
+    return float(min(p - i, m))
+
+
+def interleaved_in_flight(pp: int, stage: int, num_micro_batches: int,
+                          virtual_stages: int) -> float:
+    """The same for interleaved 1F1B, in whole-stage micro-batches: each rank holds v chunks
+    of L/(p*v) layers. Megatron-LM's ``forward_backward_pipelining_with_interleaving`` runs
+    ``2*(p - i - 1) + (v - 1)*p`` warm-up chunk-forwards on rank i, plus one before the
+    first backward, capped at the m*v chunk-forwards of the step. A chunk is 1/v of the
+    stage, so the peak is ``min(2*(p-i-1) + (v-1)*p + 1, m*v) / v``. For stage 0 that is
+    ``p + (p-1)/v = p * (1 + (p-1)/(p*v))``, the factor of Narayanan et al. 2021 /
+    Korthikanti et al. 2022 (section 4.2.3); it decreases by 2/v per later stage.
+    ValueError for ``stage`` outside [0, pp) or v < 1."""
+    p, i, m = _stage_args(pp, stage, num_micro_batches)
+    v = check_positive_int("virtual_stages", virtual_stages)
+    return min(2 * (p - i - 1) + (v - 1) * p + 1, m * v) / v

@@ -15,52 +15,29 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ._checks import (PIPELINE_SCHEDULES, check_non_negative, check_positive_int,
-                      check_schedule)
-
-SCHEDULES = PIPELINE_SCHEDULES
-"""("gpipe", "1f1b", "interleaved_1f1b")."""
+from ._checks import check_non_negative, check_positive_int
 
 
-def _check_pipeline(schedule: str, pp: int, num_micro_batches: int,
-                    virtual_stages: int) -> tuple[int, int, int]:
-    """Validate a schedule for p stages and m micro-batches; return (p, m, v)."""
-    v = check_schedule(schedule, virtual_stages)
+def bubble_fraction(pp: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
+    """Idle time over useful time: (p-1)/m, or (p-1)/(v*m) with v chunks per rank
+    interleaved (Narayanan 2021). ValueError unless p, m and v are positive ints."""
     p = check_positive_int("pp", pp)
     m = check_positive_int("num_micro_batches", num_micro_batches)
-    if schedule == "1f1b" and m < p:
-        raise ValueError(f"1F1B needs num_micro_batches >= pp, got m={m} < pp={p}")
-    if schedule == "interleaved_1f1b":
-        if m < p:
-            raise ValueError(
-                f"interleaved 1F1B needs num_micro_batches >= pp, got m={m} < pp={p}"
-            )
-        if m % p != 0:
-            raise ValueError(
-                f"interleaved 1F1B needs num_micro_batches divisible by pp, "
-                f"got m={m}, pp={p}"
-            )
-    return p, m, v
-
-
-def bubble_fraction(schedule: str, pp: int, num_micro_batches: int,
-                    virtual_stages: int = 1) -> float:
-    """Idle time over useful time: (p-1)/m, or (p-1)/(v*m) interleaved (Narayanan 2021)."""
-    p, m, v = _check_pipeline(schedule, pp, num_micro_batches, virtual_stages)
-    return (p - 1) / (v * m)
+    return (p - 1) / (check_positive_int("virtual_stages", virtual_stages) * m)
 
 
 def pipeline_step_time_s(
     stage_times_s: Sequence[float],
     num_micro_batches: int,
-    schedule: str,
     virtual_stages: int = 1,
     p2p_time_s: float = 0.0,
 ) -> float:
     """Seconds for one pipelined step of m micro-batches (no DP reduction, no optimizer).
 
     ``stage_times_s[i]`` is t_i, the forward + backward time of ONE micro-batch on
-    stage i; ``p2p_time_s`` is c (unused when there is a single stage).
+    stage i; ``p2p_time_s`` is c (unused when there is a single stage); v > 1 prices
+    interleaving. Which schedule may run which (p, m, v) is its record's rule
+    (:mod:`autopar.techniques.pipeline_schedules`), not this formula's.
 
     GPipe / 1F1B.  The first micro-batch's forward and backward cross every stage
     and every boundary: sum_i t_i + (p-1)*c (fill and drain).  After it the
@@ -71,7 +48,7 @@ def pipeline_step_time_s(
           = m * M + bubble,   M = max_i(t_i + c),   bubble = sum_i t_i + (p-1)*c - M.
 
     Both schedules run the same work in the same dependency order, so they share
-    this time; they differ in memory (see ``memory.in_flight_micro_batches``).
+    this time; they differ in memory (``memory.all_forwards_in_flight``, ``memory.one_forward_one_backward_in_flight``).
 
     Interleaved 1F1B.  Each rank runs v chunks of t_i/v, and every chunk boundary
     is a point-to-point transfer, so a micro-batch costs the bottleneck rank
@@ -86,7 +63,9 @@ def pipeline_step_time_s(
     times = [check_non_negative(f"stage_times_s[{i}]", t) for i, t in enumerate(stage_times_s)]
     if not times:
         raise ValueError("stage_times_s must hold one time per stage, got an empty sequence")
-    p, m, v = _check_pipeline(schedule, len(times), num_micro_batches, virtual_stages)
+    p = len(times)
+    m = check_positive_int("num_micro_batches", num_micro_batches)
+    v = check_positive_int("virtual_stages", virtual_stages)
     c = check_non_negative("p2p_time_s", p2p_time_s)
     if p == 1:
         c = 0.0  # a single stage sends nothing

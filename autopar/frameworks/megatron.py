@@ -60,6 +60,7 @@ from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, out
                                         torchrun_line)
 from autopar.models import pad_vocab_size
 from autopar.plan import Layout
+from autopar.techniques.pipeline_schedules import default_schedule
 from autopar.stages import equal_chunks
 from autopar.support import plan_grad_dtype
 
@@ -262,7 +263,7 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
     sp = bool(flags.get("sequence-parallel")) and t > 1
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b,
                     zero_stage=1 if flags.get("use-distributed-optimizer") else 0,
-                    recompute=recompute, schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                    recompute=recompute, schedule=default_schedule(v).name,
                     virtual_stages=v, sequence_parallel=sp, dtype=dtype, grad_dtype=grad_dtype)
     h = flags.get("hidden-size")
     shape = {"num_layers": L, "hidden_size": h,

@@ -49,9 +49,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES, Layout
+from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout
 from autopar.report.format import recompute_counts
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, plan_grad_dtype
+from autopar.techniques.pipeline_schedules import framework_schedules
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
            "megatron_block_layers", "torchrun_line"]
@@ -59,19 +60,19 @@ __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_t
 TARGETS: dict[str, RuntimeSupport] = {
     "autopar": RUNTIME_SUPPORT,
     "megatron": RuntimeSupport(
-        name="megatron", schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 1),
+        name="megatron", schedules=framework_schedules("megatron"), zero_stages=(0, 1),
         recompute=RECOMPUTE_MODES, sequence_parallel=(False, True),
         virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
         placements="megatron", recompute_layout="block",
         attention_kernels=(("bf16", ("flash", "math")), ("fp32", ("math",)))),
     "torchtitan": RuntimeSupport(
-        name="torchtitan", schedules=SCHEDULES, zero_stages=(0, 3), recompute=("none", "full"),
+        name="torchtitan", schedules=framework_schedules("torchtitan"), zero_stages=(0, 3), recompute=("none", "full"),
         sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
         grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
         ddp_1d_only=True, mixed_precision_by_fsdp=True,
         attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",)))),
     "deepspeed": RuntimeSupport(
-        name="deepspeed", schedules=("1f1b",), zero_stages=(0, 1, 2, 3),
+        name="deepspeed", schedules=framework_schedules("deepspeed"), zero_stages=(0, 1, 2, 3),
         recompute=("none", "full"), sequence_parallel=(False,), virtual_stages=(1,),
         dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1,
         pipeline_zero_stages=(1,)),

@@ -32,12 +32,14 @@ from autopar.frameworks.model_shape import model_problem, model_shape
 from autopar.frameworks.targets import (FrameworkRun, outside_target, target_support,
                                         torchrun_line)
 from autopar.plan import Layout
+from autopar.techniques.pipeline_schedules import framework_schedules, pipeline_schedule, schedule_for
 
 __all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",
            "TORCHTITAN_SCHEDULES", "FLAVOR"]
 
-TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
-"""autopar's schedule -> torchtitan's ``pipeline_parallel_schedule`` name."""
+TORCHTITAN_SCHEDULES = {name: pipeline_schedule(name).framework_name("torchtitan")
+                        for name in framework_schedules("torchtitan")}
+"""autopar's schedule -> torchtitan's ``pipeline_parallel_schedule`` name (the records')."""
 
 # torchtitan 0.2.2's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args),
 # the TransformerModelArgs fields that set the shape; the rest are its defaults
@@ -142,7 +144,7 @@ def torchtitan_toml(plan) -> str:
                         "data_parallel_shard_degree": plan.dp if fsdp else 1,
                         "tensor_parallel_degree": plan.tp,
                         "pipeline_parallel_degree": plan.pp,
-                        "pipeline_parallel_schedule": TORCHTITAN_SCHEDULES[plan.schedule],
+                        "pipeline_parallel_schedule": pipeline_schedule(plan.schedule).framework_name("torchtitan"),
                         "pipeline_parallel_microbatch_size": plan.micro_batch_size},
         "activation_checkpoint": {"mode": plan.recompute[0] if plan.recompute else "none"},
     }
@@ -211,14 +213,13 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
         dtype = "fp32"
         notes.append("mixed_precision_param bfloat16 with TP or PP and no FSDP: torchtitan "
                      "trains fp32 (maybe_enable_amp), priced so")
-    schedules = {v: k for k, v in TORCHTITAN_SCHEDULES.items()}
-    name = par.get("pipeline_parallel_schedule", "1F1B")
-    if name not in schedules or ac not in ("none", "full"):
-        raise ValueError(f"pipeline_parallel_schedule {name!r} / activation_checkpoint.mode "
-                         f"{ac!r}: autopar prices {sorted(schedules)} and modes none, full")
+    name = par.get("pipeline_parallel_schedule", "1F1B")  # torchtitan's JobConfig default
+    schedule = schedule_for("torchtitan", name)
+    if ac not in ("none", "full"):
+        raise ValueError(f"activation_checkpoint.mode {ac!r}: autopar prices modes none, full")
     parts = par.get("module_fqns_per_model_part")
-    if name == "Interleaved1F1B" and not parts:
-        raise ValueError("Interleaved1F1B: give module_fqns_per_model_part (pp*v chunks) so "
+    if schedule.interleaved and not parts:
+        raise ValueError(f"{name}: give module_fqns_per_model_part (pp*v chunks) so "
                          "autopar knows the virtual stages")
     stages = _stage_layers(parts) if parts else None
     if stages and len(stages) % p:
@@ -229,7 +230,7 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
          else train.get("local_batch_size", 8))
     d = replicate * shard
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
-                    recompute=ac, schedule=schedules[name], virtual_stages=v,
+                    recompute=ac, schedule=schedule.name, virtual_stages=v,
                     sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32")
     batch = train.get("global_batch_size", -1)
     known = {"parallelism", "training", "activation_checkpoint"}

@@ -37,7 +37,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from cost_models.memory import in_flight_micro_batches
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.graph.capture import trace_model
@@ -54,6 +53,7 @@ from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
 from autopar.planner.strategies import (gathers_for_partial_grad, node_strategies, param_split,
                                         partial_grad_input, tensor_inputs, tied_groups)
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
            "exhaustive_search", "section_options", "stage_splits", "price", "replicated_index",
@@ -251,8 +251,8 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     pkey, ukey = ("params_p1", "param_units_p1") if once else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
     if rounding == "predict":
-        inflight = in_flight_micro_batches(cfg.schedule, p, i, cfg.num_micro_batches,
-                                           cfg.virtual_stages)  # interleaved: fractional
+        inflight = pipeline_schedule(cfg.schedule).in_flight(p, i, cfg.num_micro_batches,
+                                                                 cfg.virtual_stages)  # interleaved: fractional
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
         states = model_state_bytes_by_kind(params, zero, cfg)

@@ -21,7 +21,7 @@ the last the final norm and LM head (a tied head is one tensor when p = 1):
 
 **Activations** of rank i: (its layers' bytes per micro-batch + the embedding section's on
 rank 0) times the micro-batches in flight (Narayanan et al. 2021 for 1F1B and interleaved,
-``cost_models.memory.in_flight_micro_batches``), plus, once, the head and loss on the last
+the schedule record's ``in_flight``), plus, once, the head and loss on the last
 rank and the working layer being run (a layer's whole activations, rebuilt by recompute).
 Per layer: Korthikanti et al. 2022 Table 2 for GPT (:func:`autopar.oracle.symbolic.closed_form`,
 dropout masks included), :mod:`autopar.oracle.symbolic_llama` for Llama, by recompute mode.
@@ -53,12 +53,12 @@ from dataclasses import dataclass
 
 import sympy
 
-from cost_models.memory import in_flight_micro_batches
 
 from autopar.models import GPT
 from autopar.oracle.symbolic import SYMBOLS, closed_form
 from autopar.oracle.symbolic_llama import llama_closed_form
 from autopar.plan import Plan, rank_layers
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["ModelShape", "layer_activation_bytes", "stage_memory_bytes", "step_flops",
            "predicted_flops"]
@@ -169,8 +169,8 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
         mem = {kind: params * nbytes / (d if plan.zero_stage >= _SHARDED_FROM[kind] else 1)
                for kind, nbytes in _STATE_BYTES.items()}
         kept = sum(per_mode[plan.recompute[l]] for l in layers) + (pre if rank == 0 else 0.0)
-        inflight = in_flight_micro_batches(plan.schedule, p, rank, plan.num_micro_batches,
-                                           plan.virtual_stages)
+        inflight = pipeline_schedule(plan.schedule).in_flight(p, rank, plan.num_micro_batches,
+                                                              plan.virtual_stages)
         working = per_mode["none"] if layers else 0.0
         mem["activations"] = kept * inflight + (post if rank == p - 1 else 0.0) + working
         out.append(mem)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.memory import in_flight_micro_batches
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
@@ -31,6 +30,7 @@ from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp
 from autopar.planner.decision import stage_size_range
 from autopar.planner.reserve import usable_bytes
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
            "LayerPieces", "layer_pieces", "step_bound_s"]
@@ -210,7 +210,7 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     (computed here when None)."""
     pc = layer_pieces(traced, tables) if pieces is None else pieces
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
-    inflight = in_flight_micro_batches(cfg.schedule, p, 0, m, v)
+    inflight = pipeline_schedule(cfg.schedule).in_flight(p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 or p == 1 else stage_size_range(L, p)
     sends = (v * m + p - 2) * tables.p2p_s if p > 1 else 0.0
     largest = -(-L // p) * layer_s

@@ -13,6 +13,8 @@ from autopar.graph.annotate import TracedModel
 from autopar.plan import Layout
 from autopar.planner.cost_tables import Config
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, default_schedule,
+                                                   pipeline_schedule)
 
 __all__ = ["candidate_configs", "validate_layout", "no_config_message", "MAX_MICRO_BATCH_SIZE"]
 
@@ -84,10 +86,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     # Megatron's pattern splits whole key/value heads (megatron-core: num_query_groups % tp)
     kv = _kv_heads(traced) if support is not None and support.placements == "megatron" else None
     why = {} if why is None else why
-    interleave = support is not None and "interleaved_1f1b" in support.schedules
-    schedules = [layout.schedule] if layout.schedule else \
-        (["interleaved_1f1b"] if (layout.virtual_stages or 1) > 1 else
-         ["1f1b"] + ["interleaved_1f1b"] * interleave)
+    schedules = [layout.schedule] if layout.schedule else _searched_schedules(layout, support)
     out = []
     for tp in divisors(n):
         if tp > cluster.gpus_per_node or (heads and heads % tp) or layout.tp not in (None, tp):
@@ -174,10 +173,20 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     return out
 
 
+def _searched_schedules(layout: Layout, support: RuntimeSupport | None) -> list[str]:
+    """The schedules a layout without one is searched over: the default (1F1B; interleaved
+    when it pins v > 1) and, in a search whose runtime runs them, the interleaved ones."""
+    default = default_schedule(layout.virtual_stages)
+    if default.interleaved or support is None:
+        return [default.name]
+    return [default.name] + [s.name for s in PIPELINE_SCHEDULES.values()
+                             if s.interleaved and s.name in support.schedules]
+
+
 def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,
                     pp: int, m: int) -> tuple[int, ...]:
     """The v to try for one (schedule, pp, m): see :func:`candidate_configs`."""
-    if schedule != "interleaved_1f1b":
+    if not pipeline_schedule(schedule).interleaved:
         return (1,) if (layout.virtual_stages or 1) == 1 else ()
     if layout.virtual_stages is not None or support is None:
         return (layout.virtual_stages or 2,)

@@ -37,6 +37,7 @@ from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispa
                                        node_cost)
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
+from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
            "StateBytes", "state_bytes", "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
@@ -54,7 +55,7 @@ class Config:
     dp: int
     micro_batch_size: int
     num_micro_batches: int
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual_stages: int = 1
     dtype: str = "bf16"
     attention: str = "math"

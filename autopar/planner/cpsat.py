@@ -45,7 +45,7 @@ Interleaved 1F1B (v > 1 virtual stages per rank): the layers are cut into p·v e
 of L/(p·v), as Megatron-LM requires, chunk c on rank c % p (``Plan.stage_layers``), so
 :math:`n_i = L/p` is fixed and the solver still chooses the TP strategies, the ZeRO stage
 and per rank the recompute counts (a rank's memory sums its v chunks; in-flight
-micro-batches from ``cost_models.memory.in_flight_micro_batches``). The objective is then
+micro-batches from the schedule record's ``in_flight``). The objective is then
 :math:`v \times` the interleaved step time of ``cost_models.pipeline``,
 :math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt} + T_{end})` with
 :math:`T_{max} \ge T_i + v\,c_{p2p}` (integer coefficients; v = 1 is the formula above).

@@ -22,6 +22,7 @@ from autopar.planner.decision import Decision, InfeasibleError
 from autopar.planner.megatron import megatron_placements
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 from autopar.stages import even_stage_layers
+from autopar.techniques.pipeline_schedules import default_schedule, pipeline_schedule
 
 __all__ = ["complete_hand_layout", "hand_decision", "check_fits_memory"]
 
@@ -38,7 +39,7 @@ def complete_hand_layout(layout: Layout) -> Layout:
                   micro_batch_size=layout.micro_batch_size,
                   zero_stage=layout.zero_stage if layout.zero_stage is not None else 0,
                   recompute=layout.recompute or "none",
-                  schedule=layout.schedule or ("interleaved_1f1b" if v > 1 else "1f1b"),
+                  schedule=layout.schedule or default_schedule(v).name,
                   virtual_stages=layout.virtual_stages,
                   sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype,
                   grad_dtype=layout.grad_dtype)
@@ -117,7 +118,10 @@ def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:
 def _remedies(layout: Layout) -> list[str]:
     """What would lower a complete hand layout's memory, among the knobs it has not turned."""
     out = ["recompute=full"] if layout.recompute != "full" else []
-    out += ["schedule=1f1b (GPipe keeps all m micro-batches)"] if layout.schedule == "gpipe" else []
+    record, fewer = pipeline_schedule(layout.schedule), default_schedule(layout.virtual_stages)
+    p, v = max(layout.pp, 2), layout.virtual_stages or 1
+    if record.in_flight(p, 0, 2 * p, v) > fewer.in_flight(p, 0, 2 * p, v):
+        out += [f"schedule={fewer.name} ({record.title} keeps more micro-batches in flight)"]
     out += ["a higher zero_stage"] if layout.zero_stage < 3 else []
     out += ["a smaller micro_batch_size"] if layout.micro_batch_size > 1 else []
     return out + ["more pp or tp"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from cost_models.memory import in_flight_micro_batches
 
 from autopar.graph.annotate import TracedModel, last_saver_index, saves_inputs
 from autopar.plan import Prediction, rank_layers
@@ -21,6 +20,7 @@ from autopar.planner.reserve import rank_reserve
 from autopar.planner.step import (counts_tied_weight_once, model_state_bytes_by_kind, step_time_s,
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["section_cost", "predict"]
 
@@ -206,7 +206,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
                        "backward": total["bwd_s"] + total["tp_bwd_s"], "recompute": rec_s,
                        "p2p": hop})
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
-        inflight = in_flight_micro_batches(cfg.schedule, p, i, m, cfg.virtual_stages)
+        inflight = pipeline_schedule(cfg.schedule).in_flight(p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
         mem.append({**model_state_bytes_by_kind(total["params"], decision.zero_stage, cfg),
                     "activations": saved + working})

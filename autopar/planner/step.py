@@ -26,12 +26,11 @@ coefficient is an integer (:func:`scaled_memory`).
 
 from __future__ import annotations
 
-from cost_models.memory import in_flight_micro_batches
-from cost_models.pipeline import pipeline_step_time_s
 
 from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
                                          optimizer_s_per_param, state_bytes)
 from autopar.planner.strategies import tied_groups
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["KIB", "PARAM_UNIT", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
            "optimizer_s", "step_time_s", "model_state_bytes_by_kind", "state_kib_times_d",
@@ -91,8 +90,8 @@ def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
     seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
     ``cfg``'s schedule, m micro-batches, v chunks and the stage-to-stage send ``p2p_s``;
     the DP time adds ``tables.dp_latency_s``, the step the closing ``tables.step_end_s``."""
-    pipe = pipeline_step_time_s(stage_s, cfg.num_micro_batches, cfg.schedule,
-                                cfg.virtual_stages, tables.p2p_s)
+    pipe = pipeline_schedule(cfg.schedule).step_time_s(stage_s, cfg.num_micro_batches,
+                                                       cfg.virtual_stages, tables.p2p_s)
     dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s) + tables.dp_latency_s[zero_stage]
     opt_s = optimizer_s(zero_stage, cluster, cfg, params)
     return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s
@@ -119,9 +118,9 @@ def state_kib_times_d(zero_stage: int, cfg: Config) -> int:
 
 def in_flight_times_v(cfg: Config, rank: int) -> int:
     """Micro-batches whose activations rank ``rank`` holds at once, times v: an exact
-    integer, chunk forwards in flight (``cost_models.memory.in_flight_micro_batches``)."""
-    inflight = in_flight_micro_batches(cfg.schedule, cfg.pp, rank, cfg.num_micro_batches,
-                                       cfg.virtual_stages)
+    integer, chunk forwards in flight (the schedule record's ``in_flight``)."""
+    inflight = pipeline_schedule(cfg.schedule).in_flight(cfg.pp, rank, cfg.num_micro_batches,
+                                                         cfg.virtual_stages)
     return round(inflight * cfg.virtual_stages)
 
 

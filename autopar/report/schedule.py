@@ -12,18 +12,10 @@ rank busy, so a rank is busy :math:`t_i + v c` per micro-batch,
 the recompute (the forward re-run of full or selective recompute), so it is
 :math:`(b_i + r_i)/v` long.
 
-Orders (Narayanan et al. 2021, section 2.2):
-
-* GPipe: all m forwards, then all m backwards.
-* 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
-  and one backward, then the remaining backwards.
-* Interleaved 1F1B: rank i runs chunks 0..v-1 (virtual stage :math:`c p + i`, the model
-  chunk :math:`c p + i` of ``Plan.stage_layers``). Forwards go in groups of p micro-batches
-  per chunk: the k-th forward is micro-batch :math:`\lfloor k/(pv) \rfloor p + k \bmod p`
-  of chunk :math:`\lfloor k/p \rfloor \bmod v` (backwards the same, chunks from v - 1
-  down); the warm-up is :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then
-  one forward and one backward, then the remaining backwards (Megatron-LM's and
-  ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
+The order in which each rank runs its blocks is the schedule record's drawing
+(:mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B; on rank i
+chunk c is virtual stage :math:`c p + i`, the model chunk :math:`c p + i` of
+``Plan.stage_layers``).
 
 Every block starts as soon as its rank is free and its input has arrived (the forward of
 the previous virtual stage, the backward of the next one, or on the last virtual stage its
@@ -35,6 +27,8 @@ every chunk's sends); :func:`makespan_s`. Pure Python: no planner, no plotting.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["Block", "schedule_order", "simulate_schedule", "makespan_s", "plan_phases",
            "plan_timeline", "drawn_micro_batches", "BACKWARD_OVER_FORWARD"]
@@ -67,35 +61,10 @@ class Block:
 def schedule_order(schedule: str, pp: int, m: int, rank: int,
                    virtual_stages: int = 1) -> list[tuple[str, int, int]]:
     """The order in which pipeline rank ``rank`` runs its blocks: (kind "F"/"B",
-    micro-batch, chunk), see the module docstring. Raises ValueError for an unknown
+    micro-batch, chunk), the record's ``order``. Raises ValueError for an unknown
     schedule, or interleaved 1F1B with m not a multiple of p (its order needs whole groups
     of p micro-batches)."""
-    v = virtual_stages
-    if schedule == "gpipe":
-        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
-    if schedule == "1f1b" or (schedule == "interleaved_1f1b" and v == 1):
-        warmup = min(pp - 1 - rank, m)
-        order = [("F", j, 0) for j in range(warmup)]
-        for k in range(m - warmup):
-            order += [("F", warmup + k, 0), ("B", k, 0)]
-        return order + [("B", j, 0) for j in range(m - warmup, m)]
-    if schedule != "interleaved_1f1b":
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; use 'gpipe', '1f1b' or "
-                         "'interleaved_1f1b'")
-    if m % pp:
-        raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
-                         f"m={m}, pp={pp}")
-
-    def op(kind: str, k: int) -> tuple[str, int, int]:
-        chunk = (k // pp) % v
-        return kind, (k // (pp * v)) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk
-
-    total = m * v
-    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
-    order = [op("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [op("F", warmup + k), op("B", k)]
-    return order + [op("B", k) for k in range(total - warmup, total)]
+    return pipeline_schedule(schedule).order(pp, m, rank, virtual_stages)
 
 
 def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
@@ -165,7 +134,7 @@ def drawn_micro_batches(schedule: str, pp: int, m: int, limit: int) -> int:
     (interleaved 1F1B: a multiple of p, at least p)."""
     if m <= limit:
         return m
-    return max(pp, limit // pp * pp) if schedule == "interleaved_1f1b" else limit
+    return max(pp, limit // pp * pp) if pipeline_schedule(schedule).interleaved else limit
 
 
 def plan_timeline(plan, micro_batches: int | None = None) -> list[list[Block]]:

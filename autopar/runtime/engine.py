@@ -53,7 +53,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.plan import SCHEDULES
 from autopar.runtime.health import (NonFiniteError, as_collective_error, check_step_options,
                                    clip_coefficient, nonfinite_message)
 from autopar.runtime.mesh import ParallelGroups
@@ -62,6 +61,7 @@ from autopar.runtime.stats import CommMeter, SavedActivationTracker
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
 from autopar.support import check_positive_ints, pipeline_problem
+from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES, SCHEDULES
 
 
 
@@ -75,11 +75,12 @@ def _check_schedule(schedule: str, pp: int, num_micro_batches: int, num_chunks: 
     :func:`autopar.support.pipeline_problem` (the layer-count rule is the planner's: this
     rank's chunks are already cut). Raises NotImplementedError for an unknown schedule and
     ValueError for a rule the layout breaks."""
-    if schedule not in SCHEDULES:
+    if schedule not in PIPELINE_SCHEDULES:
         raise NotImplementedError(f"pipeline schedule {schedule!r} is not supported; use one of {SCHEDULES}")
-    if (num_chunks > 1) != (schedule == "interleaved_1f1b"):
+    if (num_chunks > 1) != PIPELINE_SCHEDULES[schedule].interleaved:
         raise ValueError(f"schedule {schedule!r} with {num_chunks} model chunks on this rank: "
-                         "pass an nn.ModuleList of v >= 2 chunks exactly for 'interleaved_1f1b'")
+                         "pass an nn.ModuleList of v >= 2 chunks exactly for an interleaved "
+                         "schedule")
     problem = pipeline_problem(schedule, pp, num_micro_batches, num_layers=None,
                                virtual_stages=num_chunks)
     if problem:
@@ -101,7 +102,7 @@ class ParallelModule(nn.Module):
         num_micro_batches: m, micro-batches per step and DP replica.
         seq_len: s.
         hidden_size: h, the width of the activation between stages.
-        schedule: "1f1b", "gpipe" (ignored when pp == 1) or "interleaved_1f1b".
+        schedule: a pipeline schedule's name (:data:`SCHEDULES`; ignored when pp == 1).
         optimizer_factory: builds an element-wise optimizer (SGD, Adam, AdamW, ...) from a
             list of tensors; it is given this rank's flat (slice of the) master weights
             (ZeRO-3: the stage's FSDP2-sharded DTensor parameters).
@@ -148,7 +149,7 @@ class ParallelModule(nn.Module):
         num_micro_batches: int,
         seq_len: int,
         hidden_size: int,
-        schedule: str = "1f1b",
+        schedule: str = DEFAULT_SCHEDULE,
         optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         tied_parameter_names: Sequence[str] = (),
         activation_dtype: torch.dtype = torch.float32,

@@ -158,7 +158,7 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
 
     Collective over the world. Raises RuntimeError (no process group, or ranks disagree),
     NotImplementedError (a plan feature the runtime cannot run), ValueError (world size
-    != tp·pp·dp, an interleaved plan breaking :func:`~autopar.support.interleaving_problem`,
+    != tp·pp·dp, an interleaved plan breaking :func:`~autopar.techniques.pipeline_schedules.interleaving_problem`,
     plan=None without cluster, global_batch_size and seq_len, or a cluster of another size
     than the world).
     """

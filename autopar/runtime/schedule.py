@@ -31,7 +31,7 @@ How it is used:
   ``PipelineStage`` with ``stage_index`` c and ``num_stages`` p·v, and the library's
   ``ScheduleInterleaved1F1B`` orders them (depth first; it needs m a multiple of
   max(1, m // p), autopar asks m % p == 0 as Megatron-LM does, see
-  :func:`autopar.support.interleaving_problem`). Every chunk boundary is a
+  :func:`autopar.techniques.pipeline_schedules.interleaving_problem`). Every chunk boundary is a
   point-to-point send, also between two chunks of neighbouring ranks.
 """
 
@@ -43,10 +43,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                         ScheduleInterleaved1F1B)
+import torch.distributed.pipelining as pipelining
+from torch.distributed.pipelining import PipelineStage
 
 from autopar.runtime.mesh import ParallelGroups
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ class PipelineRunner:
         groups: this rank's process groups (pp > 1).
         shapes: the boundary shapes, one per chunk.
         num_micro_batches: m.
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b" (validated by the caller).
+        schedule: a pipeline schedule's name (validated by the caller); its record names
+            the ``torch.distributed.pipelining`` class that runs it.
         loss_fn: per-micro-batch mean loss (logits, targets) -> scalar, used on the last stage.
     """
 
@@ -140,13 +142,10 @@ class PipelineRunner:
         self.groups, self.shapes = groups, shapes
         self.num_micro_batches = num_micro_batches
         scaled = functools.partial(_scaled_loss, loss_fn, num_micro_batches)
-        if schedule == "interleaved_1f1b":
-            self._schedule = ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=scaled,
-                                                     scale_grads=False)
-        else:
-            schedule_cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self._schedule = schedule_cls(stages[0], num_micro_batches, loss_fn=scaled,
-                                          scale_grads=False)
+        record = pipeline_schedule(schedule)
+        runner = getattr(pipelining, record.runner)  # the record names torch's class
+        self._schedule = runner(stages if record.interleaved else stages[0], num_micro_batches,
+                                loss_fn=scaled, scale_grads=False)
 
     def run(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of m micro-batches; gradients accumulate in the stage's parameters.

@@ -74,41 +74,39 @@ def test_tp_sp_selective_is_34_over_t(s, b, h, a, t):
 
 
 def test_in_flight_micro_batches():
-    f = cm.in_flight_micro_batches
-    assert f("gpipe", 4, 2, 16) == 16
-    assert [f("1f1b", 4, i, 16) for i in range(4)] == [4, 3, 2, 1]
-    assert f("1f1b", 4, 0, 2) == 2
+    assert cm.all_forwards_in_flight(4, 2, 16) == 16
+    f = cm.one_forward_one_backward_in_flight
+    assert [f(4, i, 16) for i in range(4)] == [4, 3, 2, 1]
+    assert f(4, 0, 2) == 2
     p, v = 4, 2
-    assert f("interleaved_1f1b", p, 0, 8, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))  # 5.5
-    later = [f("interleaved_1f1b", p, i, 8, v) for i in range(p)]
+    assert cm.interleaved_in_flight(p, 0, 8, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    later = [cm.interleaved_in_flight(p, i, 8, v) for i in range(p)]
     assert later == sorted(later, reverse=True) and later[-1] == pytest.approx(2.5)  # (4+1)/2
 
 
 # --------------------------------------------------------------------------- pipeline
 def test_bubble_fraction():
-    assert cm.bubble_fraction("gpipe", 8, 32) == pytest.approx(7 / 32)
-    assert cm.bubble_fraction("1f1b", 16, 64) == pytest.approx(15 / 64)
-    assert cm.bubble_fraction("interleaved_1f1b", 4, 8, 3) == pytest.approx(3 / 24)
+    assert cm.bubble_fraction(8, 32) == pytest.approx(7 / 32)
+    assert cm.bubble_fraction(16, 64) == pytest.approx(15 / 64)
+    assert cm.bubble_fraction(4, 8, 3) == pytest.approx(3 / 24)
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [
-    ("gpipe", 4, 3, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 5, 1), ("interleaved_1f1b", 4, 8, 2),
-])
-def test_equal_stages_identity(schedule, p, m, v):
+@pytest.mark.parametrize("p, m, v", [(4, 3, 1), (4, 8, 1), (1, 5, 1), (4, 8, 2)])
+def test_equal_stages_identity(p, m, v):
     t = 0.25
-    got = cm.pipeline_step_time_s([t] * p, m, schedule, virtual_stages=v)
+    got = cm.pipeline_step_time_s([t] * p, m, virtual_stages=v)
     assert got == pytest.approx((m + (p - 1) / v) * t)
-    assert got == pytest.approx(m * t * (1 + cm.bubble_fraction(schedule, p, m, v)))
+    assert got == pytest.approx(m * t * (1 + cm.bubble_fraction(p, m, v)))
 
 
 def test_unequal_stages_and_p2p():
     # (m-1)*max + sum: 3*2 + 4 = 10; with c = 0.5: 3*2.5 + 4 + 2*0.5 = 12.5
-    assert cm.pipeline_step_time_s([1, 2, 1], 4, "gpipe") == pytest.approx(10)
-    assert cm.pipeline_step_time_s([1, 2, 1], 4, "1f1b", p2p_time_s=0.5) == pytest.approx(12.5)
+    assert cm.pipeline_step_time_s([1, 2, 1], 4) == pytest.approx(10)
+    assert cm.pipeline_step_time_s([1, 2, 1], 4, p2p_time_s=0.5) == pytest.approx(12.5)
     # interleaved v=2, m=3: 3*max + (sum - max)/2 = 6 + 1
-    assert cm.pipeline_step_time_s([1, 2, 1], 3, "interleaved_1f1b", 2) == pytest.approx(7)
+    assert cm.pipeline_step_time_s([1, 2, 1], 3, 2) == pytest.approx(7)
     # one stage sends nothing
-    assert cm.pipeline_step_time_s([1.0], 4, "gpipe", p2p_time_s=9.0) == pytest.approx(4)
+    assert cm.pipeline_step_time_s([1.0], 4, p2p_time_s=9.0) == pytest.approx(4)
 
 
 # ------------------------------------------------------------------------------ comm
@@ -245,14 +243,11 @@ def _a100_kwargs(**changes):
     (lambda: cm.model_state_bytes(1, 1, 0), r"dp must be a positive int, got 0"),
     (lambda: cm.gpt_model_flops(1, 1, 1, 1, 1, "some"), r"recompute must be one of"),
     (lambda: cm.transformer_layer_activation_bytes(1, 1, 1, 1, recompute="x"), r"recompute"),
-    (lambda: cm.in_flight_micro_batches("zb", 2, 0, 4), r"schedule must be one of"),
-    (lambda: cm.in_flight_micro_batches("1f1b", 2, 2, 4), r"stage must be an int in \[0, pp=2\)"),
-    (lambda: cm.pipeline_step_time_s([], 4, "gpipe"), r"stage_times_s .* empty"),
-    (lambda: cm.pipeline_step_time_s([1, 1], 0, "gpipe"), r"num_micro_batches must be a positive"),
-    (lambda: cm.pipeline_step_time_s([1, 1, 1], 2, "1f1b"), r"1F1B needs num_micro_batches >= pp"),
-    (lambda: cm.pipeline_step_time_s([1, 1], 3, "interleaved_1f1b", 2), r"divisible by pp"),
-    (lambda: cm.pipeline_step_time_s([1], 1, "pipedream"), r"schedule must be one of"),
-    (lambda: cm.bubble_fraction("gpipe", 2, 4, 2), r"virtual_stages=2 needs schedule 'interleaved_1f1b'"),
+    (lambda: cm.one_forward_one_backward_in_flight(2, 2, 4), r"stage must be an int in \[0, pp=2\)"),
+    (lambda: cm.interleaved_in_flight(2, 0, 4, 0), r"virtual_stages must be a positive int"),
+    (lambda: cm.pipeline_step_time_s([], 4), r"stage_times_s .* empty"),
+    (lambda: cm.pipeline_step_time_s([1, 1], 0), r"num_micro_batches must be a positive"),
+    (lambda: cm.bubble_fraction(2, 4, 0), r"virtual_stages must be a positive int"),
 ])
 def test_errors_name_the_cause(call, pattern):
     with pytest.raises(ValueError, match=pattern):

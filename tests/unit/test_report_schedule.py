@@ -21,7 +21,7 @@ from autopar.models import GPT, preset
 from autopar.report.plots import write_timeline_chart
 from autopar.report.schedule import (Block, drawn_micro_batches, makespan_s, plan_phases,
                                      plan_timeline, schedule_order, simulate_schedule)
-from cost_models.pipeline import pipeline_step_time_s
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 PNG = b"\x89PNG"
 
@@ -54,7 +54,7 @@ def test_equal_stages_makespan_is_the_cost_models_plus_one_transfer(schedule, pp
     timeline = simulate_schedule(schedule, pp, m, [f] * pp, [b] * pp, recompute_s=[r] * pp,
                                  p2p_s=c, virtual_stages=v)
     _check_timeline(timeline, pp, m, v)
-    priced = pipeline_step_time_s([f + b + r] * pp, m, schedule, v, c)
+    priced = pipeline_schedule(schedule).step_time_s([f + b + r] * pp, m, v, c)
     assert makespan_s(timeline) == pytest.approx(priced + (c if pp > 1 else 0.0), rel=1e-12)
     if c == 0.0:  # the textbook forms: (m + p - 1)·t, interleaved m·t + (p - 1)·t / v
         assert makespan_s(timeline) == pytest.approx((m + (pp - 1) / v) * (f + b + r))
@@ -73,7 +73,7 @@ def test_schedule_orders():
     assert sorted(order) == sorted({(k, j, c) for k in "FB" for j in range(4) for c in (0, 1)})
     with pytest.raises(ValueError, match="one forward and one backward time per stage"):
         simulate_schedule("gpipe", 2, 2, [1.0], [2.0])
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+    with pytest.raises(ValueError, match="pipeline schedule 'zigzag' is not one of"):
         simulate_schedule("zigzag", 1, 1, [1.0], [2.0])
     with pytest.raises(ValueError, match="divisible by pp"):
         schedule_order("interleaved_1f1b", 4, 6, 0, 2)
@@ -108,8 +108,8 @@ def test_plan_timeline_makespan_equals_the_predicted_pipeline_time(gpt13_plans, 
     _check_timeline(timeline, plan.pp, plan.num_micro_batches, plan.virtual_stages)
     pipeline_s = pred.step_time_s - sum(pred.time_s_by_kind[k] for k in ("dp_comm", "optimizer",
                                                                           "step_end"))
-    assert pipeline_s == pytest.approx(pipeline_step_time_s(
-        pred.stage_time_s, plan.num_micro_batches, plan.schedule, plan.virtual_stages, c))
+    assert pipeline_s == pytest.approx(pipeline_schedule(plan.schedule).step_time_s(
+        pred.stage_time_s, plan.num_micro_batches, plan.virtual_stages, c))
     print(f"{name}: drawn {makespan_s(timeline):.6f} s, priced {pipeline_s:.6f} s, c {c:.6f} s")
     assert makespan_s(timeline) == pytest.approx(pipeline_s + c, rel=1e-9)
 

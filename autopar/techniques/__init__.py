@@ -1,0 +1,8 @@
+"""Techniques as records: one module per technique owns, for each of its values, the rule
+(what it runs with), the price (the cost model's terms), the runner (what executes it), the
+drawing (the report's picture) and the framework mapping (each target's name for it, or a
+refusal). The cost model, planner, runtime, report and frameworks read the records
+instead of comparing names.
+
+* :mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B.
+"""

@@ -1,0 +1,262 @@
+r"""Pipeline schedules, one record each: everything autopar knows about a schedule.
+
+A :class:`PipelineSchedule` owns, for its value of ``Layout.schedule``:
+
+* **the rule**: which (p stages, m micro-batches, v chunks per rank, L layers) it runs
+  (:meth:`PipelineSchedule.problem`; the solver, the search, plan files and the runtime
+  all ask it);
+* **the price**: the activations each stage holds at peak (``in_flight``, a formula of
+  :mod:`cost_models.memory`) and the step time of m micro-batches
+  (:func:`cost_models.pipeline.pipeline_step_time_s`);
+* **the runner**: the ``torch.distributed.pipelining`` schedule class that executes it
+  (``runner``), and whether that class takes all of a rank's chunks (``interleaved``);
+* **the drawing**: the order in which pipeline rank i runs its forward and backward blocks
+  (``order``), from which the report simulates the timeline;
+* **the framework mapping**: per target framework, its name for the schedule, or a
+  :class:`Refusal` saying why that framework cannot run it.
+
+Adding a schedule is adding a record to :data:`PIPELINE_SCHEDULES` (and, if torch names
+its runner differently, nothing else): ``tests/unit/test_technique_records.py`` fails
+when a record lacks any of the five. Orders (Narayanan et al. 2021, section 2.2):
+
+* GPipe: all m forwards, then all m backwards.
+* 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
+  and one backward, then the remaining backwards.
+* Interleaved 1F1B: rank i runs chunks 0..v-1 (virtual stage :math:`c p + i`). Forwards
+  go in groups of p micro-batches per chunk: the k-th forward is micro-batch
+  :math:`\lfloor k/(pv) \rfloor p + k \bmod p` of chunk :math:`\lfloor k/p \rfloor \bmod v`
+  (backwards the same, chunks from v - 1 down); the warm-up is
+  :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then one forward and one
+  backward, then the remaining backwards (Megatron-LM's and
+  ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
+
+Pure Python over :mod:`cost_models`: the report, the planner and the runtime import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
+                                one_forward_one_backward_in_flight)
+from cost_models.pipeline import pipeline_step_time_s
+
+__all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
+           "DEFAULT_SCHEDULE", "FRAMEWORK_TARGETS", "pipeline_schedule", "default_schedule",
+           "framework_schedules", "schedule_for", "interleaved_names", "interleaving_problem"]
+
+Order = list[tuple[str, int, int]]
+"""A rank's blocks in run order: (kind "F"/"B", micro-batch, chunk)."""
+
+FRAMEWORK_TARGETS = ("megatron", "torchtitan", "deepspeed")
+"""The frameworks every record answers for (``autopar.frameworks.targets.TARGETS``)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A framework cannot run this value of a technique; ``reason`` says why, naming what
+    the framework runs instead."""
+
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSchedule:
+    """One pipeline schedule (module docstring).
+
+    name: the value of ``Layout.schedule`` and ``--schedule``. title: as papers write it.
+    source: the paper and section its rule, price and order come from. interleaved: it
+    runs v >= 2 model chunks per rank (``virtual_stages``), its runner taking all of a
+    rank's chunks; else v = 1. rule: extra reason (p, m, v, L) cannot run, beyond the
+    v rule (L None: chunks already cut). in_flight: (p, stage, m, v) -> whole-stage
+    micro-batches of activations the stage holds at peak. order: (p, m, rank, v) -> the
+    rank's blocks. runner: the ``torch.distributed.pipelining`` class. frameworks: target
+    -> its name for the schedule, or a :class:`Refusal`.
+    """
+
+    name: str
+    title: str
+    source: str
+    interleaved: bool
+    rule: Callable[[int, int, int, int | None], str | None]
+    in_flight: Callable[[int, int, int, int], float]
+    order: Callable[[int, int, int, int], Order]
+    runner: str
+    frameworks: Mapping[str, str | Refusal]
+
+    def problem(self, pp: int, num_micro_batches: int, virtual_stages: int = 1,
+                num_layers: int | None = None) -> str | None:
+        """Why this schedule cannot run p = ``pp`` stages over m = ``num_micro_batches``
+        micro-batches with v = ``virtual_stages`` chunks per rank of an L = ``num_layers``
+        layer model, or None (``num_layers`` None skips the layer-count rule)."""
+        v = virtual_stages
+        if not self.interleaved and v != 1:
+            return (f"virtual_stages={v} needs schedule {interleaved_names()}, got "
+                    f"{self.name!r}; use virtual_stages=1")
+        return self.rule(pp, num_micro_batches, v, num_layers)
+
+    def step_time_s(self, stage_times_s: list[float], num_micro_batches: int,
+                    virtual_stages: int = 1, p2p_time_s: float = 0.0) -> float:
+        """Seconds of one pipelined step (:func:`cost_models.pipeline.pipeline_step_time_s`:
+        GPipe and 1F1B run the same work in the same dependency order and share it,
+        interleaving shortens the fill and drain v times)."""
+        return pipeline_step_time_s(stage_times_s, num_micro_batches, virtual_stages,
+                                    p2p_time_s)
+
+    def framework_name(self, target: str) -> str:
+        """``target``'s name for this schedule. Raises ValueError with the record's reason
+        when ``target`` cannot run it, or when the record does not answer for ``target``."""
+        answer = self.frameworks.get(target)
+        if answer is None:
+            raise ValueError(f"pipeline schedule {self.name!r} has no answer for framework "
+                             f"{target!r} (one of {sorted(self.frameworks)})")
+        if isinstance(answer, Refusal):
+            raise ValueError(f"{target} cannot run pipeline schedule {self.name!r}: "
+                             f"{answer.reason}")
+        return answer
+
+
+def _gpipe_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
+
+
+def _one_f_one_b_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    warmup = min(pp - 1 - rank, m)
+    order = [("F", j, 0) for j in range(warmup)]
+    for k in range(m - warmup):
+        order += [("F", warmup + k, 0), ("B", k, 0)]
+    return order + [("B", j, 0) for j in range(m - warmup, m)]
+
+
+def _interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:
+    if m % pp:
+        raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
+                         f"m={m}, pp={pp}")
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k // pp) % v
+        return kind, (k // (pp * v)) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk
+
+    total = m * v
+    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op("F", warmup + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
+
+
+def _no_rule(pp: int, m: int, v: int, num_layers: int | None) -> None:
+    return None
+
+
+def _one_f_one_b_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
+    if pp > 1 and m < pp:
+        return (f"1F1B needs at least as many micro-batches as stages: m={m} < p={pp}; raise "
+                f"num_micro_batches to {pp} or use schedule='gpipe'")
+    return None
+
+
+def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
+                         num_micro_batches: int) -> str | None:
+    """Why interleaved 1F1B with v = ``virtual_stages`` chunks per rank cannot run, or None.
+
+    The rules (Megatron-LM's ``--num-layers-per-virtual-pipeline-stage``; Narayanan et al.
+    2021, section 2.2.2): p > 1 (with one rank the chunks would not interleave), v >= 2
+    (v = 1 is plain 1F1B), L divisible by p·v (p·v equal chunks of L/(p·v) layers; chunk c
+    runs on pipeline rank c % p), m divisible by p (the schedule runs rounds of p
+    micro-batches).
+    """
+    L, p, v, m = num_layers, pp, virtual_stages, num_micro_batches
+    if p < 2:
+        return f"interleaved 1F1B needs pp > 1, got pp={p}; use schedule='1f1b'"
+    if v < 2:
+        return (f"interleaved 1F1B needs virtual_stages >= 2, got v={v} (v=1 is plain "
+                "1F1B: use schedule='1f1b')")
+    if L is not None and L % (p * v):
+        ok = [k for k in range(2, L // p + 1) if L % (p * k) == 0]
+        return (f"interleaved 1F1B cuts the {L} layers into pp*v = {p}*{v} equal chunks, but "
+                f"{L} is not divisible by {p * v}; choose virtual_stages in {ok or '(none)'} "
+                "or schedule='1f1b'")
+    if m % p:
+        return (f"interleaved 1F1B needs num_micro_batches divisible by pp: m={m}, pp={p}; "
+                f"choose m in multiples of {p} (global batch = dp * micro_batch_size * m) or "
+                "schedule='1f1b'")
+    return None
+
+
+_MEGATRON_1F1B_ONLY = Refusal("Megatron-LM's pipeline runs 1F1B, interleaved with "
+                              "--num-layers-per-virtual-pipeline-stage; it has no GPipe")
+_DEEPSPEED_1F1B_ONLY = Refusal("DeepSpeed's PipelineEngine runs its TrainSchedule (1F1B) only")
+
+PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
+    PipelineSchedule(
+        name="gpipe", title="GPipe", source="Huang et al. 2019; Narayanan et al. 2021 §2.2",
+        interleaved=False, rule=_no_rule,
+        in_flight=lambda p, i, m, v: all_forwards_in_flight(p, i, m),
+        order=_gpipe_order, runner="ScheduleGPipe",
+        frameworks={"megatron": _MEGATRON_1F1B_ONLY, "torchtitan": "GPipe",
+                    "deepspeed": _DEEPSPEED_1F1B_ONLY}),
+    PipelineSchedule(
+        name="1f1b", title="1F1B", source="PipeDream-flush, Narayanan et al. 2021 §2.2.1",
+        interleaved=False, rule=_one_f_one_b_rule,
+        in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
+        order=_one_f_one_b_order, runner="Schedule1F1B",
+        frameworks={"megatron": "1F1B", "torchtitan": "1F1B", "deepspeed": "TrainSchedule"}),
+    PipelineSchedule(
+        name="interleaved_1f1b", title="interleaved 1F1B",
+        source="Narayanan et al. 2021 §2.2.2", interleaved=True,
+        rule=lambda p, m, v, L: interleaving_problem(L, p, v, m),
+        in_flight=interleaved_in_flight, order=_interleaved_order,
+        runner="ScheduleInterleaved1F1B",
+        frameworks={"megatron": "interleaved 1F1B (--num-layers-per-virtual-pipeline-stage)",
+                    "torchtitan": "Interleaved1F1B",
+                    "deepspeed": Refusal("DeepSpeed's PipelineEngine runs one model chunk "
+                                         "per stage (TrainSchedule, 1F1B)")}),
+)}
+"""Schedule name -> its record, in the order the CLI and errors list them."""
+
+SCHEDULES: tuple[str, ...] = tuple(PIPELINE_SCHEDULES)
+"""The values of ``Layout.schedule``."""
+
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule of a layout that names none and has v = 1 (Megatron-LM's default)."""
+
+
+def interleaved_names() -> str:
+    """The interleaved schedules' names for a message: "'interleaved_1f1b'" (joined by
+    " or " when there are more)."""
+    return " or ".join(repr(s.name) for s in PIPELINE_SCHEDULES.values() if s.interleaved)
+
+
+def pipeline_schedule(name: str) -> PipelineSchedule:
+    """The record of schedule ``name``. Raises ValueError naming the schedules there are."""
+    try:
+        return PIPELINE_SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"pipeline schedule {name!r} is not one of {SCHEDULES}") from None
+
+
+def framework_schedules(target: str) -> tuple[str, ...]:
+    """The schedules framework ``target`` runs: those whose record names it there."""
+    return tuple(s.name for s in PIPELINE_SCHEDULES.values()
+                 if isinstance(s.frameworks.get(target), str))
+
+
+def schedule_for(target: str, framework_name: str) -> PipelineSchedule:
+    """The record framework ``target`` calls ``framework_name``. Raises ValueError naming the
+    names ``target`` has for the schedules autopar prices."""
+    for s in PIPELINE_SCHEDULES.values():
+        if s.frameworks.get(target) == framework_name:
+            return s
+    names = [s.frameworks[target] for s in PIPELINE_SCHEDULES.values()
+             if isinstance(s.frameworks.get(target), str)]
+    raise ValueError(f"{target} pipeline schedule {framework_name!r}: autopar prices {names}")
+
+
+def default_schedule(virtual_stages: int | None) -> PipelineSchedule:
+    """The schedule a layout with v = ``virtual_stages`` and no schedule runs: 1F1B, or the
+    first interleaved schedule when v > 1."""
+    if (virtual_stages or 1) > 1:
+        return next(s for s in PIPELINE_SCHEDULES.values() if s.interleaved)
+    return PIPELINE_SCHEDULES[DEFAULT_SCHEDULE]
