@@ -199,6 +199,7 @@ def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: s
     :func:`~autopar.graph.shared_reads.hoist_shared_reads`)."""
     hoist_shared_reads(gm)
     meta_gm = gm if _all_meta(gm) else _meta_copy(gm)
+    pair = _shapes_at(meta_gm, 2, seq_len)  # which dims grow with the batch (below)
     idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     try:
         RepeatedLayerShapeProp(meta_gm).propagate(idx)
@@ -213,9 +214,34 @@ def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: s
         if "tensor_meta" in meta_node.meta:
             node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
     traced = annotate(gm, seq_len=seq_len, name=name, model=model)
+    for info in traced.nodes.values():
+        two = pair.get(info.name)
+        if info.shape is not None and two is not None and len(two) == len(info.shape):
+            info.extra["batch_dims"] = tuple(d for d, (a, b) in enumerate(zip(info.shape, two))
+                                             if a != b)
     check_causal_lm(traced, type(model).__name__)
     check_parameters_read(traced, model)
     return traced
+
+
+def _shapes_at(meta_gm: fx.GraphModule, batch: int, seq_len: int) -> dict[str, tuple]:
+    """Node name -> output shape for ``batch`` sequences ({} when the graph does not run at
+    that batch). Shapes are annotated at b = 1, where a view that folds the batch into the
+    sequence (``x.reshape(1, -1, h)``) looks like the identity; comparing with b = 2 says
+    which dims hold the batch (``NodeInfo.extra["batch_dims"]``), so that a rule can ask
+    whether a sharding passes at every batch size
+    (:func:`~autopar.planner.strategies.batch_safe_view_map`)."""
+    try:
+        RepeatedLayerShapeProp(meta_gm).propagate(
+            torch.zeros(batch, seq_len, dtype=torch.long, device="meta"))
+    except Exception:  # a graph fixed to one sequence: no batch dims known
+        shapes = {}
+    else:
+        shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta_gm.graph.nodes
+                  if hasattr(n.meta.get("tensor_meta"), "shape")}
+    for n in meta_gm.graph.nodes:  # the b = 1 propagation annotates afresh
+        n.meta.pop("tensor_meta", None)
+    return shapes
 
 
 def check_parameters_read(traced: TracedModel, model: torch.nn.Module) -> None:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from autopar.graph.annotate import NodeInfo
 from autopar.graph.ops import packet
 from autopar.placement import REPLICATE, Placement, Shard
-from autopar.planner.strategies import Strategy, view_map
+from autopar.planner.strategies import Strategy, batch_safe_view_map
 
 __all__ = ["aten_strategies"]
 
@@ -81,8 +81,8 @@ def aten_strategies(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
         return _elementwise(shape, in_shapes, tp)
     if len(ins) != 1 and kind not in ("cat", "matmul"):
         return []
-    if kind == "view":
-        return _moved(x, view_map(tuple(x), tuple(shape)), tp, shape)
+    if kind == "view":  # at every batch size, not only the b = 1 of the annotation
+        return _moved(x, batch_safe_view_map(nodes[ins[0].name], info), tp, shape)
     if kind == "transpose":
         if op.__name__ == "t":
             perm = [1, 0][:len(shape)]

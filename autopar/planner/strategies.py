@@ -121,6 +121,24 @@ def view_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> dict[int,
     return mapping
 
 
+def batch_safe_view_map(source: NodeInfo, view: NodeInfo) -> dict[int, int]:
+    """:func:`view_map` of a view's input ``source`` to its output ``view`` restricted to the
+    pairs that also hold at b = 2: shapes are annotated for one sequence, where a view that
+    folds the batch into another dim (``x.reshape(1, -1, h)`` of (b, s, h), Inkling's
+    shared experts) looks like the identity, yet at b > 1 a shard of s is not a shard of
+    b·s. The b = 2 shapes double the dims ``NodeInfo.extra["batch_dims"]`` names (sizes are
+    linear in b); a node annotated without them keeps the b = 1 map."""
+    mapping = view_map(tuple(source.shape), tuple(view.shape))
+    dims_in, dims_out = source.extra.get("batch_dims"), view.extra.get("batch_dims")
+    if dims_in is None or dims_out is None:
+        return mapping
+
+    def doubled(shape, dims):
+        return tuple(2 * n if d in dims else n for d, n in enumerate(shape))
+    at_two = view_map(doubled(source.shape, dims_in), doubled(view.shape, dims_out))
+    return {i: o for i, o in mapping.items() if at_two.get(i) == o}
+
+
 def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
                     gm: fx.GraphModule, tp: int, sequence_parallel: bool = False) -> list[Strategy]:
     ins = tensor_inputs(node, nodes)
@@ -181,18 +199,21 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
         base += [Strategy("sharded", (Shard(swap.get(d, d)),), Shard(d), 1, 1, (False,))
                  for d in shardable]
     elif kind == "view" and len(ins) == 1:
-        base += _view_strategies(node, nodes[ins[0].name].shape, shape, tp)
+        base += _view_strategies(node, nodes[ins[0].name], info, tp)
     return base
 
 
-def _view_strategies(node: fx.Node, in_shape, out_shape, tp: int) -> list[Strategy]:
+def _view_strategies(node: fx.Node, source: NodeInfo, info: NodeInfo, tp: int
+                     ) -> list[Strategy]:
     """Shards pass a view/reshape only where the target size is inferred (-1), so that
-    the unchanged call computes the local size on a shard."""
+    the unchanged call computes the local size on a shard, and only along dims the view
+    maps at every batch size (:func:`batch_safe_view_map`)."""
     size_args = node.args[1:]
     if len(size_args) == 1 and isinstance(size_args[0], (tuple, list)):
         size_args = tuple(size_args[0])
+    in_shape, out_shape = source.shape, info.shape
     out: list[Strategy] = []
-    for d_in, d_out in view_map(tuple(in_shape), tuple(out_shape)).items():
+    for d_in, d_out in batch_safe_view_map(source, info).items():
         inferred = d_out < len(size_args) and size_args[d_out] == -1
         if inferred and in_shape[d_in] % tp == 0 and out_shape[d_out] % tp == 0:
             out.append(Strategy("sharded", (Shard(d_in),), Shard(d_out), 1, 1, (False,)))

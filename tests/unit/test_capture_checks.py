@@ -208,3 +208,39 @@ def test_a_guard_true_for_every_batch_size_is_captured_and_a_fixed_batch_refused
     assert _same_gradients(model, gm, idx) == []
     with pytest.raises(TraceError, match="BatchOfTwoLM.forward"):
         trace_model(BatchOfTwoLM(), 8)
+
+
+class FoldedBatchLM(_TwoLinearLM):
+    """Layers that run on every token of the batch as one row (x.reshape(1, -1, h):
+    Inkling's shared experts) and unfold it again; captured by fx, or by export."""
+
+    def __init__(self, exported: bool) -> None:
+        super().__init__()
+        self.exported = exported
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        if self.exported and x.shape[-1] != 32:  # a branch on a size: fx cannot, export can
+            raise ValueError("h = 32")
+        for layer in self.layers:
+            folded = x.reshape(1, -1, 32)
+            x = x + layer(folded).reshape(idx.shape[0], idx.shape[1], 32)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_a_view_that_folds_the_batch_passes_no_sequence_shard(exported):
+    from autopar.graph.capture import trace_model
+    from autopar.planner.strategies import node_strategies
+
+    traced = trace_model(FoldedBatchLM(exported), 8)
+    strategies = node_strategies(traced, 2, sequence_parallel=True)
+    views = [n for n, info in traced.nodes.items() if info.kind == "view"]
+    assert views
+    for name in views:  # at b = 1 each looks like the identity (1, 8, 32) -> (1, 8, 32)
+        assert traced.nodes[name].shape == (1, 8, 32)
+        keys = {s.key for s in strategies[name]}
+        assert "replicate:R" in keys and "sharded:S1" not in keys, (name, keys)
+    embedded = next(n for n, info in traced.nodes.items() if info.kind == "embedding")
+    assert traced.nodes[embedded].extra["batch_dims"] == (0,)
+    assert traced.nodes[views[0]].extra["batch_dims"] == (1,)
