@@ -35,7 +35,7 @@ from autopar.placement import parse_strategy_key
 from autopar.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, plan_grad_dtype
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, unsupported
 from cost_models.hardware import Cluster
 
 __all__ = ["PlanError", "plan_from_dict", "plan_from_json", "read_plan", "check_plan", "PHASES"]
@@ -365,19 +365,10 @@ def _check_placements(plan: Plan, src: str) -> None:
 
 
 def _check_executable(plan: Plan, src: str, support: RuntimeSupport) -> None:
-    """Every feature inside what the runtime executes (autopar.support)."""
-    checks = [("schedule", plan.schedule, support.schedules),
-              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
-              ("virtual_stages", plan.virtual_stages, support.virtual_stages),
-              ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
-              ("dtype", plan.dtype, support.dtypes)]
-    checks += [("recompute", m, support.recompute) for m in sorted(set(plan.recompute))]
-    if plan.dtype == "bf16":
-        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
-    for name, value, allowed in checks:
-        if value not in allowed:
-            why = (" with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"
-                   if name == "zero_stage" and value in support.zero_stages else "")
-            raise PlanError(src, name, f"is {value!r}{why}, which the autopar runtime does not "
-                            f"execute (it runs {name} in {allowed})",
-                            "re-plan with `autopar plan`, which emits only executable plans")
+    """Every feature inside what the runtime executes (:func:`autopar.support.unsupported`)."""
+    problem = unsupported(plan, support)
+    if problem is not None:
+        raise PlanError(src, problem.field, f"is {problem.value!r}{problem.why}, which the "
+                        f"{support.name} runtime does not execute (it runs {problem.field} in "
+                        f"{problem.allowed})",
+                        "re-plan with `autopar plan`, which emits only executable plans")

@@ -21,7 +21,8 @@ from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
                                                    pipeline_schedule)
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "check_executable", "check_pins",
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "Unsupported", "unsupported", "check_executable",
+           "check_pins",
            "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
            "divisors", "plan_grad_dtype", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
 
@@ -269,26 +270,64 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
                          "tp=1 is pinned; pin tp > 1 or drop sequence_parallel")
 
 
-def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
-    """Raise NotImplementedError naming the first plan feature the runtime cannot run, or
-    ValueError for a plan that breaks :func:`pipeline_problem` or whose ``stage_layers``
-    does not hold pp·v chunks (no collective runs before either)."""
-    checks = [
-        ("schedule", plan.schedule, support.schedules),
-        ("zero_stage", plan.zero_stage, support.zero_stages),
-        ("sequence_parallel", plan.sequence_parallel, support.sequence_parallel),
-        ("virtual_stages", plan.virtual_stages, support.virtual_stages),
-        ("dtype", plan.dtype, support.dtypes),
-        ("zero_stage (with this mesh)", plan.zero_stage,
-         support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
-    ] + [("recompute", mode, support.recompute) for mode in set(plan.recompute)]
+@dataclass(frozen=True)
+class Unsupported:
+    """A plan field outside what a runner executes: ``field`` is ``value``, the runner
+    runs ``allowed``; ``why`` the rule behind it when the value alone is allowed (a ZeRO
+    stage that this mesh excludes). The one message every door words it with:
+    :meth:`message`."""
+
+    field: str
+    value: object
+    allowed: tuple
+    why: str = ""
+
+    def message(self, runner: str) -> str:
+        """"``runner`` cannot run field=value (why) (it runs field in allowed)"."""
+        return (f"{runner} cannot run {self.field}={self.value!r}{self.why} (it runs "
+                f"{self.field} in {self.allowed})")
+
+
+def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported | None:
+    """The first field of ``plan`` (a :class:`~autopar.plan.Plan`) that ``support``'s runner
+    does not execute, or None: the schedule, the ZeRO stage with this mesh
+    (:meth:`RuntimeSupport.zero_stages_for`), v, sequence parallelism (at tp > 1), the
+    dtype, the gradient dtype under bf16, each recompute mode, tp above ``max_tp``. The
+    one executability check of ``parallelize`` (:func:`check_executable`), plan files
+    (:mod:`autopar.plan_check`) and the framework targets
+    (:func:`autopar.frameworks.targets.outside_target`)."""
+    zero = support.zero_stages_for(plan.pp, plan.tp, plan.dp)
+    checks = [("schedule", plan.schedule, support.schedules, ""),
+              ("zero_stage", plan.zero_stage, zero,
+               " with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"
+               if plan.zero_stage >= 2 and plan.pp > 1 else
+               f" with tp={plan.tp} pp={plan.pp} dp={plan.dp}"),
+              ("virtual_stages", plan.virtual_stages, support.virtual_stages, ""),
+              ("dtype", plan.dtype, support.dtypes, "")]
+    if plan.tp > 1:
+        checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel,
+                       ""))
     if plan.dtype == "bf16":
-        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
-    for name, value, allowed in checks:
+        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes, ""))
+    checks += [("recompute", mode, support.recompute, "") for mode in sorted(set(plan.recompute))]
+    for field, value, allowed, why in checks:
         if value not in allowed:
-            raise NotImplementedError(
-                f"the {support.name} runtime cannot execute {name}={value!r} (supported: "
-                f"{allowed}); re-plan with autopar.plan, which only emits executable plans")
+            return Unsupported(field, value, tuple(allowed),
+                               why if field == "zero_stage" and value in support.zero_stages
+                               else "")
+    if support.max_tp is not None and plan.tp > support.max_tp:
+        return Unsupported("tp", plan.tp, tuple(range(1, support.max_tp + 1)))
+    return None
+
+
+def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
+    """Raise NotImplementedError naming the first plan feature the runtime cannot run
+    (:func:`unsupported`), or ValueError for a plan that breaks :func:`pipeline_problem` or
+    whose ``stage_layers`` does not hold pp·v chunks (no collective runs before either)."""
+    problem = unsupported(plan, support)
+    if problem is not None:
+        raise NotImplementedError(f"{problem.message(f'the {support.name} runtime')}; "
+                                  "re-plan with autopar.plan, which only emits executable plans")
     chunks = plan.pp * plan.virtual_stages
     if len(plan.stage_layers) != chunks:
         raise ValueError(f"plan.stage_layers has {len(plan.stage_layers)} entries but pp*v = "

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout
 from autopar.report.format import recompute_counts
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, plan_grad_dtype
+from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, unsupported
 from autopar.techniques.pipeline_schedules import framework_schedules
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
@@ -151,21 +151,16 @@ def megatron_block_layers(recompute: list[str], stage_layers: list[list[int]]) -
 
 def outside_target(plan, target: str) -> str | None:
     """Why ``plan`` (a :class:`~autopar.plan.Plan`) is outside what ``target`` executes, or
-    None: its schedule, ZeRO stage, v, sequence parallelism, dtype, attention kernel, tp,
-    recompute layout or stage split against :data:`TARGETS` (placements are not checked: a framework with a
-    fixed TP plan runs its own, Megatron's). The message says to re-plan with the target."""
+    None: the precision and attention kernel it would run in, then the fields of
+    :func:`autopar.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
+    dtype, recompute modes, tp), then the key/value heads, recompute layout and stage split
+    against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
+    runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
-    checks = [("schedule", plan.schedule, support.schedules),
-              ("zero_stage", plan.zero_stage,
-               support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
-              ("virtual_stages", plan.virtual_stages, support.virtual_stages),
-              ("dtype", plan.dtype, support.dtypes)]
-    if plan.dtype == "bf16":
-        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
-        if support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
-            return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
-                    f"plan would run in fp32{fix}")
+    if plan.dtype == "bf16" and support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
+        return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
+                f"plan would run in fp32{fix}")
     kernels = support.kernels_in(plan.dtype)
     if kernels and plan.attention_kernel not in kernels:
         return (f"{target} runs {' or '.join(kernels)} attention in {plan.dtype}, the plan is "
@@ -175,14 +170,9 @@ def outside_target(plan, target: str) -> str | None:
         return (f"{target} runs the model's own attention, the cluster's "
                 f"{plan.cluster.get('attention', 'math')} kernel; the plan is priced with "
                 f"{plan.attention}{fix}")
-    if plan.tp > 1:
-        checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
-    checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]
-    for name, value, allowed in checks:
-        if value not in allowed:
-            return f"{target} cannot run {name}={value!r} (it runs {allowed}){fix}"
-    if support.max_tp is not None and plan.tp > support.max_tp:
-        return f"{target} cannot run tp={plan.tp} (tp <= {support.max_tp}){fix}"
+    problem = unsupported(plan, support)  # the runtime's own check, worded for the target
+    if problem is not None:
+        return problem.message(target) + fix
     kv = _kv_heads(plan.model_config)
     if support.placements == "megatron" and kv and kv % plan.tp:
         return (f"{target} splits whole key/value heads over TP (megatron-core: "

@@ -38,3 +38,32 @@ def test_unsupported_schedules_raise() -> None:
         ParallelModule(nn.Linear(H, H), groups, schedule="zero_bubble", **kwargs)
     with pytest.raises(ValueError, match="m=1 < p=2"):
         ParallelModule(nn.Linear(H, H), groups, schedule="1f1b", **{**kwargs, "num_micro_batches": 1})
+
+
+@pytest.mark.parametrize("field, change, says", [
+    ("zero_stage", dict(zero_stage=3), "zero_stage=3 with pp > 1 (ZeRO-2/3 reduce-scatter"),
+    ("recompute", dict(zero_stage=1, recompute=["none", "offload"]), "recompute='offload'"),
+    ("schedule", dict(zero_stage=1, schedule="zero_bubble"), "schedule='zero_bubble'"),
+])
+def test_every_door_refuses_an_unexecutable_plan_by_the_same_rule(field, change, says):
+    """parallelize (check_executable), plan files (check_plan) and the framework targets
+    (outside_target) ask one check, autopar.support.unsupported, and word it alike."""
+    import dataclasses
+
+    from helpers import tiny_plan
+
+    from autopar.frameworks.targets import outside_target, target_support
+    from autopar.plan_check import PlanError, check_plan
+    from autopar.support import check_executable, unsupported
+
+    plan = dataclasses.replace(tiny_plan(1, 2), **change)
+    problem = unsupported(plan)
+    assert problem is not None and problem.field == field
+    assert says in problem.message("x")
+    with pytest.raises(NotImplementedError, match=r"the autopar runtime cannot run " + field):
+        check_executable(plan)
+    with pytest.raises(PlanError, match=rf"plan.json: plan field '{field}'"):
+        check_plan(plan, source="plan.json", executable=True)
+    deepspeed = unsupported(plan, target_support("deepspeed"))
+    assert deepspeed.field == field
+    assert outside_target(plan, "deepspeed").startswith(deepspeed.message("deepspeed"))
