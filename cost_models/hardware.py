@@ -29,20 +29,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ._checks import check_non_negative, check_positive, check_positive_int, is_number
+from ._spec_json import check_text, read_fields, spec_from_dict, unwrap
 from .reserve import MemoryReserve
 
 PRESET_DIR = Path(__file__).with_name("presets")
 PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx-h200", "dgx2h-v100", "local-cpu")
 """Names accepted by :meth:`Cluster.from_name`; each is ``presets/<name>.json``."""
-
-# Keys a spec dict may carry for humans only; they are accepted and not stored.
-_NOTE_KEYS = frozenset({"description", "notes"})
-
-
-def _check_text(where: str, value: object, what: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where} must be a non-empty str ({what}), got {value!r}")
-
 
 def _set(obj: object, field: str, value: object) -> None:
     """Normalise a field of a frozen dataclass inside ``__post_init__``."""
@@ -130,7 +122,7 @@ class DeviceSpec:
     usable in either orientation. None together with ``sm_count``."""
 
     def __post_init__(self) -> None:
-        _check_text("DeviceSpec.name", self.name, "the device model")
+        check_text("DeviceSpec.name", self.name, "the device model")
         for field in ("op_overhead_s", "recompute_overhead_s", "gemm_half_dim",
                       "attention_half_dim"):
             _set(self, field, check_non_negative(f"DeviceSpec.{field}", getattr(self, field)))
@@ -154,7 +146,7 @@ class DeviceSpec:
             )
         _set(self, "matmul_efficiency", float(eff))
         self._check_tile_model()
-        _check_text("DeviceSpec.source", self.source, "where the numbers come from")
+        check_text("DeviceSpec.source", self.source, "where the numbers come from")
 
     def _check_tile_model(self) -> None:
         """``sm_count`` and ``gemm_tile`` come together (positive ints) or not at all."""
@@ -204,7 +196,7 @@ class LinkSpec:
     2.5 ms for the all-reduce of the same bytes, not the half the ring model gives."""
 
     def __post_init__(self) -> None:
-        _check_text("LinkSpec.name", self.name, "the link kind")
+        check_text("LinkSpec.name", self.name, "the link kind")
         if not isinstance(self.reduce_scatter_as_all_reduce, bool):
             raise ValueError("LinkSpec.reduce_scatter_as_all_reduce must be true or false, got "
                              f"{self.reduce_scatter_as_all_reduce!r}")
@@ -213,7 +205,7 @@ class LinkSpec:
                 "LinkSpec.all_gather_latency_s", self.all_gather_latency_s))
         _set(self, "bandwidth_gbps", check_positive("LinkSpec.bandwidth_gbps", self.bandwidth_gbps))
         _set(self, "latency_s", check_non_negative("LinkSpec.latency_s", self.latency_s))
-        _check_text("LinkSpec.source", self.source, "where the numbers come from")
+        check_text("LinkSpec.source", self.source, "where the numbers come from")
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -278,7 +270,7 @@ class Cluster:
              check_non_negative("Cluster.memory_headroom_gib", self.memory_headroom_gib))
         check_positive_int("Cluster.gpus_per_node", self.gpus_per_node)
         check_positive_int("Cluster.nodes", self.nodes)
-        _check_text("Cluster.name", self.name, "a label")
+        check_text("Cluster.name", self.name, "a label")
 
     @property
     def num_gpus(self) -> int:
@@ -349,20 +341,20 @@ class Cluster:
         Missing or unknown keys raise ValueError naming them.
         """
         optional = ("name", "dtype", "attention", "memory_reserve", "memory_headroom_gib")
-        fields = _read_fields("Cluster", d, ("device", "gpus_per_node", "nodes",
+        fields = read_fields("Cluster", d, ("device", "gpus_per_node", "nodes",
                                              "intra_node", "inter_node") + optional,
                               optional=optional)
         kwargs: dict[str, Any] = {
-            "device": _spec_from_dict(DeviceSpec, "Cluster.device", fields["device"]),
-            "intra_node": _spec_from_dict(LinkSpec, "Cluster.intra_node", fields["intra_node"]),
-            "inter_node": _spec_from_dict(LinkSpec, "Cluster.inter_node", fields["inter_node"]),
+            "device": spec_from_dict(DeviceSpec, "Cluster.device", fields["device"]),
+            "intra_node": spec_from_dict(LinkSpec, "Cluster.intra_node", fields["intra_node"]),
+            "inter_node": spec_from_dict(LinkSpec, "Cluster.inter_node", fields["inter_node"]),
         }
         if "memory_reserve" in fields:
-            kwargs["memory_reserve"] = _spec_from_dict(MemoryReserve, "Cluster.memory_reserve",
+            kwargs["memory_reserve"] = spec_from_dict(MemoryReserve, "Cluster.memory_reserve",
                                                        fields["memory_reserve"])
         for field in ("gpus_per_node", "nodes", "memory_headroom_gib", "attention"):
             if field in fields:
-                kwargs[field], _ = _unwrap(f"Cluster.{field}", fields[field])
+                kwargs[field], _ = unwrap(f"Cluster.{field}", fields[field])
         for field in ("name", "dtype"):
             if field in fields:
                 kwargs[field] = fields[field]
@@ -381,51 +373,3 @@ class Cluster:
     def to_json_file(self, path: str | Path) -> None:
         """Write :meth:`to_dict` as indented JSON to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-
-
-def _read_fields(where: str, d: object, names: tuple[str, ...],
-                 optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check ``d`` is a mapping with exactly the keys ``names`` (plus notes)."""
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{where} must be a JSON object (dict), got {type(d).__name__}")
-    unknown = sorted(set(d) - set(names) - _NOTE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; "
-            f"expected {', '.join(names)}"
-        )
-    missing = [n for n in names if n not in d and n not in optional]
-    if missing:
-        raise ValueError(f"{where} is missing field(s) {', '.join(map(repr, missing))}")
-    return {n: d[n] for n in names if n in d}
-
-
-def _unwrap(where: str, raw: object) -> tuple[Any, str | None]:
-    """``x`` -> (x, None); ``{"value": x, "source": s}`` -> (x, s)."""
-    if isinstance(raw, Mapping):
-        fields = _read_fields(where, raw, ("value", "source"))
-        _check_text(f"{where}.source", fields["source"], "where the number comes from")
-        return fields["value"], fields["source"]
-    return raw, None
-
-
-def _spec_from_dict(spec_cls: type, where: str, d: object) -> Any:
-    """Build a DeviceSpec/LinkSpec, folding per-number sources into ``source``."""
-    names = tuple(f.name for f in dataclasses.fields(spec_cls))
-    optional = tuple(f.name for f in dataclasses.fields(spec_cls)
-                     if f.default is not dataclasses.MISSING)
-    fields = _read_fields(where, d, names, optional=optional)
-    kwargs: dict[str, Any] = {}
-    notes = []
-    for name in names:
-        if name not in fields:
-            continue
-        if name in ("name", "source"):
-            kwargs[name] = fields[name]
-            continue
-        kwargs[name], source = _unwrap(f"{where}.{name}", fields[name])
-        if source is not None:
-            notes.append(f"{name}: {source}")
-    if notes and isinstance(kwargs.get("source"), str):
-        kwargs["source"] = f"{kwargs['source']} [{'; '.join(notes)}]"
-    return spec_cls(**kwargs)
