@@ -19,7 +19,7 @@ from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 from autopar.techniques.pipeline_schedules import SCHEDULES  # one record per schedule
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
-           "format_share", "SCHEDULES", "RECOMPUTE_MODES", "DTYPES", "GRAD_DTYPES",
+           "format_share", "SCHEDULES", "RECOMPUTE_MODES", "recompute_counts", "DTYPES", "GRAD_DTYPES",
            "grad_dtype_of", "ATTENTION_KERNELS", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
@@ -27,6 +27,12 @@ PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory res
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation recomputation per layer: none, selective (the attention core; Korthikanti et
 al. 2022), full (keep only the layer's input)."""
+
+
+def recompute_counts(modes: list[str]) -> str:
+    """Per-layer recompute modes (``Plan.recompute``) counted, e.g. ``none×90+full×6`` (modes
+    in name order): how the report's layout line and the framework refusals write them."""
+    return "+".join(f"{m}×{modes.count(m)}" for m in sorted(set(modes)))
 DTYPES = ("bf16", "fp32")
 """Training precisions: bf16 mixed precision (fp32 master weights) or fp32."""
 GRAD_DTYPES = ("bf16", "fp32")

@@ -49,8 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout
-from autopar.report.format import recompute_counts
+from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout, recompute_counts
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, unsupported
 from autopar.techniques.pipeline_schedules import framework_schedules
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from autopar.plan import Layout, Plan
+from autopar.plan import Layout, Plan, recompute_counts  # recompute_counts: re-exported
 
 __all__ = ["GIB", "recompute_counts", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_NOTES", "format_seconds",
            "format_bytes", "format_gib", "format_tflops", "format_layout", "plan_flags",
@@ -86,11 +86,6 @@ def plan_flags(plan: Plan) -> str:
     if len(set(modes)) > 1:
         text += f" recompute={recompute_counts(modes)}"
     return text
-
-
-def recompute_counts(modes: list[str]) -> str:
-    """Per-layer recompute modes counted, e.g. ``none×90+full×6`` (modes in name order)."""
-    return "+".join(f"{m}×{modes.count(m)}" for m in sorted(set(modes)))
 
 
 def cluster_line(plan: Plan) -> str:

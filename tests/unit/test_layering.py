@@ -113,6 +113,14 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
     assert loaded == [], loaded[:10]
 
 
+def test_frameworks_load_no_report():
+    """The framework emitters and readers describe a plan to another engine; the report
+    explains it to a person. Neither builds on the other (the CLI composes them)."""
+    code = "import " + ", ".join(["autopar.frameworks", *_submodules("autopar.frameworks")])
+    loaded = _under(_modules_after(code, isolated=True), "autopar.report")
+    assert loaded == [], loaded
+
+
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
     """The rewrite reads the plan: from the runtime only the operators it inserts (with the
     compatibility module their collectives' names come from) and the RNG tracker (with the
