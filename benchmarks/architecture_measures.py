@@ -90,6 +90,12 @@ def _package(module: str) -> str | None:
     return "autopar"  # a name autopar/__init__ defines
 
 
+def _is_module(name: str) -> bool:
+    """Whether dotted ``name`` is a module or package of this repository."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
 def _module_of(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -103,7 +109,8 @@ def package_edges(trees: dict[Path, ast.AST]) -> dict[str, set[str]]:
         for node in ast.walk(tree):
             targets = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = subs if all(_is_module(m) for m in subs) else [node.module] + subs
             elif isinstance(node, ast.ImportFrom) and node.level:
                 targets = ["cost_models"] if src == "cost_models" else []
             elif isinstance(node, ast.Import):
