@@ -55,7 +55,7 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     """Build this rank's parallel training program (call inside ``torchrun``/an initialised
     process group, on every rank: gloo keeps the rank on the CPU, NCCL puts it on
     ``cuda:LOCAL_RANK``, :mod:`autopar.runtime.device`). The recipe is
-    :func:`autopar.runtime.parallelize.parallelize` (imported lazily: it needs
+    :func:`autopar.recipe.parallelize` (imported lazily: it needs
     torch.distributed).
 
     model: the single-device model (it is copied, not modified): materialised, or built on
@@ -88,12 +88,12 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     measure_every: count communication bytes and saved activations (``last_step_stats()``)
         on step 2 and every measure_every-th step after (their hooks cost about 2x a
         small model's step on CPU); 1 measures every step.
-    Returns a :class:`~autopar.runtime.parallelize.ParallelizedModel`;
+    Returns a :class:`~autopar.recipe.ParallelizedModel`;
     ``train_step(idx (B, s), targets (B, s))`` takes the same global batch on every rank
     and returns the global mean loss.
 
     Raises ValueError (a plan made for another model: another config or traced graph,
-    :func:`~autopar.runtime.parallelize.check_plan_matches`; world size != tp·pp·dp, or an
+    :func:`~autopar.recipe.check_plan_matches`; world size != tp·pp·dp, or an
     interleaved plan breaking
     :func:`~autopar.techniques.pipeline_schedules.interleaving_problem`, e.g. m % pp != 0: before any
     collective; a bad timeout, max_norm or on_nonfinite; a meta buffer the init rule does
@@ -102,7 +102,7 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     group, an accelerator backend on a machine without one, or ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """
-    from autopar.runtime import parallelize as runtime
+    from autopar import recipe as runtime
 
     if verify:
         from autopar.runtime.materialize import Initializer, on_meta

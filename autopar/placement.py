@@ -9,6 +9,8 @@ A :data:`Placement` is one of
 
 These are the placements of DTensor (``torch.distributed.tensor``) restricted to one mesh
 axis; autopar keeps its own three small classes so that planning never imports DTensor.
+:class:`ShardSpec` says where a rank's parameter comes from (the rewrite makes them, the
+runtime's shard-only init and checkpoints read them).
 
 A plan stores each node's tensor-parallel decision as a *strategy key*
 ``"<strategy name>:<output placement>"``, e.g. ``"column:S2"``, ``"row:P"``,
@@ -21,9 +23,12 @@ other module asks a :data:`Placement` for ``is_sharded`` / ``dim`` and a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import TYPE_CHECKING, ClassVar, Union
 
-__all__ = ["Placement", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL",
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Placement", "Replicate", "Shard", "Partial", "REPLICATE", "PARTIAL", "ShardSpec",
            "parse_placement", "StrategyKey", "parse_strategy_key", "format_strategy_key",
            "shape_strategy_name"]
 
@@ -127,3 +132,38 @@ def parse_strategy_key(key: str) -> StrategyKey:
     if not sep or not name:
         raise ValueError(f"{key!r} is not a strategy key '<name>:<placement>'")
     return StrategyKey(name, parse_placement(placement))
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a local parameter comes from: ``key`` in the original state dict, split along
+    ``dim`` into ``tp`` equal parts (dim None: replicated). ``blocks``: the sizes along
+    ``dim`` of a fused projection's parts (q, k, v of a fused QKV Linear), each split
+    into tp parts and rank r holding the r-th part of every block, in order (Megatron's
+    layout of a fused QKV weight); empty: one contiguous split."""
+
+    key: str
+    dim: int | None = None
+    blocks: tuple[int, ...] = ()
+
+    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+        """This rank's shard of the whole tensor ``full``."""
+        import torch  # placement itself stays importable without torch
+
+        if self.dim is None or tp == 1:
+            return full
+        pieces = full.split(list(self.blocks), self.dim) if self.blocks else (full,)
+        return torch.cat([p.chunk(tp, self.dim)[rank] for p in pieces], self.dim)
+
+    def whole(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's shard (``parts[r]`` of rank r)."""
+        import torch
+
+        if self.dim is None:
+            return parts[0]
+        if not self.blocks:
+            return torch.cat(parts, self.dim)
+        tp = len(parts)
+        local = [b // tp for b in self.blocks]
+        split = [p.split(local, self.dim) for p in parts]
+        return torch.cat([split[r][k] for k in range(len(local)) for r in range(tp)], self.dim)

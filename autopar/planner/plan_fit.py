@@ -3,7 +3,7 @@
 
 :func:`check_plan_fits_model` is called by every reader that holds the model:
 ``evaluate_plan``, ``autopar verify`` and ``parallelize`` (through
-:func:`autopar.runtime.parallelize.check_plan_matches`), before any collective. It checks
+:func:`autopar.recipe.check_plan_matches`), before any collective. It checks
 the model config, seq_len against the model's maximum positions, the layer count against
 the plan's recompute list and stages, the traced node names against the placements, and
 that every placement is a strategy of its node at the plan's tp (so an edited plan asks

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from autopar.graph.normalize import resolve
 from autopar.graph.ops import is_conv1d, packet
+from autopar.placement import ShardSpec  # re-exported: the rewrite makes them
 from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
                                         GatherToTPRegionWithPartialGrad, ReduceFromTPRegion,
                                         ReduceScatterToTPRegion, ScatterToTPRegion, TPOperator)
@@ -52,37 +53,6 @@ __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "BlockOrder", "Conv1DShard",
            "apply_tensor_parallel"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where a local parameter comes from: ``key`` in the original state dict, split along
-    ``dim`` into ``tp`` equal parts (dim None: replicated). ``blocks``: the sizes along
-    ``dim`` of a fused projection's parts (q, k, v of a fused QKV Linear), each split
-    into tp parts and rank r holding the r-th part of every block, in order (Megatron's
-    layout of a fused QKV weight); empty: one contiguous split."""
-
-    key: str
-    dim: int | None = None
-    blocks: tuple[int, ...] = ()
-
-    def local(self, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-        """This rank's shard of the whole tensor ``full``."""
-        if self.dim is None or tp == 1:
-            return full
-        pieces = full.split(list(self.blocks), self.dim) if self.blocks else (full,)
-        return torch.cat([p.chunk(tp, self.dim)[rank] for p in pieces], self.dim)
-
-    def whole(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The whole tensor from every rank's shard (``parts[r]`` of rank r)."""
-        if self.dim is None:
-            return parts[0]
-        if not self.blocks:
-            return torch.cat(parts, self.dim)
-        tp = len(parts)
-        local = [b // tp for b in self.blocks]
-        split = [p.split(local, self.dim) for p in parts]
-        return torch.cat([split[r][k] for k in range(len(local)) for r in range(tp)], self.dim)
 
 
 @dataclass

@@ -31,7 +31,7 @@ def gather_full(pm, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, t
     """``pick(p)`` of every local parameter (the parameter, its gradient, ...), made whole
     and keyed by the original model's state-dict keys, on every rank (CPU tensors).
 
-    pm: a :class:`~autopar.runtime.parallelize.ParallelizedModel` (``groups``,
+    pm: a :class:`~autopar.recipe.ParallelizedModel` (``groups``,
         ``stage_module``, ``shards``: local name -> ShardSpec, ``tied_aliases``).
     Each tensor is all-gathered over DP (ZeRO-3's DTensor shards) and over TP along its
     split dim (``ShardSpec.dim``), then TP rank 0 / DP rank 0 of every pipeline rank

@@ -7,7 +7,7 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
 2. copies the model with dropout switched off (:func:`disable_dropout`): the traced graph
    bakes dropout probabilities in, so ``eval()`` cannot turn them off afterwards, and
    two programs drawing different dropout masks could never agree;
-3. builds the parallel program with :func:`autopar.runtime.parallelize.parallelize` from
+3. builds the parallel program with :func:`autopar.recipe.parallelize` from
    one copy, and keeps another as the single-device reference with the same optimizer
    (default SGD). A model on the meta device is initialised with ``seed``: the program's
    shards by the runtime, the reference whole on the CPU by
@@ -57,7 +57,7 @@ import torch.nn as nn
 from autopar.plan import Plan
 from autopar.runtime.compat import DropoutBase
 from autopar.runtime.health import NonFiniteError
-from autopar.runtime import parallelize as runtime_parallelize  # looked up at call time
+from autopar import recipe as runtime_parallelize  # looked up at call time
 from autopar.runtime.fsdp import full_tensor
 from autopar.runtime.full_state import gather_full
 from autopar.runtime.materialize import InitFn, init_model, on_meta
@@ -120,7 +120,7 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 
 
 def full_gradients(pm) -> dict[str, torch.Tensor]:
-    """Unsharded gradients of a :class:`~autopar.runtime.parallelize.ParallelizedModel` under the
+    """Unsharded gradients of a :class:`~autopar.recipe.ParallelizedModel` under the
     original model's keys, on every rank (CPU), like ``full_state_dict`` for parameters.
 
     Read after ``train_step``: each ``.grad`` then holds that step's synchronised gradient
@@ -198,7 +198,7 @@ def _loss_nonfinite(step: int, loss: float, ref_loss: float) -> NonFinite | None
 def _check_inputs(model: nn.Module, plan: Plan, steps: int, batches) -> None:
     """Everything that can be checked before any collective (ValueError); the plan against
     the model is checked by the runtime's ``parallelize``, also before any collective
-    (:func:`~autopar.runtime.parallelize.check_plan_matches`)."""
+    (:func:`~autopar.recipe.check_plan_matches`)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if batches is not None and len(batches) < steps:

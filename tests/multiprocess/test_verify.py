@@ -63,8 +63,8 @@ def _perturb_one_weight(pm) -> None:
 
 
 def _broken(breaker):
-    """``autopar.runtime.parallelize.parallelize`` that builds the program, then breaks it."""
-    import autopar.runtime.parallelize as parallel
+    """``autopar.recipe.parallelize`` that builds the program, then breaks it."""
+    import autopar.recipe as parallel
 
     original = parallel.parallelize
 
@@ -87,7 +87,7 @@ def _passing(rank: int, world: int, plans: dict) -> dict:
 
 
 def _failing(rank: int, world: int, plans: dict) -> dict:
-    import autopar.runtime.parallelize as parallel
+    import autopar.recipe as parallel
 
     out = {}
     for name, breaker in (("tp2", _drop_first_tp_all_reduce), ("pp2", _perturb_one_weight)):

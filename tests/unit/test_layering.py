@@ -113,6 +113,14 @@ def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
     assert loaded == [], loaded[:10]
 
 
+def test_runtime_loads_no_rewrite():
+    """The runtime executes what the rewrite made; the recipe (autopar.recipe) composes
+    them, so the runtime never imports the rewrite (no runtime <-> rewrite cycle)."""
+    code = "import " + ", ".join(["autopar.runtime", *_submodules("autopar.runtime")])
+    loaded = _under(_modules_after(code, isolated=True), "autopar.rewrite", "autopar.recipe")
+    assert loaded == [], loaded
+
+
 def test_frameworks_load_no_report():
     """The framework emitters and readers describe a plan to another engine; the report
     explains it to a person. Neither builds on the other (the CLI composes them)."""

@@ -91,7 +91,7 @@ def test_a_meta_buffer_the_rule_does_not_set_is_refused_before_any_collective():
         real_mask = nn.Sequential(MaskedAttention(8, device="cpu"))
     with pytest.raises(ValueError, match=r"buffer '0\.bias' of MaskedAttention .*device='cpu'"):
         autopar.init_model(meta_mask)
-    from autopar.runtime.parallelize import parallelize
+    from autopar.recipe import parallelize
 
     with pytest.raises(ValueError, match=r"buffer '0\.bias'"):  # no process group: the
         parallelize(meta_mask, optimizer=torch.optim.SGD)  # error precedes every collective

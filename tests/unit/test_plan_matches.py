@@ -42,7 +42,7 @@ def test_a_deeper_model_is_refused_by_its_graph(plan):
 
 
 def test_the_model_the_plan_was_made_for_passes_the_check(plan):
-    from autopar.runtime.parallelize import check_plan_matches
+    from autopar.recipe import check_plan_matches
 
     check_plan_matches(_gpt(), plan)  # raises nothing
     with pytest.raises(RuntimeError, match="torch.distributed to be initialised"):

@@ -15,7 +15,7 @@ import autopar
 from autopar import cli
 from autopar.cli import verify as cli_verify
 from autopar.models import GPT, preset
-from autopar.runtime.parallelize import check_plan_matches
+from autopar.recipe import check_plan_matches
 from autopar.verify.check import Tolerances, VerificationError, disable_dropout, verify
 from autopar.verify.result import ParamDiff, StepLoss, VerifyReport
 from helpers import tiny_meta_gpt as _meta_model, tiny_plan as _plan

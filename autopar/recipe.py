@@ -1,6 +1,8 @@
 """``autopar.parallelize``: turn a model and a plan into this rank's training program.
 
-The recipe, each step reading only the plan:
+The recipe composes the flow's steps (graph -> rewrite -> runtime) beside :mod:`autopar.api`,
+so that neither the rewrite nor the runtime imports the other's callers: each step reads
+only the plan:
 
 1. agree on the plan (:func:`agreed_plan`): validate it, or solve it on rank 0 and
    broadcast it, then compare a digest on every rank before any other collective;
@@ -41,7 +43,7 @@ from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.placement import parse_strategy_key
 from autopar.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
-from autopar.rewrite.tensor_parallel import ShardSpec
+from autopar.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
