@@ -76,8 +76,7 @@ def _longcat_experts(self: nn.Module, hidden_states: torch.Tensor,
     (``gate_up_proj`` (E', 2I, h), ``down_proj`` (E, h, I)), the rest the identity
     ("zero-computation experts"); each pair's output is weighted and summed per token in
     expert order, as the family's loop adds them."""
-    tokens, k = top_k_index.shape
-    total = self.total_experts
+    k, total = top_k_index.shape[-1], self.total_experts
     expert_ids = top_k_index.reshape(-1)
     expert_sorted, perm = torch.sort(expert_ids, stable=True)
     token = perm // k
