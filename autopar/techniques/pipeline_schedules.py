@@ -15,9 +15,9 @@ A :class:`PipelineSchedule` owns, for its value of ``Layout.schedule``:
 * **the framework mapping**: per target framework, its name for the schedule, or a
   :class:`Refusal` saying why that framework cannot run it.
 
-Adding a schedule is adding a record to :data:`PIPELINE_SCHEDULES` (and, if torch names
-its runner differently, nothing else): ``tests/unit/test_technique_records.py`` fails
-when a record lacks any of the five. Orders (Narayanan et al. 2021, section 2.2):
+Adding a schedule is adding a record to :data:`PIPELINE_SCHEDULES`
+(``docs/adding-a-technique.md``): ``tests/unit/test_technique_records.py`` fails when a
+record lacks any of the five. Orders (Narayanan et al. 2021, section 2.2):
 
 * GPipe: all m forwards, then all m backwards.
 * 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
