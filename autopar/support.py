@@ -283,9 +283,18 @@ class Unsupported:
     why: str = ""
 
     def message(self, runner: str) -> str:
-        """"``runner`` cannot run field=value (why) (it runs field in allowed)"."""
+        """The refusal as ``runner`` words it: "RUNNER cannot run FIELD=VALUE[why] (it runs
+        FIELD in ALLOWED)"."""
         return (f"{runner} cannot run {self.field}={self.value!r}{self.why} (it runs "
                 f"{self.field} in {self.allowed})")
+
+
+def _mesh_rule(plan) -> str:
+    """Why a ZeRO stage the runner has is excluded on ``plan``'s mesh
+    (:meth:`RuntimeSupport.zero_stages_for`), for :attr:`Unsupported.why`."""
+    if plan.zero_stage >= 2 and plan.pp > 1:
+        return " with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"
+    return f" with tp={plan.tp} pp={plan.pp} dp={plan.dp}"
 
 
 def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported | None:
@@ -296,25 +305,19 @@ def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported 
     one executability check of ``parallelize`` (:func:`check_executable`), plan files
     (:mod:`autopar.plan_check`) and the framework targets
     (:func:`autopar.frameworks.targets.outside_target`)."""
-    zero = support.zero_stages_for(plan.pp, plan.tp, plan.dp)
-    checks = [("schedule", plan.schedule, support.schedules, ""),
-              ("zero_stage", plan.zero_stage, zero,
-               " with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"
-               if plan.zero_stage >= 2 and plan.pp > 1 else
-               f" with tp={plan.tp} pp={plan.pp} dp={plan.dp}"),
-              ("virtual_stages", plan.virtual_stages, support.virtual_stages, ""),
-              ("dtype", plan.dtype, support.dtypes, "")]
+    checks = [("schedule", plan.schedule, support.schedules),
+              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
+              ("virtual_stages", plan.virtual_stages, support.virtual_stages),
+              ("dtype", plan.dtype, support.dtypes)]
     if plan.tp > 1:
-        checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel,
-                       ""))
+        checks.append(("sequence_parallel", plan.sequence_parallel, support.sequence_parallel))
     if plan.dtype == "bf16":
-        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes, ""))
-    checks += [("recompute", mode, support.recompute, "") for mode in sorted(set(plan.recompute))]
-    for field, value, allowed, why in checks:
+        checks.append(("grad_dtype", plan_grad_dtype(plan), support.grad_dtypes))
+    checks += [("recompute", mode, support.recompute) for mode in sorted(set(plan.recompute))]
+    for field, value, allowed in checks:
         if value not in allowed:
-            return Unsupported(field, value, tuple(allowed),
-                               why if field == "zero_stage" and value in support.zero_stages
-                               else "")
+            excluded = field == "zero_stage" and value in support.zero_stages  # by this mesh
+            return Unsupported(field, value, tuple(allowed), _mesh_rule(plan) if excluded else "")
     if support.max_tp is not None and plan.tp > support.max_tp:
         return Unsupported("tp", plan.tp, tuple(range(1, support.max_tp + 1)))
     return None

@@ -132,7 +132,8 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
                          "and 1 (every layer)")
     dtype = "bf16" if bf16 else "fp32"
     layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b, zero_stage=zero,
-                    recompute="full" if interval else "none", schedule=schedule_for("deepspeed", "TrainSchedule").name,
+                    recompute="full" if interval else "none",
+                    schedule=schedule_for("deepspeed", "TrainSchedule").name,
                     virtual_stages=1, sequence_parallel=False,
                     dtype=dtype, grad_dtype=dtype)
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

@@ -32,14 +32,11 @@ from autopar.frameworks.model_shape import model_problem, model_shape
 from autopar.frameworks.targets import (FrameworkRun, outside_target, target_support,
                                         torchrun_line)
 from autopar.plan import Layout
-from autopar.techniques.pipeline_schedules import framework_schedules, pipeline_schedule, schedule_for
+from autopar.techniques.pipeline_schedules import pipeline_schedule, schedule_for
 
 __all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",
-           "TORCHTITAN_SCHEDULES", "FLAVOR"]
+           "FLAVOR"]
 
-TORCHTITAN_SCHEDULES = {name: pipeline_schedule(name).framework_name("torchtitan")
-                        for name in framework_schedules("torchtitan")}
-"""autopar's schedule -> torchtitan's ``pipeline_parallel_schedule`` name (the records')."""
 
 # torchtitan 0.2.2's Llama 3 flavors (torchtitan/models/llama3/__init__.py, llama3_args),
 # the TransformerModelArgs fields that set the shape; the rest are its defaults

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+
 import torch
 import torch.fx as fx
 
