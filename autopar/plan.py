@@ -173,7 +173,9 @@ class Prediction:
     stage_phase_s: per pipeline stage, seconds of one micro-batch through all its chunks by
         phase: "forward", "backward", "recompute" (compute with its TP communication; they
         sum to ``stage_time_s``) and "p2p" (c, one chunk boundary's send forward and back);
-        a chunk takes 1/v of each (``autopar.report.schedule``). Empty in older plans.
+        a chunk takes 1/v of each (``autopar.report.schedule``); "weight_grad", the part of
+        "backward" that computes weight gradients (W of a zero-bubble schedule; saved since
+        the zero-bubble schedules came). Empty in older plans.
     memory_reserve_bytes_by_stage: per pipeline stage, bytes per GPU the process holds
         besides ``memory_bytes_by_stage`` (``cost_models.reserve.RESERVE_KINDS``: CUDA
         context, NCCL buffers, loss logits, p2p buffers, DP bucket, fragmentation, headroom).

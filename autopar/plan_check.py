@@ -36,12 +36,15 @@ from autopar.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, 
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, unsupported
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 from cost_models.hardware import Cluster
 
 __all__ = ["PlanError", "plan_from_dict", "plan_from_json", "read_plan", "check_plan", "PHASES"]
 
 PHASES = ("forward", "backward", "recompute", "p2p")
-"""The keys of each ``Prediction.stage_phase_s`` entry (seconds per micro-batch)."""
+"""The keys of each ``Prediction.stage_phase_s`` entry (seconds per micro-batch); a plan
+whose schedule splits the backward also has "weight_grad" (:data:`SPLIT_PHASES`)."""
+SPLIT_PHASES = PHASES + ("weight_grad",)
 
 REPLAN = "re-plan with `autopar plan ... -o FILE` (or `autopar evaluate`)"
 VERSION_NOTE = ("version 3 prices the memory reserve: plans of version 2 may not fit a real "
@@ -90,7 +93,7 @@ def _number_list(src: str, name: str, value, length: int | None = None) -> None:
         _expect(src, f"{name}[{i}]", v, _is_number(v) and v >= 0, "a finite number >= 0")
 
 
-def _check_prediction(src: str, data, pp: int) -> Prediction:
+def _check_prediction(src: str, data, pp: int, schedule: str) -> Prediction:
     """``predicted``: every field of :class:`Prediction`, numbers finite and >= 0."""
     _expect(src, "predicted", data, isinstance(data, dict), "an object (a Prediction)")
     _check_keys(src, "predicted", data, Prediction)
@@ -124,12 +127,14 @@ def _check_prediction(src: str, data, pp: int) -> Prediction:
     phases = data.get("stage_phase_s", [])  # absent in plans saved before it existed
     _expect(src, "predicted.stage_phase_s", phases,
             isinstance(phases, list) and len(phases) in (0, pp), f"a list of {pp} objects")
+    split = schedule in SCHEDULES and pipeline_schedule(schedule).split_backward
+    keys = SPLIT_PHASES if split else PHASES
     for i, stage in enumerate(phases):
         _number_map(src, f"predicted.stage_phase_s[{i}]", stage)
-        missing = sorted(set(PHASES) - set(stage))
+        missing = sorted(set(keys) - set(stage))
         if missing:
             raise PlanError(src, f"predicted.stage_phase_s[{i}]", f"lacks {missing[0]!r} "
-                            f"(seconds by phase: {', '.join(PHASES)})")
+                            f"(seconds by phase: {', '.join(keys)})")
     return Prediction(**data)
 
 
@@ -260,7 +265,8 @@ def plan_from_dict(data, source: str = "plan") -> Plan:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["placements"].items()):
         raise PlanError(src, "placements", "must map node names to strategy keys (strings)")
     kwargs = dict(data)
-    kwargs["predicted"] = _check_prediction(src, data["predicted"], data["pp"])
+    kwargs["predicted"] = _check_prediction(src, data["predicted"], data["pp"],
+                                            data.get("schedule"))
     kwargs["solver"] = _check_solver(src, data.get("solver", {}))
     if data.get("replicated_ops") is not None:
         kwargs["replicated_ops"] = _check_replicated(src, data["replicated_ops"])

@@ -9,6 +9,12 @@ Bubble fraction (Narayanan et al. 2021, section 2.2): GPipe (Huang et al. 2019)
 and 1F1B (PipeDream-flush) idle for (p-1) micro-batch slots at fill and drain
 out of m useful ones, so bubble = (p-1)/m; interleaving v chunks per rank makes
 each slot v times shorter, so bubble = (p-1)/(v*m).
+
+Zero bubble (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3): a
+backward split into B (the input gradient, which the previous stage waits for) and W (the
+weight gradient, which nobody waits for) lets a schedule run the W's in the fill and
+drain; ZB-H1 (same in-flight activations as 1F1B) shrinks the 1F1B bubble
+(p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W) (their section 3.1).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ def pipeline_step_time_s(
     num_micro_batches: int,
     virtual_stages: int = 1,
     p2p_time_s: float = 0.0,
+    deferred_weight_grad_s: Sequence[float] | None = None,
 ) -> float:
     """Seconds for one pipelined step of m micro-batches (no DP reduction, no optimizer).
 
@@ -59,6 +66,17 @@ def pipeline_step_time_s(
 
     which equals the GPipe formula at v = 1.  With equal stages t and c = 0 both
     reduce to (m + (p-1)/v) * t = m*t*(1 + bubble_fraction), e.g. (m + p - 1)*t.
+
+    ZB-H1 (``deferred_weight_grad_s``: w_i, the part of t_i that is the weight gradient W,
+    run in the fill and drain; v = 1).  Each of the p - 1 fill/drain slots is 2 w shorter
+    (Qi et al. 2024, section 3.1: (p-1)(T_F+T_B+T_W) becomes (p-1)(T_F+T_B-T_W)), so with
+    unequal stages, the slowest stage's own slot kept,
+
+        T = (m - 1) * M + sum_i (t_i - 2 w_i) + 2 max_i w_i + (p - 1) * c,
+
+    at least m * M (it is whenever every t_i >= 2 w_i: a stage's W is one of the three
+    GEMMs of each of its weights).  ValueError for weight gradients with v > 1 or one w_i
+    per stage missing.
     """
     times = [check_non_negative(f"stage_times_s[{i}]", t) for i, t in enumerate(stage_times_s)]
     if not times:
@@ -70,5 +88,13 @@ def pipeline_step_time_s(
     if p == 1:
         c = 0.0  # a single stage sends nothing
     steady = max(t + v * c for t in times)  # M_v; M at v = 1
-    bubble = (sum(times) + v * (p - 1) * c - steady) / v
+    fill = sum(times)
+    if deferred_weight_grad_s is not None:
+        w = [check_non_negative(f"deferred_weight_grad_s[{i}]", x)
+             for i, x in enumerate(deferred_weight_grad_s)]
+        if len(w) != p or v != 1:
+            raise ValueError(f"deferred_weight_grad_s needs one time per stage ({p}) and v = 1, "
+                             f"got {len(w)} times and v = {v}")
+        fill += 2 * (max(w) - sum(w))
+    bubble = max(0.0, fill + v * (p - 1) * c - steady) / v
     return m * steady + bubble

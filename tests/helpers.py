@@ -131,6 +131,7 @@ SHAPES_8 = [(2, 2, 2)]
 def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
     """Every executable combination for one shape, as Layout keyword dicts (fp32)."""
     from autopar.support import RUNTIME_SUPPORT
+    from autopar.techniques.pipeline_schedules import PIPELINE_SCHEDULES
 
     support = RUNTIME_SUPPORT if support is None else support
     mbs = 1 if pp > 1 else 2  # pp > 1: m = BATCH / (dp * mbs) >= pp micro-batches for 1F1B
@@ -142,7 +143,8 @@ def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
     sps = support.sequence_parallel if tp > 1 else (False,)
     return [dict(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, schedule=s, virtual_stages=v,
                  zero_stage=z, recompute=r, sequence_parallel=sp, dtype="fp32")
-            for (s, v), z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)]
+            for (s, v), z, r, sp in itertools.product(schedules, zeros, support.recompute, sps)
+            if r not in PIPELINE_SCHEDULES[s].refused_recompute]  # what composes
 
 
 def pairwise(cases: list[dict], factors: tuple[str, ...]) -> list[dict]:

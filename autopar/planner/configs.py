@@ -154,6 +154,11 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
         for sched in schedules:
             if support and sched not in support.schedules:
                 continue
+            refused = pipeline_schedule(sched).refused_recompute.get(layout.recompute)
+            if refused:
+                why.setdefault(f"recompute {sched}", f"recompute={layout.recompute!r} with "
+                                                     f"schedule {sched!r}: {refused}")
+                continue
             vs = _virtual_stages(sched, layout, support, L, pp, m)
             if not vs:  # the rule with the smallest v it could take says why
                 problem = pipeline_problem(sched, pp, m, L, max(2, layout.virtual_stages or 2))
@@ -175,12 +180,14 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
 
 def _searched_schedules(layout: Layout, support: RuntimeSupport | None) -> list[str]:
     """The schedules a layout without one is searched over: the default (1F1B; interleaved
-    when it pins v > 1) and, in a search whose runtime runs them, the interleaved ones."""
+    when it pins v > 1) and, in a search whose runtime runs them, the interleaved and the
+    split-backward (zero-bubble) ones."""
     default = default_schedule(layout.virtual_stages)
     if default.interleaved or support is None:
         return [default.name]
     return [default.name] + [s.name for s in PIPELINE_SCHEDULES.values()
-                             if s.interleaved and s.name in support.schedules]
+                             if (s.interleaved or s.split_backward) and s.name != default.name
+                             and s.name in support.schedules]
 
 
 def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,

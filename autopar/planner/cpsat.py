@@ -63,7 +63,7 @@ from autopar.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
 from autopar.planner.cpsat_terms import (SectionTerms, add_exposed_dp, add_recompute_rows,
-                                         int_var, precision_scale, product_var,
+                                         deferred_weight_grads, int_var, precision_scale, product_var,
                                          solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
@@ -72,6 +72,7 @@ from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scal
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.support import pipeline_problem
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map"]
 
@@ -144,6 +145,7 @@ class ConfigModel:
             for k, cost in enumerate(self.tables.node[name]):
                 self.terms.add(section, "fwd", cost.fwd_s * ups, xs[k])
                 self.terms.add(section, "bwd", cost.bwd_s * ups, xs[k])
+                self.terms.add(section, "wgrad", cost.wgrad_s * ups, xs[k])
                 self.terms.add(section, "core", cost.core_fwd_s * ups, xs[k])
                 if self.position.get(name, len(self.position)) <= self.last_saver:
                     self.terms.add(section, "rec", cost.rec_s * ups, xs[k])
@@ -329,6 +331,8 @@ class ConfigModel:
         end = int(math.ceil(self.tables.step_end_s * ups))  # a constant of the config
         self.objective = (v * cfg.num_micro_batches - 1) * tmax + sum(self.rank_time) \
             + v * (cfg.pp - 1) * p2p + v * (tdp + topt + end) + zero_terms
+        if pipeline_schedule(cfg.schedule).split_backward:
+            self.objective += deferred_weight_grads(model, terms, self.layers_on_rank, t_ub)
         model.Minimize(self.objective)
 
     def _add_dp_and_optimizer(self):

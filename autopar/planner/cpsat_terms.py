@@ -19,6 +19,7 @@ from autopar.planner.step import PARAM_UNIT
 from autopar.planner.strategies import tied_groups
 
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
+           "deferred_weight_grads",
            "product_var", "tied_param_units", "add_exposed_dp", "solve_deterministic",
            "add_recompute_rows", "RECOMPUTE_LAYOUTS"]
 
@@ -26,7 +27,7 @@ RECOMPUTE_LAYOUTS = ("per_layer", "block", "uniform")
 """How recompute modes may be laid over the layers (``RuntimeSupport.recompute_layout``)."""
 
 SECTIONS = ("pre", "layer", "post")
-TIME_KEYS = ("fwd", "bwd", "core", "rec")
+TIME_KEYS = ("fwd", "bwd", "wgrad", "core", "rec")
 """Per section: forward, backward, selective recompute (attention core forward), full
 recompute (forward up to the last saved tensor); the other keys are memory and parameters:
 "act" (saved activation KiB), "core_act" (the part selective recompute drops), "param",
@@ -148,6 +149,27 @@ def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: di
     if overlap < 1:
         model.Add(tdp * k >= sum(round((1.0 - overlap) * dp_coef[z] * k) * s
                                  for z, s in s_iz.items())).WithName(f"t_dp_serial[{i}]")
+
+
+def deferred_weight_grads(model: cp_model.CpModel, terms: SectionTerms, layers_on_rank: list,
+                          t_ub: int):
+    r"""The objective term of a split-backward schedule (v = 1), which runs the weight
+    gradients :math:`W_i = n_i W_L + [i=0] W_{pre} + [i=p-1] W_{post}` in the fill and drain:
+    :math:`-2\sum_i W_i + 2 W_{max}` with rows ``w_max[i]`` :math:`W_{max} \ge W_i`
+    (``cost_models.pipeline``; minimising drives :math:`W_{max}` to :math:`\max_i W_i`)."""
+    n, p = layers_on_rank, len(layers_on_rank)
+    wl = int_var(model, "wgrad_layer", terms.expr("layer", "wgrad"),
+                 terms.upper_bound("layer", "wgrad"))
+    w = []
+    for i in range(p):
+        wi = product_var(model, f"wgrad_layers[{i}]", n[i], wl, t_ub)
+        wi += terms.expr("pre", "wgrad") if i == 0 else 0
+        wi += terms.expr("post", "wgrad") if i == p - 1 else 0
+        w.append(wi)
+    w_max = model.NewIntVar(0, t_ub, "w_max")
+    for i, wi in enumerate(w):
+        model.Add(w_max >= wi).WithName(f"w_max[{i}]")
+    return 2 * w_max - 2 * sum(w)
 
 
 def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int, cp_model.CpSolver]:

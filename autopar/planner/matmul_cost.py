@@ -26,13 +26,15 @@ the diagonal, counted as half, as FlashAttention-2's own benchmark counts causal
 
 
 def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
-                 attention: str = "math") -> tuple[float, float]:
-    """(forward, backward) seconds of node ``info``'s GEMMs (``extra["gemms"]``, annotation)
+                 attention: str = "math") -> tuple[float, float, float]:
+    """(forward, backward, weight gradient) seconds of node ``info``'s GEMMs (``extra["gemms"]``, annotation)
     for ``b`` sequences on one rank under ``strat``: a column split divides n by t, a row
     split k, a split of heads (attention, batched matmul) the batch, a folded matmul m.
     Backward of C = A·B runs dA = dC·Bᵀ (m x k, depth n) and dB = Aᵀ·dC (k x n, depth m),
-    each at its own shape (:func:`cost_models.compute.gemm_time_s`). A node without
-    shapes is priced by its FLOPs, backward twice the forward; so is fused attention on a
+    each at its own shape (:func:`cost_models.compute.gemm_time_s`); for a linear node dB is
+    the weight gradient (W of Qi et al. 2024, part of the backward), for attention and
+    batched matmuls, which hold no weights, it is 0. A node without shapes is priced by its
+    FLOPs, backward twice the forward (a linear's W half of it); so is fused attention on a
     device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`).
 
     ``attention`` is the kernel of an "sdpa" node (:attr:`autopar.planner.cost_tables.Config.
@@ -46,12 +48,13 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
         head = min(min(g[1:]) for g in gemms) if gemms else 0  # min(s, hd)
         fwd = compute.attention_time_s(info.flops * b / div, dev, head)
         if fwd is not None:
-            return fwd, 2.0 * fwd
+            return fwd, 2.0 * fwd, 0.0
+    weights = info.kind == "linear"
     if not gemms:
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
-        return fwd, 2.0 * fwd
+        return fwd, 2.0 * fwd, fwd if weights else 0.0
     flash = info.kind == "sdpa" and attention == "flash"
-    fwd = bwd = 0.0
+    fwd = bwd = wgrad = 0.0
     for i, (batch, m, n, k) in enumerate(gemms):
         if info.extra.get("gemm_folded"):
             m *= b
@@ -70,7 +73,9 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
         if flash and i == 0:  # Q·Kᵀ again
             bwd += gemm
         fwd += gemm
-        bwd += compute.gemm_time_s(m, k, n, dev, batch) + compute.gemm_time_s(k, n, m, dev, batch)
+        d_weight = compute.gemm_time_s(k, n, m, dev, batch)
+        bwd += compute.gemm_time_s(m, k, n, dev, batch) + d_weight
+        wgrad += d_weight if weights else 0.0
     if flash and info.extra.get("causal_skip"):
         fwd, bwd = fwd * CAUSAL_SKIP_FRACTION, bwd * CAUSAL_SKIP_FRACTION
-    return fwd, bwd
+    return fwd, bwd, wgrad

@@ -38,7 +38,11 @@ class StrategyCost:
     temp_bytes: bytes allocated and freed within the step, not kept (the loss's fp32
     logits, :func:`cost_models.reserve.loss_temporary_bytes`): part of the memory reserve;
     rec_s: seconds full recompute spends on the node (its forward again plus the
-    checkpoint's bookkeeping, ``DeviceSpec.recompute_overhead_s``).
+    checkpoint's bookkeeping, ``DeviceSpec.recompute_overhead_s``); wgrad_s: the part of
+    ``bwd_s`` that computes weight gradients (W of Qi et al. 2024, which a zero-bubble
+    schedule defers; the rest, B, is the input gradient): the weight-gradient GEMMs' share
+    of the backward GEMMs (:func:`~autopar.planner.matmul_cost.gemm_times_s`), 0 for a node
+    without weights or without GEMMs.
     """
 
     fwd_s: float
@@ -49,6 +53,7 @@ class StrategyCost:
     core_fwd_s: float
     temp_bytes: float = 0.0
     rec_s: float = 0.0
+    wgrad_s: float = 0.0
 
 
 def _param_numel(info, strat: Strategy) -> float:
@@ -103,8 +108,10 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     dev = cluster.device
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
+    wgrad_share = 0.0  # of the backward
     if info.kind in ("linear", "sdpa", "matmul"):
-        fwd, bwd = gemm_times_s(info, strat, b, dev, attention)
+        fwd, bwd, wgrad = gemm_times_s(info, strat, b, dev, attention)
+        wgrad_share = wgrad / bwd if bwd else 0.0
         if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
             passes = info.extra.get("score_passes_elems", 0)
             memory = compute.memory_bound_time_s(act_bytes * passes * b / div, dev)
@@ -121,7 +128,7 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
         bwd = 2.0 * fwd
     rec = fwd
     if info.no_grad:  # a torch.no_grad() region: no backward
-        bwd = 0.0
+        bwd = wgrad_share = 0.0
     if dispatches(info):  # the host's dispatch of the node: forward once, backward twice
         fwd = compute.dispatched_time_s(fwd, 1, dev)
         bwd = compute.dispatched_time_s(bwd, 0 if info.no_grad else 2, dev)
@@ -133,7 +140,8 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
-                        core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec)
+                        core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec,
+                        wgrad_s=wgrad_share * bwd)
 
 
 def dispatches(info) -> bool:

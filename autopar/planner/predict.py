@@ -29,7 +29,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                  choice: dict[str, int], names: list[str]) -> dict[str, float]:
     """Sum one micro-batch's costs over ``names`` (one layer, pre or post).
 
-    Keys: fwd_s/bwd_s (compute), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
+    Keys: fwd_s/bwd_s (compute; wgrad_s the weight-gradient part of bwd_s), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
     full recompute re-runs, see :func:`~autopar.graph.annotate.last_saver_index`), act_bytes,
     core_act_bytes, params, and payload bytes handed to TP collectives: "tp_all_reduce"
     (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward
@@ -53,7 +53,8 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
         c = tables.node[node.name][k]
         if position[node.name] <= last:  # full recompute re-runs this node's forward
             out["rec_fwd_s"] += c.rec_s
-        for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("core_fwd_s", c.core_fwd_s),
+        for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("wgrad_s", c.wgrad_s),
+                         ("core_fwd_s", c.core_fwd_s),
                          ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
                          ("params", c.param_numel), ("temp_bytes", c.temp_bytes)):
             out[key] += val
@@ -204,7 +205,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
             layer_costs)
         phases.append({"forward": total["fwd_s"] + total["tp_fwd_s"],
                        "backward": total["bwd_s"] + total["tp_bwd_s"], "recompute": rec_s,
-                       "p2p": hop})
+                       "p2p": hop, "weight_grad": total["wgrad_s"]})
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = pipeline_schedule(cfg.schedule).in_flight(p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
@@ -216,7 +217,7 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     # bucketed DP reduction overlaps the backward (compute + TP comm) of the last micro-batch
     step, pipe, dp_s, opt_s = step_time_s(
         stage_t, [pt[2] for pt in parts], [(pt[0]["bwd_s"], pt[0]["tp_bwd_s"]) for pt in parts],
-        tables, cluster, cfg, decision.zero_stage)
+        tables, cluster, cfg, decision.zero_stage, wgrad_s=[pt[0]["wgrad_s"] for pt in parts])
     for st in stats:
         st["step_time_s"] = step
     reserve = [rank_reserve(tables.p2p_bytes, cluster, cfg, i, sum(mem[i].values()),

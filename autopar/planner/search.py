@@ -31,6 +31,7 @@ from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bou
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategies_for",
            "validate_layout", "zero_choices", "SearchResult", "Solved", "DEFAULT_TIME_LIMIT_S"]
@@ -90,7 +91,8 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
     zero = zero_choices(layout, support, cfg)
-    modes = support.recompute if support else RECOMPUTE_MODES
+    modes = tuple(m for m in (support.recompute if support else RECOMPUTE_MODES)
+                  if m not in pipeline_schedule(cfg.schedule).refused_recompute)
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         allowed=allowed_strategies(traced, strategies, cfg.tp,
                                                    cfg.sequence_parallel, memo, support),

@@ -83,15 +83,18 @@ def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float]) -> f
 
 
 def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
-                tables: CostTables, cluster, cfg: Config, zero_stage: int
-                ) -> tuple[float, float, float, float]:
+                tables: CostTables, cluster, cfg: Config, zero_stage: int, *,
+                wgrad_s: list[float] | None = None) -> tuple[float, float, float, float]:
     """(step, pipeline, exposed DP, optimizer) seconds of one optimizer step from per-rank
     forward+backward seconds of one micro-batch ``stage_s``, parameters and backward
     seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
-    ``cfg``'s schedule, m micro-batches, v chunks and the stage-to-stage send ``p2p_s``;
-    the DP time adds ``tables.dp_latency_s``, the step the closing ``tables.step_end_s``."""
+    ``cfg``'s schedule, m micro-batches, v chunks, the stage-to-stage send ``p2p_s`` and,
+    for a schedule that splits the backward, the per-rank weight-gradient seconds
+    ``wgrad_s`` (part of ``stage_s``); the DP time adds ``tables.dp_latency_s``, the step
+    the closing ``tables.step_end_s``."""
     pipe = pipeline_schedule(cfg.schedule).step_time_s(stage_s, cfg.num_micro_batches,
-                                                       cfg.virtual_stages, tables.p2p_s)
+                                                       cfg.virtual_stages, tables.p2p_s,
+                                                       wgrad_s)
     dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s) + tables.dp_latency_s[zero_stage]
     opt_s = optimizer_s(zero_stage, cluster, cfg, params)
     return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s

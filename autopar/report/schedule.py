@@ -13,9 +13,12 @@ the recompute (the forward re-run of full or selective recompute), so it is
 :math:`(b_i + r_i)/v` long.
 
 The order in which each rank runs its blocks is the schedule record's drawing
-(:mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B; on rank i
-chunk c is virtual stage :math:`c p + i`, the model chunk :math:`c p + i` of
-``Plan.stage_layers``).
+(:mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B, ZB-H1; on
+rank i chunk c is virtual stage :math:`c p + i`, the model chunk :math:`c p + i` of
+``Plan.stage_layers``). A schedule that splits the backward (ZB-H1) runs it as a "B" block
+(the recompute, then the input gradient: :math:`(b_i + r_i - w_i)/v`, sent to the previous
+stage) and a "W" block (the weight gradient :math:`w_i/v`, the phases' "weight_grad",
+which sends nothing and waits only for its rank).
 
 Every block starts as soon as its rank is free and its input has arrived (the forward of
 the previous virtual stage, the backward of the next one, or on the last virtual stage its
@@ -42,7 +45,8 @@ matmuls per forward matmul; Narayanan et al. 2021, section 3.5) and no recompute
 class Block:
     """One forward or backward of one micro-batch through one chunk on a pipeline rank.
 
-    kind: "F" (forward) or "B" (backward: the recompute first, then the backward).
+    kind: "F" (forward), "B" (backward: the recompute first, then the backward; of a
+    split backward, the input gradient) or "W" (a split backward's weight gradient).
     micro_batch: j in 0..m-1. chunk: the rank's model chunk c in 0..v-1 (virtual stage
     c·p + rank). start_s, end_s: seconds from the start of the step, compute only.
     recompute_s: the part of a "B" spent re-running the forward. send_s: the
@@ -60,7 +64,7 @@ class Block:
 
 def schedule_order(schedule: str, pp: int, m: int, rank: int,
                    virtual_stages: int = 1) -> list[tuple[str, int, int]]:
-    """The order in which pipeline rank ``rank`` runs its blocks: (kind "F"/"B",
+    """The order in which pipeline rank ``rank`` runs its blocks: (kind "F"/"B"/"W",
     micro-batch, chunk), the record's ``order``. Raises ValueError for an unknown
     schedule, or interleaved 1F1B with m not a multiple of p (its order needs whole groups
     of p micro-batches)."""
@@ -69,18 +73,22 @@ def schedule_order(schedule: str, pp: int, m: int, rank: int,
 
 def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
                       backward_s: list[float], *, recompute_s: list[float] | None = None,
-                      p2p_s: float = 0.0, virtual_stages: int = 1) -> list[list[Block]]:
+                      p2p_s: float = 0.0, virtual_stages: int = 1,
+                      weight_grad_s: list[float] | None = None) -> list[list[Block]]:
     """Every block of one step on every pipeline rank, as soon as possible (module
     docstring). ``forward_s[i]``, ``backward_s[i]``, ``recompute_s[i]``: seconds of one
-    micro-batch through all of rank i's chunks (a chunk takes 1/v); ``p2p_s``: c, one
-    chunk boundary's transfer forward and backward (ignored when p = 1). Returns per rank
-    its blocks in run order. Raises ValueError (not one time per rank, an unknown schedule)
-    and RuntimeError if the order deadlocks."""
+    micro-batch through all of rank i's chunks (a chunk takes 1/v); ``weight_grad_s[i]``:
+    the part of ``backward_s[i]`` a split backward runs as "W" (default 0); ``p2p_s``: c,
+    one chunk boundary's transfer forward and backward (ignored when p = 1). Returns per
+    rank its blocks in run order. Raises ValueError (not one time per rank, an unknown
+    schedule) and RuntimeError if the order deadlocks."""
     v, recompute_s = virtual_stages, recompute_s or [0.0] * pp
+    weight_s = weight_grad_s or [0.0] * pp
     if not len(forward_s) == len(backward_s) == len(recompute_s) == pp:
         raise ValueError(f"need one forward and one backward time per stage (pp={pp}), "
                          f"got {len(forward_s)} and {len(backward_s)}")
     orders = [schedule_order(schedule, pp, m, i, v) for i in range(pp)]
+    split = pipeline_schedule(schedule).split_backward
     send = p2p_s / 2 if pp > 1 else 0.0
     last = pp * v - 1  # the last virtual stage
     ready: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, j) -> input sent
@@ -93,15 +101,18 @@ def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
             while nxt[i] < len(orders[i]):
                 kind, j, c = orders[i][nxt[i]]
                 stage = c * pp + i
-                dep = (("F", stage - 1, j) if stage > 0 else None) if kind == "F" else \
-                    (("B", stage + 1, j) if stage < last else ("F", stage, j))
+                dep = {"F": ("F", stage - 1, j) if stage > 0 else None,
+                       "B": ("B", stage + 1, j) if stage < last else ("F", stage, j),
+                       "W": ("B", stage, j)}[kind]
                 if dep is not None and dep not in ready:
                     break
                 start = max(free[i], ready[dep] if dep else 0.0)
                 rec = recompute_s[i] / v if kind == "B" else 0.0
-                end = start + (forward_s[i] / v if kind == "F" else backward_s[i] / v + rec)
-                ready[(kind, stage, j)] = free[i] = end + send
-                timeline[i].append(Block(kind, j, c, start, end, rec, send))
+                w = weight_s[i] / v if split else 0.0
+                busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w}[kind]
+                sent = 0.0 if kind == "W" else send
+                ready[(kind, stage, j)] = free[i] = start + busy + sent
+                timeline[i].append(Block(kind, j, c, start, start + busy, rec, sent))
                 nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
         if not progressed:
             raise RuntimeError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, v={v}")
@@ -142,5 +153,7 @@ def plan_timeline(plan, micro_batches: int | None = None) -> list[list[Block]]:
     (:func:`plan_phases`), over its m micro-batches or the first ``micro_batches``."""
     fwd, bwd, rec, c = plan_phases(plan)
     m = plan.num_micro_batches if micro_batches is None else micro_batches
+    phases = plan.predicted.stage_phase_s
+    weight = [s.get("weight_grad", 0.0) for s in phases] if len(phases) == plan.pp else None
     return simulate_schedule(plan.schedule, plan.pp, m, fwd, bwd, recompute_s=rec, p2p_s=c,
-                             virtual_stages=plan.virtual_stages)
+                             virtual_stages=plan.virtual_stages, weight_grad_s=weight)

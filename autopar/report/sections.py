@@ -18,6 +18,7 @@ from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KIND
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
                                    format_seconds, format_tflops, ordered, plan_flags)
 from autopar.report.formulas import FORMULAS_MARKDOWN
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["layout_section", "prediction_section", "memory_section", "time_section",
            "comm_section", "replicated_section", "why_section", "hand_section", "formulas_section",
@@ -290,11 +291,33 @@ def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
             format_bytes(peak) if peak else "–", outcome]
 
 
+def _schedule_lines(plan: Plan) -> list[str]:
+    """Why the pipeline schedule pays, from the plan's own phases: the bubble and, for a
+    split backward, the seconds its weight gradients take out of 1F1B's fill and drain,
+    2 (sum_i w_i - max_i w_i) per step (``cost_models.pipeline``; Qi et al. 2024, section
+    3.1: (p-1)(T_F+T_B+T_W) becomes (p-1)(T_F+T_B-T_W))."""
+    record = pipeline_schedule(plan.schedule)
+    if plan.pp == 1:
+        return []
+    bubble = plan.predicted.time_s_by_kind.get("bubble", 0.0)
+    text = (f"- {record.title} ({record.source}): the pipeline idles {format_seconds(bubble)} "
+            "per step in its fill and drain")
+    weights = [s.get("weight_grad") for s in plan.predicted.stage_phase_s]
+    if record.split_backward and weights and None not in weights:
+        saved = 2 * (sum(weights) - max(weights))
+        text += (f"; it runs each backward as B (input gradient) then W (weight gradient, "
+                 f"{format_seconds(max(weights))} per micro-batch on the busiest stage), and "
+                 f"the W's fill {format_seconds(saved)} of the fill and drain that 1F1B would "
+                 "leave idle, at 1F1B's memory")
+    return ["### Pipeline schedule", "", text + ".", ""]
+
+
 def why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
-    """Binding constraints and the best alternatives the search priced."""
+    """Binding constraints, why the pipeline schedule pays (pp > 1) and the best
+    alternatives the search priced."""
     lines = ["## Why this plan", "", "### Binding constraints", ""]
     lines += [f"- {b}" for b in plan.binding] or ["- none reported: the fastest layout fits."]
-    lines += [""]
+    lines += [""] + _schedule_lines(plan)
     rank = {True: 0, None: 1, False: 2}  # feasible, not priced, infeasible
     alts = sorted(plan.alternatives, key=lambda a: (rank.get(a.get("feasible", True), 2),
                                                    a.get("step_time_s") or float("inf")))

@@ -47,19 +47,25 @@ class Checkpointed(nn.Module):
         return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._rng_contexts)
 
     def _rng_contexts(self):
-        """(forward context, recompute context); called by checkpoint when the forward starts."""
-        forward_states = self.tracker.get_states()
+        """(forward context, recompute context); called by checkpoint when the forward starts.
+        The recompute context can be entered more than once: a zero-bubble schedule's
+        input-gradient and weight-gradient backwards each recompute the layer."""
+        return contextlib.nullcontext(), _ForwardStates(self.tracker, self.tracker.get_states())
 
-        @contextlib.contextmanager
-        def recompute_with_forward_states():
-            current = self.tracker.get_states()
-            self.tracker.set_states(forward_states)
-            try:
-                yield
-            finally:
-                self.tracker.set_states(current)
 
-        return contextlib.nullcontext(), recompute_with_forward_states()
+class _ForwardStates:
+    """While entered, ``tracker`` holds the forward's ``states``; on exit the states current
+    at entry are put back. Re-enterable, one entry at a time."""
+
+    def __init__(self, tracker: RNGStatesTracker, states) -> None:
+        self.tracker, self.states, self.current = tracker, states, None
+
+    def __enter__(self) -> None:
+        self.current = self.tracker.get_states()
+        self.tracker.set_states(self.states)
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.set_states(self.current)
 
 
 def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, list[fx.Node], fx.Node]:

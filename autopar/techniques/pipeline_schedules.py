@@ -7,7 +7,8 @@ A :class:`PipelineSchedule` owns, for its value of ``Layout.schedule``:
   all ask it);
 * **the price**: the activations each stage holds at peak (``in_flight``, a formula of
   :mod:`cost_models.memory`) and the step time of m micro-batches
-  (:func:`cost_models.pipeline.pipeline_step_time_s`);
+  (:func:`cost_models.pipeline.pipeline_step_time_s`), with the weight gradients W run in
+  the fill and drain when it splits the backward (``split_backward``);
 * **the runner**: the ``torch.distributed.pipelining`` schedule class that executes it
   (``runner``), and whether that class takes all of a rank's chunks (``interleaved``);
 * **the drawing**: the order in which pipeline rank i runs its forward and backward blocks
@@ -36,6 +37,7 @@ Pure Python over :mod:`cost_models`: the report, the planner and the runtime imp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 
 from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
@@ -47,7 +49,8 @@ __all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
            "framework_schedules", "schedule_for", "interleaved_names", "interleaving_problem"]
 
 Order = list[tuple[str, int, int]]
-"""A rank's blocks in run order: (kind "F"/"B", micro-batch, chunk)."""
+"""A rank's blocks in run order: (kind "F"/"B"/"W", micro-batch, chunk); "W" only where
+the schedule splits the backward ("B" is then the input gradient alone)."""
 
 FRAMEWORK_TARGETS = ("megatron", "torchtitan", "deepspeed")
 """The frameworks every record answers for (``autopar.frameworks.targets.TARGETS``)."""
@@ -72,7 +75,10 @@ class PipelineSchedule:
     v rule (L None: chunks already cut). in_flight: (p, stage, m, v) -> whole-stage
     micro-batches of activations the stage holds at peak. order: (p, m, rank, v) -> the
     rank's blocks. runner: the ``torch.distributed.pipelining`` class. frameworks: target
-    -> its name for the schedule, or a :class:`Refusal`.
+    -> its name for the schedule, or a :class:`Refusal`. split_backward: runs each
+    backward as B then W (Qi et al. 2024), W filling the bubble: priced with the stages'
+    weight-gradient seconds, drawn with "W" blocks. refused_recompute: recompute mode ->
+    why this schedule does not run with it (what composes with what).
     """
 
     name: str
@@ -84,6 +90,8 @@ class PipelineSchedule:
     order: Callable[[int, int, int, int], Order]
     runner: str
     frameworks: Mapping[str, str | Refusal]
+    split_backward: bool = False
+    refused_recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def problem(self, pp: int, num_micro_batches: int, virtual_stages: int = 1,
                 num_layers: int | None = None) -> str | None:
@@ -97,12 +105,19 @@ class PipelineSchedule:
         return self.rule(pp, num_micro_batches, v, num_layers)
 
     def step_time_s(self, stage_times_s: list[float], num_micro_batches: int,
-                    virtual_stages: int = 1, p2p_time_s: float = 0.0) -> float:
+                    virtual_stages: int = 1, p2p_time_s: float = 0.0,
+                    weight_grad_s: list[float] | None = None) -> float:
         """Seconds of one pipelined step (:func:`cost_models.pipeline.pipeline_step_time_s`:
         GPipe and 1F1B run the same work in the same dependency order and share it,
-        interleaving shortens the fill and drain v times)."""
+        interleaving shortens the fill and drain v times, a split backward runs the
+        stages' weight gradients ``weight_grad_s`` (seconds per micro-batch, part of
+        ``stage_times_s``) in them). ValueError when a split-backward schedule gets no
+        ``weight_grad_s``."""
+        if self.split_backward and weight_grad_s is None:
+            raise ValueError(f"schedule {self.name!r} splits the backward: pass weight_grad_s")
         return pipeline_step_time_s(stage_times_s, num_micro_batches, virtual_stages,
-                                    p2p_time_s)
+                                    p2p_time_s,
+                                    weight_grad_s if self.split_backward else None)
 
     def framework_name(self, target: str) -> str:
         """``target``'s name for this schedule. Raises ValueError with the record's reason

@@ -145,15 +145,16 @@ def test_flash_kernel_time_skips_causal_tiles_and_recomputes_the_scores():
     assert info.extra["causal_skip"] is True  # is_causal=True, no mask
     dev = autopar.Cluster.dgx_h100(nodes=1).device
     strat = node_strategies(traced, 1)[name][0]
-    math_f, math_b = gemm_times_s(info, strat, 2, dev, "math")
-    flash_f, flash_b = gemm_times_s(info, strat, 2, dev, "flash")
+    math_f, math_b, math_w = gemm_times_s(info, strat, 2, dev, "math")
+    flash_f, flash_b, flash_w = gemm_times_s(info, strat, 2, dev, "flash")
     batch, m, n, k = info.extra["gemms"][0]
     qk = compute.gemm_time_s(m, n, k, dev, batch * 2)
     assert qk > 0 and math_f > 0
     assert flash_f == pytest.approx(CAUSAL_SKIP_FRACTION * math_f)
     assert flash_b == pytest.approx(CAUSAL_SKIP_FRACTION * (math_b + qk))
+    assert math_w == flash_w == 0.0  # attention holds no weights: its backward is all B
     masked = dataclasses.replace(info, extra={**info.extra, "causal_skip": False})
-    assert gemm_times_s(masked, strat, 2, dev, "flash") == pytest.approx((math_f, math_b + qk))
+    assert gemm_times_s(masked, strat, 2, dev, "flash") == pytest.approx((math_f, math_b + qk, 0.0))
 
 
 def test_an_explicit_mask_is_not_skipped():

@@ -109,6 +109,26 @@ def test_unequal_stages_and_p2p():
     assert cm.pipeline_step_time_s([1.0], 4, p2p_time_s=9.0) == pytest.approx(4)
 
 
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 24), (2, 2)])
+def test_zb_h1_bubble_is_qi_et_al_table_2(p, m):
+    """Equal stages F, B, W: 1F1B idles (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W) (Qi et al. 2024,
+    Table 2)."""
+    f, b, w = 1.0, 1.0, 0.75
+    t = f + b + w
+    one_f_one_b = cm.pipeline_step_time_s([t] * p, m)
+    zb = cm.pipeline_step_time_s([t] * p, m, deferred_weight_grad_s=[w] * p)
+    assert one_f_one_b - m * t == pytest.approx((p - 1) * (f + b + w))
+    assert zb - m * t == pytest.approx((p - 1) * (f + b - w))
+
+
+def test_zb_h1_with_unequal_stages_keeps_the_slowest_stage_slot():
+    # (m-1)*M + sum(t - 2w) + 2 max w = 3*2 + (0.8 + 1 + 0.8) + 1 = 9.6 (1F1B: 10)
+    assert cm.pipeline_step_time_s([1, 2, 1], 4, deferred_weight_grad_s=[0.1, 0.5, 0.1]) == \
+        pytest.approx(9.6)
+    with pytest.raises(ValueError, match="one time per stage .* and v = 1"):
+        cm.pipeline_step_time_s([1, 2, 1], 3, 2, deferred_weight_grad_s=[0.1] * 3)
+
+
 # ------------------------------------------------------------------------------ comm
 LINK_100 = LinkSpec("test link", bandwidth_gbps=100.0, latency_s=1e-5, source="test")
 

@@ -35,7 +35,7 @@ def missing(record: PipelineSchedule) -> list[str]:
         out.append("rule: accepts the wrong number of chunks per rank")
     try:
         held = [record.in_flight(p, i, m, v) for i in range(p)]
-        step = record.step_time_s([1.0] * p, m, v, 0.1)
+        step = record.step_time_s([1.0] * p, m, v, 0.1, weight_grad_s=[0.25] * p)
     except Exception as exc:  # a price that cannot be evaluated is missing
         out.append(f"price: {exc}")
     else:
@@ -43,18 +43,24 @@ def missing(record: PipelineSchedule) -> list[str]:
             out.append(f"price: in-flight micro-batches {held} outside (0, m]")
         if not (math.isfinite(step) and step >= m * 1.0):
             out.append(f"price: step time {step} below the work of m micro-batches")
+        unsplit = pipeline_schedule("1f1b").step_time_s([1.0] * p, m, v, 0.1)
+        if record.split_backward and not step < unsplit:
+            out.append("price: the weight gradients do not fill the bubble")
     runner = getattr(pipelining, record.runner, None)
-    base = PipelineScheduleMulti if record.interleaved else PipelineScheduleSingle
+    base = PipelineScheduleMulti if record.interleaved else (PipelineScheduleSingle,
+                                                             PipelineScheduleMulti)
     if not (isinstance(runner, type) and issubclass(runner, base)):
         out.append(f"runner: torch.distributed.pipelining.{record.runner} is not a "
-                   f"{base.__name__}")
+                   f"pipeline schedule{' taking several stages' if record.interleaved else ''}")
+    kinds = "FBW" if record.split_backward else "FB"
     try:
         orders = [record.order(p, m, i, v) for i in range(p)]
-        timeline = simulate_schedule(record.name, p, m, [1.0] * p, [2.0] * p, virtual_stages=v)
+        timeline = simulate_schedule(record.name, p, m, [1.0] * p, [2.0] * p, virtual_stages=v,
+                                     weight_grad_s=[0.5] * p)
     except Exception as exc:  # a drawing that cannot be drawn is missing
         out.append(f"drawing: {exc}")
     else:
-        every = sorted((k, j, c) for k in "FB" for j in range(m) for c in range(v))
+        every = sorted((k, j, c) for k in kinds for j in range(m) for c in range(v))
         if any(sorted(order) != every for order in orders) or not makespan_s(timeline) > 0:
             out.append("drawing: a rank does not run each block exactly once")
     for target in FRAMEWORK_TARGETS:
@@ -78,6 +84,7 @@ def test_every_schedule_has_a_rule_price_runner_drawing_and_framework_answers(na
     (dict(frameworks={"megatron": "1F1B", "torchtitan": "1F1B"}), "framework"),
     (dict(frameworks={"megatron": "1F1B", "torchtitan": "1F1B", "deepspeed": Refusal("")}),
      "framework"),
+    (dict(split_backward=True), "drawing"),  # a split backward drawn without its W blocks
 ])
 def test_the_registry_check_fails_when_a_record_lacks_one(broken, lacks):
     record = dataclasses.replace(pipeline_schedule("1f1b"), **broken)
@@ -117,3 +124,4 @@ def test_refusals_and_unknown_names_are_clear_errors():
 def test_each_rule_names_what_to_change(name, p, m, v, L, says):
     assert says in pipeline_schedule(name).problem(p, m, v, L)
     assert pipeline_schedule("gpipe").problem(4, 3, 1, 8) is None  # GPipe runs any m
+
