@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) on ``torch.distributed.pipelining``.
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) on ``torch.distributed.pipelining``.
 
 Why the library and not a hand-written schedule: its ``ScheduleGPipe`` and
 ``Schedule1F1B`` ran on gloo with ``group=pp_group`` a sub-group (pp=2 with dp=2)
@@ -33,6 +33,12 @@ How it is used:
   max(1, m // p), autopar asks m % p == 0 as Megatron-LM does, see
   :func:`autopar.techniques.pipeline_schedules.interleaving_problem`). Every chunk boundary is a
   point-to-point send, also between two chunks of neighbouring ranks.
+* The runner is the class the schedule's record names; a ``PipelineScheduleMulti`` (interleaved
+  1F1B, and ZB-H1's ``ScheduleInterleavedZeroBubble`` with one stage per rank) is given the
+  list of this rank's stages, a ``PipelineScheduleSingle`` its one stage. ZB-H1 runs each
+  backward as the input gradient, then (later, in the bubble) the weight gradient:
+  ``torch.autograd.grad`` twice, so a checkpointed region would be recomputed in each,
+  which is why the record refuses full recompute.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ def _stage_device(module: nn.Module) -> torch.device:
 
 
 class PipelineRunner:
-    """Runs this rank's chunks under a GPipe, 1F1B or interleaved 1F1B schedule over
+    """Runs this rank's chunks under a GPipe, 1F1B, interleaved 1F1B or ZB-H1 schedule over
     ``groups.pp_group``.
 
     Args:
@@ -144,7 +150,8 @@ class PipelineRunner:
         scaled = functools.partial(_scaled_loss, loss_fn, num_micro_batches)
         record = pipeline_schedule(schedule)
         runner = getattr(pipelining, record.runner)  # the record names torch's class
-        self._schedule = runner(stages if record.interleaved else stages[0], num_micro_batches,
+        multi = issubclass(runner, pipelining.schedules.PipelineScheduleMulti)  # takes a list
+        self._schedule = runner(stages if multi else stages[0], num_micro_batches,
                                 loss_fn=scaled, scale_grads=False)
 
     def run(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

@@ -30,6 +30,12 @@ record lacks any of the five. Orders (Narayanan et al. 2021, section 2.2):
   :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then one forward and one
   backward, then the remaining backwards (Megatron-LM's and
   ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
+* ZB-H1 (Qi et al. 2024, section 3.1, Figure 3): each backward is an input-gradient "B"
+  and a weight-gradient "W"; rank i runs 1F1B's :math:`p - 1 - i` warm-up forwards, then
+  F, B and, from the (i+1)-th pair on, the W of the oldest micro-batch whose B is done;
+  the cool-down runs B, W and then the W's left
+  (``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` with one stage per rank,
+  whose order ``tests/unit/test_technique_records.py`` compares).
 
 Pure Python over :mod:`cost_models`: the report, the planner and the runtime import it.
 """
@@ -144,6 +150,21 @@ def _one_f_one_b_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
     return order + [("B", j, 0) for j in range(m - warmup, m)]
 
 
+def _zb_h1_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    warmup = min(pp - 1 - rank, m)
+    order = [("F", j, 0) for j in range(warmup)]
+    done = 0  # W's run so far
+    for k in range(m - warmup):
+        order += [("F", warmup + k, 0), ("B", k, 0)]
+        if k >= rank:
+            order.append(("W", done, 0))
+            done += 1
+    for j in range(m - warmup, m):
+        order += [("B", j, 0), ("W", done, 0)]
+        done += 1
+    return order + [("W", j, 0) for j in range(done, m)]
+
+
 def _interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:
     if m % pp:
         raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
@@ -169,6 +190,21 @@ def _one_f_one_b_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | 
     if pp > 1 and m < pp:
         return (f"1F1B needs at least as many micro-batches as stages: m={m} < p={pp}; raise "
                 f"num_micro_batches to {pp} or use schedule='gpipe'")
+    return None
+
+
+def _zb_h1_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
+    """p > 1, 1F1B's m >= p, and torch's round rule: m a multiple of its rounds
+    max(1, m // p)."""
+    if pp < 2:
+        return f"ZB-H1 needs pp > 1 (one stage has no bubble to fill), got pp={pp}; use 1f1b"
+    problem = _one_f_one_b_rule(pp, m, v, num_layers)
+    if problem:
+        return problem.replace("1F1B", "ZB-H1", 1)
+    rounds = max(1, m // pp)
+    if m % rounds:
+        return (f"ZB-H1 runs m micro-batches in max(1, m // p) rounds of equal size: m={m}, "
+                f"p={pp}; choose m a multiple of p or schedule='1f1b'")
     return None
 
 
@@ -200,6 +236,11 @@ def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
     return None
 
 
+_SPLIT_BACKWARD_RECOMPUTES = (
+    "torch's split backward (torch.distributed.pipelining) recomputes a fully checkpointed "
+    "layer in the input-gradient pass and again for each group of weights in the "
+    "weight-gradient pass: more recompute time and tensor-parallel traffic than a plan "
+    "prices; use recompute 'selective' or 'none', or schedule='1f1b'")
 _MEGATRON_1F1B_ONLY = Refusal("Megatron-LM's pipeline runs 1F1B, interleaved with "
                               "--num-layers-per-virtual-pipeline-stage; it has no GPipe")
 _DEEPSPEED_1F1B_ONLY = Refusal("DeepSpeed's PipelineEngine runs its TrainSchedule (1F1B) only")
@@ -228,6 +269,19 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
                     "torchtitan": "Interleaved1F1B",
                     "deepspeed": Refusal("DeepSpeed's PipelineEngine runs one model chunk "
                                          "per stage (TrainSchedule, 1F1B)")}),
+    PipelineSchedule(
+        name="zb_h1", title="ZB-H1", source="Qi et al. 2024 (ICLR), section 3.1",
+        interleaved=False, split_backward=True, rule=_zb_h1_rule,
+        in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
+        order=_zb_h1_order, runner="ScheduleInterleavedZeroBubble",
+        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
+        frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
+                                        "1F1B; it has no zero-bubble schedule"),
+                    "torchtitan": Refusal(
+                        "torchtitan builds at least 2 stages per rank for a multi-stage "
+                        "schedule such as InterleavedZeroBubble (pipeline_module_split); "
+                        "ZB-H1 is one stage per rank"),
+                    "deepspeed": _DEEPSPEED_1F1B_ONLY}),
 )}
 """Schedule name -> its record, in the order the CLI and errors list them."""
 

@@ -2,13 +2,14 @@
 
 The matrix is generated from :data:`autopar.support.RUNTIME_SUPPORT` (the one
 source of truth the solver's search space also reads): for each (tp, pp, dp) shape at
-world size 4 (and a few at 8), the schedules (interleaved 1F1B with every declared v that
+world size 4 (and a few at 8), the schedules (ZB-H1 without full recompute, which it
+refuses; interleaved 1F1B with every declared v that
 :meth:`~autopar.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
 layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stages, recompute modes
 and sequence-parallel settings the runtime declares for that shape, and the optimizer. The
-full product (168 trainings at world size 4) is reduced to an all-pairs covering
+full product (188 trainings at world size 4) is reduced to an all-pairs covering
 (``helpers.pairwise``: every two values of two factors that can run together do so in
-some trained case; 58 trainings): the bugs this matrix has found were interactions of two
+some trained case; 64 trainings): the bugs this matrix has found were interactions of two
 techniques (dropout's reproducibility: 39 combinations, the pairs of the factors that
 draw random numbers). Each chosen combination trains a 4-layer GPT (dropout 0) for 3
 steps on real gloo process groups:

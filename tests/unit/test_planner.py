@@ -92,14 +92,17 @@ def test_auto_plan_never_slower_than_a_hand_layout(gpt13_auto, hand):
     assert auto.predicted.step_time_s <= manual.predicted.step_time_s * (1 + 1e-6), hand
 
 
-def test_objective_equals_independent_prediction():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_objective_equals_independent_prediction(schedule):
+    """The CP-SAT objective is the predicted step time, a split backward's deferred weight
+    gradients (``w_max`` rows) included."""
     cluster = autopar.Cluster.dgx_a100(nodes=2)
     model = _meta("gpt-1.3b")
     traced = trace_model(model, 2048)
     from autopar.planner.cost_tables import Config
     from autopar.planner.predict import predict
 
-    cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8)
+    cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8, schedule=schedule)
     decision, status, tables, strategies = solve_one(
         traced, cluster, cfg, autopar.Layout(), None, template_map(traced))
     pred = predict(traced, strategies, tables, cluster, decision, global_batch_size=32)

@@ -120,8 +120,90 @@ def test_refusals_and_unknown_names_are_clear_errors():
     ("interleaved_1f1b", 1, 4, 2, 8, "needs pp > 1"),
     ("interleaved_1f1b", 2, 3, 2, 8, "m=3, pp=2"),
     ("interleaved_1f1b", 2, 4, 3, 8, "not divisible by 6"),
+    ("zb_h1", 1, 4, 1, 8, "ZB-H1 needs pp > 1"),
+    ("zb_h1", 4, 3, 1, 8, "ZB-H1 needs at least as many micro-batches"),
+    ("zb_h1", 4, 9, 1, 8, "rounds of equal size: m=9, p=4"),
 ])
 def test_each_rule_names_what_to_change(name, p, m, v, L, says):
     assert says in pipeline_schedule(name).problem(p, m, v, L)
     assert pipeline_schedule("gpipe").problem(4, 3, 1, 8) is None  # GPipe runs any m
 
+
+def _torch_order(runner: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The blocks torch's ``runner`` runs on ``rank`` of p one-stage ranks, built on the fake
+    process group (no communication: the schedule is computed at construction)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p)
+    try:
+        x = torch.empty(1, 2, device="meta")
+        stage = pipelining.PipelineStage(torch.nn.Linear(2, 2), rank, p, torch.device("cpu"),
+                                         input_args=x, output_args=x)
+        schedule = getattr(pipelining, runner)([stage], m)
+        kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+        return [(kinds[a.computation_type.name], a.microbatch_index, 0)
+                for a in schedule.pipeline_order[rank] if a is not None]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", [n for n, s in PIPELINE_SCHEDULES.items() if s.split_backward])
+def test_a_split_backward_drawing_is_the_order_torch_runs(name):
+    """The report draws what the runner runs: for every p <= 4 and p <= m <= 3p the rule
+    accepts, each rank's F, B and W blocks in torch's own order."""
+    record = pipeline_schedule(name)
+    for p in (2, 3, 4):
+        for m in range(p, 3 * p + 1):
+            if record.problem(p, m) is None:
+                for rank in range(p):
+                    assert record.order(p, m, rank, 1) == _torch_order(record.runner, p, m, rank)
+
+
+def test_a_split_backward_refuses_full_recompute_at_every_door():
+    """ZB-H1 with full recompute: torch's split backward recomputes a checkpointed layer per
+    weight group (more recompute and TP traffic than priced), so the search never emits it,
+    a pinned layout says why, and a plan carrying it is refused by the executability check."""
+    import autopar
+    from autopar.support import check_executable, unsupported
+    from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
+
+    meta, cluster = tiny_meta_gpt(), autopar.Cluster.local_cpu(processes=2)
+    kw = dict(global_batch_size=TINY_BATCH, seq_len=TINY_SEQ)
+    with pytest.raises(ValueError, match="recompute='full' with schedule 'zb_h1': torch's "
+                                         "split backward"):
+        autopar.plan(meta, cluster, layout=autopar.Layout(pp=2, schedule="zb_h1",
+                                                           recompute="full"), **kw)
+    plan = autopar.plan(meta, cluster, layout=autopar.Layout(pp=2, schedule="zb_h1"), **kw)
+    assert "full" not in plan.recompute
+    full = dataclasses.replace(plan, recompute=["full"] * len(plan.recompute))
+    problem = unsupported(full)
+    assert (problem.field, problem.value) == ("recompute", "full")
+    assert "full" not in problem.allowed and "weight-gradient pass" in problem.why
+    with pytest.raises(NotImplementedError, match="recompute='full' with schedule 'zb_h1'"):
+        check_executable(full)
+
+
+def test_the_search_picks_zb_h1_where_it_pays_and_the_report_says_why():
+    """Four pipeline stages of a GPT on one DGX H100 node: ZB-H1 runs the weight gradients
+    in 1F1B's fill and drain at 1F1B's memory, so the search takes it (over interleaved
+    1F1B too); a Megatron-LM target, which has no zero-bubble schedule, does not."""
+    import torch
+
+    import autopar
+    from autopar.models import GPT, GPTConfig
+    from autopar.report.sections import why_section
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=16, n_embd=1024, vocab_size=50304,
+                              block_size=1024))
+    cluster = autopar.Cluster.dgx_h100(nodes=1)
+    kw = dict(global_batch_size=32, seq_len=1024, layout=autopar.Layout(tp=2, pp=4))
+    plan = autopar.plan(model, cluster, **kw)
+    assert plan.schedule == "zb_h1"
+    megatron = autopar.plan(model, cluster, target="megatron", **kw)
+    assert not pipeline_schedule(megatron.schedule).split_backward
+    assert plan.predicted.step_time_s < megatron.predicted.step_time_s
+    text = "\n".join(why_section(plan))
+    assert "ZB-H1 (Qi et al. 2024" in text and "the W's fill" in text, text
