@@ -27,7 +27,7 @@ from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
 from autopar.planner.search_outcome import SolverTimeLimitError
-from autopar.frameworks.targets import target_support
+from autopar.targets import target_support
 from autopar.support import check_positive_ints
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
 from autopar.graph.capture import trace_model

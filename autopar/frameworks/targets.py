@@ -1,93 +1,22 @@
-"""What each training framework can execute, and a framework's run read back.
+"""A framework's run read back, and what a plan needs to run in a framework.
 
-A *target* is the space of plans one runner executes, as a
-:class:`~autopar.support.RuntimeSupport`; ``autopar.plan(..., target=)`` searches only
-inside it, so the plan a user takes to Megatron-LM is the best plan Megatron-LM can run,
-priced by the same cost model:
-
-* ``autopar``: the autopar runtime (:data:`~autopar.support.RUNTIME_SUPPORT`).
-* ``megatron`` (Megatron-LM / megatron-core): Megatron's tensor-parallel pattern
-  (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
-  vocabulary-parallel embedding and head; Shoeybi et al. 2019, section 3), 1F1B or
-  interleaved 1F1B (``--num-layers-per-virtual-pipeline-stage``), uneven stages
-  (``--pipeline-model-parallel-layout``), recompute as one granularity: full on the first k
-  layers of every stage (``--recompute-method block --recompute-num-layers k``) or selective
-  everywhere; under interleaving one mode for all layers; ZeRO-1 as the distributed
-  optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free;
-  bf16 gradients (``--grad-reduce-in-bf16``, planned) or its default fp32 main gradients
-  reduced in fp32 (``accumulate_allreduce_grads_in_fp32``, read from a script without it);
-  attention as the cluster says in bf16, emitted as ``--attention-backend flash`` or
-  ``unfused`` (Transformer Engine's kernel that keeps the softmax), unfused in fp32 (TE's
-  flash and cuDNN kernels take 16-bit inputs only; its default ``auto`` picks one of them
-  in bf16, so a script without the flag is read as flash).
-* ``torchtitan``: Megatron's pattern through its Llama TP plan, which always runs norms on
-  sequence shards (sequence parallelism on at tp > 1), GPipe, 1F1B or interleaved 1F1B with
-  any stage split (``module_fqns_per_model_part``), activation checkpointing "none" or "full"
-  on every layer (its "selective" is op-level, which autopar does not price), DDP (ZeRO-0)
-  only without TP and PP ("DDP has not supported > 1D parallelism") or FSDP2 (ZeRO-3,
-  without pipelining: torchtitan keeps FSDP's parameters gathered through a pipeline
-  step, which autopar does not price yet), so with pipelining no data parallelism; bf16
-  only under FSDP or without TP and PP (``maybe_enable_amp``: otherwise fp32), its
-  gradients reduced in fp32 (FSDP's ``reduce_dtype``: 0.2.2 accepts "float32" alone; DDP
-  under autocast keeps fp32 gradients); attention through ``scaled_dot_product_attention``
-  with cuDNN, flash and math kernels in that order (``models/attention.py``
-  ``ScaledDotProductAttentionWrapper``): flash in bf16 whatever the cluster says, math in
-  fp32 (neither fused kernel takes fp32).
-* ``deepspeed``: DeepSpeed's engine and pipeline engine: no tensor parallelism, 1F1B-style
-  pipeline (``TrainSchedule``) without interleaving, stages of equal layer counts
-  (``partition_method="type:..."``), ZeRO 0-3 without pipelining and ZeRO-1 with it (its
-  pipeline engine runs ZeRO-0 under ``BF16_Optimizer``, a different precision), bf16
-  gradients reduced in bf16 (its defaults, ``data_types.grad_accum_dtype`` and
-  ``communication_data_type``, written out), activation checkpointing on every layer or
-  none; the attention kernel of the model's own code, the cluster's.
-
-Every target is a subset of what the cost model prices; each restriction is one field of
-:class:`~autopar.support.RuntimeSupport`.
+The targets themselves, the plan space each framework executes, are
+:mod:`autopar.targets` (``TARGETS``, ``target_support``, re-exported here);
+:class:`FrameworkRun` is what a reader (:mod:`autopar.frameworks.megatron`,
+``torchtitan``, ``deepspeed``) makes of a framework's configuration, and
+:func:`outside_target` says why a plan is outside a target.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout, recompute_counts
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, unsupported
-from autopar.techniques.pipeline_schedules import framework_schedules
+from autopar.plan import Layout, recompute_counts
+from autopar.support import unsupported
+from autopar.targets import FRAMEWORKS, TARGETS, target_support
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
            "megatron_block_layers", "torchrun_line"]
-
-TARGETS: dict[str, RuntimeSupport] = {
-    "autopar": RUNTIME_SUPPORT,
-    "megatron": RuntimeSupport(
-        name="megatron", schedules=framework_schedules("megatron"), zero_stages=(0, 1),
-        recompute=RECOMPUTE_MODES, sequence_parallel=(False, True),
-        virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
-        placements="megatron", recompute_layout="block",
-        attention_kernels=(("bf16", ("flash", "math")), ("fp32", ("math",)))),
-    "torchtitan": RuntimeSupport(
-        name="torchtitan", schedules=framework_schedules("torchtitan"), zero_stages=(0, 3), recompute=("none", "full"),
-        sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
-        grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
-        ddp_1d_only=True, mixed_precision_by_fsdp=True,
-        attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",)))),
-    "deepspeed": RuntimeSupport(
-        name="deepspeed", schedules=framework_schedules("deepspeed"), zero_stages=(0, 1, 2, 3),
-        recompute=("none", "full"), sequence_parallel=(False,), virtual_stages=(1,),
-        dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1,
-        pipeline_zero_stages=(1,)),
-}
-"""Target name -> the plans its runner executes (module docstring)."""
-
-FRAMEWORKS = ("megatron", "torchtitan", "deepspeed")
-"""The frameworks autopar emits configurations for (``--emit``)."""
-
-
-def target_support(target: str) -> RuntimeSupport:
-    """The :class:`~autopar.support.RuntimeSupport` of ``target``; ValueError naming the
-    targets for an unknown one."""
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    return TARGETS[target]
 
 
 @dataclass(frozen=True)

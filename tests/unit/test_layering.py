@@ -129,6 +129,14 @@ def test_frameworks_load_no_report():
     assert loaded == [], loaded
 
 
+def test_the_planner_entry_loads_no_framework_emitters():
+    """``autopar.api`` plans for a target from :mod:`autopar.targets` (data); the framework
+    emitters and readers price a framework's run through the api, so the two packages do not
+    import each other."""
+    loaded = _under(_modules_after("import autopar.api", isolated=True), "autopar.frameworks")
+    assert loaded == [], loaded
+
+
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
     """The rewrite reads the plan: from the runtime only the operators it inserts (with the
     compatibility module their collectives' names come from) and the RNG tracker (with the
