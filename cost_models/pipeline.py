@@ -67,16 +67,8 @@ def pipeline_step_time_s(
     which equals the GPipe formula at v = 1.  With equal stages t and c = 0 both
     reduce to (m + (p-1)/v) * t = m*t*(1 + bubble_fraction), e.g. (m + p - 1)*t.
 
-    ZB-H1 (``deferred_weight_grad_s``: w_i, the part of t_i that is the weight gradient W,
-    run in the fill and drain; v = 1).  Each of the p - 1 fill/drain slots is 2 w shorter
-    (Qi et al. 2024, section 3.1: (p-1)(T_F+T_B+T_W) becomes (p-1)(T_F+T_B-T_W)), so with
-    unequal stages, the slowest stage's own slot kept,
-
-        T = (m - 1) * M + sum_i (t_i - 2 w_i) + 2 max_i w_i + (p - 1) * c,
-
-    at least m * M (it is whenever every t_i >= 2 w_i: a stage's W is one of the three
-    GEMMs of each of its weights).  ValueError for weight gradients with v > 1 or one w_i
-    per stage missing.
+    ZB-H1 (``deferred_weight_grad_s``, w_i: the part of t_i that is the weight gradient,
+    run in the fill and drain; v = 1): the fill shrinks by :func:`weight_grad_fill_s`.
     """
     times = [check_non_negative(f"stage_times_s[{i}]", t) for i, t in enumerate(stage_times_s)]
     if not times:
@@ -90,11 +82,26 @@ def pipeline_step_time_s(
     steady = max(t + v * c for t in times)  # M_v; M at v = 1
     fill = sum(times)
     if deferred_weight_grad_s is not None:
-        w = [check_non_negative(f"deferred_weight_grad_s[{i}]", x)
-             for i, x in enumerate(deferred_weight_grad_s)]
-        if len(w) != p or v != 1:
-            raise ValueError(f"deferred_weight_grad_s needs one time per stage ({p}) and v = 1, "
-                             f"got {len(w)} times and v = {v}")
-        fill += 2 * (max(w) - sum(w))
+        fill -= weight_grad_fill_s(deferred_weight_grad_s, p, v)
     bubble = max(0.0, fill + v * (p - 1) * c - steady) / v
     return m * steady + bubble
+
+
+def weight_grad_fill_s(weight_grad_s: Sequence[float], pp: int, virtual_stages: int = 1
+                       ) -> float:
+    """Seconds of the fill and drain that the deferred weight gradients w_i fill (ZB-H1).
+
+    Each of the p - 1 fill/drain slots is 2 w shorter (Qi et al. 2024, section 3.1 and
+    Table 2: (p-1)(T_F+T_B+T_W) becomes (p-1)(T_F+T_B-T_W)); with unequal stages, the
+    slowest stage's own slot kept, 2 (sum_i w_i - max_i w_i), so
+
+        T = (m - 1) * M + sum_i (t_i - 2 w_i) + 2 max_i w_i + (p - 1) * c,
+
+    at least m * M whenever every t_i >= 2 w_i (a stage's W is one of the three GEMMs of
+    each of its weights). ValueError unless one w_i >= 0 per stage and v = 1."""
+    w = [check_non_negative(f"deferred_weight_grad_s[{i}]", x)
+         for i, x in enumerate(weight_grad_s)]
+    if len(w) != pp or virtual_stages != 1:
+        raise ValueError(f"deferred_weight_grad_s needs one time per stage ({pp}) and v = 1, "
+                         f"got {len(w)} times and v = {virtual_stages}")
+    return 2 * (sum(w) - max(w))

@@ -12,6 +12,8 @@ Nothing here solves or prices anything.
 
 from __future__ import annotations
 
+from cost_models.pipeline import weight_grad_fill_s
+
 from autopar.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.plan_memory import binding_stage, reserve_parts
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
@@ -293,9 +295,8 @@ def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
 
 def _schedule_lines(plan: Plan) -> list[str]:
     """Why the pipeline schedule pays, from the plan's own phases: the bubble and, for a
-    split backward, the seconds its weight gradients take out of 1F1B's fill and drain,
-    2 (sum_i w_i - max_i w_i) per step (``cost_models.pipeline``; Qi et al. 2024, section
-    3.1: (p-1)(T_F+T_B+T_W) becomes (p-1)(T_F+T_B-T_W))."""
+    split backward, the seconds its weight gradients take out of 1F1B's fill and drain
+    (:func:`cost_models.pipeline.weight_grad_fill_s`, Qi et al. 2024, section 3.1)."""
     record = pipeline_schedule(plan.schedule)
     if plan.pp == 1:
         return []
@@ -304,7 +305,7 @@ def _schedule_lines(plan: Plan) -> list[str]:
             "per step in its fill and drain")
     weights = [s.get("weight_grad") for s in plan.predicted.stage_phase_s]
     if record.split_backward and weights and None not in weights:
-        saved = 2 * (sum(weights) - max(weights))
+        saved = weight_grad_fill_s(weights, plan.pp)
         text += (f"; it runs each backward as B (input gradient) then W (weight gradient, "
                  f"{format_seconds(max(weights))} per micro-batch on the busiest stage), and "
                  f"the W's fill {format_seconds(saved)} of the fill and drain that 1F1B would "
