@@ -12,8 +12,8 @@ from cost_models.hardware import Cluster
 from autopar import report  # autopar.report.write_report(plan, out_dir, hand_layouts=...)
 from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
-from autopar.plan import Layout, Plan, Prediction
-from autopar.plan_check import PlanError
+from autopar.contract.plan import Layout, Plan, Prediction
+from autopar.contract.plan_check import PlanError
 from autopar.planner.decision import InfeasibleError
 from autopar.planner.search_outcome import SolverTimeLimitError
 from autopar.graph.capture import TraceError

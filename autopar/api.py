@@ -19,8 +19,8 @@ import torch
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import Layout, Plan, SolverStatus
-from autopar.plan_check import check_plan
+from autopar.contract.plan import Layout, Plan, SolverStatus
+from autopar.contract.plan_check import check_plan
 from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
 from autopar.planner.hand_layout import check_fits_memory, complete_hand_layout, hand_decision
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
@@ -28,7 +28,7 @@ from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
 from autopar.planner.search_outcome import SolverTimeLimitError
 from autopar.targets import target_support
-from autopar.support import check_positive_ints
+from autopar.contract.support import check_positive_ints
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
 from autopar.graph.capture import trace_model
 
@@ -85,7 +85,7 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     model: a module with ``forward(idx (b, s)) -> logits (b, s, V)`` (or ``(logits, loss)``),
         ideally on the meta device. cluster: a :class:`Cluster` or a preset name
         ("local-cpu", "dgx-a100" ...: one node). layout: fields to pin (None = free); a pin
-        the runtime cannot execute is refused (:func:`autopar.support.check_pins`).
+        the runtime cannot execute is refused (:func:`autopar.contract.support.check_pins`).
     progress: optional ``progress(visited, total, best_step_time_s)`` called as the search
         visits its configs (see :func:`autopar.planner.search.search`), e.g. to draw a progress bar.
     time_limit_s: CP-SAT's deterministic time per config; the plan's ``solver`` says
@@ -151,7 +151,7 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     ``cluster`` with the cost model, without solving: e.g. after editing placements by
     hand, or to price a saved plan on other hardware. Returns the plan with a new
     ``predicted`` and ``replicated_ops`` (the ops its placements leave whole). Raises
-    :class:`~autopar.plan_check.PlanError` (a ValueError) when the plan is not valid or
+    :class:`~autopar.contract.plan_check.PlanError` (a ValueError) when the plan is not valid or
     does not fit this model (:func:`~autopar.planner.plan_fit.check_plan_fits_model`:
     e.g. a placement that does not exist for this model at its tp).
     """

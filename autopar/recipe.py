@@ -38,12 +38,12 @@ import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import COMPUTE_DTYPES, cast_floating, meta_buffers, trace_model
-from autopar.plan_check import check_plan
+from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
-from autopar.placement import parse_strategy_key
-from autopar.plan import Plan
+from autopar.contract.placement import parse_strategy_key
+from autopar.contract.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
-from autopar.placement import ShardSpec
+from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
@@ -55,7 +55,7 @@ from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_sha
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
-from autopar.support import check_executable
+from autopar.contract.support import check_executable
 
 __all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
 
@@ -142,7 +142,7 @@ def _check_process_group() -> None:
 
 
 def check_plan_matches(model: nn.Module, plan: Plan, traced: TracedModel | None = None) -> None:
-    """Raise ValueError (:class:`~autopar.plan_check.PlanError`) unless ``plan`` fits
+    """Raise ValueError (:class:`~autopar.contract.plan_check.PlanError`) unless ``plan`` fits
     ``model``: :func:`autopar.planner.plan_fit.check_plan_fits_model` (config, seq_len
     within the model's positions, layer count, traced node names, every placement a
     strategy of its node at the plan's tp). ``traced``: ``model``'s trace when the caller
@@ -204,7 +204,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     timeout = as_timeout(timeout) if timeout is not None else None
     traced = None
     if plan is not None:  # before any collective, on the graph the rewrite will use
-        check_plan(plan, executable=True)  # the plan's own fields (autopar.plan_check)
+        check_plan(plan, executable=True)  # the plan's own fields (autopar.contract.plan_check)
         check_seq_len(model, plan.seq_len)
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)

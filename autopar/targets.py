@@ -2,11 +2,11 @@
 searches inside.
 
 A *target* is the space of plans one runner executes, as a
-:class:`~autopar.support.RuntimeSupport`; ``autopar.plan(..., target=)`` searches only
+:class:`~autopar.contract.support.RuntimeSupport`; ``autopar.plan(..., target=)`` searches only
 inside it, so the plan a user takes to Megatron-LM is the best plan Megatron-LM can run,
 priced by the same cost model:
 
-* ``autopar``: the autopar runtime (:data:`~autopar.support.RUNTIME_SUPPORT`).
+* ``autopar``: the autopar runtime (:data:`~autopar.contract.support.RUNTIME_SUPPORT`).
 * ``megatron`` (Megatron-LM / megatron-core): Megatron's tensor-parallel pattern
   (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
   vocabulary-parallel embedding and head; Shoeybi et al. 2019, section 3), 1F1B or
@@ -43,17 +43,17 @@ priced by the same cost model:
   none; the attention kernel of the model's own code, the cluster's.
 
 Every target is a subset of what the cost model prices; each restriction is one field of
-:class:`~autopar.support.RuntimeSupport`.
+:class:`~autopar.contract.support.RuntimeSupport`.
 
-Pure data over :mod:`autopar.support` and the technique records: the planner's entry
+Pure data over :mod:`autopar.contract.support` and the technique records: the planner's entry
 (:mod:`autopar.api`) reads it without loading the framework emitters and readers
 (:mod:`autopar.frameworks`, which read and price a framework's run through the api).
 """
 
 from __future__ import annotations
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.contract.plan import DTYPES, RECOMPUTE_MODES
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import framework_schedules
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support"]
@@ -85,7 +85,7 @@ FRAMEWORKS = ("megatron", "torchtitan", "deepspeed")
 
 
 def target_support(target: str) -> RuntimeSupport:
-    """The :class:`~autopar.support.RuntimeSupport` of ``target``; ValueError naming the
+    """The :class:`~autopar.contract.support.RuntimeSupport` of ``target``; ValueError naming the
     targets for an unknown one."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")

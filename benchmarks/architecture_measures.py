@@ -8,7 +8,7 @@ For ``autopar/`` and ``cost_models/`` (static: the source is parsed, nothing imp
   recompute modes) or, for the ZeRO stage, an int compared with something named
   ``zero_stage`` / ``zero`` / ``stage``;
 * cycles between packages (``autopar.graph``, ``autopar.planner``, ..., and each top-level
-  module, ``autopar.plan``, ``autopar.api``, ...), imports inside functions included;
+  module, ``autopar.contract``, ``autopar.api``, ...), imports inside functions included;
 * layout types: classes with both a ``tp`` and a ``pp`` field or constructor argument.
 
 Run: ``python benchmarks/architecture_measures.py`` (a second; ``--list`` prints each hit).
@@ -30,7 +30,7 @@ MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 
 
 def _technique_names() -> dict[str, set[str]]:
-    from autopar.plan import RECOMPUTE_MODES
+    from autopar.contract.plan import RECOMPUTE_MODES
     from autopar.techniques.pipeline_schedules import SCHEDULES
 
     return {"pipeline schedule": set(SCHEDULES), "recompute mode": set(RECOMPUTE_MODES)}

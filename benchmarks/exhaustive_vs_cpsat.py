@@ -28,7 +28,7 @@ import autopar
 from autopar.api import plan_from_search
 from autopar.oracle.exhaustive import exhaustive_search
 from autopar.models import GPT, GPTConfig
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.planner.search import search
 from autopar.planner.decision import InfeasibleError
 from autopar.graph.capture import trace_model

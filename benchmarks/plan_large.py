@@ -55,7 +55,7 @@ from autopar.planner.decision import decision_from_plan  # noqa: E402
 from autopar.planner.predict import predict  # noqa: E402
 from autopar.planner.search import search  # noqa: E402
 from autopar.planner.strategies import decode_placements, tensor_inputs  # noqa: E402
-from autopar.support import RUNTIME_SUPPORT  # noqa: E402
+from autopar.contract.support import RUNTIME_SUPPORT  # noqa: E402
 
 TARGET_S = 15.0
 REL_TOL = 1e-9  # "equal": the same sums in another order, float rounding only

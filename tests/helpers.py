@@ -130,7 +130,7 @@ SHAPES_8 = [(2, 2, 2)]
 
 def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
     """Every executable combination for one shape, as Layout keyword dicts (fp32)."""
-    from autopar.support import RUNTIME_SUPPORT
+    from autopar.contract.support import RUNTIME_SUPPORT
     from autopar.techniques.pipeline_schedules import PIPELINE_SCHEDULES
 
     support = RUNTIME_SUPPORT if support is None else support

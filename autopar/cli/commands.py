@@ -12,7 +12,7 @@ only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--js
 stdout then holds one JSON document and nothing else.
 
 Exit codes: 0 success · 2 bad input (a flag, a model or cluster name, a layout that breaks
-a divisibility rule, a plan file that is not a valid plan: ``autopar.plan_check.PlanError``,
+a divisibility rule, a plan file that is not a valid plan: ``autopar.contract.plan_check.PlanError``,
 an output path that cannot be written) · 3 no layout fits (``autopar.InfeasibleError``) ·
 4 the model cannot be traced (``autopar.TraceError``) · 5 ``verify``: the program does not
 match one device, or is not finite · 6 CP-SAT stopped at its time limit without a plan
@@ -42,8 +42,8 @@ from autopar.cli.parser import build_parser
 from autopar.cli.progress import SearchProgress
 from autopar.frameworks.model_shape import build_model, model_shape
 from autopar.models import default_seq_len, model_config
-from autopar.plan import Layout, Plan
-from autopar.plan_check import read_plan
+from autopar.contract.plan import Layout, Plan
+from autopar.contract.plan_check import read_plan
 from autopar.report import write_report
 from cost_models.hardware import Cluster
 
@@ -202,7 +202,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     """``autopar report``: the report of a saved plan, optionally with hand layouts priced."""
-    plan = read_plan(args.plan_file)  # the one plan validator (autopar.plan_check)
+    plan = read_plan(args.plan_file)  # the one plan validator (autopar.contract.plan_check)
     check_dir_output(args.out, "--out")
     hand: dict[str, Plan | str] = {}
     if args.megatron:

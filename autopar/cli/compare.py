@@ -5,7 +5,7 @@ and a measured profile (``autopar calibrate``).
 same cost model (``autopar.evaluate``), so every difference is the cost model's own:
 step time, TFLOP/s per GPU, MFU, peak memory per pipeline stage, the ratio auto/hand of
 step times, and where the difference comes from, per kind of
-:attr:`~autopar.plan.Prediction.time_s_by_kind` (compute, recompute, tp_comm, pp_p2p,
+:attr:`~autopar.contract.plan.Prediction.time_s_by_kind` (compute, recompute, tp_comm, pp_p2p,
 dp_comm, bubble, optimizer). Those kinds add up to the step time (``autopar.planner.predict``:
 step = m·(slowest stage + send) + bubble + DP reduction + optimizer), so the per-kind
 differences add up to the difference of step times; any remainder is shown as "other".
@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from autopar.plan import Plan, format_share
-from autopar.plan_memory import binding_stage
+from autopar.contract.plan import Plan, format_share
+from autopar.contract.plan_memory import binding_stage
 from autopar.report.format import (GIB, TIME_KINDS, format_bytes, format_seconds,
                                    format_tflops, plan_flags)
 

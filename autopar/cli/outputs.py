@@ -21,7 +21,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 __all__ = ["check_file_output", "check_dir_output", "check_outputs", "write_whole",
            "save_plan"]

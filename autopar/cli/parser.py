@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 from autopar.frameworks.targets import FRAMEWORKS, TARGETS
-from autopar.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
+from autopar.contract.plan import DTYPES, RECOMPUTE_MODES, SCHEDULES
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S
 from cost_models.hardware import PRESET_NAMES
 

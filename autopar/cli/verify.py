@@ -30,10 +30,10 @@ EXIT_OK, EXIT_VERIFY_FAILED = 0, 5  # 1-4 are autopar.cli.commands's (internal, 
 
 def _check_inputs(args: argparse.Namespace):
     """(plan, model spec, tolerances): everything checked before a process is started,
-    the plan by the one plan validator (:func:`autopar.plan_check.read_plan`, executable)
+    the plan by the one plan validator (:func:`autopar.contract.plan_check.read_plan`, executable)
     and against the model (:func:`autopar.planner.plan_fit.check_plan_fits_model`)."""
     import autopar
-    from autopar.plan_check import read_plan
+    from autopar.contract.plan_check import read_plan
     from autopar.planner.plan_fit import check_plan_fits_model
     from autopar.verify.check import Tolerances
     from autopar.verify.claims import claim_problem

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 
 from autopar.frameworks.targets import FrameworkRun, outside_target
-from autopar.plan import Layout
+from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import schedule_for
 
 __all__ = ["deepspeed_config", "read_deepspeed_config", "LAYER_CLASS"]

@@ -59,10 +59,10 @@ from autopar.frameworks.model_shape import model_shape
 from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, outside_target,
                                         torchrun_line)
 from autopar.models import pad_vocab_size
-from autopar.plan import Layout
+from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import default_schedule
-from autopar.stages import equal_chunks
-from autopar.support import plan_grad_dtype
+from autopar.contract.stages import equal_chunks
+from autopar.contract.support import plan_grad_dtype
 
 __all__ = ["read_megatron_args", "megatron_args", "format_megatron_args", "parse_pp_layout",
            "pp_layout", "ATTENTION_BACKENDS"]
@@ -324,7 +324,7 @@ def _attention(backend: str, dtype: str) -> str:
 
 
 def megatron_args(plan) -> list[str]:
-    """The Megatron-LM flags that run ``plan`` (a :class:`~autopar.plan.Plan`): model shape,
+    """The Megatron-LM flags that run ``plan`` (a :class:`~autopar.contract.plan.Plan`): model shape,
     parallel sizes, batch, pipeline split, recompute, optimizer sharding, precision and the
     attention kernel priced (``--attention-backend flash`` or ``unfused``:
     :data:`ATTENTION_BACKENDS`), in that order. Raises ValueError when the plan is outside Megatron-LM's space

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.plan import Layout, recompute_counts
-from autopar.support import unsupported
+from autopar.contract.plan import Layout, recompute_counts
+from autopar.contract.support import unsupported
 from autopar.targets import FRAMEWORKS, TARGETS, target_support
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
@@ -78,9 +78,9 @@ def megatron_block_layers(recompute: list[str], stage_layers: list[list[int]]) -
 
 
 def outside_target(plan, target: str) -> str | None:
-    """Why ``plan`` (a :class:`~autopar.plan.Plan`) is outside what ``target`` executes, or
+    """Why ``plan`` (a :class:`~autopar.contract.plan.Plan`) is outside what ``target`` executes, or
     None: the precision and attention kernel it would run in, then the fields of
-    :func:`autopar.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
+    :func:`autopar.contract.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
     dtype, recompute modes, tp), then the key/value heads, recompute layout and stage split
     against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
     runs its own, Megatron's). The message says to re-plan with the target."""
@@ -116,7 +116,7 @@ def outside_target(plan, target: str) -> str | None:
                 f"method block) or every layer selectively; the plan's per-layer recompute "
                 f"({counts}, by stage {_by_stage(plan)}) is neither{fix}")
     if support.even_stages:
-        from autopar.stages import even_stage_layers
+        from autopar.contract.stages import even_stage_layers
         if plan.stage_layers != even_stage_layers(len(plan.recompute), plan.pp,
                                                   plan.virtual_stages):
             return f"{target} splits the layers evenly over the stages, the plan does not{fix}"

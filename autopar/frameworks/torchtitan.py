@@ -31,7 +31,7 @@ import tomllib
 from autopar.frameworks.model_shape import model_problem, model_shape
 from autopar.frameworks.targets import (FrameworkRun, outside_target, target_support,
                                         torchrun_line)
-from autopar.plan import Layout
+from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import pipeline_schedule, schedule_for
 
 __all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",

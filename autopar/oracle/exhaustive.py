@@ -42,7 +42,7 @@ from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import trace_model
 from autopar.oracle.section_vectors import (FIELDS, SectionOption, replicated_index,
                                             section_options, ties_agree)
-from autopar.plan import RECOMPUTE_MODES, Layout, Plan
+from autopar.contract.plan import RECOMPUTE_MODES, Layout, Plan
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat_terms import template_map
 from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
@@ -53,7 +53,7 @@ from autopar.planner.step import (KIB, counts_tied_weight_once,
                                   model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
                                   state_kib_times_d, step_time_s)
 from autopar.planner.strategies import node_strategies, tied_groups
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",

@@ -57,7 +57,7 @@ import sympy
 from autopar.models import GPT
 from autopar.oracle.symbolic import SYMBOLS, closed_form
 from autopar.oracle.symbolic_llama import llama_closed_form
-from autopar.plan import Plan, rank_layers
+from autopar.contract.plan import Plan, rank_layers
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["ModelShape", "layer_activation_bytes", "stage_memory_bytes", "step_flops",

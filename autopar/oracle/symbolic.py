@@ -57,8 +57,8 @@ from cost_models.hardware import Cluster
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat_edges import crosses_section
 from autopar.models import GPT, GPTConfig
-from autopar.placement import REPLICATE, format_strategy_key
-from autopar.plan import RECOMPUTE_MODES
+from autopar.contract.placement import REPLICATE, format_strategy_key
+from autopar.contract.plan import RECOMPUTE_MODES
 from autopar.planner.strategies import node_strategies, strategies_by_key, tensor_inputs
 from autopar.graph.capture import trace_model
 
@@ -204,7 +204,7 @@ def planned_placements(factory: Callable = GPT, template: GPTConfig | None = Non
 @functools.lru_cache(maxsize=8)
 def _planned_placements(factory: Callable, template: GPTConfig | None) -> tuple:
     from autopar.api import plan
-    from autopar.plan import Layout
+    from autopar.contract.plan import Layout
 
     template = template or GPTConfig(1, 4, 32, 51200, 16, dropout=0.1)
     cfg = dataclasses.replace(template, n_layer=1, **_WIDE)

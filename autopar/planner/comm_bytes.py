@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import COMM_KINDS, rank_layers
+from autopar.contract.plan import COMM_KINDS, rank_layers
 from autopar.planner.cost_tables import CostTables, state_bytes
 from autopar.planner.step import tied_param_numel
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
@@ -25,7 +25,7 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
                 full_layers: list[dict[str, float]]) -> dict:
     """What pipeline rank i's GPUs should measure in one step (the keys of
     ``ParallelizedModel.last_step_stats()``): payload bytes per collective kind
-    (:data:`~autopar.plan.COMM_KINDS`), model-state bytes and peak saved-activation bytes.
+    (:data:`~autopar.contract.plan.COMM_KINDS`), model-state bytes and peak saved-activation bytes.
 
     total: rank i's summed :func:`~autopar.planner.predict.section_cost` (per micro-batch);
     memory: its bytes by kind; saved: its saved activation bytes; full_layers: the section

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from autopar import support as support_rules
+from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
-from autopar.plan import Layout
+from autopar.contract.plan import Layout
 from autopar.planner.cost_tables import Config
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, default_schedule,
                                                    pipeline_schedule)
 
@@ -58,7 +58,7 @@ def _kv_heads(traced: TracedModel) -> int | None:
 
 
 def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_size: int) -> None:
-    """:func:`autopar.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
+    """:func:`autopar.contract.support.validate_layout` for ``traced`` on ``cluster`` (ValueError
     saying what to change)."""
     support_rules.validate_layout(layout, num_gpus=cluster.num_gpus,
                                   gpus_per_node=cluster.gpus_per_node, heads=_heads(traced),
@@ -76,7 +76,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     Schedules: the layout's, else 1F1B and (when the runtime executes it) interleaved 1F1B.
     Interleaved configs take each v >= 2 the runtime declares (or the layout's v); every
     other schedule gets v = 1; a (schedule, p, m, v) is kept when
-    :func:`~autopar.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
+    :func:`~autopar.contract.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
     pp > 1, L % (pp·v) == 0, m % pp == 0), and a pinned ZeRO stage only with the pipeline
     sizes the runtime runs it with. ``support`` None (evaluating a hand layout): the
     layout's schedule and v, checked by the same rule. ``why``: filled with the first

@@ -31,7 +31,7 @@ from cost_models import comm, compute
 from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
-from autopar.plan import grad_dtype_of
+from autopar.contract.plan import grad_dtype_of
 from autopar.planner.precision import StateBytes, bytes_per_param, state_bytes
 from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
                                        node_cost)
@@ -69,7 +69,7 @@ class Config:
 
     @property
     def grads(self) -> str:
-        """The gradients' dtype (:func:`autopar.plan.grad_dtype_of`)."""
+        """The gradients' dtype (:func:`autopar.contract.plan.grad_dtype_of`)."""
         return grad_dtype_of(self.dtype, self.grad_dtype)
 
 

@@ -59,7 +59,7 @@ import math
 from ortools.sat.python import cp_model
 
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.plan import RECOMPUTE_MODES
+from autopar.contract.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
 from autopar.planner.cpsat_terms import (SectionTerms, add_exposed_dp, add_recompute_rows,
@@ -71,7 +71,7 @@ from autopar.planner.reserve import usable_bytes
 from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
-from autopar.support import pipeline_problem
+from autopar.contract.support import pipeline_problem
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["ConfigModel", "InfeasibleError", "Decision", "template_map"]
@@ -99,7 +99,7 @@ class ConfigModel:
         self.recompute_modes = recompute_modes
         self.fixed_recompute = fixed_recompute
         self.even_stages = even_stages
-        self.recompute_layout = recompute_layout  # autopar.support.RuntimeSupport's
+        self.recompute_layout = recompute_layout  # autopar.contract.support.RuntimeSupport's
         self.allowed = allowed  # node -> strategy keys it may take (None: any)
         # assume_memory: each memory[stage i] row enforced by a literal fits[stage i], so an
         # INFEASIBLE solve under those assumptions names the stages that bind (its core)
@@ -188,7 +188,7 @@ class ConfigModel:
         :math:`n_i = \lfloor L/p \rfloor + [i < L \bmod p]`;
         and the recompute counts of :func:`~autopar.planner.cpsat_terms.add_recompute_rows`
         (``recompute_layout`` "block" is "uniform" under interleaving). Raises
-        ValueError for p > L or a schedule :func:`~autopar.support.pipeline_problem` rejects."""
+        ValueError for p > L or a schedule :func:`~autopar.contract.support.pipeline_problem` rejects."""
         cfg, L, model = self.cfg, self.traced.num_layers, self.model
         p = cfg.pp
         if p > L:

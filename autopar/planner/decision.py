@@ -1,5 +1,5 @@
 """Decision ↔ Plan: what the solver (or the exhaustive oracle) decides for one Config, and
-the :class:`~autopar.plan.Plan` it becomes, in one place.
+the :class:`~autopar.contract.plan.Plan` it becomes, in one place.
 
 A :class:`Decision` indexes strategies (per node, into
 :func:`~autopar.planner.strategies.node_strategies`); a Plan stores their keys. Stage bounds
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
-from autopar.plan import Plan, equal_chunks, rank_layers
-from autopar.plan_memory import binding_stage, memory_line
+from autopar.contract.plan import Plan, equal_chunks, rank_layers
+from autopar.contract.plan_memory import binding_stage, memory_line
 from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.predict import predict
 from autopar.planner.replicated import replicated_ops
@@ -40,7 +40,7 @@ class Decision:
 
     config: the mesh shape and micro-batching; strategy: per node of the full graph, the
     index of its strategy in ``node_strategies``; stage_layers, recompute: as
-    :class:`~autopar.plan.Plan`'s; zero_stage: ZeRO stage; objective_s: the solver's step
+    :class:`~autopar.contract.plan.Plan`'s; zero_stage: ZeRO stage; objective_s: the solver's step
     time (seconds, its integer rounding); solve_time_s: wall seconds of the solve.
     """
 
@@ -96,7 +96,7 @@ def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],
 def peak_memory_line(predicted, cluster) -> str:
     """The plan's binding line: the pipeline stage with the least margin, its peak and
     reserve against the device (the CP-SAT row of that stage is ``memory[stage i]``,
-    :func:`autopar.plan_memory.memory_line`)."""
+    :func:`autopar.contract.plan_memory.memory_line`)."""
     device = cluster.device.memory_bytes
     i = binding_stage(predicted, device)
     return f"memory[stage {i}]: " + memory_line(predicted, device).split(": ", 1)[1]
@@ -106,7 +106,7 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                        tables: CostTables, strategies: NodeStrategies, *,
                        global_batch_size: int, seq_len: int, model_name: str,
                        seen: list[dict] = ()) -> Plan:
-    """The :class:`~autopar.plan.Plan` of ``decision``: its placements (strategy keys), the
+    """The :class:`~autopar.contract.plan.Plan` of ``decision``: its placements (strategy keys), the
     :func:`~autopar.planner.predict.predict` prediction,
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
     (the search's per-config records), the binding line (:func:`peak_memory_line`) and

@@ -6,7 +6,7 @@ column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out, vocabula
 embedding and head (Shoeybi et al. 2019, section 3; :func:`~autopar.planner.megatron.megatron_placements`),
 sequence parallelism only when the layout turns it on (Korthikanti et al. 2022), layers
 split evenly over the pipeline ranks with the embedding on the first and the head on the
-last (:func:`~autopar.stages.even_stage_layers`), one recompute mode for every layer. So
+last (:func:`~autopar.contract.stages.even_stage_layers`), one recompute mode for every layer. So
 :func:`hand_decision` builds that Decision directly, with no CP-SAT search, and
 :func:`~autopar.planner.predict.predict` prices it like any plan; :func:`check_fits_memory`
 refuses one that does not fit, naming the stage and its bytes.
@@ -15,13 +15,13 @@ refuses one that does not fit, naming the stage and its bytes.
 from __future__ import annotations
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import RECOMPUTE_MODES, Layout, Prediction
+from autopar.contract.plan import RECOMPUTE_MODES, Layout, Prediction
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import CostTables, cost_tables
 from autopar.planner.decision import Decision, InfeasibleError
 from autopar.planner.megatron import megatron_placements
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
-from autopar.stages import even_stage_layers
+from autopar.contract.stages import even_stage_layers
 from autopar.techniques.pipeline_schedules import default_schedule, pipeline_schedule
 
 __all__ = ["complete_hand_layout", "hand_decision", "check_fits_memory"]
@@ -51,7 +51,7 @@ def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_siz
                   ) -> tuple[Decision, CostTables, NodeStrategies]:
     """The Decision of a complete hand ``layout`` (:func:`complete_hand_layout`) for
     ``traced`` on ``cluster`` with B = ``global_batch_size``: Megatron-LM's placements at
-    the layout's tp and sequence parallelism, :func:`~autopar.stages.even_stage_layers`,
+    the layout's tp and sequence parallelism, :func:`~autopar.contract.stages.even_stage_layers`,
     the layout's recompute on every layer and its ZeRO stage; with the cost tables and
     strategies that price it. ``stage_layers`` / ``recompute`` (per layer) replace the even
     split and the layout's one mode. Raises ValueError (degrees that do not fit the model,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from autopar.graph.annotate import TracedModel
-from autopar.placement import REPLICATE, Shard
+from autopar.contract.placement import REPLICATE, Shard
 from autopar.planner.strategies import (SEQUENCE_DIM, NodeStrategies, node_strategies,
                                         reshard_kinds, tensor_inputs, tied_groups)
 
@@ -143,7 +143,7 @@ def linear_roles(traced: TracedModel) -> dict[str, str]:
 def allowed_strategies(traced: TracedModel, strategies: NodeStrategies, tp: int,
                        sequence_parallel: bool, memo: dict, support) -> dict[str, set[str]] | None:
     """The strategy keys each node may take under ``support`` (an
-    :class:`autopar.support.RuntimeSupport`): None (any) unless its placements are
+    :class:`autopar.contract.support.RuntimeSupport`): None (any) unless its placements are
     "megatron", then Megatron-LM's (:func:`megatron_placements`), and for the activations
     that cross a pipeline cut also the replicated ones (a pipeline send is whole here;
     Megatron-LM sends sequence shards under SP, so the SP plans pay an all-gather more).

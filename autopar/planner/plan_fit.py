@@ -1,5 +1,5 @@
 """Does a saved plan fit this model? The half of the plan validator that needs the model
-(the other half, the plan's own schema and arithmetic, is :mod:`autopar.plan_check`).
+(the other half, the plan's own schema and arithmetic, is :mod:`autopar.contract.plan_check`).
 
 :func:`check_plan_fits_model` is called by every reader that holds the model:
 ``evaluate_plan``, ``autopar verify`` and ``parallelize`` (through
@@ -8,7 +8,7 @@ the model config, seq_len against the model's maximum positions, the layer count
 the plan's recompute list and stages, the traced node names against the placements, and
 that every placement is a strategy of its node at the plan's tp (so an edited plan asks
 for nothing the rewrite would have to invent). Each failure is a
-:class:`~autopar.plan_check.PlanError` naming the field and the fix.
+:class:`~autopar.contract.plan_check.PlanError` naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn as nn
 from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import trace_model
 from autopar.models import default_seq_len, model_config
-from autopar.plan import Plan
-from autopar.plan_check import PlanError
+from autopar.contract.plan import Plan
+from autopar.contract.plan_check import PlanError
 from autopar.planner.strategies import decode_placements
 
 __all__ = ["check_plan_fits_model", "check_seq_len"]
@@ -50,7 +50,7 @@ def _check_config(plan: Plan, model: nn.Module, src: str) -> None:
 
 def check_plan_fits_model(plan: Plan, model: nn.Module, traced: TracedModel | None = None,
                           source: str = "plan") -> TracedModel:
-    """Raise :class:`~autopar.plan_check.PlanError` unless ``plan`` fits ``model``
+    """Raise :class:`~autopar.contract.plan_check.PlanError` unless ``plan`` fits ``model``
     (module docstring); ``traced``: the model's trace in the plan's dtype when the caller
     has one. Returns the trace. Local: no collective."""
     src = source

@@ -1,13 +1,13 @@
 """The precision a run trains in, as bytes: model states per parameter and the bytes of
 each element its data-parallel collectives move (:class:`StateBytes`), by training dtype,
-gradient dtype (:data:`autopar.plan.GRAD_DTYPES`) and ZeRO stage. Each target runs one of
+gradient dtype (:data:`autopar.contract.plan.GRAD_DTYPES`) and ZeRO stage. Each target runs one of
 these (:mod:`autopar.frameworks.targets`), and the cost model prices the one it runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import grad_dtype_of
+from autopar.contract.plan import grad_dtype_of
 
 __all__ = ["StateBytes", "state_bytes", "bytes_per_param"]
 
@@ -27,7 +27,7 @@ class StateBytes:
 
 def state_bytes(dtype: str, grad_dtype: str | None = None, zero_stage: int = 0) -> StateBytes:
     """The :class:`StateBytes` of training in ``dtype`` with ``grad_dtype`` gradients
-    (:data:`autopar.plan.GRAD_DTYPES`; None: the dtype's own) at ``zero_stage``:
+    (:data:`autopar.contract.plan.GRAD_DTYPES`; None: the dtype's own) at ``zero_stage``:
 
     * fp32: 4 + 4 + 8 (m, v), fp32 gathers and reductions;
     * bf16, bf16 gradients: 2 + 2 + 12 (fp32 master, m, v; ZeRO paper section 3.1), bf16

@@ -1,4 +1,4 @@
-"""Price a fully decided plan: the :class:`~autopar.plan.Prediction` of a Decision.
+"""Price a fully decided plan: the :class:`~autopar.contract.plan.Prediction` of a Decision.
 
 Walks the real graph (every layer, not a template) with the same
 :class:`~autopar.planner.cost_tables.CostTables` the solver used, so ``evaluate`` of a hand layout, the
@@ -12,7 +12,7 @@ from collections import defaultdict
 
 
 from autopar.graph.annotate import TracedModel, last_saver_index, saves_inputs
-from autopar.plan import Prediction, rank_layers
+from autopar.contract.plan import Prediction, rank_layers
 from autopar.planner.comm_bytes import stage_stats
 from autopar.planner.cost_tables import CostTables, f_cost
 from autopar.planner.cpsat_edges import crosses_section
@@ -184,7 +184,7 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, lay
 
 def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables, cluster,
             decision, *, global_batch_size: int) -> Prediction:
-    """The :class:`~autopar.plan.Prediction` of ``decision`` (a
+    """The :class:`~autopar.contract.plan.Prediction` of ``decision`` (a
     :class:`~autopar.planner.decision.Decision` on ``tables.config``): step time (s),
     throughput (TFLOP/s per GPU, MFU, HFU over ``cluster``'s peak), memory per pipeline rank
     by kind (bytes), each rank's memory reserve by kind and the least margin (device memory

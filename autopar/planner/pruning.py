@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from autopar.graph.annotate import TracedModel
-from autopar.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
+from autopar.contract.plan import RECOMPUTE_MODES, ZERO_STAGES, Layout
 from autopar.planner.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
                                     min_layer_compute_s, step_bound_s)
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.layer_bounds import min_layer_kept_bytes, min_layer_time_s
 from autopar.planner.reserve import max_usable_bytes, p2p_bytes
 from autopar.planner.strategies import node_strategies
-from autopar.support import RuntimeSupport
+from autopar.contract.support import RuntimeSupport
 
 __all__ = ["strategies_for", "zero_choices", "step_lower_bound_s", "order_bound_s",
            "memory_bounds", "pruned_entry"]

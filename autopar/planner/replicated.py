@@ -4,7 +4,7 @@ An op without a sharding strategy (:func:`~autopar.planner.strategies.node_strat
 offers it only "replicate") is still correct: every TP rank runs it on the whole tensor,
 and an input that arrives sharded is all-gathered first. It costs t times its share of the
 work, so a plan lists these ops with their share of the model's forward FLOPs
-(:class:`~autopar.plan.ReplicatedOps`), apart from the ops that had a sharded strategy and
+(:class:`~autopar.contract.plan.ReplicatedOps`), apart from the ops that had a sharded strategy and
 that the solver replicated by choice.
 
 Only compute ops are listed (forward FLOPs > 0): views, slices and other shape ops move no
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.ops import op_name
-from autopar.plan import ReplicatedOp, ReplicatedOps
-from autopar.placement import parse_strategy_key
+from autopar.contract.plan import ReplicatedOp, ReplicatedOps
+from autopar.contract.placement import parse_strategy_key
 from autopar.planner.strategies import NodeStrategies, node_strategies
 
 __all__ = ["replicated_ops", "REFERENCE_TP"]

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from autopar import support as support_rules
+from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
-from autopar.plan import RECOMPUTE_MODES, Layout, SolverStatus
+from autopar.contract.plan import RECOMPUTE_MODES, Layout, SolverStatus
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
@@ -30,7 +30,7 @@ from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bou
                                      strategies_for, zero_choices)
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategies_for",
@@ -50,7 +50,7 @@ DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-lim
 @dataclass
 class SearchResult:
     """The best decision, its tables, every config the search looked at, what the search
-    proved (:class:`~autopar.plan.SolverStatus`) and its wall time."""
+    proved (:class:`~autopar.contract.plan.SolverStatus`) and its wall time."""
 
     decision: Decision | None
     tables: object

@@ -19,7 +19,7 @@ to fit, :class:`SolverTimeLimitError` when some config only ran out of time.
 
 from __future__ import annotations
 
-from autopar.plan import SolverStatus
+from autopar.contract.plan import SolverStatus
 from autopar.planner.decision import InfeasibleError
 from autopar.planner.reserve import reserve_text
 

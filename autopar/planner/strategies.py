@@ -1,7 +1,7 @@
 """Step 2 of the flow: the tensor-parallel options of every node, and the edge reshards.
 
-A :data:`~autopar.placement.Placement` says how a tensor lives on the t ranks of a TP
-group: Replicate (R), Shard(d) (S<d>) or Partial (P); see :mod:`autopar.placement`.
+A :data:`~autopar.contract.placement.Placement` says how a tensor lives on the t ranks of a TP
+group: Replicate (R), Shard(d) (S<d>) or Partial (P); see :mod:`autopar.contract.placement`.
 
 A :class:`Strategy` fixes a node's input and output placements. Linear layers get the
 three Megatron options (Shoeybi et al. 2019, section 3): ``replicate``; ``column`` (weight
@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from autopar.graph.annotate import NodeInfo, TracedModel
 from autopar.graph.ops import linear_features, packet
-from autopar.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
+from autopar.contract.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
                                format_strategy_key, shape_strategy_name)
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
@@ -72,7 +72,7 @@ class Strategy:
     @property
     def key(self) -> str:
         """The string a Plan stores for this strategy: ``"<name>:<output placement>"``, unique
-        per node (:func:`autopar.placement.format_strategy_key`)."""
+        per node (:func:`autopar.contract.placement.format_strategy_key`)."""
         return format_strategy_key(self.name, self.output)
 
     @property

@@ -1,4 +1,4 @@
-"""The plan report (Markdown, HTML, charts). Reads only the :class:`~autopar.plan.Plan`.
+"""The plan report (Markdown, HTML, charts). Reads only the :class:`~autopar.contract.plan.Plan`.
 
 In flow order: :mod:`~autopar.report.format` (numbers with units, display order of kinds),
 :mod:`~autopar.report.formulas` (the published closed forms, as data),

@@ -15,7 +15,7 @@ well on GitHub and in a terminal:
 7. what-ifs (when given): the same model re-planned with twice the nodes, H100 nodes,
    twice the global batch.
 
-Everything here reads only the :class:`~autopar.plan.Plan`; nothing is re-solved, so a
+Everything here reads only the :class:`~autopar.contract.plan.Plan`; nothing is re-solved, so a
 saved plan (``Plan.from_json``) can be reported again. The what-if plans are made by
 :func:`autopar.api.what_if_plans` and handed in. The sections are
 :mod:`autopar.report.sections` (the rank map :mod:`autopar.report.ranks`), their number
@@ -30,7 +30,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 from autopar.report.format import cluster_line
 from autopar.report.frameworks import frameworks_section
 from autopar.report.html import write_html

@@ -3,7 +3,7 @@
 Time in seconds (``12.3 s``, ``45.6 ms``, ``7.8 µs``), memory in binary units (1 GiB =
 2**30 bytes, as device memory is quoted), throughput in TFLOP/s (10**12 FLOP per second),
 layouts as Megatron-LM style flags (``tp=8 pp=16 dp=8 mbs=1``). Also the display order
-of the kinds a :class:`~autopar.plan.Prediction` splits step time and memory into, shared
+of the kinds a :class:`~autopar.contract.plan.Prediction` splits step time and memory into, shared
 by the Markdown sections, the charts and ``autopar compare``. Reads only the Plan.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from autopar.plan import Layout, Plan, recompute_counts  # recompute_counts: re-exported
+from autopar.contract.plan import Layout, Plan, recompute_counts  # recompute_counts: re-exported
 
 __all__ = ["GIB", "recompute_counts", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_NOTES", "format_seconds",
            "format_bytes", "format_gib", "format_tflops", "format_layout", "plan_flags",

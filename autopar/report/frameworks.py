@@ -8,7 +8,7 @@ plans for it (``--target``).
 from __future__ import annotations
 
 from autopar.frameworks import FRAMEWORKS, emit, model_problem
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 __all__ = ["frameworks_section"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 from autopar.report.format import GIB, MEMORY_KINDS, TIME_KINDS, device_memory_bytes, ordered
 from autopar.report.schedule import drawn_micro_batches, makespan_s, plan_timeline
 

@@ -8,7 +8,7 @@ and share a node when t divides the GPUs per node.
 
 from __future__ import annotations
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 __all__ = ["rank_groups", "rank_layout_section"]
 

@@ -126,7 +126,7 @@ def makespan_s(timeline: list[list[Block]]) -> float:
 
 def plan_phases(plan) -> tuple[list[float], list[float], list[float], float]:
     """(forward, backward, recompute seconds per rank, c) of ``plan`` (a
-    :class:`~autopar.plan.Plan`) from ``predicted.stage_phase_s``; for a plan saved
+    :class:`~autopar.contract.plan.Plan`) from ``predicted.stage_phase_s``; for a plan saved
     without it, ``stage_time_s`` split 1 : :data:`BACKWARD_OVER_FORWARD` and c from
     ``time_s_by_kind["pp_p2p"]`` (m·v·c)."""
     p, pred = plan.pp, plan.predicted

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from cost_models.pipeline import weight_grad_fill_s
 
-from autopar.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
-from autopar.plan_memory import binding_stage, reserve_parts
+from autopar.contract.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
+from autopar.contract.plan_memory import binding_stage, reserve_parts
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
                                    format_seconds, format_tflops, ordered, plan_flags)

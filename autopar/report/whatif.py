@@ -8,7 +8,7 @@ plan fits). Step time in seconds, throughput in model TFLOP/s per GPU.
 
 from __future__ import annotations
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 __all__ = ["what_if_markdown"]
 

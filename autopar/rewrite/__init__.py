@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 from autopar.rewrite.dropout import apply_dropout_rng
 from autopar.rewrite.pipeline import LAYER, annotate_chunks, rank_chunks, split_chunks
 from autopar.rewrite.recompute import apply_recompute

@@ -8,7 +8,7 @@ running the sharded dropouts inside ``get_cuda_rng_tracker().fork()`` (Shoeybi e
 2019, section 3; Korthikanti et al. 2022, section 4.2.2); see :mod:`autopar.runtime.rng`.
 
 This pass reads each dropout node's placement from the plan (the output placement of
-its strategy key ``"<name>:<placement>"``, see :mod:`autopar.placement`)
+its strategy key ``"<name>:<placement>"``, see :mod:`autopar.contract.placement`)
 and wraps every dropout on a sharded tensor in a :class:`ForkedRNG` module that runs it
 inside ``tracker.fork("tensor-parallel")``. Dropouts on replicated tensors stay as they
 are, on the default stream, which is seeded identically across the TP group. The ops:
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from autopar.graph.ops import SDPA_ARGS
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker
-from autopar.placement import parse_strategy_key
+from autopar.contract.placement import parse_strategy_key
 
 __all__ = ["AttentionCore", "ForkedRNG", "apply_dropout_rng", "attention_core"]
 

@@ -38,12 +38,12 @@ import torch.nn as nn
 
 from autopar.graph.normalize import resolve
 from autopar.graph.ops import is_conv1d, packet
-from autopar.placement import ShardSpec  # re-exported: the rewrite makes them
+from autopar.contract.placement import ShardSpec  # re-exported: the rewrite makes them
 from autopar.runtime.tp_modules import (CopyToTPRegion, GatherFromTPRegion,
                                         GatherToTPRegionWithPartialGrad, ReduceFromTPRegion,
                                         ReduceScatterToTPRegion, ScatterToTPRegion, TPOperator)
 from autopar.runtime.vocab_parallel import VocabParallelEmbedding
-from autopar.placement import Placement
+from autopar.contract.placement import Placement
 from autopar.rewrite.pipeline import CHUNK, LAYER
 from autopar.rewrite.shard_modules import BiasAdd, BlockOrder, Conv1DShard
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,

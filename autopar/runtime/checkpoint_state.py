@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.placement import ShardSpec
+from autopar.contract.placement import ShardSpec
 from autopar.runtime.checkpoint_files import CheckpointError
 from autopar.runtime.full_state import whole_over_tp
 from autopar.runtime.shard_state import dp_state

@@ -60,7 +60,7 @@ from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
 from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
-from autopar.support import check_positive_ints, pipeline_problem
+from autopar.contract.support import check_positive_ints, pipeline_problem
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES, SCHEDULES
 
 
@@ -72,7 +72,7 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 def _check_schedule(schedule: str, pp: int, num_micro_batches: int, num_chunks: int = 1) -> None:
     """The module structure the schedule needs, then the one pipeline rule of
-    :func:`autopar.support.pipeline_problem` (the layer-count rule is the planner's: this
+    :func:`autopar.contract.support.pipeline_problem` (the layer-count rule is the planner's: this
     rank's chunks are already cut). Raises NotImplementedError for an unknown schedule and
     ValueError for a rule the layout breaks."""
     if schedule not in PIPELINE_SCHEDULES:

@@ -52,7 +52,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime.health import square_sum
-from autopar.support import FULLY_SHARDED_STAGE
+from autopar.contract.support import FULLY_SHARDED_STAGE
 
 __all__ = ["FullyShardedOptimizer", "FULLY_SHARDED_STAGE", "layer_units", "full_tensor"]
 

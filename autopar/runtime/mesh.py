@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar import support
+from autopar.contract import support
 from autopar.runtime.compat import group_options, group_timeout
 from autopar.runtime.device import rank_device
 

@@ -19,7 +19,7 @@ from autopar.graph.capture import place_meta_devices
 from autopar.runtime.materialize import Initializer, replace_tensors
 
 if TYPE_CHECKING:
-    from autopar.placement import ShardSpec
+    from autopar.contract.placement import ShardSpec
 
 __all__ = ["materialize_shards", "materialize_fsdp_shards", "place_program_devices"]
 
@@ -92,7 +92,7 @@ def materialize_shards(stage: nn.Module, shards: dict[str, ShardSpec], init: Ini
     initialisation (rule 3), cast to the parameter's dtype; its graphs' meta device
     constants by ``init.device`` (:func:`place_program_devices`). Local: no collective.
 
-    shards: local parameter name -> :class:`~autopar.placement.ShardSpec`;
+    shards: local parameter name -> :class:`~autopar.contract.placement.ShardSpec`;
     buffer_keys: local buffer name -> the model's buffer key. Raises ValueError (a
     parameter or buffer the rule leaves unset), RuntimeError (a shape that does not match).
     """

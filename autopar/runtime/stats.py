@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autopar.plan import COMM_KINDS
+from autopar.contract.plan import COMM_KINDS
 from autopar.runtime.compat import (TorchDispatchMode, cpu_memory_events, op_schema,
                                     unbox_process_group)
 

@@ -10,7 +10,7 @@ inserted ``call_module`` node after it, so ``print(gm.code)`` reads like the pro
     reduce_from_tp_region_5 = self.reduce_from_tp_region_5(linear_1_tp)
 
 ``forward_comm`` / ``backward_comm`` state which payload kind of
-:data:`autopar.plan.COMM_KINDS` the operator hands to its collective in each direction
+:data:`autopar.contract.plan.COMM_KINDS` the operator hands to its collective in each direction
 (None: no communication); :class:`autopar.runtime.stats.CommMeter` measures them by
 process group and collective, and the TP operator tests check the two agree.
 """

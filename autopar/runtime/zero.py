@@ -51,7 +51,7 @@ from autopar.runtime.buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, B
                                      cut_buckets)
 from autopar.runtime.compat import all_gather_single, reduce_scatter_single
 from autopar.runtime.health import square_sum
-from autopar.support import EXECUTED_ZERO_STAGES
+from autopar.contract.support import EXECUTED_ZERO_STAGES
 
 __all__ = ["DistributedOptimizer", "EXECUTED_ZERO_STAGES", "OPTIMIZER_PIECE_NUMEL"]
 

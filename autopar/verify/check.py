@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 from autopar.runtime.compat import DropoutBase
 from autopar.runtime.health import NonFiniteError
 from autopar import recipe as runtime_parallelize  # looked up at call time

@@ -18,7 +18,7 @@ import math
 
 import torch.nn as nn
 
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 __all__ = ["claim_problem", "CLAIM_TOLERANCE"]
 

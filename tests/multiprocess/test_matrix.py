@@ -1,10 +1,10 @@
 """Every pair of techniques the solver can emit runs together, and equals one process.
 
-The matrix is generated from :data:`autopar.support.RUNTIME_SUPPORT` (the one
+The matrix is generated from :data:`autopar.contract.support.RUNTIME_SUPPORT` (the one
 source of truth the solver's search space also reads): for each (tp, pp, dp) shape at
 world size 4 (and a few at 8), the schedules (ZB-H1 without full recompute, which it
 refuses; interleaved 1F1B with every declared v that
-:meth:`~autopar.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
+:meth:`~autopar.contract.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
 layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stages, recompute modes
 and sequence-parallel settings the runtime declares for that shape, and the optimizer. The
 full product (188 trainings at world size 4) is reduced to an all-pairs covering
@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.support import RUNTIME_SUPPORT
+from autopar.contract.support import RUNTIME_SUPPORT
 from autopar.models import GPT
 from autopar.planner.megatron import megatron_placements
 from autopar.graph.capture import trace_model

@@ -19,14 +19,14 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.placement import REPLICATE
+from autopar.contract.placement import REPLICATE
 from autopar.planner.cost_tables import cost_tables
 from autopar.oracle.exhaustive import (StagePlan, config_options, decision_of, exhaustive,
                                        exhaustive_search, price, replicated_index, stage_splits,
                                        ties_agree)
 from autopar.models import GPT, GPTConfig
 from autopar.planner.predict import predict, section_cost
-from autopar.support import RuntimeSupport
+from autopar.contract.support import RuntimeSupport
 from autopar.planner.search import candidate_configs
 from autopar.planner.decision import Decision
 from autopar.planner.cpsat_terms import template_map

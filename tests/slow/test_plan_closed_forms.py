@@ -14,7 +14,7 @@ import autopar
 from autopar.planner.cost_tables import Config
 from autopar.planner.cpsat_terms import template_map
 from autopar.planner.search import solve_one
-from autopar.support import RUNTIME_SUPPORT
+from autopar.contract.support import RUNTIME_SUPPORT
 from helpers import load_script
 
 bench = load_script("benchmarks/plan_large.py")

@@ -22,7 +22,7 @@ from autopar import cli
 from autopar.cli import commands
 from autopar.cli.parser import EXAMPLES, build_parser
 from autopar.cli.progress import SearchProgress
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 
 TINY = ["--model", "gpt-tiny", "--cluster", "local-cpu", "--nodes", "1",
         "--global-batch-size", "8"]

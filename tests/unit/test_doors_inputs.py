@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import autopar
 from autopar.cli import commands as cli
-from autopar.plan_check import check_plan
+from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model
-from autopar.support import check_pins
+from autopar.contract.support import check_pins
 from cost_models.hardware import Cluster
 
 PROPERTY = settings(max_examples=1500, deadline=None, derandomize=True, database=None,

@@ -3,7 +3,7 @@ and plans read against models they were not made for.
 
 The property, for every generated input: each reader (``Plan.from_json``, the
 executable check, the model check, ``autopar report``'s renderer, ``evaluate_plan``)
-ends in a :class:`~autopar.plan_check.PlanError` (a ValueError: exit code 2) naming the
+ends in a :class:`~autopar.contract.plan_check.PlanError` (a ValueError: exit code 2) naming the
 field, or accepts the plan, and an accepted plan renders and re-prices without error.
 Never an internal error (KeyError, TypeError, IndexError ...). Counts per door are printed
 at the end of the run (conftest.py).
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.plan_check import PlanError, check_plan
+from autopar.contract.plan_check import PlanError, check_plan
 from autopar.planner.plan_fit import check_plan_fits_model
 from autopar.report import render_markdown
 from helpers import tiny_plan

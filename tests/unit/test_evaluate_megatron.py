@@ -17,8 +17,8 @@ import torch
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.plan_check import check_plan
-from autopar.stages import even_stage_layers
+from autopar.contract.plan_check import check_plan
+from autopar.contract.stages import even_stage_layers
 
 
 def _meta(name: str) -> GPT:

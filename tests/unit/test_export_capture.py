@@ -12,7 +12,7 @@ import torch
 
 from autopar.graph.capture import trace_model
 from autopar.graph.export import causal_lm_logits
-from autopar.placement import Shard
+from autopar.contract.placement import Shard
 from autopar.planner.strategies import node_strategies
 from autopar.rewrite.tensor_parallel import BlockOrder, ShardSpec
 from helpers import load_script

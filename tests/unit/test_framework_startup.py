@@ -18,8 +18,8 @@ import torch
 
 import autopar
 from autopar.frameworks import emit, outside_target, target_support
-from autopar.plan import Plan
-from autopar.stages import even_stage_layers
+from autopar.contract.plan import Plan
+from autopar.contract.stages import even_stage_layers
 import framework_startup as fs
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
@@ -377,7 +377,7 @@ def _started_as_planned(plan: Plan, target: str) -> None:
     """``emit(plan, target)`` through the framework's start-up, and what it built is the
     plan's: degrees, data-parallel size and sharding, precision, stages."""
     from autopar.frameworks.torchtitan import torchtitan_model_args
-    from autopar.support import plan_grad_dtype
+    from autopar.contract.support import plan_grad_dtype
 
     text = emit(plan, target)
     bf16 = plan.dtype == "bf16"

@@ -23,8 +23,8 @@ from autopar.frameworks import (FRAMEWORKS, TARGETS, emit, model_problem, outsid
 from autopar.frameworks.megatron import parse_pp_layout, pp_layout
 from autopar.frameworks.targets import megatron_block_layers
 from autopar.models import pad_vocab_size
-from autopar.plan import Plan
-from autopar.stages import equal_chunks, even_stage_layers
+from autopar.contract.plan import Plan
+from autopar.contract.stages import equal_chunks, even_stage_layers
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.graph.capture import trace_model
 from autopar.runtime.fsdp import FullyShardedOptimizer, layer_units
-from autopar.support import RUNTIME_SUPPORT
+from autopar.contract.support import RUNTIME_SUPPORT
 from helpers import ODD, seeded_gpt
 
 SEQ = 16

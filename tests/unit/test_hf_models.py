@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from autopar import cli  # noqa: E402
 from autopar.hf_models import HF_PRESETS  # noqa: E402
 from autopar.models import default_seq_len, load_model, model_config  # noqa: E402
-from autopar.plan import Plan  # noqa: E402
+from autopar.contract.plan import Plan  # noqa: E402
 
 # Exact counts of the published checkpoints (tied embeddings counted once): GPT-2 124M/355M/
 # 774M/1.5B as in openai-community/gpt2*'s safetensors (their num_parameters()), Llama 3 8B

@@ -18,7 +18,7 @@ import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT
 from autopar.planner.search import candidate_configs
-from autopar.support import check_executable
+from autopar.contract.support import check_executable
 from autopar.techniques.pipeline_schedules import interleaving_problem
 from helpers import BATCH, CONFIG, SEQ
 from helpers import fast_cluster as _cluster, interleaved_plan as _plan

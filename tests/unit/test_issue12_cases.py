@@ -16,7 +16,7 @@ import pytest
 
 import autopar
 from autopar.cli import commands as cli
-from autopar.plan_check import PlanError, read_plan
+from autopar.contract.plan_check import PlanError, read_plan
 from autopar.planner.search import search
 from autopar.planner.search_outcome import SolverTimeLimitError, solver_status
 from autopar.verify.result import NonFinite, ParamDiff, StepLoss, Tolerances, VerifyReport

@@ -19,7 +19,7 @@ import pytest
 
 import autopar
 from autopar.cli.commands import save_plan
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
 from helpers import run_cli, tiny_plan
 
 PLAN = ["plan", "--model", "gpt-tiny", "--cluster", "local-cpu", "--global-batch-size", "8"]

@@ -106,7 +106,7 @@ def plan_file(tmp_path_factory) -> Path:
 
 
 def test_report_renders_a_saved_plan_without_planner_oracle_or_sympy(plan_file):
-    code = (f"import autopar.report\nfrom autopar.plan import Plan\n"
+    code = (f"import autopar.report\nfrom autopar.contract.plan import Plan\n"
             f"plan = Plan.from_json(open({str(plan_file)!r}).read())\n"
             f"assert autopar.report.render_markdown(plan)\n")
     loaded = _under(_modules_after(code, isolated=True), *REPORT_FORBIDS)

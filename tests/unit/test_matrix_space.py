@@ -1,5 +1,5 @@
 """The technique matrix's space, without processes: the matrix (helpers.combinations, run by
-tests/multiprocess/test_matrix.py) covers every value autopar.support.RUNTIME_SUPPORT declares,
+tests/multiprocess/test_matrix.py) covers every value autopar.contract.support.RUNTIME_SUPPORT declares,
 and every plan the solver emits passes the runtime's own executability check."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.models import GPT
-from autopar.support import RUNTIME_SUPPORT
+from autopar.contract.support import RUNTIME_SUPPORT
 from helpers import MATRIX_FACTORS, SHAPES_4, combinations, pairwise
 
 
@@ -46,7 +46,7 @@ def test_the_trained_matrix_covers_every_pair_of_techniques(shape):
 def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, layout):
     """The solver reads RUNTIME_SUPPORT, so its plans (and the alternatives it reports)
     pass the runtime's own check, whatever the model, cluster and pinned fields."""
-    from autopar.support import check_executable
+    from autopar.contract.support import check_executable
     from autopar.models import preset
 
     with torch.device("meta"):

@@ -24,8 +24,8 @@ import autopar
 import framework_startup as fs
 import megatron_validate as mv
 from autopar.frameworks import emit, model_problem, outside_target
-from autopar.plan import Plan
-from autopar.support import plan_grad_dtype
+from autopar.contract.plan import Plan
+from autopar.contract.support import plan_grad_dtype
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
 pytest.importorskip("megatron.core")

@@ -17,8 +17,8 @@ import torch
 import autopar
 from autopar.cli import main as cli_main
 from autopar.models import GPT, GPTConfig
-from autopar.plan import Plan
-from autopar.plan_check import PlanError
+from autopar.contract.plan import Plan
+from autopar.contract.plan_check import PlanError
 from autopar.report import render_markdown
 from cost_models.hardware import Cluster
 from helpers import fast_cluster

@@ -1,7 +1,7 @@
-"""Placements are parsed in one place: autopar/placement.py.
+"""Placements are parsed in one place: autopar/contract/placement.py.
 
 DESIGN.md: ``Placement = Replicate | Shard(dim) | Partial`` and the strategy keys
-("column:S2") live in autopar/placement.py, "the only code that reads or writes" them.
+("column:S2") live in autopar/contract/placement.py, "the only code that reads or writes" them.
 This test greps the rest of autopar/ for the string forms that code used to take apart by
 hand ("S2"[1:], == "R", f"S{d}", key.rpartition(":"), ...) and lists every hit as
 file:line.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parents[2]
-OWNER = REPO / "autopar" / "placement.py"
+OWNER = REPO / "autopar" / "contract" / "placement.py"
 
 FORBIDDEN = {
     "startswith('S') on a placement": re.compile(r"""startswith\(\s*["']S["']\s*\)"""),
@@ -28,7 +28,7 @@ FORBIDDEN = {
 
 
 def placement_string_hits(root: Path = REPO / "autopar") -> list[str]:
-    """Every line outside autopar/placement.py that parses or builds placement strings."""
+    """Every line outside autopar/contract/placement.py that parses or builds placement strings."""
     hits = []
     for path in sorted(root.rglob("*.py")):
         if path == OWNER:
@@ -51,5 +51,5 @@ def test_the_patterns_find_what_they_are_meant_to(tmp_path):
 
 def test_no_placement_string_parsing_outside_placement_module():
     hits = placement_string_hits()
-    assert hits == [], (f"{len(hits)} places parse placement strings outside autopar/placement.py "
+    assert hits == [], (f"{len(hits)} places parse placement strings outside autopar/contract/placement.py "
                         "(use its Placement / strategy-key functions):\n" + "\n".join(hits))

@@ -28,7 +28,7 @@ from autopar.planner.decision import decision_from_plan
 from autopar.planner.predict import predict, section_cost
 from autopar.planner.search import solve_one
 from autopar.planner.strategies import node_strategies, tensor_inputs
-from autopar.support import RUNTIME_SUPPORT
+from autopar.contract.support import RUNTIME_SUPPORT
 from cost_models.hardware import Cluster
 from cost_models.reserve import MemoryReserve
 from helpers import fast_cluster

@@ -14,7 +14,7 @@ import torch
 import autopar
 from autopar import cli
 from autopar.graph.capture import trace_model
-from autopar.plan import Plan, ReplicatedOps, format_share
+from autopar.contract.plan import Plan, ReplicatedOps, format_share
 from autopar.planner.replicated import replicated_ops
 from autopar.planner.strategies import node_strategies
 from autopar.report import render_markdown, write_report

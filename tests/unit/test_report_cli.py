@@ -15,7 +15,7 @@ import pytest
 
 import autopar
 from autopar import cli
-from autopar.plan import Layout, Plan, Prediction
+from autopar.contract.plan import Layout, Plan, Prediction
 from autopar.report import render_markdown, write_report
 from autopar.report.format import format_bytes, format_seconds
 from cost_models.hardware import Cluster

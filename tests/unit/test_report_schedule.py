@@ -152,7 +152,7 @@ def test_timeline_chart_of_each_schedule_and_of_an_old_plan(gpt13_plans, tmp_pat
 
 
 def test_plan_check_reads_the_phases(gpt13_plans):
-    from autopar.plan_check import PlanError
+    from autopar.contract.plan_check import PlanError
 
     data = gpt13_plans["v2-full"].to_dict()
     assert autopar.Plan.from_dict(data) == gpt13_plans["v2-full"]

@@ -13,7 +13,7 @@ import torch
 from autopar.models import GPT
 from autopar.rewrite.pipeline import annotate_chunks
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
-from autopar.placement import parse_strategy_key
+from autopar.contract.placement import parse_strategy_key
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker, rank_seeds, seed_rank
 from autopar.planner.megatron import megatron_placements

@@ -47,14 +47,14 @@ def test_unsupported_schedules_raise() -> None:
 ])
 def test_every_door_refuses_an_unexecutable_plan_by_the_same_rule(field, change, says):
     """parallelize (check_executable), plan files (check_plan) and the framework targets
-    (outside_target) ask one check, autopar.support.unsupported, and word it alike."""
+    (outside_target) ask one check, autopar.contract.support.unsupported, and word it alike."""
     import dataclasses
 
     from helpers import tiny_plan
 
     from autopar.frameworks.targets import outside_target, target_support
-    from autopar.plan_check import PlanError, check_plan
-    from autopar.support import check_executable, unsupported
+    from autopar.contract.plan_check import PlanError, check_plan
+    from autopar.contract.support import check_executable, unsupported
 
     plan = dataclasses.replace(tiny_plan(1, 2), **change)
     problem = unsupported(plan)

@@ -12,9 +12,9 @@ import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from autopar.frameworks.targets import TARGETS
-from autopar.plan import SCHEDULES as PLAN_SCHEDULES
+from autopar.contract.plan import SCHEDULES as PLAN_SCHEDULES
 from autopar.report.schedule import makespan_s, simulate_schedule
-from autopar.support import RUNTIME_SUPPORT, pipeline_problem
+from autopar.contract.support import RUNTIME_SUPPORT, pipeline_problem
 from autopar.techniques.pipeline_schedules import (FRAMEWORK_TARGETS, PIPELINE_SCHEDULES,
                                                    SCHEDULES, PipelineSchedule, Refusal,
                                                    pipeline_schedule, schedule_for)
@@ -166,7 +166,7 @@ def test_a_split_backward_refuses_full_recompute_at_every_door():
     weight group (more recompute and TP traffic than priced), so the search never emits it,
     a pinned layout says why, and a plan carrying it is refused by the executability check."""
     import autopar
-    from autopar.support import check_executable, unsupported
+    from autopar.contract.support import check_executable, unsupported
     from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
     meta, cluster = tiny_meta_gpt(), autopar.Cluster.local_cpu(processes=2)

@@ -13,9 +13,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from autopar.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
-from autopar.plan_memory import memory_line
-from autopar.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
+from autopar.contract.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
+from autopar.contract.plan_memory import memory_line
+from autopar.contract.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 from autopar.techniques.pipeline_schedules import SCHEDULES  # one record per schedule
 
 __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
@@ -23,7 +23,7 @@ __all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "Sol
            "grad_dtype_of", "ATTENTION_KERNELS", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
 PLAN_VERSION = 3  # 2: ``solver`` added, solve times left out; 3: the memory reserve and margin (stage_phase_s, added then too, may be absent)
-# The one definition of these names (the rules over them: autopar.support).
+# The one definition of these names (the rules over them: autopar.contract.support).
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation recomputation per layer: none, selective (the attention core; Korthikanti et
 al. 2022), full (keep only the layer's input)."""
@@ -245,7 +245,7 @@ class Plan:
     B = dp · micro_batch_size · num_micro_batches.
     attention: the attention kernel the plan is priced with, "math" or "flash"
         (:data:`ATTENTION_KERNELS`), when its target fixes one other than the cluster's
-        (:meth:`autopar.support.RuntimeSupport.attention_for`: torchtitan runs flash in
+        (:meth:`autopar.contract.support.RuntimeSupport.attention_for`: torchtitan runs flash in
         bf16); None: the cluster's (``cluster["attention"]``). :attr:`attention_kernel`
         gives the one in force.
     recompute: one mode per transformer layer (length L).
@@ -255,7 +255,7 @@ class Plan:
         v = 1 (GPipe, 1F1B): one [first, last) per pipeline stage.
     placements: per traced node name, its tensor-parallel strategy key
         ``"<strategy>:<output placement>"``, e.g. "column:S2", "row:P", "replicate:R"
-        (read and written only by :mod:`autopar.placement`; the strategies are those of
+        (read and written only by :mod:`autopar.contract.placement`; the strategies are those of
         :func:`autopar.planner.strategies.node_strategies`).
     predicted: the cost model's :class:`Prediction`.
     alternatives: the best other layouts the search priced (dicts with layout + step time).
@@ -333,15 +333,15 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
         """:meth:`to_dict` data read back through the one plan validator
-        (:func:`autopar.plan_check.plan_from_dict`: PlanError naming ``source``)."""
-        from autopar.plan_check import plan_from_dict
+        (:func:`autopar.contract.plan_check.plan_from_dict`: PlanError naming ``source``)."""
+        from autopar.contract.plan_check import plan_from_dict
 
         return plan_from_dict(data, source)
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> "Plan":
-        """:meth:`to_json` text read back (:func:`autopar.plan_check.plan_from_json`)."""
-        from autopar.plan_check import plan_from_json
+        """:meth:`to_json` text read back (:func:`autopar.contract.plan_check.plan_from_json`)."""
+        from autopar.contract.plan_check import plan_from_json
 
         return plan_from_json(text, source)
 
@@ -360,7 +360,7 @@ class Plan:
         """The :meth:`headline`, the solver's line when it did not prove optimality
         (:meth:`SolverStatus.line`), (when there are any) a line naming the ops that no
         tensor-parallel strategy splits (:meth:`ReplicatedOps.line`), then the memory line
-        (peak + reserve against the device, the margin: :func:`autopar.plan_memory.memory_line`)."""
+        (peak + reserve against the device, the margin: :func:`autopar.contract.plan_memory.memory_line`)."""
         rep, gib = self.replicated_ops, self.cluster.get("device", {}).get("memory_gib")
         solver = f"\n{self.solver.line()}" if self.solver.status == "FEASIBLE" else ""
         return (self.headline() + solver + (f"\n{rep.line()}" if rep and rep.no_strategy else "")

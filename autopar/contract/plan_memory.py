@@ -1,5 +1,5 @@
 """A plan's memory against the device, in words: the peak, the reserve by kind and the
-margin of :class:`~autopar.plan.Prediction` (:mod:`cost_models.reserve`). Read by
+margin of :class:`~autopar.contract.plan.Prediction` (:mod:`cost_models.reserve`). Read by
 ``Plan.summary``, the report and the binding line; reads only the Prediction."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The compute ops tensor parallelism leaves whole on every TP rank, as the plan records
-them (:attr:`autopar.plan.Plan.replicated_ops`; re-exported by :mod:`autopar.plan`)."""
+them (:attr:`autopar.contract.plan.Plan.replicated_ops`; re-exported by :mod:`autopar.contract.plan`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one validator of a saved :class:`~autopar.plan.Plan`, used by every reader.
+"""The one validator of a saved :class:`~autopar.contract.plan.Plan`, used by every reader.
 
 ``Plan.from_json`` / ``Plan.from_dict`` (hence ``autopar report``, ``autopar verify``,
 ``evaluate_plan`` and ``parallelize``) read a plan through :func:`plan_from_dict`, which
@@ -11,11 +11,11 @@ checks it field by field before a Plan exists:
 * the layout's own arithmetic (:func:`check_plan`): positive degrees, B = d·b·m,
   ``stage_layers`` holding pp·v chunks [first, last) that cover the L layers once in
   order, one recompute mode per layer, the pipeline rule of
-  :func:`autopar.support.pipeline_problem` (1F1B m ≥ p, interleaving's divisibility), sequence
+  :func:`autopar.contract.support.pipeline_problem` (1F1B m ≥ p, interleaving's divisibility), sequence
   parallelism only with tp > 1, every placement a strategy key.
 
 Readers that execute a plan add ``executable=True`` (ZeRO stage, schedule, v, recompute,
-sequence parallelism and dtype inside :data:`autopar.support.RUNTIME_SUPPORT`) and the world
+sequence parallelism and dtype inside :data:`autopar.contract.support.RUNTIME_SUPPORT`) and the world
 size. What needs the model (its traced node names and placements at the plan's tp, its
 layer count, seq_len within its maximum positions, its config) is
 :func:`autopar.planner.plan_fit.check_plan_fits_model`. Every failure is a
@@ -31,11 +31,11 @@ import math
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from autopar.placement import parse_strategy_key
-from autopar.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
+from autopar.contract.placement import parse_strategy_key
+from autopar.contract.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
-from autopar.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, unsupported
+from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, unsupported
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from cost_models.hardware import Cluster
 
@@ -371,7 +371,7 @@ def _check_placements(plan: Plan, src: str) -> None:
 
 
 def _check_executable(plan: Plan, src: str, support: RuntimeSupport) -> None:
-    """Every feature inside what the runtime executes (:func:`autopar.support.unsupported`)."""
+    """Every feature inside what the runtime executes (:func:`autopar.contract.support.unsupported`)."""
     problem = unsupported(plan, support)
     if problem is not None:
         raise PlanError(src, problem.field, f"is {problem.value!r}{problem.why}, which the "

@@ -8,7 +8,7 @@ what to change: :func:`validate_degrees` (t·p·d against the world size),
 :func:`validate_layout` (heads divisible by t, p <= L, the batch split over d),
 :func:`pipeline_problem` (each schedule's record's rule,
 :mod:`autopar.techniques.pipeline_schedules`: 1F1B needs m >= p; interleaved 1F1B needs
-m % p == 0 and L % (p·v) == 0). The recompute names are :data:`autopar.plan.RECOMPUTE_MODES`.
+m % p == 0 and L % (p·v) == 0). The recompute names are :data:`autopar.contract.plan.RECOMPUTE_MODES`.
 
 This module imports no torch.distributed code: planning must not load the runtime.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
+from autopar.contract.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
                                                    pipeline_schedule)
 
@@ -123,7 +123,7 @@ class RuntimeSupport:
     values at tp > 1 (tp = 1 runs without); virtual_stages: allowed v (v > 1 only with
     an interleaved schedule, see its record's rule); dtypes: training precisions
     ("bf16": bf16 parameters and activations with fp32 master weights); grad_dtypes: the
-    gradient dtypes under bf16 (:data:`~autopar.plan.GRAD_DTYPES`), the first the one
+    gradient dtypes under bf16 (:data:`~autopar.contract.plan.GRAD_DTYPES`), the first the one
     planned when no layout pins it (the autopar runtime keeps bf16 gradients).
 
     The fields below describe what another framework's runner can express
@@ -138,7 +138,7 @@ class RuntimeSupport:
         ``--recompute-method block --recompute-num-layers k``, or selective on every layer;
         one mode for all layers under interleaving) or "uniform" (one mode for all layers).
     even_stages: layers split evenly over the stages (a runner that cannot cut them
-        unevenly: :func:`~autopar.stages.even_stage_layers`).
+        unevenly: :func:`~autopar.contract.stages.even_stage_layers`).
     max_tp: the largest tensor-parallel size the runner executes (None: no limit but the
         node and the heads).
     ddp_1d_only: plain data parallelism (ZeRO-0 over d > 1) only without TP and PP
@@ -219,7 +219,7 @@ RUNTIME_SUPPORT = RuntimeSupport()
 
 
 def plan_grad_dtype(plan) -> str:
-    """The gradient dtype ``plan`` trains with (:func:`autopar.plan.grad_dtype_of`)."""
+    """The gradient dtype ``plan`` trains with (:func:`autopar.contract.plan.grad_dtype_of`)."""
     return grad_dtype_of(plan.dtype, plan.grad_dtype)
 
 
@@ -298,12 +298,12 @@ def _mesh_rule(plan) -> str:
 
 
 def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported | None:
-    """The first field of ``plan`` (a :class:`~autopar.plan.Plan`) that ``support``'s runner
+    """The first field of ``plan`` (a :class:`~autopar.contract.plan.Plan`) that ``support``'s runner
     does not execute, or None: the schedule, the ZeRO stage with this mesh
     (:meth:`RuntimeSupport.zero_stages_for`), v, sequence parallelism (at tp > 1), the
     dtype, the gradient dtype under bf16, each recompute mode, tp above ``max_tp``. The
     one executability check of ``parallelize`` (:func:`check_executable`), plan files
-    (:mod:`autopar.plan_check`) and the framework targets
+    (:mod:`autopar.contract.plan_check`) and the framework targets
     (:func:`autopar.frameworks.targets.outside_target`)."""
     checks = [("schedule", plan.schedule, support.schedules),
               ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
