@@ -270,7 +270,7 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
                     "deepspeed": Refusal("DeepSpeed's PipelineEngine runs one model chunk "
                                          "per stage (TrainSchedule, 1F1B)")}),
     PipelineSchedule(
-        name="zb_h1", title="ZB-H1", source="Qi et al. 2024 (ICLR), section 3.1",
+        name="zb_h1", title="ZB-H1", source="Qi et al. 2024, ICLR, section 3.1",
         interleaved=False, split_backward=True, rule=_zb_h1_rule,
         in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
         order=_zb_h1_order, runner="ScheduleInterleavedZeroBubble",
