@@ -92,7 +92,7 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
         whether the search proved it optimal (``plan.solver.status``).
     target: the runner the plan is for, "autopar" (this runtime), "megatron", "torchtitan"
         or "deepspeed": the search stays inside what that runner executes
-        (:data:`autopar.frameworks.targets.TARGETS`), so the plan is the best it can run.
+        (:data:`autopar.targets.TARGETS`), so the plan is the best it can run.
     Raises TypeError / ValueError (:func:`check_problem`; degrees inconsistent with the
     cluster, heads not divisible by tp, a pin outside the runtime's space, no config left
     by the pins: each names the rule), TraceError (untraceable model), InfeasibleError

@@ -127,7 +127,7 @@ class RuntimeSupport:
     planned when no layout pins it (the autopar runtime keeps bf16 gradients).
 
     The fields below describe what another framework's runner can express
-    (:mod:`autopar.frameworks.targets`); their defaults are the autopar runtime's:
+    (:mod:`autopar.targets`); their defaults are the autopar runtime's:
 
     name: the target ("autopar", "megatron", "torchtitan", "deepspeed").
     placements: "any" (the solver's tensor-parallel placements, per op) or "megatron"

@@ -27,9 +27,10 @@ the diagonal, counted as half, as FlashAttention-2's own benchmark counts causal
 
 def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
                  attention: str = "math") -> tuple[float, float, float]:
-    """(forward, backward, weight gradient) seconds of node ``info``'s GEMMs (``extra["gemms"]``, annotation)
-    for ``b`` sequences on one rank under ``strat``: a column split divides n by t, a row
-    split k, a split of heads (attention, batched matmul) the batch, a folded matmul m.
+    """(forward, backward, weight gradient) seconds of node ``info``'s GEMMs
+    (``extra["gemms"]``, annotation) for ``b`` sequences on one rank under ``strat``: a
+    column split divides n by t, a row split k, a split of heads (attention, batched
+    matmul) the batch, a folded matmul m.
     Backward of C = A·B runs dA = dC·Bᵀ (m x k, depth n) and dB = Aᵀ·dC (k x n, depth m),
     each at its own shape (:func:`cost_models.compute.gemm_time_s`); for a linear node dB is
     the weight gradient (W of Qi et al. 2024, part of the backward), for attention and

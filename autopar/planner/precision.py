@@ -1,7 +1,7 @@
 """The precision a run trains in, as bytes: model states per parameter and the bytes of
 each element its data-parallel collectives move (:class:`StateBytes`), by training dtype,
 gradient dtype (:data:`autopar.contract.plan.GRAD_DTYPES`) and ZeRO stage. Each target runs one of
-these (:mod:`autopar.frameworks.targets`), and the cost model prices the one it runs."""
+these (:mod:`autopar.targets`), and the cost model prices the one it runs."""
 
 from __future__ import annotations
 

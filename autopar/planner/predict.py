@@ -29,7 +29,8 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                  choice: dict[str, int], names: list[str]) -> dict[str, float]:
     """Sum one micro-batch's costs over ``names`` (one layer, pre or post).
 
-    Keys: fwd_s/bwd_s (compute; wgrad_s the weight-gradient part of bwd_s), tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
+    Keys: fwd_s/bwd_s (compute; wgrad_s the weight-gradient part of bwd_s),
+    tp_fwd_s/tp_bwd_s (TP comm), core_fwd_s, rec_fwd_s (what
     full recompute re-runs, see :func:`~autopar.graph.annotate.last_saver_index`), act_bytes,
     core_act_bytes, params, and payload bytes handed to TP collectives: "tp_all_reduce"
     (the reduced tensor), "tp_all_gather" (this rank's shard), split into forward

@@ -84,9 +84,11 @@ def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
     schedule) and RuntimeError if the order deadlocks."""
     v, recompute_s = virtual_stages, recompute_s or [0.0] * pp
     weight_s = weight_grad_s or [0.0] * pp
-    if not len(forward_s) == len(backward_s) == len(recompute_s) == pp:
-        raise ValueError(f"need one forward and one backward time per stage (pp={pp}), "
-                         f"got {len(forward_s)} and {len(backward_s)}")
+    if not len(forward_s) == len(backward_s) == len(recompute_s) == len(weight_s) == pp:
+        raise ValueError(f"need one forward and one backward time per stage (pp={pp}), and "
+                         f"one recompute and one weight-gradient time when given; got "
+                         f"{len(forward_s)}, {len(backward_s)}, {len(recompute_s)} and "
+                         f"{len(weight_s)}")
     orders = [schedule_order(schedule, pp, m, i, v) for i in range(pp)]
     split = pipeline_schedule(schedule).split_backward
     send = p2p_s / 2 if pp > 1 else 0.0

@@ -59,7 +59,7 @@ Order = list[tuple[str, int, int]]
 the schedule splits the backward ("B" is then the input gradient alone)."""
 
 FRAMEWORK_TARGETS = ("megatron", "torchtitan", "deepspeed")
-"""The frameworks every record answers for (``autopar.frameworks.targets.TARGETS``)."""
+"""The frameworks every record answers for (``autopar.targets.TARGETS``)."""
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,20 @@ def test_a_split_backward_drawing_is_the_order_torch_runs(name):
                     assert record.order(p, m, rank, 1) == _torch_order(record.runner, p, m, rank)
 
 
+@pytest.mark.parametrize("name", [n for n, s in PIPELINE_SCHEDULES.items() if s.split_backward])
+@pytest.mark.parametrize("p, m, w", [(4, 8, 1.0), (4, 8, 0.5), (2, 4, 1.0), (8, 24, 0.9)])
+def test_a_split_backward_drawing_takes_as_long_as_its_price(name, p, m, w):
+    """Equal stages (F = 1, backward 2 of which W = w, c = 0): the timeline simulated from
+    torch's order ends exactly at the priced pipeline time, e.g. 27 = 8·3 + 3·(3 − 2) at
+    p = 4, m = 8, w = 1 (1F1B: 33)."""
+    timeline = simulate_schedule(name, p, m, [1.0] * p, [2.0] * p, weight_grad_s=[w] * p)
+    priced = pipeline_schedule(name).step_time_s([3.0] * p, m, 1, 0.0, weight_grad_s=[w] * p)
+    assert makespan_s(timeline) == pytest.approx(priced)
+    assert priced < pipeline_schedule("1f1b").step_time_s([3.0] * p, m)
+    with pytest.raises(ValueError, match="one weight-gradient time when given"):
+        simulate_schedule(name, p, m, [1.0] * p, [2.0] * p, weight_grad_s=[w])
+
+
 def test_a_split_backward_refuses_full_recompute_at_every_door():
     """ZB-H1 with full recompute: torch's split backward recomputes a checkpointed layer per
     weight group (more recompute and TP traffic than priced), so the search never emits it,
