@@ -318,11 +318,12 @@ def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported 
         if value not in allowed:
             excluded = field == "zero_stage" and value in support.zero_stages  # by this mesh
             return Unsupported(field, value, tuple(allowed), _mesh_rule(plan) if excluded else "")
-    refused = PIPELINE_SCHEDULES[plan.schedule].refused_recompute
-    for mode in sorted(set(plan.recompute) & set(refused)):
-        return Unsupported("recompute", mode, tuple(m for m in support.recompute
-                                                    if m not in refused),
-                           f" with schedule {plan.schedule!r}: {refused[mode]}")
+    record = PIPELINE_SCHEDULES[plan.schedule]
+    refused = sorted(set(plan.recompute) & set(record.refused_recompute))
+    if refused:
+        return Unsupported("recompute", refused[0], record.recompute_modes(support.recompute),
+                           f" with schedule {plan.schedule!r}: "
+                           f"{record.refused_recompute[refused[0]]}")
     if support.max_tp is not None and plan.tp > support.max_tp:
         return Unsupported("tp", plan.tp, tuple(range(1, support.max_tp + 1)))
     return None

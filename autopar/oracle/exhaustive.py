@@ -212,8 +212,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
         zeros = zero_choices(layout, support, cfg)
-        refused = pipeline_schedule(cfg.schedule).refused_recompute
-        allowed = tuple(m for m in modes if m not in refused)
+        allowed = pipeline_schedule(cfg.schedule).recompute_modes(modes)
         found, n = _best_for_config(traced, tables, cluster, cfg, cache[key], zeros, allowed,
                                     rounding)
         priced += n

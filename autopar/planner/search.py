@@ -91,8 +91,8 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
     zero = zero_choices(layout, support, cfg)
-    modes = tuple(m for m in (support.recompute if support else RECOMPUTE_MODES)
-                  if m not in pipeline_schedule(cfg.schedule).refused_recompute)
+    modes = pipeline_schedule(cfg.schedule).recompute_modes(
+        support.recompute if support else RECOMPUTE_MODES)
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         allowed=allowed_strategies(traced, strategies, cfg.tp,
                                                    cfg.sequence_parallel, memo, support),

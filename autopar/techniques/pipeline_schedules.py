@@ -110,6 +110,10 @@ class PipelineSchedule:
                     f"{self.name!r}; use virtual_stages=1")
         return self.rule(pp, num_micro_batches, v, num_layers)
 
+    def recompute_modes(self, modes: tuple[str, ...]) -> tuple[str, ...]:
+        """The recompute ``modes`` this schedule runs with (those it does not refuse)."""
+        return tuple(m for m in modes if m not in self.refused_recompute)
+
     def step_time_s(self, stage_times_s: list[float], num_micro_batches: int,
                     virtual_stages: int = 1, p2p_time_s: float = 0.0,
                     weight_grad_s: list[float] | None = None) -> float:

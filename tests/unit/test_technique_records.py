@@ -133,20 +133,16 @@ def _torch_order(runner: str, p: int, m: int, rank: int) -> list[tuple[str, int,
     """The blocks torch's ``runner`` runs on ``rank`` of p one-stage ranks, built on the fake
     process group (no communication: the schedule is computed at construction)."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from framework_startup import fake_process_group
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p)
-    try:
+    with fake_process_group(p, rank):
         x = torch.empty(1, 2, device="meta")
         stage = pipelining.PipelineStage(torch.nn.Linear(2, 2), rank, p, torch.device("cpu"),
                                          input_args=x, output_args=x)
         schedule = getattr(pipelining, runner)([stage], m)
-        kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-        return [(kinds[a.computation_type.name], a.microbatch_index, 0)
-                for a in schedule.pipeline_order[rank] if a is not None]
-    finally:
-        dist.destroy_process_group()
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [(kinds[a.computation_type.name], a.microbatch_index, 0)
+            for a in schedule.pipeline_order[rank] if a is not None]
 
 
 @pytest.mark.parametrize("name", [n for n, s in PIPELINE_SCHEDULES.items() if s.split_backward])
