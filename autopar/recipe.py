@@ -56,6 +56,7 @@ from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.contract.support import check_executable
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
 
@@ -216,7 +217,9 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     _check_process_group()
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     traced = traced or _local_trace(model, plan)
-    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout)
+    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
+                                  head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
+                                      plan.pp, plan.virtual_stages))
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
     program = apply_plan(traced.traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng)
@@ -318,7 +321,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
         seq_len=plan.seq_len, hidden_size=traced.nodes[traced.layers[0][-1]].shape[-1],
         schedule=plan.schedule, optimizer_factory=optimizer,
-        tied_parameter_names=tied_names if plan.pp > 1 else (),
+        tied_parameter_names=tied_names if groups.embedding_group is not None else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
         tp_sharded_parameter_names=tp_sharded, **step_options,
@@ -331,7 +334,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
 
 
 def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:
-    """Per chunk of pipeline rank ``rank`` (chunk c = rank + j·pp), the dims along which the
+    """Per chunk of pipeline rank ``rank`` (its schedule record's ``rank_chunks``), the dims along which the
     activation it receives and sends is split over TP: the placement of the last node of
     the layer before each cut (None: replicated)."""
     def dim(layer: int) -> int | None:
@@ -344,7 +347,7 @@ def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None
     n = len(plan.stage_layers)
     return [(dim(plan.stage_layers[c][0] - 1) if c > 0 else None,
              dim(plan.stage_layers[c][1] - 1) if c < n - 1 else None)
-            for c in range(rank, n, plan.pp)]
+            for c in pipeline_schedule(plan.schedule).rank_chunks(plan.pp, n, rank)]
 
 
 def _logits(traced, plan: Plan) -> tuple[bool, int]:

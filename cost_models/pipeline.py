@@ -19,7 +19,7 @@ drain; ZB-H1 (same in-flight activations as 1F1B) shrinks the 1F1B bubble
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ._checks import check_non_negative, check_positive_int
 
@@ -105,3 +105,111 @@ def weight_grad_fill_s(weight_grad_s: Sequence[float], pp: int, virtual_stages: 
         raise ValueError(f"deferred_weight_grad_s needs one time per stage ({pp}) and v = 1, "
                          f"got {len(w)} times and v = {virtual_stages}")
     return 2 * (sum(w) - max(w))
+
+
+Order = Sequence[tuple[str, int, int]]
+"""A rank's blocks in run order: (kind, micro-batch j, the rank's chunk c); kinds "F"
+(forward), "B" (backward; of a split backward, the input gradient), "W" (a split
+backward's weight gradient) and "BW" (a split-backward schedule's whole backward, B then W
+in one block)."""
+
+
+def _dependency(kind: str, stage: int, j: int, last: int) -> tuple[str, int, int] | None:
+    """The block a (kind, virtual stage, j) block waits for: the previous stage's F, the
+    next stage's input gradient ("B" or "BW", both ready as "B"), on the last stage its own
+    F; a W its own B."""
+    if kind == "F":
+        return ("F", stage - 1, j) if stage > 0 else None
+    if kind == "W":
+        return ("B", stage, j)
+    return ("B", stage + 1, j) if stage < last else ("F", stage, j)
+
+
+def simulate_orders(orders: Sequence[Order], virtual_stage: Callable[[int, int], int],
+                    forward_s: Sequence[float], backward_s: Sequence[float], *,
+                    recompute_s: Sequence[float], weight_grad_s: Sequence[float] | None,
+                    p2p_time_s: float = 0.0, virtual_stages: int = 1
+                    ) -> list[list[tuple[str, int, int, float, float, float, float]]]:
+    """Every block of one pipelined step, each as soon as possible: per rank, in its
+    ``orders[i]``, (kind, j, c, start_s, end_s, recompute_s, send_s).
+
+    Rank i's chunk c is virtual stage ``virtual_stage(i, c)`` of p·v. Each chunk takes 1/v
+    of rank i's forward ``forward_s[i]``, backward ``backward_s[i]`` and recompute
+    ``recompute_s[i]`` (seconds of one micro-batch through all the rank's chunks). A "B"
+    block is the recompute then the backward; with ``weight_grad_s`` (a split backward) it
+    leaves the weight gradient w_i/v to a "W" block, which waits for its own B only, and a
+    "BW" block runs both. Every "F", "B" and "BW" ends with a send of c/2 (c = ``p2p_time_s``, zero when p = 1) that
+    keeps the rank busy, as :func:`pipeline_step_time_s` charges v·c per micro-batch. An
+    F waits for the previous virtual stage's F, a B for the next one's B (the last
+    stage's B for its own F). Raises RuntimeError when the orders deadlock.
+    """
+    p, v = len(orders), virtual_stages
+    weight = weight_grad_s if weight_grad_s is not None else [0.0] * p
+    send = p2p_time_s / 2 if p > 1 else 0.0
+    last = p * v - 1
+    ready: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, j) -> input sent
+    out: list[list[tuple]] = [[] for _ in range(p)]
+    nxt, free = [0] * p, [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(p):
+            while nxt[i] < len(orders[i]):
+                kind, j, c = orders[i][nxt[i]]
+                stage = virtual_stage(i, c)
+                dep = _dependency(kind, stage, j, last)
+                if dep is not None and dep not in ready:
+                    break
+                start = max(free[i], ready[dep] if dep else 0.0)
+                rec = recompute_s[i] / v if kind in ("B", "BW") else 0.0
+                w = weight[i] / v
+                busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w,
+                        "BW": backward_s[i] / v + rec}[kind]
+                sent = 0.0 if kind == "W" else send
+                ready[("B" if kind == "BW" else kind, stage, j)] = free[i] = start + busy + sent
+                out[i].append((kind, j, c, start, start + busy, rec, sent))
+                nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
+        if not progressed:
+            raise RuntimeError(f"the pipeline orders deadlock (p={p}, v={v})")
+    return out
+
+
+def critical_path(orders: Sequence[Order], virtual_stage: Callable[[int, int], int],
+                  lengths: Callable[[str, int], float]) -> tuple[float, dict]:
+    """(makespan, blocks on its critical path) of ranks running their ``orders`` as soon as
+    possible, block (kind, j, c) of rank i lasting ``lengths(kind, i)`` (its send included),
+    dependencies as :func:`simulate_orders`'. The path is counted per (rank, kind): the
+    makespan is sum(count * lengths(kind, rank)), a linear form of the lengths that bounds
+    the makespan from below for any other lengths (a longest path of the same graph).
+    Raises RuntimeError when the orders deadlock."""
+    p = len(orders)
+    last = max(virtual_stage(i, c) for i in range(p) for _, _, c in orders[i])
+    done: dict[tuple[str, int, int], tuple[float, tuple]] = {}  # key -> (end, block)
+    before: dict[tuple, tuple | None] = {}  # block -> the block it waited for
+    nxt, prev = [0] * p, [None] * p
+    free = [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(p):
+            while nxt[i] < len(orders[i]):
+                kind, j, c = orders[i][nxt[i]]
+                stage = virtual_stage(i, c)
+                dep = _dependency(kind, stage, j, last)
+                if dep is not None and dep not in done:
+                    break
+                block = (i, kind, j, stage)
+                waited = done[dep] if dep is not None else (0.0, None)
+                before[block] = waited[1] if waited[0] > free[i] else prev[i]
+                free[i] = max(free[i], waited[0]) + lengths(kind, i)
+                done[("B" if kind == "BW" else kind, stage, j)] = (free[i], block)
+                prev[i], nxt[i] = block, nxt[i] + 1
+                remaining, progressed = remaining - 1, True
+        if not progressed:
+            raise RuntimeError(f"the pipeline orders deadlock (p={p})")
+    counts: dict[tuple[int, str], int] = {}
+    block = prev[max(range(p), key=free.__getitem__)]
+    while block is not None:
+        counts[(block[0], block[1])] = counts.get((block[0], block[1]), 0) + 1
+        block = before[block]
+    return max(free), counts

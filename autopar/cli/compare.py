@@ -18,6 +18,7 @@ from pathlib import Path
 
 from autopar.contract.plan import Plan, format_share
 from autopar.contract.plan_memory import binding_stage
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.report.format import (GIB, TIME_KINDS, format_bytes, format_seconds,
                                    format_tflops, plan_flags)
 
@@ -33,8 +34,9 @@ def plan_table(plan: Plan) -> str:
     counts = [last - first for first, last in plan.stage_layers]
     stages = (f"{len(counts)} × {counts[0]} layers" if len(set(counts)) == 1
               else " + ".join(map(str, counts)) + " layers")
-    if plan.virtual_stages > 1:  # stage_layers lists pp·v chunks, chunk c on rank c % pp
-        stages = f"{plan.pp} × {plan.virtual_stages} chunks of {counts[0]} layers (interleaved)"
+    if plan.virtual_stages > 1:  # stage_layers lists pp·v chunks, placed by the schedule
+        placed = "a V" if pipeline_schedule(plan.schedule).placement == "v" else "interleaved"
+        stages = f"{plan.pp} × {plan.virtual_stages} chunks of {counts[0]} layers ({placed})"
     device = plan.cluster.get("device", {}).get("memory_gib")
     peak = format_bytes(p.peak_memory_bytes) + (f" of {device:g} GiB" if device else "")
     if device and p.memory_reserve_bytes_by_stage:

@@ -250,8 +250,10 @@ class Plan:
         gives the one in force.
     recompute: one mode per transformer layer (length L).
     stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
-        pp·v contiguous chunks covering the L layers; chunk c runs on pipeline rank c % pp
-        (Megatron-LM's round-robin), so rank r holds chunks r, r + pp, ... (:func:`rank_layers`);
+        pp·v contiguous chunks covering the L layers, placed by the schedule's record
+        (``chunk_rank``): chunk c on pipeline rank c % pp (Megatron-LM's round-robin), so
+        rank r holds chunks r, r + pp, ..., or ZB-V's V, rank r holding chunks r and
+        2pp - 1 - r (:func:`rank_layers`);
         v = 1 (GPipe, 1F1B): one [first, last) per pipeline stage.
     placements: per traced node name, its tensor-parallel strategy key
         ``"<strategy>:<output placement>"``, e.g. "column:S2", "row:P", "replicate:R"

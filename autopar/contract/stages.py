@@ -1,21 +1,27 @@
 """Layers per pipeline chunk: which layers a pipeline rank runs (:func:`rank_layers`) and
 the even splits hand layouts use (:func:`equal_chunks`, :func:`even_stage_layers`).
 
-``Plan.stage_layers`` holds one [first, last) per model chunk, in chunk order; chunk c
-runs on pipeline rank c % pp (Megatron-LM's round-robin, Narayanan et al. 2021, §2.2), so
-with v chunks per rank there are pp·v chunks. Pure Python: the plan, the planner, the
+``Plan.stage_layers`` holds one [first, last) per model chunk, in chunk order; with v
+chunks per rank there are pp·v chunks, and the schedule's record places them
+(:meth:`~autopar.techniques.pipeline_schedules.PipelineSchedule.chunk_rank`: chunk c on
+pipeline rank c % pp, Megatron-LM's round-robin, Narayanan et al. 2021, §2.2; or the V of
+ZB-V, rank r holding chunks r and 2pp - 1 - r). Pure Python: the plan, the planner, the
 rewrite and the report share it.
 """
 
 from __future__ import annotations
 
+from autopar.techniques.pipeline_schedules import pipeline_schedule
+
 __all__ = ["rank_layers", "equal_chunks", "even_stage_layers"]
 
 
-def rank_layers(stage_layers: list[list[int]], pp: int, rank: int) -> list[int]:
-    """Layer indices pipeline rank ``rank`` runs: those of chunks rank, rank + pp, ...
-    (see ``Plan.stage_layers``), ascending. v = 1: ``range(*stage_layers[rank])``."""
-    return [l for lo, hi in stage_layers[rank::pp] for l in range(lo, hi)]
+def rank_layers(stage_layers: list[list[int]], pp: int, rank: int, *, schedule: str) -> list[int]:
+    """Layer indices pipeline rank ``rank`` runs under ``schedule``: those of the chunks
+    its record places there (``rank_chunks``; round-robin: chunks rank, rank + pp, ...),
+    ascending. v = 1: ``range(*stage_layers[rank])``."""
+    chunks = pipeline_schedule(schedule).rank_chunks(pp, len(stage_layers), rank)
+    return [l for c in chunks for l in range(*stage_layers[c])]
 
 
 def equal_chunks(num_layers: int, num_chunks: int) -> list[list[int]]:

@@ -6,9 +6,10 @@ The fields (``torchtitan/config/job_config.py``):
 
 * ``[parallelism]`` ``tensor_parallel_degree`` t, ``pipeline_parallel_degree`` p,
   ``data_parallel_replicate_degree`` (DDP: ZeRO-0) or ``data_parallel_shard_degree`` (FSDP2:
-  ZeRO-3) d, ``pipeline_parallel_schedule`` ("GPipe", "1F1B", "Interleaved1F1B"),
+  ZeRO-3) d, ``pipeline_parallel_schedule`` ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
   ``pipeline_parallel_microbatch_size`` b, ``module_fqns_per_model_part`` (the modules of
-  each of the p·v model chunks, chunk c on rank c % p: ``tok_embeddings`` first,
+  each of the p·v model chunks in model order, which torchtitan places as the schedule
+  does (chunk c on rank c % p; ZBVZeroBubble's V: rank r holds r and 2p - 1 - r): ``tok_embeddings`` first,
   ``layers.i``, ``norm`` and ``output`` last);
 * ``[training]`` ``local_batch_size`` (sequences per data-parallel rank per gradient
   accumulation step: b·m with pipelining, else b), ``global_batch_size`` B, ``seq_len`` s,

@@ -49,7 +49,7 @@ from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decis
                                       stage_bounds_and_recompute, stage_splits)
 from autopar.planner.reserve import usable_bytes
 from autopar.planner.search import candidate_configs, validate_layout, zero_choices
-from autopar.planner.step import (KIB, counts_tied_weight_once,
+from autopar.planner.step import (KIB, counts_tied_weight_once, head_rank,
                                   model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
                                   state_kib_times_d, step_time_s)
 from autopar.planner.strategies import node_strategies, tied_groups
@@ -77,12 +77,12 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     usable = usable_bytes(tables.p2p_bytes, cluster, cfg, i)
     pre, lay, post = sections
     p, n = cfg.pp, sp.layers
-    first, last = i == 0, i == p - 1
+    first, last = i == 0, i == head_rank(cfg)
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
     t += first * pre["time_s"] + last * post["time_s"]
     bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * post["bwd_s"]
-    once = counts_tied_weight_once(p)
+    once = counts_tied_weight_once(cfg)
     pkey, ukey = ("params_p1", "param_units_p1") if once else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
     if rounding == "predict":
@@ -105,7 +105,15 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
 def _wgrad(sections, cfg: Config, i: int, n: int) -> float:
     """Weight-gradient seconds of one micro-batch on rank ``i`` with ``n`` layers."""
     pre, lay, post = sections
-    return n * lay["wgrad_s"] + (i == 0) * pre["wgrad_s"] + (i == cfg.pp - 1) * post["wgrad_s"]
+    return n * lay["wgrad_s"] + (i == 0) * pre["wgrad_s"] + (i == head_rank(cfg)) * post["wgrad_s"]
+
+
+def _forward(sections, cfg: Config, i: int, n: int) -> float:
+    """Forward seconds (compute and TP communication) of one micro-batch on rank ``i``
+    with ``n`` layers: each section's ``time_s`` less its ``bwd_s``."""
+    pre, lay, post = sections
+    return sum(k * (s["time_s"] - s["bwd_s"]) for k, s in (
+        (n, lay), (i == 0, pre), (i == head_rank(cfg), post)))
 
 
 def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
@@ -117,7 +125,9 @@ def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero:
            for i, sp in enumerate(stages)]
     times, params, bwds, mems, fits = zip(*per)
     wgrad = [_wgrad(sections, cfg, i, sp.layers) for i, sp in enumerate(stages)]
-    return (step_time_s(times, params, bwds, tables, cluster, cfg, zero, wgrad_s=wgrad)[0],
+    fwd = [_forward(sections, cfg, i, sp.layers) for i, sp in enumerate(stages)]
+    return (step_time_s(times, params, bwds, tables, cluster, cfg, zero, wgrad_s=wgrad,
+                        forward_s=fwd)[0],
             list(mems), all(fits))
 
 
@@ -154,7 +164,9 @@ def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, 
                 continue
             times, params, bwds, plans, _ = zip(*stages)
             wgrad = [_wgrad(sections, cfg, i, n) for i, n in enumerate(split)]
-            step = step_time_s(times, params, bwds, tables, cluster, cfg, zero, wgrad_s=wgrad)[0]
+            fwd = [_forward(sections, cfg, i, n) for i, n in enumerate(split)]
+            step = step_time_s(times, params, bwds, tables, cluster, cfg, zero, wgrad_s=wgrad,
+                               forward_s=fwd)[0]
             if best is None or step < best[0] * (1 - 1e-12):
                 best = (step, sections, list(plans), zero)
     return best, covered
@@ -188,7 +200,7 @@ def decision_of(traced, cfg, sections, stages: list[StagePlan], zero, step, elap
     chosen = {**sections[0].choice, **sections[1].choice, **sections[2].choice}
     bounds, recompute = stage_bounds_and_recompute(
         [sp.layers for sp in stages], [(sp.full, sp.selective) for sp in stages],
-        cfg.virtual_stages)
+        cfg.virtual_stages, schedule=cfg.schedule)
     return Decision(cfg, {n: chosen[t] for n, t in template_map(traced).items()}, bounds, recompute, zero,
                     step, elapsed)
 

@@ -145,13 +145,14 @@ def _section_bytes(shape: ModelShape, s: int, b: int, t: int) -> tuple[float, fl
 
 def _stage_params(shape: ModelShape, plan: Plan, rank: int) -> float:
     h, V, t, p = shape.hidden, shape.vocab, plan.tp, plan.pp
-    layers = rank_layers(plan.stage_layers, p, rank)
+    layers = rank_layers(plan.stage_layers, p, rank, schedule=plan.schedule)
+    head = pipeline_schedule(plan.schedule).head_rank(p, plan.virtual_stages)
     params = len(layers) * shape.layer_params(t)
     if rank == 0:
         params += V * h / t + shape.positions * h
-    if rank == p - 1:
+    if rank == head:
         params += (2 * h if shape.family == "gpt" else h) + V * h / t
-        if shape.tied and p == 1:
+        if shape.tied and head == 0:
             params -= V * h / t
     return params
 
@@ -164,7 +165,7 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
     per_mode = {m: layer_activation_bytes(shape, s, b, t, m) for m in ("none", "selective", "full")}
     out = []
     for rank in range(p):
-        layers = rank_layers(plan.stage_layers, p, rank)
+        layers = rank_layers(plan.stage_layers, p, rank, schedule=plan.schedule)
         params = _stage_params(shape, plan, rank)
         mem = {kind: params * nbytes / (d if plan.zero_stage >= _SHARDED_FROM[kind] else 1)
                for kind, nbytes in _STATE_BYTES.items()}
@@ -172,7 +173,8 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
         inflight = pipeline_schedule(plan.schedule).in_flight(p, rank, plan.num_micro_batches,
                                                               plan.virtual_stages)
         working = per_mode["none"] if layers else 0.0
-        mem["activations"] = kept * inflight + (post if rank == p - 1 else 0.0) + working
+        head = pipeline_schedule(plan.schedule).head_rank(p, plan.virtual_stages)
+        mem["activations"] = kept * inflight + (post if rank == head else 0.0) + working
         out.append(mem)
     return out
 

@@ -14,7 +14,8 @@ import math
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import COMM_KINDS, rank_layers
 from autopar.planner.cost_tables import CostTables, state_bytes
-from autopar.planner.step import tied_param_numel
+from autopar.planner.step import head_rank, tied_param_numel
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 
 __all__ = ["stage_stats", "dp_comm_bytes", "fsdp_units"]
@@ -40,19 +41,23 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
     for layer in full_layers:  # full recompute: forward comm again
         for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"):
             comm[kind] += m * layer[f"rec_fwd_{kind}"]
-    # activations forward, their gradients backward, at every chunk cut of this rank;
-    # a cut whose activation is sharded over TP (sequence parallelism) sends the shard
-    n = len(decision.stage_layers)
-    mine = [c for c in range(n) if c % p == i]
-    cuts = [decision.stage_layers[c][1] - 1 for c in mine if c < n - 1] + \
-        [decision.stage_layers[c][0] - 1 for c in mine if c > 0]
+    # activations forward, their gradients backward, at every chunk cut of this rank whose
+    # other side runs on another rank (a V placement's middle cut stays on rank p - 1); a
+    # cut whose activation is sharded over TP (sequence parallelism) sends the shard
+    n, record = len(decision.stage_layers), pipeline_schedule(cfg.schedule)
+    mine = record.rank_chunks(p, n, i)
+    cuts = [decision.stage_layers[c][1] - 1 for c in mine
+            if c < n - 1 and record.chunk_rank(c + 1, p, n) != i] + \
+        [decision.stage_layers[c][0] - 1 for c in mine
+         if c > 0 and record.chunk_rank(c - 1, p, n) != i]
     comm["pp_p2p"] = m * sum(tables.p2p_bytes / _shards(traced, strategies, decision, l, cfg.tp)
                              for l in cuts)
     b = state_bytes(cfg.dtype, cfg.grad_dtype, decision.zero_stage)
     param_b, grad_b = b.gather, b.reduce
     if cfg.tp > 1:  # replicated parameters used on sequence shards: all-reduced over TP
-        names = [n for l in rank_layers(decision.stage_layers, p, i) for n in traced.layers[l]]
-        names += (traced.pre if i == 0 else []) + (traced.post if i == p - 1 else [])
+        names = [n for l in rank_layers(decision.stage_layers, p, i, schedule=cfg.schedule)
+                 for n in traced.layers[l]]
+        names += (traced.pre if i == 0 else []) + (traced.post if i == head_rank(cfg) else [])
         sizes = _partial_grad_param_sizes(traced, strategies, decision.strategy, names)
         if decision.zero_stage == 3:  # once per step, on the fp32 DP shards FSDP2 keeps
             comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
@@ -61,7 +66,7 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
             comm["tp_all_reduce"] += times * grad_b * sum(sizes)
     comm.update(dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
                                fsdp_units(traced, strategies, decision, cfg)))
-    if p > 1 and i in (0, p - 1):
+    if head_rank(cfg) != 0 and i in (0, head_rank(cfg)):  # the tied pair on two ranks
         comm["other"] += grad_b * tied_param_numel(traced, tables, decision.strategy)
     # the step's mean loss and squared gradient norm, two float64 all-reduced over the world
     # (autopar.runtime.engine: one collective decides clipping and non-finite steps)

@@ -41,14 +41,14 @@ Times are integers in a unit of about 1e-4 of one layer's forward+backward
 (``units_per_second``), memory integer KiB, parameters integer units of 1024
 (:data:`~autopar.planner.step.PARAM_UNIT`).
 
-Interleaved 1F1B (v > 1 virtual stages per rank): the layers are cut into p·v equal chunks
-of L/(p·v), as Megatron-LM requires, chunk c on rank c % p (``Plan.stage_layers``), so
-:math:`n_i = L/p` is fixed and the solver still chooses the TP strategies, the ZeRO stage
-and per rank the recompute counts (a rank's memory sums its v chunks; in-flight
-micro-batches from the schedule record's ``in_flight``). The objective is then
-:math:`v \times` the interleaved step time of ``cost_models.pipeline``,
-:math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt} + T_{end})` with
-:math:`T_{max} \ge T_i + v\,c_{p2p}` (integer coefficients; v = 1 is the formula above).
+v > 1 chunks per rank: p·v equal chunks of L/(p·v), as Megatron-LM requires, placed by the
+schedule's record (round-robin, or ZB-V's V, the head on rank 0: ``Plan.stage_layers``), so
+:math:`n_i = L/p`; the solver still chooses TP strategies, ZeRO stage and per-rank recompute
+counts (a rank's memory sums its v chunks, in-flight micro-batches from the record's
+``in_flight``). The objective is :math:`v \times` the interleaved step time,
+:math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt} + T_{end})`,
+:math:`T_{max} \ge T_i + v\,c_{p2p}` (v = 1: the formula above); a schedule priced by its
+order (a V) has the makespan of ``cpsat_terms.OrderedMakespan`` for its pipeline term.
 Ties are broken toward the lower ZeRO stage (1 unit per stage: simpler runtime, equal cost).
 """
 
@@ -62,13 +62,14 @@ from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.contract.plan import RECOMPUTE_MODES
 from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat_edges import add_edges
-from autopar.planner.cpsat_terms import (SectionTerms, add_exposed_dp, add_recompute_rows,
-                                         deferred_weight_grads, int_var, precision_scale, product_var,
+from autopar.planner.cpsat_terms import (OrderedMakespan, SectionTerms, add_exposed_dp,
+                                         add_recompute_rows, deferred_weight_grads, int_var,
+                                         ordered_pipeline, precision_scale, product_var,
                                          solve_deterministic, template_map, tied_param_units)
 from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.reserve import usable_bytes
-from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, scaled_memory,
+from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, head_rank, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.contract.support import pipeline_problem
@@ -104,6 +105,7 @@ class ConfigModel:
         # assume_memory: each memory[stage i] row enforced by a literal fits[stage i], so an
         # INFEASIBLE solve under those assumptions names the stages that bind (its core)
         self.memory_literals: list | None = [] if assume_memory else None
+        self.ordered: OrderedMakespan | None = None  # a schedule priced by its order
         self.section_of = {n: "pre" for n in traced.pre} | {n: "post" for n in traced.post} \
             | {n: "layer" for n in traced.layers[0]}
         self.choice: dict[str, list] = {}
@@ -219,18 +221,19 @@ class ConfigModel:
 
     # -- memory ---------------------------------------------------------------------------
     def _rank_params(self, i: int):
-        r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=p-1] P_{post}`,
-        less the tied weight once when p == 1; returns (variable, upper bound)."""
-        terms, p, L, model = self.terms, self.cfg.pp, self.traced.num_layers, self.model
+        r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=h] P_{post}`
+        (h: :func:`~autopar.planner.step.head_rank`), less the tied weight once when both
+        ends share a rank; returns (variable, upper bound)."""
+        terms, L, model = self.terms, self.traced.num_layers, self.model
         layer_ub = terms.upper_bound("layer", "param")
         pl = int_var(model, "params_layer", terms.expr("layer", "param"), layer_ub)
         prod = product_var(model, f"params_layers[{i}]", self.layers_on_rank[i], pl, L * layer_ub)
         extra = 0
         if i == 0:
             extra += terms.expr("pre", "param")
-        if i == p - 1:
+        if i == head_rank(self.cfg):
             extra += terms.expr("post", "param")
-            if counts_tied_weight_once(p):  # a tied weight counted in pre and post is one tensor
+            if counts_tied_weight_once(self.cfg):  # a tied weight counted in pre and post is one tensor
                 extra -= tied_param_units(self.traced, self.tables, self.choice)
         total_ub = L * terms.upper_bound("layer", "param") + terms.upper_bound("pre", "param") \
             + terms.upper_bound("post", "param")
@@ -277,7 +280,7 @@ class ConfigModel:
             act_total = int_var(model, f"act_stage[{i}]", act,
                                 L * act_ub * 4 + terms.upper_bound("pre", "act"))
             working = a_layer  # working set of the layer being recomputed / run
-            if i == p - 1:
+            if i == head_rank(cfg):
                 working = working + terms.expr("post", "act") + terms.expr("post", "temp")
             limit = scaled_memory_limit(usable_bytes(self.tables.p2p_bytes, self.cluster, cfg, i), cfg)
             row = model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit)
@@ -311,14 +314,14 @@ class ConfigModel:
         for i in range(cfg.pp):
             bwd = product_var(model, f"bwd_layers[{i}]", n[i], bl, t_ub)
             bwd += terms.expr("pre", "bwd") if i == 0 else 0
-            bwd += terms.expr("post", "bwd") if i == cfg.pp - 1 else 0
+            bwd += terms.expr("post", "bwd") if i == head_rank(cfg) else 0
             self.rank_bwd.append(bwd)
             t = (product_var(model, f"t_layers[{i}]", n[i], fb, t_ub)
                  + product_var(model, f"t_full[{i}]", rf[i], rl, t_ub)
                  + product_var(model, f"t_sel[{i}]", rs[i], cl, t_ub))
             if i == 0:
                 t += terms.expr("pre", "fwd") + terms.expr("pre", "bwd")
-            if i == cfg.pp - 1:
+            if i == head_rank(cfg):
                 t += terms.expr("post", "fwd") + terms.expr("post", "bwd")
             self.rank_time.append(int_var(model, f"stage_time[{i}]", t, t_ub))
         tmax = model.NewIntVar(0, t_ub + v * p2p, "t_max")
@@ -329,10 +332,16 @@ class ConfigModel:
         zero_terms = sum((z + v * int(math.ceil(self.tables.dp_latency_s[z] * ups))) * zb
                          for z, zb in self.zero.items())  # (ties go to the lower stage)
         end = int(math.ceil(self.tables.step_end_s * ups))  # a constant of the config
-        self.objective = (v * cfg.num_micro_batches - 1) * tmax + sum(self.rank_time) \
-            + v * (cfg.pp - 1) * p2p + v * (tdp + topt + end) + zero_terms
-        if pipeline_schedule(cfg.schedule).split_backward:
-            self.objective += deferred_weight_grads(model, terms, self.layers_on_rank, t_ub)
+        record = pipeline_schedule(cfg.schedule)
+        if record.placement != "loop":  # no closed form: the makespan of the record's order
+            self.ordered = ordered_pipeline(model, terms, cfg, n, self.rank_time, fl, t_ub, p2p)
+            pipeline = self.ordered.makespan
+        else:
+            pipeline = (v * cfg.num_micro_batches - 1) * tmax + sum(self.rank_time) \
+                + v * (cfg.pp - 1) * p2p
+            if record.split_backward:
+                pipeline += deferred_weight_grads(model, terms, self.layers_on_rank, t_ub)
+        self.objective = pipeline + v * (tdp + topt + end) + zero_terms
         model.Minimize(self.objective)
 
     def _add_dp_and_optimizer(self):
@@ -366,8 +375,13 @@ class ConfigModel:
 
     # -- solve and read back --------------------------------------------------------------
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
-        """:func:`~autopar.planner.cpsat_terms.solve_deterministic` on this model."""
-        return solve_deterministic(self.model, max_time_s)
+        """:func:`~autopar.planner.cpsat_terms.solve_deterministic` on this model, again after
+        each ``OrderedMakespan.cut`` (a schedule priced by its order) that adds a row."""
+        while True:
+            status, solver = solve_deterministic(self.model, max_time_s)
+            if self.ordered is None or status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) \
+                    or not self.ordered.cut(solver):
+                return status, solver
 
     def decision(self, solver: cp_model.CpSolver, mapping: dict[str, str]) -> Decision:
         """The solved plan as a Decision over the full graph (``mapping``: node -> the
@@ -378,7 +392,8 @@ class ConfigModel:
         n = [solver.Value(v) for v in self.layers_on_rank]
         counts = [(solver.Value(self.recompute_full[i]), solver.Value(self.recompute_selective[i]))
                   for i in range(len(n))]
-        bounds, recompute = stage_bounds_and_recompute(n, counts, self.cfg.virtual_stages)
+        bounds, recompute = stage_bounds_and_recompute(n, counts, self.cfg.virtual_stages,
+                                                       schedule=self.cfg.schedule)
         zero = next(z for z, zb in self.zero.items() if solver.Value(zb))
         return Decision(self.cfg, strategy, bounds, recompute, zero,
                         solver.ObjectiveValue() / self.units_per_second / self.cfg.virtual_stages,

@@ -13,13 +13,16 @@ import math
 
 from ortools.sat.python import cp_model
 
+from cost_models.pipeline import critical_path
+
 from autopar.graph.annotate import TracedModel
 from autopar.graph.export import user_frames
-from autopar.planner.step import PARAM_UNIT
+from autopar.planner.step import PARAM_UNIT, head_rank
 from autopar.planner.strategies import tied_groups
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
-           "deferred_weight_grads",
+           "deferred_weight_grads", "OrderedMakespan", "ordered_pipeline",
            "product_var", "tied_param_units", "add_exposed_dp", "solve_deterministic",
            "add_recompute_rows", "RECOMPUTE_LAYOUTS"]
 
@@ -170,6 +173,82 @@ def deferred_weight_grads(model: cp_model.CpModel, terms: SectionTerms, layers_o
     for i, wi in enumerate(w):
         model.Add(w_max >= wi).WithName(f"w_max[{i}]")
     return 2 * w_max - 2 * sum(w)
+
+
+class OrderedMakespan:
+    r"""The makespan of pipeline ranks running their blocks in fixed ``orders`` (a schedule
+    priced by its order, :func:`cost_models.pipeline.simulate_orders`), in v × time units,
+    as lazily added longest paths.
+
+    Block lengths (times v, so one chunk's share of rank i's seconds is the rank's whole):
+    F ``forward[i]``, B ``backward[i]`` (recompute and input gradient), W
+    ``weight_grad[i]``, BW (a whole backward) B + W; all but W then send for ``send`` units. The makespan is the longest
+    path of the blocks' dependency graph, the largest of linear forms
+    :math:`\sum_i a_i F_i + b_i B_i + w_i W_i + s\,\text{send}`, one per path: too many
+    to write down, so each :meth:`cut` adds the critical path of a solution whose
+    ``makespan`` falls short of its simulated one (``path[k]`` rows), and the solve repeats
+    (:meth:`ConfigModel.solve`). The first row is the critical path at equal lengths. A
+    relaxation's optimum whose makespan its own simulation confirms is the optimum.
+    """
+
+    def __init__(self, model: cp_model.CpModel, orders: list, virtual_stage, forward: list,
+                 backward: list, weight_grad: list, send: int, horizon: int) -> None:
+        self.model, self.orders, self.virtual_stage, self.send = model, orders, virtual_stage, send
+        self.lengths = {kind: [int_var(model, f"{kind}_block[{i}]", expr, horizon)
+                               for i, expr in enumerate(exprs)]
+                        for kind, exprs in (("F", forward), ("B", backward), ("W", weight_grad))}
+        self.makespan = model.NewIntVar(0, horizon, "makespan")
+        self.rows = 0
+        self._add(critical_path(orders, virtual_stage, lambda kind, i: 1.0)[1])
+
+    def _length(self, kind: str, i: int):
+        """Block (kind, rank i)'s length without its send, a variable or a sum of two."""
+        if kind == "BW":
+            return self.lengths["B"][i] + self.lengths["W"][i]
+        return self.lengths[kind][i]
+
+    def _add(self, counts: dict) -> None:
+        sends = sum(n for (_, kind), n in counts.items() if kind != "W")
+        path = sum(n * self._length(kind, i) for (i, kind), n in counts.items())
+        self.model.Add(self.makespan >= path + sends * self.send).WithName(f"path[{self.rows}]")
+        self.rows += 1
+
+    def cut(self, solver: cp_model.CpSolver) -> bool:
+        """Add the critical path of ``solver``'s block lengths when it is longer than its
+        ``makespan``; True when a row was added (solve again)."""
+        value = {kind: [solver.Value(x) for x in xs] for kind, xs in self.lengths.items()}
+        value["BW"] = [b + w for b, w in zip(value["B"], value["W"])]
+        length = lambda kind, i: value[kind][i] + (self.send if kind != "W" else 0)  # noqa: E731
+        makespan, counts = critical_path(self.orders, self.virtual_stage, length)
+        if makespan <= solver.Value(self.makespan):
+            return False
+        self._add(counts)
+        return True
+
+
+def ordered_pipeline(model: cp_model.CpModel, terms: SectionTerms, cfg, layers_on_rank: list,
+                     rank_time: list, fwd_layer, t_ub: int, p2p: int) -> OrderedMakespan:
+    r"""The :class:`OrderedMakespan` of ``cfg``'s schedule, priced by its order (a V
+    placement), in v × time units: rank i's forward :math:`F_i = n_i F_L` + the pre
+    section's on rank 0 + the post section's on the head's rank, its weight gradient
+    :math:`W_i` alike, and the rest of ``rank_time[i]`` (backward and recompute) as its B;
+    sends of v·c/2 (``p2p`` = c in time units)."""
+    record = pipeline_schedule(cfg.schedule)
+    p, m, v, head = cfg.pp, cfg.num_micro_batches, cfg.virtual_stages, head_rank(cfg)
+    wl = int_var(model, "wgrad_layer", terms.expr("layer", "wgrad"),
+                 terms.upper_bound("layer", "wgrad"))
+    fwd, wgrad, bwd = [], [], []
+    for i, n in enumerate(layers_on_rank):
+        ends = [s for s, on in (("pre", i == 0), ("post", i == head)) if on]
+        f = product_var(model, f"fwd_layers[{i}]", n, fwd_layer, t_ub) + sum(
+            terms.expr(s, "fwd") for s in ends)
+        w = product_var(model, f"wgrad_layers[{i}]", n, wl, t_ub) + sum(
+            terms.expr(s, "wgrad") for s in ends)
+        fwd.append(f), wgrad.append(w), bwd.append(rank_time[i] - f - w)
+    chunks = [record.rank_chunks(p, p * v, i) for i in range(p)]
+    return OrderedMakespan(model, [record.order(p, m, i, v) for i in range(p)],
+                           lambda i, c: chunks[i][c], fwd, bwd, wgrad, v * p2p // 2,
+                           m * p * (t_ub + v * p2p))
 
 
 def solve_deterministic(model: cp_model.CpModel, max_time_s: float) -> tuple[int, cp_model.CpSolver]:

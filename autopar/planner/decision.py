@@ -71,11 +71,12 @@ def stage_splits(num_layers: int, pp: int, virtual_stages: int = 1) -> list[tupl
 
 
 def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],
-                               virtual_stages: int = 1) -> tuple[list[list[int]], list[str]]:
+                               virtual_stages: int = 1, *, schedule: str
+                               ) -> tuple[list[list[int]], list[str]]:
     """``Plan.stage_layers`` and the per-layer recompute modes from per-rank layer counts
     and (full, selective) recompute counts. v = 1: contiguous stages, each with its full
-    then selective then plain layers. v > 1: p·v equal chunks (every count L/p), chunk c on
-    rank c % p; rank i's recompute modes fill its layers in ascending order (the cost
+    then selective then plain layers. v > 1: p·v equal chunks (every count L/p), placed by
+    ``schedule``'s record (round-robin or V); rank i's recompute modes fill its layers in ascending order (the cost
     model prices a rank's layers alike, so the order does not matter)."""
     p, L = len(layers), sum(layers)
     if virtual_stages == 1:
@@ -87,7 +88,7 @@ def stage_bounds_and_recompute(layers: list[int], counts: list[tuple[int, int]],
         bounds = equal_chunks(L, p * virtual_stages)
     recompute = ["none"] * L
     for i, (rf, rs) in enumerate(counts):
-        mine = rank_layers(bounds, p, i)
+        mine = rank_layers(bounds, p, i, schedule=schedule)
         for l, mode in zip(mine, ["full"] * rf + ["selective"] * rs):
             recompute[l] = mode
     return bounds, recompute

@@ -17,7 +17,7 @@ from autopar.planner.comm_bytes import stage_stats
 from autopar.planner.cost_tables import CostTables, f_cost
 from autopar.planner.cpsat_edges import crosses_section
 from autopar.planner.reserve import rank_reserve
-from autopar.planner.step import (counts_tied_weight_once, model_state_bytes_by_kind, step_time_s,
+from autopar.planner.step import (counts_tied_weight_once, head_rank, model_state_bytes_by_kind, step_time_s,
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -146,7 +146,7 @@ def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
                 _keep(out, kept, (node.name, strat.inputs[j], fused), edge.saved_bytes)
 
 
-def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, layer_costs):
+def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, cfg, layer_costs):
     """Pipeline rank i's summed costs, recompute seconds, kept activations per micro-batch
     in flight, activations held once (the last rank's head and loss), the working set of
     the layer being run (recomputed layers rebuild their activations) and the section costs
@@ -169,7 +169,7 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, lay
         else:
             act += layer["act_bytes"]
         working = max(working, layer["act_bytes"])
-    for section, on in (("pre", i == 0), ("post", i == p - 1)):
+    for section, on in (("pre", i == 0), ("post", i == head_rank(cfg))):
         if on:
             cost = section_cost(traced, strategies, tables, choice, getattr(traced, section))
             for key, val in cost.items():
@@ -178,7 +178,7 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, p, lay
                 act += cost["act_bytes"]
             else:
                 held += cost["act_bytes"]  # the head and the loss, once (the output node)
-    if counts_tied_weight_once(p):  # the tied weight is one tensor when both ends share a rank
+    if i == head_rank(cfg) and counts_tied_weight_once(cfg):  # both ends on this rank: one tensor
         total["params"] -= tied_param_numel(traced, tables, choice)
     return total, rec_s, act, held, working, full_layers
 
@@ -200,9 +200,9 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     hop = tables.p2p_s if p > 1 else 0.0  # c: one chunk boundary, forward and backward
     layer_costs = _layer_costs(traced, strategies, tables, decision.strategy)
     for i in range(p):  # pipeline rank i runs the layers of its v chunks
-        layers = rank_layers(decision.stage_layers, p, i)
+        layers = rank_layers(decision.stage_layers, p, i, schedule=cfg.schedule)
         total, rec_s, act, held, working, full_layers = _rank_costs(
-            traced, strategies, tables, decision.strategy, layers, decision.recompute, i, p,
+            traced, strategies, tables, decision.strategy, layers, decision.recompute, i, cfg,
             layer_costs)
         phases.append({"forward": total["fwd_s"] + total["tp_fwd_s"],
                        "backward": total["bwd_s"] + total["tp_bwd_s"], "recompute": rec_s,
@@ -218,7 +218,8 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     # bucketed DP reduction overlaps the backward (compute + TP comm) of the last micro-batch
     step, pipe, dp_s, opt_s = step_time_s(
         stage_t, [pt[2] for pt in parts], [(pt[0]["bwd_s"], pt[0]["tp_bwd_s"]) for pt in parts],
-        tables, cluster, cfg, decision.zero_stage, wgrad_s=[pt[0]["wgrad_s"] for pt in parts])
+        tables, cluster, cfg, decision.zero_stage, wgrad_s=[pt[0]["wgrad_s"] for pt in parts],
+        forward_s=[ph["forward"] for ph in phases])
     for st in stats:
         st["step_time_s"] = step
     reserve = [rank_reserve(tables.p2p_bytes, cluster, cfg, i, sum(mem[i].values()),

@@ -2,7 +2,7 @@ r"""Per pipeline rank → per step: the arithmetic the CP-SAT model, ``predict``
 exhaustive oracle share (each walks the graph its own way, then calls these).
 
 For pipeline rank i holding :math:`P_i` parameters (the tied weight counted once when
-p = 1, :func:`counts_tied_weight_once`), whose last micro-batch's backward takes
+both ends share a rank, :func:`counts_tied_weight_once`), whose last micro-batch's backward takes
 :math:`B_i` seconds, under ZeRO stage z over d data-parallel ranks:
 
 * exposed DP time :math:`T_{dp} = \max_i \max((1 - f)\,\delta_z P_i,\ \delta_z P_i - B_i)`:
@@ -32,7 +32,7 @@ from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp
 from autopar.planner.strategies import tied_groups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
-__all__ = ["KIB", "PARAM_UNIT", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
+__all__ = ["KIB", "PARAM_UNIT", "head_rank", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
            "optimizer_s", "step_time_s", "model_state_bytes_by_kind", "state_kib_times_d",
            "in_flight_times_v", "scaled_memory", "scaled_memory_limit"]
 
@@ -43,11 +43,19 @@ PARAM_UNIT = 1024
 times bytes per parameter are KiB."""
 
 
-def counts_tied_weight_once(pp: int) -> bool:
+def head_rank(cfg: Config) -> int:
+    """The pipeline rank holding the post section (head and loss) under ``cfg``'s schedule:
+    p - 1, or 0 under a V placement (the schedule record's ``head_rank``). The pre section
+    (embedding) is always on rank 0."""
+    return pipeline_schedule(cfg.schedule).head_rank(cfg.pp, cfg.virtual_stages)
+
+
+def counts_tied_weight_once(cfg: Config) -> bool:
     """The tied weight (token embedding = lm_head) sits in both the pre and the post
-    section; with p == 1 both are on one rank and it is one tensor, so the rank's parameter
-    count subtracts it once (:func:`tied_param_numel`)."""
-    return pp == 1
+    section; when both are on one rank (p == 1, or a V placement: :func:`head_rank` 0) it
+    is one tensor, so the rank's parameter count subtracts it once
+    (:func:`tied_param_numel`)."""
+    return head_rank(cfg) == 0
 
 
 def tied_param_numel(traced, tables: CostTables, choice: dict[str, int]) -> float:
@@ -84,17 +92,19 @@ def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float]) -> f
 
 def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
                 tables: CostTables, cluster, cfg: Config, zero_stage: int, *,
-                wgrad_s: list[float] | None = None) -> tuple[float, float, float, float]:
+                wgrad_s: list[float] | None = None,
+                forward_s: list[float] | None = None) -> tuple[float, float, float, float]:
     """(step, pipeline, exposed DP, optimizer) seconds of one optimizer step from per-rank
     forward+backward seconds of one micro-batch ``stage_s``, parameters and backward
     seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
     ``cfg``'s schedule, m micro-batches, v chunks, the stage-to-stage send ``p2p_s`` and,
     for a schedule that splits the backward, the per-rank weight-gradient seconds
-    ``wgrad_s`` (part of ``stage_s``); the DP time adds ``tables.dp_latency_s``, the step
+    ``wgrad_s`` (part of ``stage_s``) and, for one priced by its order (a V placement),
+    the per-rank forward seconds ``forward_s``; the DP time adds ``tables.dp_latency_s``, the step
     the closing ``tables.step_end_s``."""
     pipe = pipeline_schedule(cfg.schedule).step_time_s(stage_s, cfg.num_micro_batches,
                                                        cfg.virtual_stages, tables.p2p_s,
-                                                       wgrad_s)
+                                                       wgrad_s, forward_s)
     dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s) + tables.dp_latency_s[zero_stage]
     opt_s = optimizer_s(zero_stage, cluster, cfg, params)
     return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s

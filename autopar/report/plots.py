@@ -37,7 +37,8 @@ TIMELINE_COLOURS = {"F": "#4c72b0", "B": "#dd8452"}  # forward, backward
 # the recompute part of a backward, point-to-point sends, and the lighter shades of odd
 # chunks under interleaving (not counted by the screenshot test: not every plan has them)
 TIMELINE_DETAIL_COLOURS = {"R": "#c44e52", "P": "#a0a0a0", "F1": "#9fb6db", "B1": "#eebf9c",
-                           "W": "#55a868", "W1": "#a6d4b2"}  # a split backward's weight gradient
+                           "W": "#55a868", "W1": "#a6d4b2",  # a split backward's weight gradient
+                           "BW": "#b07aa1", "BW1": "#d7bcd0"}  # its whole backward, B then W
 MEMORY_COLOURS = {"parameters": "#8172b3", "gradients": "#937860",
                   "optimizer_states": "#64b5cd", "activations": "#da8bc3"}
 
@@ -90,8 +91,8 @@ def write_timeline_chart(plan: Plan, path: str | Path) -> Path | None:
     chunks = f", v={plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else ""
     ax.set_title(f"{plan.schedule} pipeline, p={plan.pp}, m={plan.num_micro_batches}{chunks}"
                  f"{drawn}", fontsize=9)
-    shown = {"F": "forward", "B": "backward", "W": "weight gradient", "R": "recompute",
-             "P": "point-to-point"}
+    shown = {"F": "forward", "B": "backward", "W": "weight gradient",
+             "BW": "whole backward (B + W)", "R": "recompute", "P": "point-to-point"}
     blocks = [blk for row in timeline for blk in row]
     kinds = {blk.kind for blk in blocks} | ({"R"} if any(b.recompute_s for b in blocks) else set()) \
         | ({"P"} if any(b.send_s for b in blocks) else set())

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.pipeline import simulate_orders
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["Block", "schedule_order", "simulate_schedule", "makespan_s", "plan_phases",
@@ -89,36 +90,17 @@ def simulate_schedule(schedule: str, pp: int, m: int, forward_s: list[float],
                          f"one recompute and one weight-gradient time when given; got "
                          f"{len(forward_s)}, {len(backward_s)}, {len(recompute_s)} and "
                          f"{len(weight_s)}")
-    orders = [schedule_order(schedule, pp, m, i, v) for i in range(pp)]
-    split = pipeline_schedule(schedule).split_backward
-    send = p2p_s / 2 if pp > 1 else 0.0
-    last = pp * v - 1  # the last virtual stage
-    ready: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, j) -> input sent
-    timeline: list[list[Block]] = [[] for _ in range(pp)]
-    nxt, free = [0] * pp, [0.0] * pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for i in range(pp):
-            while nxt[i] < len(orders[i]):
-                kind, j, c = orders[i][nxt[i]]
-                stage = c * pp + i
-                dep = {"F": ("F", stage - 1, j) if stage > 0 else None,
-                       "B": ("B", stage + 1, j) if stage < last else ("F", stage, j),
-                       "W": ("B", stage, j)}[kind]
-                if dep is not None and dep not in ready:
-                    break
-                start = max(free[i], ready[dep] if dep else 0.0)
-                rec = recompute_s[i] / v if kind == "B" else 0.0
-                w = weight_s[i] / v if split else 0.0
-                busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w}[kind]
-                sent = 0.0 if kind == "W" else send
-                ready[(kind, stage, j)] = free[i] = start + busy + sent
-                timeline[i].append(Block(kind, j, c, start, start + busy, rec, sent))
-                nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, v={v}")
-    return timeline
+    record = pipeline_schedule(schedule)
+    orders = [record.order(pp, m, i, v) for i in range(pp)]
+    chunks = [record.rank_chunks(pp, pp * v, i) for i in range(pp)]
+    try:
+        blocks = simulate_orders(orders, lambda i, c: chunks[i][c], forward_s, backward_s,
+                                 recompute_s=recompute_s,
+                                 weight_grad_s=weight_s if record.split_backward else None,
+                                 p2p_time_s=p2p_s, virtual_stages=v)
+    except RuntimeError:
+        raise RuntimeError(f"schedule {schedule!r} deadlocks with pp={pp}, m={m}, v={v}") from None
+    return [[Block(*block) for block in rank] for rank in blocks]
 
 
 def makespan_s(timeline: list[list[Block]]) -> float:

@@ -12,7 +12,6 @@ Nothing here solves or prices anything.
 
 from __future__ import annotations
 
-from cost_models.pipeline import weight_grad_fill_s
 
 from autopar.contract.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.contract.plan_memory import binding_stage, reserve_parts
@@ -20,7 +19,8 @@ from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KIND
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
                                    format_seconds, format_tflops, ordered, plan_flags)
 from autopar.report.formulas import FORMULAS_MARKDOWN
-from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.report.schedule import plan_phases
+from autopar.techniques.pipeline_schedules import default_schedule, pipeline_schedule
 
 __all__ = ["layout_section", "prediction_section", "memory_section", "time_section",
            "comm_section", "replicated_section", "why_section", "hand_section", "formulas_section",
@@ -84,7 +84,7 @@ def _stages_section(plan: Plan) -> list[str]:
     for i, (first, last) in enumerate(plan.stage_layers):
         modes = plan.recompute[first:last]
         rec = ", ".join(f"{m} ×{modes.count(m)}" for m in sorted(set(modes))) or "–"
-        rank = i % plan.pp
+        rank = pipeline_schedule(plan.schedule).chunk_rank(i, plan.pp, len(plan.stage_layers))
         t = format_seconds(stage_time[rank]) if rank < len(stage_time) else "–"
         name = f"{i}" if plan.virtual_stages == 1 else f"chunk {i} (rank {rank})"
         rows.append([name, f"{first}–{last - 1}" if last > first else "–",
@@ -295,8 +295,9 @@ def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
 
 def _schedule_lines(plan: Plan) -> list[str]:
     """Why the pipeline schedule pays, from the plan's own phases: the bubble and, for a
-    split backward, the seconds its weight gradients take out of 1F1B's fill and drain
-    (:func:`cost_models.pipeline.weight_grad_fill_s`, Qi et al. 2024, section 3.1)."""
+    split backward, the seconds its weight gradients take out of the fill and drain of the
+    unsplit schedule on the same chunks (1F1B, or interleaved 1F1B for a V; Qi et al.
+    2024, sections 3.1 and 6)."""
     record = pipeline_schedule(plan.schedule)
     if plan.pp == 1:
         return []
@@ -305,11 +306,19 @@ def _schedule_lines(plan: Plan) -> list[str]:
             "per step in its fill and drain")
     weights = [s.get("weight_grad") for s in plan.predicted.stage_phase_s]
     if record.split_backward and weights and None not in weights:
-        saved = weight_grad_fill_s(weights, plan.pp)
+        fwd, bwd, rec, c = plan_phases(plan)
+        stage_s = [f + b + r for f, b, r in zip(fwd, bwd, rec)]
+        m, v = plan.num_micro_batches, plan.virtual_stages
+        unsplit = default_schedule(v)
+        saved = unsplit.step_time_s(stage_s, m, v, c) - record.step_time_s(
+            stage_s, m, v, c, weight_grad_s=weights, forward_s=fwd)
+        if record.placement == "v":
+            text += ("; rank i runs model chunks i and 2p - 1 - i (a V: the first rank holds "
+                     "the embedding and the head)")
         text += (f"; it runs each backward as B (input gradient) then W (weight gradient, "
                  f"{format_seconds(max(weights))} per micro-batch on the busiest stage), and "
-                 f"the W's fill {format_seconds(saved)} of the fill and drain that 1F1B would "
-                 "leave idle, at 1F1B's memory")
+                 f"the W's fill {format_seconds(saved)} of the fill and drain that "
+                 f"{unsplit.title} would leave idle, at 1F1B's memory")
     return ["### Pipeline schedule", "", text + ".", ""]
 
 

@@ -19,7 +19,7 @@ its number):
    forked dropouts; before the cut, because it moves nodes within one layer, and a layer
    never spans two chunks.
 4. pipeline cut (:mod:`autopar.rewrite.pipeline`): split the finished graph into the
-   plan's pp·v chunks and keep this rank's (chunk c on pipeline rank c % pp). Last,
+   plan's pp·v chunks and keep this rank's (its schedule record's ``rank_chunks``). Last,
    because it turns one graph into several.
 """
 
@@ -31,7 +31,8 @@ import torch.fx as fx
 
 from autopar.contract.plan import Plan
 from autopar.rewrite.dropout import apply_dropout_rng
-from autopar.rewrite.pipeline import LAYER, annotate_chunks, rank_chunks, split_chunks
+from autopar.rewrite.pipeline import LAYER, annotate_chunks, split_chunks
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.rewrite.recompute import apply_recompute
 from autopar.rewrite.tensor_parallel import ShardSpec, apply_tensor_parallel
 from autopar.runtime.rng import RNGStatesTracker
@@ -78,4 +79,5 @@ def apply_plan(traced, plan: Plan, *, tp_rank: int, pp_rank: int, tp_group: Grou
                    for layer in range(traced.num_layers)]
     apply_recompute(gm, layer_nodes, plan.recompute, tracker=rng)         # 3
     chunks = split_chunks(gm, len(plan.stage_layers))                     # 4
-    return RankProgram(rank_chunks(chunks, plan.pp, pp_rank), tp.shards, tp.partial_grad_params)
+    mine = pipeline_schedule(plan.schedule).rank_chunks(plan.pp, len(chunks), pp_rank)
+    return RankProgram([chunks[c] for c in mine], tp.shards, tp.partial_grad_params)

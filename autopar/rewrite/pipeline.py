@@ -2,7 +2,8 @@
 
 A model chunk is one entry of ``Plan.stage_layers`` (contiguous layers): pp of them (GPipe,
 1F1B: one chunk per pipeline rank) or pp·v (interleaved 1F1B: chunk c on pipeline rank
-c % pp, :func:`rank_chunks`).
+c % pp; ZB-V: rank r runs chunks r and 2pp - 1 - r), placed by the schedule's record
+(``rank_chunks``).
 
 :func:`annotate_chunks` runs before any pass (it only writes node metadata): every node
 carries ``meta["autopar_chunk"]`` and, inside a layer, ``meta["autopar_layer"]``; nodes
@@ -24,8 +25,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["CHUNK", "LAYER", "annotate_chunks", "rematerialize_side_inputs", "split_chunks",
-           "rank_chunks"]
+__all__ = ["CHUNK", "LAYER", "annotate_chunks", "rematerialize_side_inputs", "split_chunks"]
 
 CHUNK, LAYER = "autopar_chunk", "autopar_layer"  # node.meta keys
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -182,8 +182,3 @@ def _ancestry(nodes: list[fx.Node]) -> set[fx.Node]:
             stack.extend(node.all_input_nodes)
     return seen
 
-
-def rank_chunks(chunks: list, pp: int, rank: int) -> list:
-    """The chunks pipeline rank ``rank`` runs: chunks[rank], chunks[rank + pp], ... (the
-    round-robin of interleaved 1F1B; one chunk when len(chunks) == pp)."""
-    return chunks[rank::pp]

@@ -53,8 +53,8 @@ class ParallelGroups:
         pp_group: ranks sharing (tp_rank, dp_rank): one per stage, ordered by pp_rank.
         dp_group: ranks sharing (tp_rank, pp_rank).
         embedding_group: {first-stage rank, last-stage rank} with this rank's (tp_rank,
-            dp_rank), for the tied-embedding gradient; None when pp == 1 or this rank is
-            on a middle stage.
+            dp_rank), for the tied-embedding gradient; None when pp == 1, when the first
+            pipeline rank also holds the head (a V placement), or on a middle stage.
         device_mesh: the (pp, dp, tp) DeviceMesh the groups came from (for DTensor users).
         device: where this rank computes (CPU under gloo, ``cuda:LOCAL_RANK`` under NCCL).
         timeout: every group's timeout (None: torch's default for the backend).
@@ -63,6 +63,8 @@ class ParallelGroups:
             saves and loads (DCP's and autopar's), apart from the training groups so that an
             asynchronous save's background collectives never interleave with a step's, and
             on the CPU whatever the training backend (DCP exchanges pickled plans).
+        head_pp_rank: the pipeline rank holding the last model chunk (head and loss): p - 1,
+            or 0 under a V placement (the schedule record's ``head_rank``).
     """
 
     tp: int
@@ -82,14 +84,18 @@ class ParallelGroups:
     timeout: timedelta | None = None
     world_group: dist.ProcessGroup | None = None
     checkpoint_group: dist.ProcessGroup | None = None
+    head_pp_rank: int = -1  # -1: p - 1
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, *, device: torch.device | None = None,
-              timeout: timedelta | float | None = None) -> ParallelGroups:
+              timeout: timedelta | float | None = None,
+              head_pp_rank: int | None = None) -> ParallelGroups:
         """Create the groups; call on every rank, in the same order, after init_process_group.
 
         device: this rank's device (default :func:`~autopar.runtime.device.rank_device`).
         timeout: seconds or a timedelta for every group (default: the world group's).
+        head_pp_rank: the pipeline rank of the last model chunk (default p - 1; 0 for a V
+            placement, where no embedding group is made).
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
@@ -103,6 +109,9 @@ class ParallelGroups:
             )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         validate_degrees(tp, pp, dp, world_size)
+        head = pp - 1 if head_pp_rank is None else head_pp_rank
+        if not 0 <= head < pp:
+            raise ValueError(f"head_pp_rank {head_pp_rank} is outside [0, pp={pp})")
         device = torch.device(device) if device is not None else rank_device()
         timeout = as_timeout(timeout) if timeout is not None else \
             group_timeout(dist.group.WORLD, device)
@@ -117,7 +126,8 @@ class ParallelGroups:
             tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
             tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
             dp_group=mesh.get_group("dp"),
-            embedding_group=_embedding_group(tp, pp, dp, rank, timeout),
+            embedding_group=_embedding_group(tp, pp, dp, rank, timeout, head),
+            head_pp_rank=head,
             device_mesh=mesh, device=device, timeout=timeout,
             world_group=dist.new_group(list(range(world_size)), timeout=timeout),
             checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
@@ -148,8 +158,9 @@ class ParallelGroups:
 
     @property
     def is_last_stage(self) -> bool:
-        """True on pipeline stage p-1 (it owns the head and computes the loss)."""
-        return self.pp_rank == self.pp - 1
+        """True on the pipeline rank that owns the head and computes the loss: p - 1, or
+        ``head_pp_rank``."""
+        return self.pp_rank == (self.pp - 1 if self.head_pp_rank < 0 else self.head_pp_rank)
 
 
 def as_timeout(timeout: timedelta | float) -> timedelta:
@@ -163,20 +174,21 @@ def as_timeout(timeout: timedelta | float) -> timedelta:
     return value
 
 
-def _embedding_group(tp: int, pp: int, dp: int, rank: int,
-                     timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """Create every {first, last}-stage pair group, in the same order on all ranks.
+def _embedding_group(tp: int, pp: int, dp: int, rank: int, timeout: timedelta | None,
+                     head: int) -> dist.ProcessGroup | None:
+    """Create every {first, head}-stage pair group, in the same order on all ranks.
 
     new_group must be called by every rank for every group; this rank keeps the one it
-    belongs to. Returns None when pp == 1 or this rank is on a middle stage.
+    belongs to. Returns None when the first pipeline rank is the ``head`` one (pp == 1, a
+    V placement) or this rank is on neither.
     """
-    if pp == 1:
+    if head == 0:
         return None
     mine: dist.ProcessGroup | None = None
     for dp_rank in range(dp):
         for tp_rank in range(tp):
             first = tp_rank + tp * dp_rank
-            last = tp_rank + tp * (dp_rank + dp * (pp - 1))
+            last = tp_rank + tp * (dp_rank + dp * head)
             group = dist.new_group([first, last], timeout=timeout)
             if rank in (first, last):
                 mine = group

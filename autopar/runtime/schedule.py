@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1) on ``torch.distributed.pipelining``.
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) on ``torch.distributed.pipelining``.
 
 Why the library and not a hand-written schedule: its ``ScheduleGPipe`` and
 ``Schedule1F1B`` ran on gloo with ``group=pp_group`` a sub-group (pp=2 with dp=2)
@@ -27,7 +27,8 @@ How it is used:
   loss over the m micro-batches.
 * Stage i is pipeline rank i of ``pp_group`` (ranks ordered by pp_rank).
 * Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): this rank runs v model chunks
-  of the p·v-chunk model, chunk c on pipeline rank c % p; each chunk is a
+  of the p·v-chunk model, chunk c on pipeline rank c % p (ZB-V: the V, chunks r and
+  2p - 1 - r on rank r, the first rank computing the loss too); each chunk is a
   ``PipelineStage`` with ``stage_index`` c and ``num_stages`` p·v, and the library's
   ``ScheduleInterleaved1F1B`` orders them (depth first; it needs m a multiple of
   max(1, m // p), autopar asks m % p == 0 as Megatron-LM does, see
@@ -100,13 +101,14 @@ def _stage_device(module: nn.Module) -> torch.device:
 
 
 class PipelineRunner:
-    """Runs this rank's chunks under a GPipe, 1F1B, interleaved 1F1B or ZB-H1 schedule over
-    ``groups.pp_group``.
+    """Runs this rank's chunks under a pipeline schedule (GPipe, 1F1B, interleaved 1F1B,
+    ZB-H1, ZB-V) over ``groups.pp_group``.
 
     Args:
         chunks: this rank's model chunks, local order (chunk j is global chunk
-            pp_rank + j·pp); one for GPipe/1F1B, v for interleaved 1F1B (see
-            ParallelModule for their inputs and outputs).
+            ``stage_indices[j]``, the schedule record's ``rank_chunks``: pp_rank + j·pp
+            round-robin, pp_rank and 2pp - 1 - pp_rank for a V); one for GPipe/1F1B, v for
+            interleaved 1F1B (see ParallelModule for their inputs and outputs).
         groups: this rank's process groups (pp > 1).
         shapes: the boundary shapes, one per chunk.
         num_micro_batches: m.
@@ -129,9 +131,10 @@ class PipelineRunner:
         b, s = shapes[0].micro_batch_size, shapes[0].seq_len
         first_input = torch.empty(b, s, dtype=torch.long, device="meta")
         num_stages = groups.pp * len(chunks)
+        record = pipeline_schedule(schedule)
+        self.stage_indices = record.rank_chunks(groups.pp, num_stages, groups.pp_rank)
         stages = []
-        for j, (chunk, shape) in enumerate(zip(chunks, shapes)):
-            index = groups.pp_rank + j * groups.pp  # round-robin: chunk c on rank c % pp
+        for index, chunk, shape in zip(self.stage_indices, chunks, shapes):
             act_in = torch.empty(shape.activation_shape(shape.input_shard_dim),
                                  dtype=shape.activation_dtype, device="meta", requires_grad=True)
             out_shape = shape.activation_shape(shape.output_shard_dim)
@@ -148,7 +151,6 @@ class PipelineRunner:
         self.groups, self.shapes = groups, shapes
         self.num_micro_batches = num_micro_batches
         scaled = functools.partial(_scaled_loss, loss_fn, num_micro_batches)
-        record = pipeline_schedule(schedule)
         runner = getattr(pipelining, record.runner)  # the record names torch's class
         multi = issubclass(runner, pipelining.schedules.PipelineScheduleMulti)  # takes a list
         self._schedule = runner(stages if multi else stages[0], num_micro_batches,
@@ -161,15 +163,12 @@ class PipelineRunner:
         targets on the last). Returns the mean of the m micro-batch losses (float64
         scalar) on the last stage, None elsewhere.
         """
-        g = self.groups
-        if g.is_first_stage:
-            self._schedule.step(idx)
-            result = None
-        elif g.is_last_stage:
-            losses: list[torch.Tensor] = []
-            self._schedule.step(target=targets, losses=losses, return_outputs=False)
-            result = torch.stack([loss.detach().double() for loss in losses]).sum()  # each / m
-        else:
-            self._schedule.step()
-            result = None
-        return result
+        first = 0 in self.stage_indices
+        last = self.groups.pp * len(self.stage_indices) - 1 in self.stage_indices
+        if not last:
+            self._schedule.step(*((idx,) if first else ()))
+            return None
+        losses: list[torch.Tensor] = []  # a V placement's first rank holds both ends
+        self._schedule.step(*((idx,) if first else ()), target=targets, losses=losses,
+                            return_outputs=False)
+        return torch.stack([loss.detach().double() for loss in losses]).sum()  # each / m

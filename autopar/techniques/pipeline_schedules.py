@@ -18,24 +18,8 @@ A :class:`PipelineSchedule` owns, for its value of ``Layout.schedule``:
 
 Adding a schedule is adding a record to :data:`PIPELINE_SCHEDULES`
 (``docs/adding-a-technique.md``): ``tests/unit/test_technique_records.py`` fails when a
-record lacks any of the five. Orders (Narayanan et al. 2021, section 2.2):
-
-* GPipe: all m forwards, then all m backwards.
-* 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
-  and one backward, then the remaining backwards.
-* Interleaved 1F1B: rank i runs chunks 0..v-1 (virtual stage :math:`c p + i`). Forwards
-  go in groups of p micro-batches per chunk: the k-th forward is micro-batch
-  :math:`\lfloor k/(pv) \rfloor p + k \bmod p` of chunk :math:`\lfloor k/p \rfloor \bmod v`
-  (backwards the same, chunks from v - 1 down); the warm-up is
-  :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then one forward and one
-  backward, then the remaining backwards (Megatron-LM's and
-  ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
-* ZB-H1 (Qi et al. 2024, section 3.1, Figure 3): each backward is an input-gradient "B"
-  and a weight-gradient "W"; rank i runs 1F1B's :math:`p - 1 - i` warm-up forwards, then
-  F, B and, from the (i+1)-th pair on, the W of the oldest micro-batch whose B is done;
-  the cool-down runs B, W and then the W's left
-  (``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` with one stage per rank,
-  whose order ``tests/unit/test_technique_records.py`` compares).
+record lacks any of the five. The orders are
+:mod:`autopar.techniques.pipeline_orders`'.
 
 Pure Python over :mod:`cost_models`: the report, the planner and the runtime import it.
 """
@@ -48,15 +32,19 @@ from dataclasses import dataclass
 
 from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
                                 one_forward_one_backward_in_flight)
-from cost_models.pipeline import pipeline_step_time_s
+from cost_models.pipeline import pipeline_step_time_s, simulate_orders
+
+from autopar.techniques.pipeline_orders import (Order, gpipe_order, interleaved_order,
+                                                one_f_one_b_order, zb_h1_order)
 
 __all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
            "DEFAULT_SCHEDULE", "FRAMEWORK_TARGETS", "pipeline_schedule", "default_schedule",
-           "framework_schedules", "schedule_for", "interleaved_names", "interleaving_problem"]
+           "framework_schedules", "schedule_for", "interleaved_names", "interleaving_problem",
+           "PLACEMENTS"]
 
-Order = list[tuple[str, int, int]]
-"""A rank's blocks in run order: (kind "F"/"B"/"W", micro-batch, chunk); "W" only where
-the schedule splits the backward ("B" is then the input gradient alone)."""
+PLACEMENTS = ("loop", "v")
+"""Where a schedule's p·v model chunks run (:meth:`PipelineSchedule.chunk_rank`)."""
+
 
 FRAMEWORK_TARGETS = ("megatron", "torchtitan", "deepspeed")
 """The frameworks every record answers for (``autopar.targets.TARGETS``)."""
@@ -84,7 +72,10 @@ class PipelineSchedule:
     -> its name for the schedule, or a :class:`Refusal`. split_backward: runs each
     backward as B then W (Qi et al. 2024), W filling the bubble: priced with the stages'
     weight-gradient seconds, drawn with "W" blocks. refused_recompute: recompute mode ->
-    why this schedule does not run with it (what composes with what).
+    why this schedule does not run with it (what composes with what). placement: which
+    pipeline rank runs which model chunk, one of :data:`PLACEMENTS`
+    (:meth:`chunk_rank`); ``order`` numbers a rank's chunks in the ascending order of
+    :meth:`rank_chunks`.
     """
 
     name: str
@@ -98,6 +89,31 @@ class PipelineSchedule:
     frameworks: Mapping[str, str | Refusal]
     split_backward: bool = False
     refused_recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    placement: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"schedule {self.name!r}: placement {self.placement!r} is not one "
+                             f"of {PLACEMENTS}")
+
+    def chunk_rank(self, chunk: int, pp: int, num_chunks: int) -> int:
+        """The pipeline rank that runs model chunk ``chunk`` of ``num_chunks`` (p·v):
+        "loop", chunk c on rank c % p (Megatron-LM's round-robin; v = 1: chunk i on rank
+        i); "v", chunk c < p on rank c and chunk c >= p on rank 2p - 1 - c (Qi et al. 2024,
+        section 6: rank 0 holds the first and the last chunk)."""
+        if self.placement == "v" and chunk >= pp:
+            return num_chunks - 1 - chunk
+        return chunk % pp
+
+    def head_rank(self, pp: int, virtual_stages: int = 1) -> int:
+        """The pipeline rank of the last model chunk (the head and the loss): p - 1, or 0
+        under the V placement, where the first rank holds both ends of the model."""
+        return self.chunk_rank(pp * virtual_stages - 1, pp, pp * virtual_stages)
+
+    def rank_chunks(self, pp: int, num_chunks: int, rank: int) -> list[int]:
+        """The model chunks pipeline rank ``rank`` runs, ascending (its local order: chunk
+        j of the rank's list is its j-th ``PipelineStage``)."""
+        return [c for c in range(num_chunks) if self.chunk_rank(c, pp, num_chunks) == rank]
 
     def problem(self, pp: int, num_micro_batches: int, virtual_stages: int = 1,
                 num_layers: int | None = None) -> str | None:
@@ -116,18 +132,34 @@ class PipelineSchedule:
 
     def step_time_s(self, stage_times_s: list[float], num_micro_batches: int,
                     virtual_stages: int = 1, p2p_time_s: float = 0.0,
-                    weight_grad_s: list[float] | None = None) -> float:
-        """Seconds of one pipelined step (:func:`cost_models.pipeline.pipeline_step_time_s`:
-        GPipe and 1F1B run the same work in the same dependency order and share it,
-        interleaving shortens the fill and drain v times, a split backward runs the
-        stages' weight gradients ``weight_grad_s`` (seconds per micro-batch, part of
-        ``stage_times_s``) in them). ValueError when a split-backward schedule gets no
-        ``weight_grad_s``."""
+                    weight_grad_s: list[float] | None = None,
+                    forward_s: list[float] | None = None) -> float:
+        """Seconds of one pipelined step. Closed form
+        (:func:`cost_models.pipeline.pipeline_step_time_s`: GPipe and 1F1B run the same
+        work in the same dependency order and share it, interleaving shortens the fill and
+        drain v times, a split backward runs the stages' weight gradients
+        ``weight_grad_s`` (seconds per micro-batch, part of ``stage_times_s``) in them);
+        a V placement has none (Qi et al. 2024, section 6: zero bubble only when F = B =
+        W), so its price is the makespan of its own order
+        (:func:`cost_models.pipeline.simulate_orders`), which needs the stages' forward
+        seconds ``forward_s`` (part of ``stage_times_s``). ValueError when a
+        split-backward schedule gets no ``weight_grad_s`` or a V one no ``forward_s``."""
         if self.split_backward and weight_grad_s is None:
             raise ValueError(f"schedule {self.name!r} splits the backward: pass weight_grad_s")
-        return pipeline_step_time_s(stage_times_s, num_micro_batches, virtual_stages,
-                                    p2p_time_s,
-                                    weight_grad_s if self.split_backward else None)
+        if self.placement == "loop":
+            return pipeline_step_time_s(stage_times_s, num_micro_batches, virtual_stages,
+                                        p2p_time_s,
+                                        weight_grad_s if self.split_backward else None)
+        if forward_s is None:
+            raise ValueError(f"schedule {self.name!r} is priced by its order: pass forward_s")
+        p, m, v = len(stage_times_s), num_micro_batches, virtual_stages
+        chunks = [self.rank_chunks(p, p * v, i) for i in range(p)]
+        blocks = simulate_orders([self.order(p, m, i, v) for i in range(p)],
+                                 lambda i, c: chunks[i][c], forward_s,
+                                 [t - f for t, f in zip(stage_times_s, forward_s)],
+                                 recompute_s=[0.0] * p, weight_grad_s=weight_grad_s,
+                                 p2p_time_s=p2p_time_s, virtual_stages=v)
+        return max((b[4] + b[6] for rank in blocks for b in rank), default=0.0)
 
     def framework_name(self, target: str) -> str:
         """``target``'s name for this schedule. Raises ValueError with the record's reason
@@ -140,50 +172,6 @@ class PipelineSchedule:
             raise ValueError(f"{target} cannot run pipeline schedule {self.name!r}: "
                              f"{answer.reason}")
         return answer
-
-
-def _gpipe_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
-    return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
-
-
-def _one_f_one_b_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
-    warmup = min(pp - 1 - rank, m)
-    order = [("F", j, 0) for j in range(warmup)]
-    for k in range(m - warmup):
-        order += [("F", warmup + k, 0), ("B", k, 0)]
-    return order + [("B", j, 0) for j in range(m - warmup, m)]
-
-
-def _zb_h1_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
-    warmup = min(pp - 1 - rank, m)
-    order = [("F", j, 0) for j in range(warmup)]
-    done = 0  # W's run so far
-    for k in range(m - warmup):
-        order += [("F", warmup + k, 0), ("B", k, 0)]
-        if k >= rank:
-            order.append(("W", done, 0))
-            done += 1
-    for j in range(m - warmup, m):
-        order += [("B", j, 0), ("W", done, 0)]
-        done += 1
-    return order + [("W", j, 0) for j in range(done, m)]
-
-
-def _interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:
-    if m % pp:
-        raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
-                         f"m={m}, pp={pp}")
-
-    def op(kind: str, k: int) -> tuple[str, int, int]:
-        chunk = (k // pp) % v
-        return kind, (k // (pp * v)) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk
-
-    total = m * v
-    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
-    order = [op("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [op("F", warmup + k), op("B", k)]
-    return order + [op("B", k) for k in range(total - warmup, total)]
 
 
 def _no_rule(pp: int, m: int, v: int, num_layers: int | None) -> None:
@@ -254,20 +242,20 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
         name="gpipe", title="GPipe", source="Huang et al. 2019; Narayanan et al. 2021 §2.2",
         interleaved=False, rule=_no_rule,
         in_flight=lambda p, i, m, v: all_forwards_in_flight(p, i, m),
-        order=_gpipe_order, runner="ScheduleGPipe",
+        order=gpipe_order, runner="ScheduleGPipe",
         frameworks={"megatron": _MEGATRON_1F1B_ONLY, "torchtitan": "GPipe",
                     "deepspeed": _DEEPSPEED_1F1B_ONLY}),
     PipelineSchedule(
         name="1f1b", title="1F1B", source="PipeDream-flush, Narayanan et al. 2021 §2.2.1",
         interleaved=False, rule=_one_f_one_b_rule,
         in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
-        order=_one_f_one_b_order, runner="Schedule1F1B",
+        order=one_f_one_b_order, runner="Schedule1F1B",
         frameworks={"megatron": "1F1B", "torchtitan": "1F1B", "deepspeed": "TrainSchedule"}),
     PipelineSchedule(
         name="interleaved_1f1b", title="interleaved 1F1B",
         source="Narayanan et al. 2021 §2.2.2", interleaved=True,
         rule=lambda p, m, v, L: interleaving_problem(L, p, v, m),
-        in_flight=interleaved_in_flight, order=_interleaved_order,
+        in_flight=interleaved_in_flight, order=interleaved_order,
         runner="ScheduleInterleaved1F1B",
         frameworks={"megatron": "interleaved 1F1B (--num-layers-per-virtual-pipeline-stage)",
                     "torchtitan": "Interleaved1F1B",
@@ -277,7 +265,7 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
         name="zb_h1", title="ZB-H1", source="Qi et al. 2024, ICLR, section 3.1",
         interleaved=False, split_backward=True, rule=_zb_h1_rule,
         in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
-        order=_zb_h1_order, runner="ScheduleInterleavedZeroBubble",
+        order=zb_h1_order, runner="ScheduleInterleavedZeroBubble",
         refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
         frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
                                         "1F1B; it has no zero-bubble schedule"),

@@ -20,6 +20,7 @@ import autopar
 from autopar.frameworks import emit, outside_target, target_support
 from autopar.contract.plan import Plan
 from autopar.contract.stages import even_stage_layers
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 import framework_startup as fs
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
@@ -78,8 +79,6 @@ TORCHTITAN = {  # name -> layout; every world size 2-8
                         recompute="full"),
     "gpipe-tp4": dict(tp=4, pp=2, mbs=2, m=2, schedule="gpipe", dtype="fp32"),
 }
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-              "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 def _torchtitan_plan(base: Plan, layers: int = 4, kv_heads: int = 4, **layout) -> Plan:
@@ -98,8 +97,9 @@ def test_torchtitan_starts_the_plan(base_plan, name):
     """Mesh of the plan's degrees; FSDP on every TransformerBlock at ZeRO-3 with bf16 params
     reduced in fp32, DDP at ZeRO-0; TP on the attention and MLP weights; activation
     checkpointing as planned; the precision torchtitan trains in is the plan's; each
-    pipeline rank builds the plan's chunks (chunk c on rank c % pp) in the plan's schedule;
-    without pipelining the first forward runs too."""
+    pipeline rank builds the plan's chunks (chunk c on rank c % pp, or ZB-V's V: rank r
+    holds chunks r and 2pp - 1 - r) in the plan's schedule (the torch class its record
+    names); without pipelining the first forward runs too."""
     pytest.importorskip("torchtitan")
     layout = dict(TORCHTITAN[name])
     layers = 8 if layout.get("v", 1) > 1 else 4
@@ -137,9 +137,10 @@ def test_torchtitan_starts_the_plan(base_plan, name):
             assert run.logits_shape == (plan.micro_batch_size, plan.seq_len, 512)
         else:  # local batch = b·m, one accumulation step, m micro-batches in the schedule
             assert run.gradient_accumulation_steps == 1
-            assert type(run.schedule).__name__ == _SCHEDULES[plan.schedule]
+            record = pipeline_schedule(plan.schedule)
+            assert type(run.schedule).__name__ == record.runner
             assert run.schedule._n_microbatches == plan.num_micro_batches
-            assert run.stage_indices == list(range(pp_rank, p * plan.virtual_stages, p))
+            assert run.stage_indices == record.rank_chunks(p, p * plan.virtual_stages, pp_rank)
             for index, part in zip(run.stage_indices, run.model_parts):
                 chunks[index] = ([int(i) for i in part.layers],
                                  part.tok_embeddings is not None, part.output is not None)

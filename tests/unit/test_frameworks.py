@@ -25,6 +25,7 @@ from autopar.frameworks.targets import megatron_block_layers
 from autopar.models import pad_vocab_size
 from autopar.contract.plan import Plan
 from autopar.contract.stages import equal_chunks, even_stage_layers
+from autopar.techniques.pipeline_schedules import pipeline_schedule
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,16 +59,16 @@ def target_plans(draw, base: Plan, target: str, max_world: int | None = None,
     heads = draw(st.sampled_from([8, 16, 32]))
     tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if t <= (support.max_tp or 8)]))
     pp = draw(st.integers(1, min(L, 8)))
-    schedules = [s for s in support.schedules if s != "interleaved_1f1b" or pp > 1]
-    schedule = draw(st.sampled_from(schedules))
-    vs = [v for v in support.virtual_stages if v > 1 and L % (pp * v) == 0]
-    if schedule == "interleaved_1f1b" and not vs:
-        schedule = "1f1b"
-    v = draw(st.sampled_from(vs)) if schedule == "interleaved_1f1b" else 1
+    record = pipeline_schedule(draw(st.sampled_from(support.schedules)))
     dp = draw(st.integers(1, 16 if max_world is None else max(1, max_world // (tp * pp))))
     mbs = draw(st.integers(1, 4))
     m = draw(st.integers(pp, 16))
-    m += (-m) % pp if v > 1 else 0
+    m += (-m) % pp if record.interleaved else 0
+    vs = [v for v in (support.virtual_stages if record.interleaved else (1,))
+          if record.problem(pp, m, v, L) is None]  # the record's rule
+    if not vs:
+        record, vs = pipeline_schedule("1f1b"), [1]  # m >= pp: 1F1B runs
+    schedule, v = record.name, draw(st.sampled_from(vs))
     if not support.zero_stages_for(pp, tp, dp):  # no ZeRO stage runs this mesh
         dp = 1
     zero = draw(st.sampled_from(support.zero_stages_for(pp, tp, dp)))
@@ -79,9 +80,10 @@ def target_plans(draw, base: Plan, target: str, max_world: int | None = None,
         stages = equal_chunks(L, pp * v)
     else:
         stages = draw(_cuts(L, pp)) if pp > 1 else [[0, L]]
-    mode = draw(st.sampled_from(support.recompute))
+    mode = draw(st.sampled_from(record.recompute_modes(support.recompute)))
     recompute = [mode] * L
-    if support.recompute_layout == "block" and v == 1 and draw(st.booleans()):
+    if support.recompute_layout == "block" and v == 1 and "full" in record.recompute_modes(
+            support.recompute) and draw(st.booleans()):
         k = draw(st.integers(0, max(b - a for a, b in stages)))
         recompute = ["none"] * L
         for lo, hi in stages:

@@ -19,7 +19,7 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT
 from autopar.planner.search import candidate_configs
 from autopar.contract.support import check_executable
-from autopar.techniques.pipeline_schedules import interleaving_problem
+from autopar.techniques.pipeline_schedules import interleaving_problem, pipeline_schedule
 from helpers import BATCH, CONFIG, SEQ
 from helpers import fast_cluster as _cluster, interleaved_plan as _plan
 
@@ -48,6 +48,7 @@ def test_search_offers_interleaving_only_where_valid():
             assert interleaving_problem(CONFIG.n_layer, c.pp, c.virtual_stages,
                                         c.num_micro_batches) is None, c
             assert c.pp > 1 and c.virtual_stages == 2 and CONFIG.n_layer % (2 * c.pp) == 0
-        else:
-            assert c.virtual_stages == 1, c
+        record = pipeline_schedule(c.schedule)  # every config within its schedule's rule
+        assert record.problem(c.pp, c.num_micro_batches, c.virtual_stages, CONFIG.n_layer) is None
+        assert (c.virtual_stages > 1) == record.interleaved, c
     assert not any(c.pp == 4 for c in interleaved)  # 8 chunks of a 4-layer model

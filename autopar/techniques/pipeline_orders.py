@@ -1,0 +1,93 @@
+r"""The drawings of the pipeline schedules: the order in which pipeline rank i runs its blocks,
+(kind, micro-batch j, the rank's chunk c), kinds "F" (forward), "B" (backward; of a split
+backward, the input gradient), "W" (a split backward's weight gradient) and "BW" (a split
+backward schedule's whole backward in one block). The records of
+:mod:`autopar.techniques.pipeline_schedules` point at them; the report simulates them into
+its timeline, and a schedule without a closed-form price is priced by simulating its order
+(:func:`cost_models.pipeline.simulate_orders`). Orders (Narayanan et al. 2021, section 2.2):
+
+* GPipe: all m forwards, then all m backwards.
+* 1F1B (PipeDream-flush): :math:`p - 1 - i` warm-up forwards on rank i, then one forward
+  and one backward, then the remaining backwards.
+* Interleaved 1F1B: rank i runs chunks 0..v-1 (virtual stage :math:`c p + i`). Forwards
+  go in groups of p micro-batches per chunk: the k-th forward is micro-batch
+  :math:`\lfloor k/(pv) \rfloor p + k \bmod p` of chunk :math:`\lfloor k/p \rfloor \bmod v`
+  (backwards the same, chunks from v - 1 down); the warm-up is
+  :math:`(v - 1) p + 2 (p - 1 - i)` forwards (at most m v), then one forward and one
+  backward, then the remaining backwards (Megatron-LM's and
+  ``torch.distributed.pipelining.ScheduleInterleaved1F1B``'s order).
+* ZB-H1 (Qi et al. 2024, section 3.1, Figure 3): each backward is an input-gradient "B"
+  and a weight-gradient "W"; rank i runs 1F1B's :math:`p - 1 - i` warm-up forwards, then
+  F, B and, from the (i+1)-th pair on, the W of the oldest micro-batch whose B is done;
+  the cool-down runs B, W and then the W's left
+  (``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` with one stage per rank,
+  whose order ``tests/unit/test_technique_records.py`` compares).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Order", "gpipe_order", "one_f_one_b_order", "zb_h1_order", "interleaved_order",
+           "order_in_flight"]
+
+Order = list[tuple[str, int, int]]
+"""A rank's blocks in run order: (kind, micro-batch, the rank's chunk); module docstring."""
+
+
+def gpipe_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    """GPipe's blocks on ``rank`` (module docstring)."""
+    return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
+
+
+def one_f_one_b_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    """1F1B's blocks on ``rank`` (module docstring)."""
+    warmup = min(pp - 1 - rank, m)
+    order = [("F", j, 0) for j in range(warmup)]
+    for k in range(m - warmup):
+        order += [("F", warmup + k, 0), ("B", k, 0)]
+    return order + [("B", j, 0) for j in range(m - warmup, m)]
+
+
+def zb_h1_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
+    """ZB-H1's blocks on ``rank`` (module docstring)."""
+    warmup = min(pp - 1 - rank, m)
+    order = [("F", j, 0) for j in range(warmup)]
+    done = 0  # W's run so far
+    for k in range(m - warmup):
+        order += [("F", warmup + k, 0), ("B", k, 0)]
+        if k >= rank:
+            order.append(("W", done, 0))
+            done += 1
+    for j in range(m - warmup, m):
+        order += [("B", j, 0), ("W", done, 0)]
+        done += 1
+    return order + [("W", j, 0) for j in range(done, m)]
+
+
+def interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:
+    """Interleaved 1F1B's blocks on ``rank`` (module docstring). ValueError unless p
+    divides m."""
+    if m % pp:
+        raise ValueError(f"interleaved 1F1B needs num_micro_batches divisible by pp, got "
+                         f"m={m}, pp={pp}")
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k // pp) % v
+        return kind, (k // (pp * v)) * pp + k % pp, chunk if kind == "F" else v - 1 - chunk
+
+    total = m * v
+    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), total)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op("F", warmup + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
+
+
+def order_in_flight(order: Order, virtual_stages: int) -> float:
+    """Whole-stage micro-batches of activations a rank holds at peak when it runs ``order``:
+    the most chunk forwards whose input gradient has not yet run ("B", or "BW"), over v (a
+    split backward's W keeps less than its B frees; Qi et al. 2024, Table 1)."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += {"F": 1, "B": -1, "BW": -1}.get(kind, 0)
+        peak = max(peak, held)
+    return peak / virtual_stages
