@@ -22,12 +22,18 @@ its timeline, and a schedule without a closed-form price is priced by simulating
   the cool-down runs B, W and then the W's left
   (``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` with one stage per rank,
   whose order ``tests/unit/test_technique_records.py`` compares).
+* ZB-V (Qi et al. 2024, section 6): 2p chunks placed as a V (rank r holds chunks r and
+  2p - 1 - r); rank r runs 2(p - r) - 1 forwards of its first chunk, r pairs of forwards,
+  p - r (F, B, W) of its second, then (F, B, W) of each chunk in turn, then the backwards
+  and W's left (``torch.distributed.pipelining.ScheduleZBVZeroBubble``'s order, compared
+  there too). No closed form prices it (zero bubble only when F = B = W): its price is
+  the makespan of this order.
 """
 
 from __future__ import annotations
 
-__all__ = ["Order", "gpipe_order", "one_f_one_b_order", "zb_h1_order", "interleaved_order",
-           "order_in_flight"]
+__all__ = ["Order", "gpipe_order", "one_f_one_b_order", "zb_h1_order", "zb_v_order",
+           "interleaved_order", "order_in_flight"]
 
 Order = list[tuple[str, int, int]]
 """A rank's blocks in run order: (kind, micro-batch, the rank's chunk); module docstring."""
@@ -61,6 +67,40 @@ def zb_h1_order(pp: int, m: int, rank: int, v: int = 1) -> Order:
         order += [("B", j, 0), ("W", done, 0)]
         done += 1
     return order + [("W", j, 0) for j in range(done, m)]
+
+
+def zb_v_order(pp: int, m: int, rank: int, v: int = 2) -> Order:
+    """ZB-V's blocks on ``rank`` (chunk 0: virtual stage rank, chunk 1: 2p - 1 - rank),
+    torch's ``ScheduleZBVZeroBubble`` order: it plans max(2p - 1, m) micro-batches and
+    drops the blocks of those past m."""
+    n = max(2 * pp - 1, m)
+    f, b, w = [0, 0], [0, 0], [0, 0]  # forwards, input and weight gradients run per chunk
+    order: Order = []
+
+    def run(kind: str, c: int) -> None:
+        count = {"F": f, "B": b, "W": w}[kind]
+        order.append((kind, count[c], c))
+        count[c] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        run("F", 0)
+    for _ in range(rank):
+        run("F", 1), run("F", 0)
+    for _ in range(pp - rank):
+        run("F", 1), run("B", 1), run("W", 1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            run("F", 0)
+        run("B", 0), run("W", 0), run("F", 1), run("B", 1), run("W", 1)
+    for _ in range(rank):
+        run("B", 0), run("B", 1)
+    for _ in range(pp - rank):
+        run("B", 0), run("W", 0)
+    while w[1] < b[1]:
+        run("W", 1)
+    while w[0] < b[0]:
+        run("W", 0)
+    return [block for block in order if block[1] < m]
 
 
 def interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:

@@ -35,7 +35,8 @@ from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
 from cost_models.pipeline import pipeline_step_time_s, simulate_orders
 
 from autopar.techniques.pipeline_orders import (Order, gpipe_order, interleaved_order,
-                                                one_f_one_b_order, zb_h1_order)
+                                                one_f_one_b_order, order_in_flight,
+                                                zb_h1_order, zb_v_order)
 
 __all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
            "DEFAULT_SCHEDULE", "FRAMEWORK_TARGETS", "pipeline_schedule", "default_schedule",
@@ -200,6 +201,20 @@ def _zb_h1_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
     return None
 
 
+def _zb_v_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
+    """p > 1, exactly 2 chunks per rank (torch's ZBV), 2p equal chunks of the layers."""
+    if pp < 2:
+        return f"ZB-V needs pp > 1 (one stage has no bubble to fill), got pp={pp}; use 1f1b"
+    if v != 2:
+        return (f"ZB-V runs exactly 2 model chunks per rank (a V), got virtual_stages={v}; "
+                "use virtual_stages=2")
+    if num_layers is not None and num_layers % (2 * pp):
+        return (f"ZB-V cuts the {num_layers} layers into 2*pp = {2 * pp} equal chunks, but "
+                f"{num_layers} is not divisible by {2 * pp}; choose pp with 2*pp dividing the "
+                "layer count or schedule='zb_h1'")
+    return None
+
+
 def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
                          num_micro_batches: int) -> str | None:
     """Why interleaved 1F1B with v = ``virtual_stages`` chunks per rank cannot run, or None.
@@ -273,6 +288,16 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
                         "torchtitan builds at least 2 stages per rank for a multi-stage "
                         "schedule such as InterleavedZeroBubble (pipeline_module_split); "
                         "ZB-H1 is one stage per rank"),
+                    "deepspeed": _DEEPSPEED_1F1B_ONLY}),
+    PipelineSchedule(
+        name="zb_v", title="ZB-V", source="Qi et al. 2024, ICLR, section 6",
+        interleaved=True, split_backward=True, placement="v", rule=_zb_v_rule,
+        in_flight=lambda p, i, m, v: order_in_flight(zb_v_order(p, m, i, v), v),
+        order=zb_v_order, runner="ScheduleZBVZeroBubble",
+        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
+        frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
+                                        "1F1B; it has no zero-bubble schedule"),
+                    "torchtitan": "ZBVZeroBubble",
                     "deepspeed": _DEEPSPEED_1F1B_ONLY}),
 )}
 """Schedule name -> its record, in the order the CLI and errors list them."""

@@ -222,13 +222,16 @@ def test_a_split_backward_refuses_full_recompute_at_every_door():
 
 
 @pytest.mark.parametrize("layers, schedule, says", [
-    (8, "zb_h1", "ZB-H1 (Qi et al. 2024"),
+    (8, "zb_v", "ZB-V (Qi et al. 2024, ICLR, section 6)"),
+    (12, "zb_h1", "ZB-H1 (Qi et al. 2024"),  # 12 layers do not cut into 2·4 equal chunks
 ])
 def test_the_search_picks_zero_bubble_where_it_pays_and_the_report_says_why(layers, schedule,
                                                                            says):
-    """Four pipeline stages of a GPT on one DGX H100 node: ZB-H1 runs the weight gradients
-    in 1F1B's fill and drain at 1F1B's memory, so the search takes it (over interleaved
-    1F1B too); a Megatron-LM target, which has no zero-bubble schedule, does not."""
+    """Four pipeline stages of a GPT on one DGX H100 node: the zero-bubble schedules run
+    the weight gradients in the fill and drain at 1F1B's memory, so the search takes ZB-V
+    where the layers cut into its V of 2p chunks and ZB-H1 where they do not (over
+    interleaved 1F1B too); a Megatron-LM target, which has no zero-bubble schedule, does
+    not."""
     import torch
 
     import autopar
