@@ -4,5 +4,5 @@ drawing (the report's picture) and the framework mapping (each target's name for
 refusal). The cost model, planner, runtime, report and frameworks read the records
 instead of comparing names.
 
-* :mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V.
+* :mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV.
 """

@@ -28,12 +28,18 @@ its timeline, and a schedule without a closed-form price is priced by simulating
   and W's left (``torch.distributed.pipelining.ScheduleZBVZeroBubble``'s order, compared
   there too). No closed form prices it (zero bubble only when F = B = W): its price is
   the makespan of this order.
+* DualPipeV (DeepSeek-AI 2024, DeepSeek-V3 technical report, section 3.2.1; the V of
+  ZB-V): warm-up forwards of both chunks, zero-bubble steps (B, W, F) of the second, then
+  steps that pair a forward of one chunk with a whole backward "BW" of the other
+  (overlapped on a GPU with a custom overlap; torch without one runs them one after the
+  other, as drawn), then the backwards, the last split, and the W's left
+  (``torch.distributed.pipelining.ScheduleDualPipeV``'s order, compared there too).
 """
 
 from __future__ import annotations
 
 __all__ = ["Order", "gpipe_order", "one_f_one_b_order", "zb_h1_order", "zb_v_order",
-           "interleaved_order", "order_in_flight"]
+           "dualpipe_v_order", "interleaved_order", "order_in_flight"]
 
 Order = list[tuple[str, int, int]]
 """A rank's blocks in run order: (kind, micro-batch, the rank's chunk); module docstring."""
@@ -101,6 +107,52 @@ def zb_v_order(pp: int, m: int, rank: int, v: int = 2) -> Order:
     while w[0] < b[0]:
         run("W", 0)
     return [block for block in order if block[1] < m]
+
+
+def dualpipe_v_order(pp: int, m: int, rank: int, v: int = 2) -> Order:
+    """DualPipeV's blocks on ``rank`` (its chunks as ZB-V's), torch's ``ScheduleDualPipeV``
+    order (DeepSeek-AI 2024, section 3.2.1; deepseek-ai/DualPipe): a forward and a whole
+    backward ("BW") of the other chunk are one overlapped step, run here one after the
+    other (as torch runs them without a custom overlap); the last steps split the backward
+    and run the W's left."""
+    order: Order = []
+    count: dict[tuple[int, str], int] = {}
+    pending: list[tuple[int, int]] = []  # (micro-batch, chunk) of B's whose W waits
+
+    def run(kind: str, c: int) -> None:
+        key = (c, "F" if kind == "F" else "B")
+        j = count.get(key, 0)
+        order.append((kind, j, c))
+        count[key] = j + 1
+        if kind == "B":
+            pending.append((j, c))
+
+    def weight() -> None:
+        if pending:
+            j, c = pending.pop(0)
+            order.append(("W", j, c))
+
+    for _ in range(2 * (pp - rank - 1)):
+        run("F", 0)
+    for _ in range(rank + 1):
+        run("F", 0), run("F", 1)
+    for _ in range(pp - rank - 1):
+        run("B", 1), weight(), run("F", 1)
+    for _ in range(m - 2 * pp + rank + 1):  # the overlapped steps
+        run("F", 0), run("BW", 1), run("F", 1), run("BW", 0)
+    for _ in range(pp - rank - 1):
+        run("BW", 1), run("F", 1), run("BW", 0)
+    split, half = False, (rank + 1) // 2
+    for i in range(rank + 1):
+        split = split or (i == half and rank % 2 == 1)
+        run("B" if split else "BW", 1)
+        split = split or (i == half and rank % 2 == 0)
+        run("B" if split else "BW", 0)
+    for _ in range(pp - rank - 1):
+        weight(), run("B" if split else "BW", 0)
+    for _ in range(rank + 1):
+        weight()
+    return order
 
 
 def interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:

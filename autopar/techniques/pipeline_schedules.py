@@ -34,9 +34,9 @@ from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
                                 one_forward_one_backward_in_flight)
 from cost_models.pipeline import pipeline_step_time_s, simulate_orders
 
-from autopar.techniques.pipeline_orders import (Order, gpipe_order, interleaved_order,
-                                                one_f_one_b_order, order_in_flight,
-                                                zb_h1_order, zb_v_order)
+from autopar.techniques.pipeline_orders import (Order, dualpipe_v_order, gpipe_order,
+                                                interleaved_order, one_f_one_b_order,
+                                                order_in_flight, zb_h1_order, zb_v_order)
 
 __all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
            "DEFAULT_SCHEDULE", "FRAMEWORK_TARGETS", "pipeline_schedule", "default_schedule",
@@ -215,6 +215,17 @@ def _zb_v_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
     return None
 
 
+def _dualpipe_v_rule(pp: int, m: int, v: int, num_layers: int | None) -> str | None:
+    """ZB-V's rules (p > 1, the V of 2 chunks, 2p equal chunks) and torch's m >= 2p."""
+    problem = _zb_v_rule(pp, m, v, num_layers)
+    if problem:
+        return problem.replace("ZB-V", "DualPipeV").replace("schedule='zb_h1'", "schedule='zb_v'")
+    if m < 2 * pp:
+        return (f"DualPipeV needs at least as many micro-batches as its 2*pp = {2 * pp} chunks, "
+                f"got m={m}; raise num_micro_batches to {2 * pp} or use schedule='zb_v'")
+    return None
+
+
 def interleaving_problem(num_layers: int | None, pp: int, virtual_stages: int,
                          num_micro_batches: int) -> str | None:
     """Why interleaved 1F1B with v = ``virtual_stages`` chunks per rank cannot run, or None.
@@ -298,6 +309,17 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
         frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
                                         "1F1B; it has no zero-bubble schedule"),
                     "torchtitan": "ZBVZeroBubble",
+                    "deepspeed": _DEEPSPEED_1F1B_ONLY}),
+    PipelineSchedule(
+        name="dualpipe_v", title="DualPipeV",
+        source="DeepSeek-AI 2024, DeepSeek-V3 technical report, section 3.2.1",
+        interleaved=True, split_backward=True, placement="v", rule=_dualpipe_v_rule,
+        in_flight=lambda p, i, m, v: order_in_flight(dualpipe_v_order(p, m, i, v), v),
+        order=dualpipe_v_order, runner="ScheduleDualPipeV",
+        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
+        frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
+                                        "1F1B; it has no DualPipe"),
+                    "torchtitan": "DualPipeV",
                     "deepspeed": _DEEPSPEED_1F1B_ONLY}),
 )}
 """Schedule name -> its record, in the order the CLI and errors list them."""

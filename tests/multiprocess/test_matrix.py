@@ -2,15 +2,15 @@
 
 The matrix is generated from :data:`autopar.contract.support.RUNTIME_SUPPORT` (the one
 source of truth the solver's search space also reads): for each (tp, pp, dp) shape at
-world size 4 (and a few at 8), the schedules (ZB-H1 and ZB-V without full recompute, which
-they refuse; ZB-V's V at pp=2, 4 chunks of one layer, rank 0 holding the embedding and the
-head; interleaved 1F1B with every declared v that
+world size 4 (and a few at 8), the schedules (ZB-H1, ZB-V and DualPipeV without full
+recompute, which they refuse; ZB-V's and DualPipeV's V at pp=2, 4 chunks of one layer, rank
+0 holding the embedding and the head; interleaved 1F1B with every declared v that
 :meth:`~autopar.contract.support.RuntimeSupport.virtual_stages_for` allows for the shape: pp=2 cuts the 4
 layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stages, recompute modes
 and sequence-parallel settings the runtime declares for that shape, and the optimizer. The
-full product (204 trainings at world size 4) is reduced to an all-pairs covering
+full product (220 trainings at world size 4) is reduced to an all-pairs covering
 (``helpers.pairwise``: every two values of two factors that can run together do so in
-some trained case; 64 trainings): the bugs this matrix has found were interactions of two
+some trained case; 68 trainings): the bugs this matrix has found were interactions of two
 techniques (dropout's reproducibility: 39 combinations, the pairs of the factors that
 draw random numbers). Each chosen combination trains a 4-layer GPT (dropout 0) for 3
 steps on real gloo process groups:

@@ -79,6 +79,7 @@ TORCHTITAN = {  # name -> layout; every world size 2-8
                         recompute="full"),
     "gpipe-tp4": dict(tp=4, pp=2, mbs=2, m=2, schedule="gpipe", dtype="fp32"),
     "zb-v": dict(pp=2, m=4, schedule="zb_v", v=2, dtype="fp32"),
+    "dualpipe-v": dict(pp=2, m=4, schedule="dualpipe_v", v=2, dtype="fp32"),
 }
 
 

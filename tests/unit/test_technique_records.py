@@ -222,7 +222,7 @@ def test_a_split_backward_refuses_full_recompute_at_every_door():
 
 
 @pytest.mark.parametrize("layers, schedule, says", [
-    (8, "zb_v", "ZB-V (Qi et al. 2024, ICLR, section 6)"),
+    (8, "zb_v", "ZB-V (Qi et al. 2024, ICLR, section 6)"),  # (DualPipeV: slower here)
     (12, "zb_h1", "ZB-H1 (Qi et al. 2024"),  # 12 layers do not cut into 2·4 equal chunks
 ])
 def test_the_search_picks_zero_bubble_where_it_pays_and_the_report_says_why(layers, schedule,
