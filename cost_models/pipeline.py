@@ -146,31 +146,52 @@ def simulate_orders(orders: Sequence[Order], virtual_stage: Callable[[int, int],
     p, v = len(orders), virtual_stages
     weight = weight_grad_s if weight_grad_s is not None else [0.0] * p
     send = p2p_time_s / 2 if p > 1 else 0.0
-    last = p * v - 1
-    ready: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, j) -> input sent
+
+    def length(kind: str, i: int) -> tuple[float, float]:
+        rec = recompute_s[i] / v if kind in ("B", "BW") else 0.0
+        w = weight[i] / v
+        busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w,
+                "BW": backward_s[i] / v + rec}[kind]
+        return busy, 0.0 if kind == "W" else send
+
+    return [[(kind, j, c, start, start + busy, recompute_s[i] / v if kind in ("B", "BW") else 0.0,
+              sent) for kind, j, c, start, busy, sent, _ in rank]
+            for i, rank in enumerate(_as_soon_as_possible(orders, virtual_stage, length))]
+
+
+def _as_soon_as_possible(orders: Sequence[Order], virtual_stage: Callable[[int, int], int],
+                         length: Callable[[str, int], tuple[float, float]]) -> list[list[tuple]]:
+    """Per rank, its blocks run as soon as possible in its order: (kind, j, c, start, busy,
+    send, waited), ``length(kind, rank)`` giving (busy, send) seconds; waited is the
+    (rank, index) of the block whose end this one started at (its rank's previous block,
+    or the block it depends on, :func:`_dependency`), None at time 0. RuntimeError when
+    the orders deadlock."""
+    p = len(orders)
+    last = max(virtual_stage(i, c) for i in range(p) for _, _, c in orders[i])
+    done: dict[tuple[str, int, int], tuple[float, tuple[int, int]]] = {}  # input ready
     out: list[list[tuple]] = [[] for _ in range(p)]
-    nxt, free = [0] * p, [0.0] * p
+    free = [0.0] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for i in range(p):
-            while nxt[i] < len(orders[i]):
-                kind, j, c = orders[i][nxt[i]]
+            while len(out[i]) < len(orders[i]):
+                k = len(out[i])
+                kind, j, c = orders[i][k]
                 stage = virtual_stage(i, c)
                 dep = _dependency(kind, stage, j, last)
-                if dep is not None and dep not in ready:
+                if dep is not None and dep not in done:
                     break
-                start = max(free[i], ready[dep] if dep else 0.0)
-                rec = recompute_s[i] / v if kind in ("B", "BW") else 0.0
-                w = weight[i] / v
-                busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w,
-                        "BW": backward_s[i] / v + rec}[kind]
-                sent = 0.0 if kind == "W" else send
-                ready[("B" if kind == "BW" else kind, stage, j)] = free[i] = start + busy + sent
-                out[i].append((kind, j, c, start, start + busy, rec, sent))
-                nxt[i], remaining, progressed = nxt[i] + 1, remaining - 1, True
+                ready, waited = done[dep] if dep is not None else (0.0, None)
+                if ready <= free[i]:
+                    ready, waited = free[i], ((i, k - 1) if k else None)
+                busy, sent = length(kind, i)
+                free[i] = ready + busy + sent
+                done[("B" if kind == "BW" else kind, stage, j)] = (free[i], (i, k))
+                out[i].append((kind, j, c, ready, busy, sent, waited))
+                remaining, progressed = remaining - 1, True
         if not progressed:
-            raise RuntimeError(f"the pipeline orders deadlock (p={p}, v={v})")
+            raise RuntimeError(f"the pipeline orders deadlock (p={p})")
     return out
 
 
@@ -182,34 +203,13 @@ def critical_path(orders: Sequence[Order], virtual_stage: Callable[[int, int], i
     makespan is sum(count * lengths(kind, rank)), a linear form of the lengths that bounds
     the makespan from below for any other lengths (a longest path of the same graph).
     Raises RuntimeError when the orders deadlock."""
-    p = len(orders)
-    last = max(virtual_stage(i, c) for i in range(p) for _, _, c in orders[i])
-    done: dict[tuple[str, int, int], tuple[float, tuple]] = {}  # key -> (end, block)
-    before: dict[tuple, tuple | None] = {}  # block -> the block it waited for
-    nxt, prev = [0] * p, [None] * p
-    free = [0.0] * p
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for i in range(p):
-            while nxt[i] < len(orders[i]):
-                kind, j, c = orders[i][nxt[i]]
-                stage = virtual_stage(i, c)
-                dep = _dependency(kind, stage, j, last)
-                if dep is not None and dep not in done:
-                    break
-                block = (i, kind, j, stage)
-                waited = done[dep] if dep is not None else (0.0, None)
-                before[block] = waited[1] if waited[0] > free[i] else prev[i]
-                free[i] = max(free[i], waited[0]) + lengths(kind, i)
-                done[("B" if kind == "BW" else kind, stage, j)] = (free[i], block)
-                prev[i], nxt[i] = block, nxt[i] + 1
-                remaining, progressed = remaining - 1, True
-        if not progressed:
-            raise RuntimeError(f"the pipeline orders deadlock (p={p})")
+    blocks = _as_soon_as_possible(orders, virtual_stage, lambda kind, i: (lengths(kind, i), 0.0))
+    ends = [rank[-1][3] + rank[-1][4] if rank else 0.0 for rank in blocks]
     counts: dict[tuple[int, str], int] = {}
-    block = prev[max(range(p), key=free.__getitem__)]
-    while block is not None:
-        counts[(block[0], block[1])] = counts.get((block[0], block[1]), 0) + 1
-        block = before[block]
-    return max(free), counts
+    rank = max(range(len(blocks)), key=ends.__getitem__)
+    at = (rank, len(blocks[rank]) - 1) if blocks[rank] else None  # the last block to end
+    while at is not None:
+        block = blocks[at[0]][at[1]]
+        counts[(at[0], block[0])] = counts.get((at[0], block[0]), 0) + 1
+        at = block[6]
+    return max(ends), counts

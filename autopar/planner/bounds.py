@@ -206,13 +206,20 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     at least the least without the attention core (s), full its checkpoint (c), so x full
     and y selective layers keep at least n·a - x(a - c) - y(a - s), at no less than the
     least forward up to the layer's last saver resp. the least attention-core forward
-    each. inf when no (z, n_0) fits. ``pieces``: :func:`layer_pieces` of ``tables``
-    (computed here when None)."""
+    each. A schedule that splits the backward may fill the fill and drain with weight
+    gradients, and one priced by its order (a V) has no closed form: for them only
+    :math:`m \hat T` (each rank runs its m micro-batches) and the rank's own v·m sends
+    (a V) remain of the pipeline term. inf when no (z, n_0) fits. ``pieces``:
+    :func:`layer_pieces` of ``tables`` (computed here when None)."""
     pc = layer_pieces(traced, tables) if pieces is None else pieces
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
-    inflight = pipeline_schedule(cfg.schedule).in_flight(p, 0, m, v)
+    record = pipeline_schedule(cfg.schedule)
+    inflight = record.in_flight(p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 or p == 1 else stage_size_range(L, p)
-    sends = (v * m + p - 2) * tables.p2p_s if p > 1 else 0.0
+    # every rank sends after each of its v·m forwards and backwards (c/2 each); a round-robin
+    # fill and drain crosses the p - 1 boundaries besides
+    sends = ((v * m + p - 2) if record.placement == "loop" else v * m) * tables.p2p_s \
+        if p > 1 else 0.0
     largest = -(-L // p) * layer_s
     sections = pc.pre_s + (pc.post_s if p == 1 else 0.0)
     post_rest = pc.post_s if p > 1 else 0.0
@@ -230,6 +237,8 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
             if t0 == float("inf"):
                 continue
             pipe = ((v * m - 1) * max(t0, largest) + t0 + (L - n) * layer_s + post_rest) / v
+            if record.split_backward:  # the W's may fill the fill and drain: m rounds remain
+                pipe = m * max(t0, largest)
             dp = max((1.0 - cluster.device.comm_overlap) * dp_s * params, dp_s * params - t0)
             best = min(best, pipe + sends + dp + opt_s * params + tables.dp_latency_s[z])
     return best + tables.step_end_s

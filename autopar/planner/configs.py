@@ -181,13 +181,13 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
 def _searched_schedules(layout: Layout, support: RuntimeSupport | None) -> list[str]:
     """The schedules a layout without one is searched over: the default (1F1B; interleaved
     when it pins v > 1) and, in a search whose runtime runs them, the interleaved and the
-    split-backward (zero-bubble) ones."""
+    split-backward (zero-bubble) ones, less those whose record is ``pinned_only``."""
     default = default_schedule(layout.virtual_stages)
     if default.interleaved or support is None:
         return [default.name]
     return [default.name] + [s.name for s in PIPELINE_SCHEDULES.values()
                              if (s.interleaved or s.split_backward) and s.name != default.name
-                             and s.name in support.schedules]
+                             and s.name in support.schedules and s.pinned_only is None]
 
 
 def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,

@@ -75,7 +75,8 @@ def write_timeline_chart(plan: Plan, path: str | Path) -> Path | None:
     plt = _pyplot()
     if plt is None or len(plan.predicted.stage_time_s) != plan.pp:
         return None
-    m = drawn_micro_batches(plan.schedule, plan.pp, plan.num_micro_batches, MAX_DRAWN_MICRO)
+    m = drawn_micro_batches(plan.schedule, plan.pp, plan.num_micro_batches, MAX_DRAWN_MICRO,
+                            plan.virtual_stages)
     timeline = plan_timeline(plan, m)
     unit, scale = _time_unit(makespan_s(timeline))
     fig, ax = plt.subplots(figsize=(min(14.0, 4 + 0.45 * m * 2), 0.45 * plan.pp + 1.6), dpi=100)

@@ -124,12 +124,18 @@ def plan_phases(plan) -> tuple[list[float], list[float], list[float], float]:
             pred.time_s_by_kind.get("pp_p2p", 0.0) / hops)
 
 
-def drawn_micro_batches(schedule: str, pp: int, m: int, limit: int) -> int:
-    """How many micro-batches a timeline of at most about ``limit`` draws: m, or ``limit``
-    (interleaved 1F1B: a multiple of p, at least p)."""
+def drawn_micro_batches(schedule: str, pp: int, m: int, limit: int,
+                        virtual_stages: int = 1) -> int:
+    """How many micro-batches a timeline of about ``limit`` draws: m when m <= limit, else
+    the fewest from ``limit`` up that fill the pipeline (p, or 2p on a V: its warm-up runs
+    2p - 1 forwards) and that the schedule's rule accepts with v = ``virtual_stages``
+    (interleaved 1F1B: a multiple of p; DualPipeV: m >= 2p), at most m."""
     if m <= limit:
         return m
-    return max(pp, limit // pp * pp) if pipeline_schedule(schedule).interleaved else limit
+    record = pipeline_schedule(schedule)
+    fill = 2 * pp if record.placement == "v" else pp
+    return next((k for k in range(max(limit, fill), m)
+                 if record.problem(pp, k, virtual_stages) is None), m)
 
 
 def plan_timeline(plan, micro_batches: int | None = None) -> list[list[Block]]:

@@ -59,10 +59,10 @@ PAIRS = [
     ("dp4z3-to-tp2", "adamw", 4, _layout(1, 1, 4, 3), 2, _layout(2, 1, 1)),
     ("dp2z2-to-pp2interleaved", "sgd", 2, _layout(1, 1, 2, 2),
      2, _layout(1, 2, 1, 0, "interleaved_1f1b", 2)),
-    ("pp2-1f1b-to-dp2z1", "adamw", 2, _layout(1, 2, 1), 2, _layout(1, 1, 2, 1)),
+    ("pp2zbv-to-dp2z1", "adamw", 2, _layout(1, 2, 1, 0, "zb_v", 2), 2, _layout(1, 1, 2, 1)),
     ("tp2-to-dp2z2", "adamw", 2, _layout(2, 1, 1), 2, _layout(1, 1, 2, 2)),
 ]
-ASYNC_SAVED = "pp2-1f1b-to-dp2z1"  # AdamW, saved with dcp.async_save while training goes on
+ASYNC_SAVED = "pp2zbv-to-dp2z1"  # AdamW, saved with dcp.async_save while training goes on
 SAME_PLAN = [("dropout", "adamw", _layout(2, 1, 1), "dropout"),  # RNG streams restored
              ("bf16", "adamw", _layout(1, 1, 2, 1, dtype="bf16"), "gpt")]  # fp32 masters
 

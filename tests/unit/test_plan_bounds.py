@@ -75,7 +75,9 @@ def test_kept_versions_are_priced_on_edges_whole_or_sharded():
 CONFIGS = [(2, 2, 2, 1, 4, "1f1b", 1), (1, 4, 2, 1, 4, "1f1b", 1),
            (2, 2, 2, 1, 4, "interleaved_1f1b", 2), (4, 2, 1, 2, 4, "gpipe", 1),
            (1, 2, 4, 2, 2, "1f1b", 1), (1, 3, 2, 1, 4, "1f1b", 1),
-           (2, 2, 2, 1, 4, "1f1b", 1, "fp32", "math", True)]  # 4 layers on 3 ranks; SP
+           (2, 2, 2, 1, 4, "1f1b", 1, "fp32", "math", True),  # 4 layers on 3 ranks; SP
+           (1, 4, 2, 1, 4, "zb_h1", 1), (2, 2, 2, 1, 4, "zb_v", 2),  # W's in the bubble;
+           (1, 2, 4, 1, 4, "dualpipe_v", 2)]                           # priced by the order
 
 
 def _config(fields: tuple) -> Config:

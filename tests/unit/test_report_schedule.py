@@ -77,8 +77,12 @@ def test_schedule_orders():
         simulate_schedule("zigzag", 1, 1, [1.0], [2.0])
     with pytest.raises(ValueError, match="divisible by pp"):
         schedule_order("interleaved_1f1b", 4, 6, 0, 2)
-    assert drawn_micro_batches("interleaved_1f1b", 6, 192, 16) == 12
+    # the fewest from the limit up that fill the pipeline and that the schedule's rule takes
+    assert drawn_micro_batches("interleaved_1f1b", 6, 192, 16, 2) == 18  # a multiple of p
     assert drawn_micro_batches("1f1b", 16, 192, 16) == 16 == drawn_micro_batches("gpipe", 2, 16, 16)
+    assert drawn_micro_batches("zb_h1", 32, 256, 16) == 32  # at least p
+    assert drawn_micro_batches("dualpipe_v", 16, 96, 16, 2) == 32  # a V: 2p (and its m >= 2p)
+    assert drawn_micro_batches("zb_v", 16, 20, 16, 2) == 20  # never more than m
 
 
 @pytest.fixture(scope="module")
