@@ -173,6 +173,15 @@ def _least_time(tables: CostTables, names: list[str]) -> float:
     return sum(min(c.fwd_s + c.bwd_s for c in tables.node[n]) for n in names)
 
 
+def _sends_bound_s(record, p: int, m: int, v: int, p2p_s: float) -> float:
+    """Seconds of sends every plan pays: each rank sends after each of its v·m forwards
+    and backwards (c/2 each); a round-robin fill and drain crosses the p - 1 boundaries
+    besides. 0 at p = 1."""
+    if p == 1:
+        return 0.0
+    return ((v * m + p - 2) if record.placement == "loop" else v * m) * p2p_s
+
+
 def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: float,
                  cluster, zero_stages, modes, pieces: LayerPieces | None = None) -> float:
     r"""A step time (seconds) no plan of ``cfg`` beats, with the recompute rank 0's memory
@@ -206,29 +215,21 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     at least the least without the attention core (s), full its checkpoint (c), so x full
     and y selective layers keep at least n·a - x(a - c) - y(a - s), at no less than the
     least forward up to the layer's last saver resp. the least attention-core forward
-    each. A schedule that splits the backward may fill the fill and drain with weight
-    gradients, and one priced by its order (a V) has no closed form: for them only
-    :math:`m \hat T` (each rank runs its m micro-batches) and the rank's own v·m sends
-    (a V) remain of the pipeline term. inf when no (z, n_0) fits. ``pieces``:
-    :func:`layer_pieces` of ``tables`` (computed here when None)."""
+    each. A split backward may fill the fill and drain (and a V has no closed form): only
+    :math:`m \hat T` remains of its pipeline term (:func:`_sends_bound_s`: the sends). inf
+    when no (z, n_0) fits. ``pieces``: :func:`layer_pieces` (computed when None)."""
     pc = layer_pieces(traced, tables) if pieces is None else pieces
     L, p, m, v = traced.num_layers, cfg.pp, cfg.num_micro_batches, cfg.virtual_stages
     record = pipeline_schedule(cfg.schedule)
     inflight = record.in_flight(p, 0, m, v)
     lo, hi = (L // p, L // p) if v > 1 or p == 1 else stage_size_range(L, p)
-    # every rank sends after each of its v·m forwards and backwards (c/2 each); a round-robin
-    # fill and drain crosses the p - 1 boundaries besides
-    sends = ((v * m + p - 2) if record.placement == "loop" else v * m) * tables.p2p_s \
-        if p > 1 else 0.0
-    largest = -(-L // p) * layer_s
-    sections = pc.pre_s + (pc.post_s if p == 1 else 0.0)
-    post_rest = pc.post_s if p > 1 else 0.0
+    sends, largest = _sends_bound_s(record, p, m, v, tables.p2p_s), -(-L // p) * layer_s
+    sections, post_rest = pc.pre_s + (pc.post_s if p == 1 else 0.0), pc.post_s * (p > 1)
     memory = usable_bytes(tables.p2p_bytes, cluster, cfg, 0) * MEMORY_ROUNDING
     best = float("inf")
     for z in zero_stages:
         per_param = bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype)
-        dp_s = dp_comm_s_per_param(z, cluster, cfg)
-        opt_s = optimizer_s_per_param(z, cluster, cfg)
+        dp_s, opt_s = dp_comm_s_per_param(z, cluster, cfg), optimizer_s_per_param(z, cluster, cfg)
         for n in range(lo, hi + 1):
             params = n * pc.layer_params + pc.pre_params
             used = params * per_param + inflight * (n * pc.act + pc.pre_act) + pc.act
@@ -236,9 +237,8 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
                                                        pc.selective, modes)
             if t0 == float("inf"):
                 continue
-            pipe = ((v * m - 1) * max(t0, largest) + t0 + (L - n) * layer_s + post_rest) / v
-            if record.split_backward:  # the W's may fill the fill and drain: m rounds remain
-                pipe = m * max(t0, largest)
+            pipe = m * max(t0, largest) if record.split_backward else (  # W's in the bubble
+                (v * m - 1) * max(t0, largest) + t0 + (L - n) * layer_s + post_rest) / v
             dp = max((1.0 - cluster.device.comm_overlap) * dp_s * params, dp_s * params - t0)
             best = min(best, pipe + sends + dp + opt_s * params + tables.dp_latency_s[z])
     return best + tables.step_end_s
