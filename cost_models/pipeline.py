@@ -147,15 +147,17 @@ def simulate_orders(orders: Sequence[Order], virtual_stage: Callable[[int, int],
     weight = weight_grad_s if weight_grad_s is not None else [0.0] * p
     send = p2p_time_s / 2 if p > 1 else 0.0
 
+    def recompute(kind: str, i: int) -> float:
+        return recompute_s[i] / v if kind in ("B", "BW") else 0.0
+
     def length(kind: str, i: int) -> tuple[float, float]:
-        rec = recompute_s[i] / v if kind in ("B", "BW") else 0.0
-        w = weight[i] / v
+        w, rec = weight[i] / v, recompute(kind, i)
         busy = {"F": forward_s[i] / v, "B": backward_s[i] / v - w + rec, "W": w,
                 "BW": backward_s[i] / v + rec}[kind]
         return busy, 0.0 if kind == "W" else send
 
-    return [[(kind, j, c, start, start + busy, recompute_s[i] / v if kind in ("B", "BW") else 0.0,
-              sent) for kind, j, c, start, busy, sent, _ in rank]
+    return [[(kind, j, c, start, start + busy, recompute(kind, i), sent)
+             for kind, j, c, start, busy, sent, _ in rank]
             for i, rank in enumerate(_as_soon_as_possible(orders, virtual_stage, length))]
 
 

@@ -154,21 +154,27 @@ def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: di
                                  for z, s in s_iz.items())).WithName(f"t_dp_serial[{i}]")
 
 
+def rank_weight_grads(model: cp_model.CpModel, terms: SectionTerms, layers_on_rank: list,
+                      t_ub: int, head: int) -> list:
+    r"""Per pipeline rank i, its weight-gradient time of one micro-batch as a linear
+    expression: :math:`W_i = n_i W_L + [i=0] W_{pre} + [i=h] W_{post}` (h = ``head``, the
+    rank of the post section), :math:`W_L` the variable ``wgrad_layer``."""
+    wl = int_var(model, "wgrad_layer", terms.expr("layer", "wgrad"),
+                 terms.upper_bound("layer", "wgrad"))
+    return [product_var(model, f"wgrad_layers[{i}]", n, wl, t_ub)
+            + (terms.expr("pre", "wgrad") if i == 0 else 0)
+            + (terms.expr("post", "wgrad") if i == head else 0)
+            for i, n in enumerate(layers_on_rank)]
+
+
 def deferred_weight_grads(model: cp_model.CpModel, terms: SectionTerms, layers_on_rank: list,
                           t_ub: int):
     r"""The objective term of a split-backward schedule (v = 1), which runs the weight
-    gradients :math:`W_i = n_i W_L + [i=0] W_{pre} + [i=p-1] W_{post}` in the fill and drain:
-    :math:`-2\sum_i W_i + 2 W_{max}` with rows ``w_max[i]`` :math:`W_{max} \ge W_i`
-    (``cost_models.pipeline``; minimising drives :math:`W_{max}` to :math:`\max_i W_i`)."""
-    n, p = layers_on_rank, len(layers_on_rank)
-    wl = int_var(model, "wgrad_layer", terms.expr("layer", "wgrad"),
-                 terms.upper_bound("layer", "wgrad"))
-    w = []
-    for i in range(p):
-        wi = product_var(model, f"wgrad_layers[{i}]", n[i], wl, t_ub)
-        wi += terms.expr("pre", "wgrad") if i == 0 else 0
-        wi += terms.expr("post", "wgrad") if i == p - 1 else 0
-        w.append(wi)
+    gradients :math:`W_i` (:func:`rank_weight_grads`, the post section on rank p - 1) in the
+    fill and drain: :math:`-2\sum_i W_i + 2 W_{max}` with rows ``w_max[i]``
+    :math:`W_{max} \ge W_i` (``cost_models.pipeline``; minimising drives :math:`W_{max}`
+    to :math:`\max_i W_i`)."""
+    w = rank_weight_grads(model, terms, layers_on_rank, t_ub, len(layers_on_rank) - 1)
     w_max = model.NewIntVar(0, t_ub, "w_max")
     for i, wi in enumerate(w):
         model.Add(w_max >= wi).WithName(f"w_max[{i}]")
@@ -235,16 +241,12 @@ def ordered_pipeline(model: cp_model.CpModel, terms: SectionTerms, cfg, layers_o
     sends of v·c/2 (``p2p`` = c in time units)."""
     record = pipeline_schedule(cfg.schedule)
     p, m, v, head = cfg.pp, cfg.num_micro_batches, cfg.virtual_stages, head_rank(cfg)
-    wl = int_var(model, "wgrad_layer", terms.expr("layer", "wgrad"),
-                 terms.upper_bound("layer", "wgrad"))
-    fwd, wgrad, bwd = [], [], []
-    for i, n in enumerate(layers_on_rank):
-        ends = [s for s, on in (("pre", i == 0), ("post", i == head)) if on]
-        f = product_var(model, f"fwd_layers[{i}]", n, fwd_layer, t_ub) + sum(
-            terms.expr(s, "fwd") for s in ends)
-        w = product_var(model, f"wgrad_layers[{i}]", n, wl, t_ub) + sum(
-            terms.expr(s, "wgrad") for s in ends)
-        fwd.append(f), wgrad.append(w), bwd.append(rank_time[i] - f - w)
+    wgrad = rank_weight_grads(model, terms, layers_on_rank, t_ub, head)
+    fwd = [product_var(model, f"fwd_layers[{i}]", n, fwd_layer, t_ub)
+           + (terms.expr("pre", "fwd") if i == 0 else 0)
+           + (terms.expr("post", "fwd") if i == head else 0)
+           for i, n in enumerate(layers_on_rank)]
+    bwd = [t - f - w for t, f, w in zip(rank_time, fwd, wgrad)]
     chunks = [record.rank_chunks(p, p * v, i) for i in range(p)]
     return OrderedMakespan(model, [record.order(p, m, i, v) for i in range(p)],
                            lambda i, c: chunks[i][c], fwd, bwd, wgrad, v * p2p // 2,
