@@ -19,6 +19,11 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
 * :func:`cpu_memory_events`: the CPU allocator's allocations and frees a
   ``torch.profiler.profile(profile_memory=True)`` recorded, in order
   (``prof.profiler.kineto_results``: the public ``events()`` folds them into ops).
+* ``PipelineStage``: torch's, or on a torch whose stages warm their neighbours up with a
+  send and a receive to each adjacent stage's rank (2.11, ``_get_init_p2p_neighbors_ops``)
+  a subclass that leaves out the ones to itself: a V placement's middle cut joins two
+  chunks on one rank, and gloo cannot send to its own rank ("Pair is not connected");
+  2.13's warm-up skips them itself.
 * ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13's names of
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn as deprecated
   there; 2.11 has only the old ones).
@@ -33,15 +38,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
-           "group_options", "cpu_memory_events", "all_gather_single", "reduce_scatter_single"]
+           "group_options", "cpu_memory_events", "all_gather_single", "reduce_scatter_single",
+           "PipelineStage"]
 
 # (out, in, group=...): the whole tensor gathered / this rank's reduced slice, one call
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+
+class _NoSelfWarmupStage(_TorchPipelineStage):
+    """torch 2.11's ``PipelineStage`` without the warm-up sends and receives to its own rank
+    (a local neighbour's activations pass in memory; gloo refuses a pair with itself)."""
+
+    def _get_init_p2p_neighbors_ops(self):
+        own = dist.get_rank(self.group)
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != own]
+
+
+PipelineStage = (_TorchPipelineStage if hasattr(_TorchPipelineStage, "_warmup_forward_vote")
+                 else _NoSelfWarmupStage)
 
 
 def op_schema(func) -> tuple[str, list[str]]:

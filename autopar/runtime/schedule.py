@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 import torch.distributed.pipelining as pipelining
-from torch.distributed.pipelining import PipelineStage
 
+from autopar.runtime.compat import PipelineStage
 from autopar.runtime.mesh import ParallelGroups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
