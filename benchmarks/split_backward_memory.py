@@ -6,9 +6,9 @@ Trains a 4-layer GPT (h 32, s 16, 8 sequences per step) on two gloo processes (p
 each pipeline schedule, pinned, and prints per pipeline rank the last step's measured
 saved-activation bytes (``last_step_stats()["saved_activation_bytes"]``) over the plan's
 prediction (``predicted.stage_stats[rank]["saved_activation_bytes"]``). The split-backward
-schedules (ZB-H1, ZB-V, DualPipeV) hold more than predicted: torch's split backward keeps
-each micro-batch's graph from its input-gradient pass to its weight-gradient pass, which
-is why the search does not choose them (issue 33, their records' ``pinned_only``).
+schedules (ZB-H1, ZB-V, DualPipeV) are priced as torch holds them: each micro-batch's graph
+from its forward to its weight-gradient pass (``order_in_flight``); README gives the
+figures.
 """
 
 from __future__ import annotations

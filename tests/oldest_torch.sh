@@ -10,10 +10,12 @@
 #     DeepSpeed built, against the main environment's torch only), and the three property
 #     tests of the input doors (DOOR_TESTS: thousands of generated JSON and CLI inputs, 2 of
 #     the tier's 5 minutes);
-#   * a pairwise slice of the multiprocess tier (MULTIPROCESS below, about 4 minutes): every
-#     technique the runtime executes (TP and SP, 1F1B, GPipe and interleaved pipelines,
-#     ZeRO-1/2/3 and FSDP2, recompute) in all-pairs combinations against one process with
-#     its communication bytes equal to the prediction, bf16 mixed precision, and checkpoints
+#   * a pairwise slice of the multiprocess tier (MULTIPROCESS below, about 5 minutes): every
+#     technique the runtime executes (TP and SP, every pipeline schedule, the V placement
+#     included, ZeRO-1/2/3 and FSDP2, recompute) in all-pairs combinations against one
+#     process with its communication bytes equal to the prediction, on the world-4 shapes
+#     that pipeline (where torch's pipelining differs between versions) and tp2 x dp2 (the
+#     tp4 and dp4 shapes run on the main torch only), bf16 mixed precision, and checkpoints
 #     saved under one plan and loaded under another (DCP).
 # The whole suite on 2.11, the frameworks installed there too: AUTOPAR_OLDEST_TORCH_ALL=1
 # (about 40 minutes: more than CI's budget beside the main suite).
@@ -32,8 +34,9 @@ PY="$VENV/bin/python"
 DOOR_TESTS=(--deselect tests/unit/test_doors_inputs.py::test_plan_cli_door
     --deselect tests/unit/test_doors_inputs.py::test_cluster_json_door
     --deselect tests/unit/test_doors_plans.py::test_plan_json_door)
+MATRIX="tests/multiprocess/test_matrix.py::test_world4_every_pair_of_techniques_matches_single_process"
 MULTIPROCESS=(
-    "tests/multiprocess/test_matrix.py::test_world4_every_pair_of_techniques_matches_single_process"
+    "$MATRIX[tp2-pp2-dp1]" "$MATRIX[tp1-pp2-dp2]" "$MATRIX[tp1-pp4-dp1]" "$MATRIX[tp2-pp1-dp2]"
     "tests/multiprocess/test_matrix.py::test_bf16_mixed_precision_within_documented_tolerance"
     tests/multiprocess/test_interleaved.py
     tests/multiprocess/test_fsdp.py

@@ -11,7 +11,7 @@ per-step arithmetic of :mod:`autopar.planner.step` (as :func:`autopar.planner.pr
 and must fit device memory less the reserve (:mod:`autopar.planner.reserve`); the fastest
 wins (ties: lower ZeRO stage, less recompute).
 
-Two exact reductions keep this tractable; neither can lose the optimum.
+Three exact reductions keep this tractable; neither can lose the optimum.
 
 * **TP assignments** (about 1.5e7 per GPT layer at t = 2) are enumerated by dynamic
   programming in graph order over the *live* tensors (producer strategy, "Megatron f
@@ -21,6 +21,9 @@ Two exact reductions keep this tractable; neither can lose the optimum.
   every field once ``time_s`` is split into its backward part and the rest and the
   weight-gradient seconds a split backward defers are negated (``_key`` there), so per
   live state only Pareto-minimal vectors are kept.
+* **Busy time** bounds the step from below: rank i runs m micro-batches of :math:`T_i`
+  seconds, so a plan with :math:`m \max_i T_i` above the best so far is not priced (the
+  order-priced schedules simulate their order per plan).
 * **Recompute** changes only its own stage's time :math:`T_i` and memory (not its weight
   gradients), and the step time is non-decreasing in every :math:`T_i`; so per stage the feasible
   :math:`(r^{full}_i, r^{sel}_i)` of least :math:`T_i` is optimal (all pairs are tried).
@@ -49,8 +52,8 @@ from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decis
                                       stage_bounds_and_recompute, stage_splits)
 from autopar.planner.reserve import usable_bytes
 from autopar.planner.search import candidate_configs, validate_layout, zero_choices
-from autopar.planner.step import (KIB, counts_tied_weight_once, head_rank,
-                                  model_state_bytes_by_kind, scaled_memory, scaled_memory_limit,
+from autopar.planner.step import (KIB, counts_tied_weight_once, head_rank, in_flight_times_v,
+                                  model_state_bytes_by_kind, scaled_memory_limit,
                                   state_kib_times_d, step_time_s)
 from autopar.planner.strategies import node_strategies, tied_groups
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -69,14 +72,37 @@ class StagePlan:
     selective: int
 
 
+@dataclass(frozen=True)
+class _Rank:
+    """What a rank's memory row takes from (config, rank, ZeRO stage) alone, computed once
+    per rank rather than per recompute pair: the bytes it may use, the micro-batches in
+    flight (whole-stage; times v rounded, for the solver's row), head-and-loss copies held
+    (0 off the head's rank) and model-state KiB per parameter unit times d."""
+
+    usable: float
+    inflight: float
+    inflight_v: int
+    heads: int
+    state_kib_d: int
+
+
+def _rank(tables, cfg: Config, i: int, zero: int, cluster) -> _Rank:
+    """The :class:`_Rank` of rank ``i`` of ``cfg`` under ZeRO stage ``zero``."""
+    record, m, v = pipeline_schedule(cfg.schedule), cfg.num_micro_batches, cfg.virtual_stages
+    heads = record.head_in_flight(cfg.pp, m, v) if i == head_rank(cfg) else 0  # GPipe: m
+    return _Rank(usable_bytes(tables.p2p_bytes, cluster, cfg, i), record.in_flight(
+        cfg.pp, i, m, v), in_flight_times_v(cfg, i), heads, state_kib_times_d(zero, cfg))
+
+
 def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
-           cluster):
+           cluster, rank: _Rank | None = None):
     """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm: what
     bucketed DP reduction hides behind), memory bytes, fits in ``cluster``'s usable bytes
-    with the loss temporaries) of rank ``i``; solver rounding: the CP-SAT row."""
-    usable = usable_bytes(tables.p2p_bytes, cluster, cfg, i)
+    with the loss temporaries) of rank ``i``; solver rounding: the CP-SAT row
+    (:func:`~autopar.planner.step.scaled_memory`). ``rank``: :func:`_rank`'s, if known."""
+    k = rank or _rank(tables, cfg, i, zero, cluster)
     pre, lay, post = sections
-    p, n = cfg.pp, sp.layers
+    n = sp.layers
     first, last = i == 0, i == head_rank(cfg)
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
@@ -85,21 +111,21 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     once = counts_tied_weight_once(cfg)
     pkey, ukey = ("params_p1", "param_units_p1") if once else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
-    if rounding == "predict":
-        inflight = pipeline_schedule(cfg.schedule).in_flight(p, i, cfg.num_micro_batches,
-                                                                 cfg.virtual_stages)  # interleaved: fractional
+    if rounding == "predict":  # interleaved: fractional in-flight micro-batches
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
         states = model_state_bytes_by_kind(params, zero, cfg)
-        mem = sum(states.values()) + (inflight * act + last * post["act_bytes"] + lay["act_bytes"])
-        return t, params, bwd, mem, mem + last * post["temp_bytes"] <= usable
+        mem = sum(states.values()) + (k.inflight * act + k.heads * post["act_bytes"]
+                                      + lay["act_bytes"])
+        return t, params, bwd, mem, mem + last * post["temp_bytes"] <= k.usable
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
-    working = lay["act_kib"] + last * post["act_kib"]
-    mem_dv = scaled_memory(cfg, i, state_kib_times_d(zero, cfg) * units, act, working)
-    return (t, params, bwd, mem_dv / (cfg.dp * cfg.virtual_stages) * KIB, mem_dv + scaled_memory(
-        cfg, i, 0, 0, last * post["temp_kib"]) <= scaled_memory_limit(usable, cfg))
+    working = lay["act_kib"] + k.heads * post["act_kib"]
+    v, d = cfg.virtual_stages, cfg.dp
+    mem_dv = v * k.state_kib_d * units + d * (k.inflight_v * act + v * working)  # scaled_memory
+    return (t, params, bwd, mem_dv / (d * v) * KIB,
+            mem_dv + d * v * last * post["temp_kib"] <= scaled_memory_limit(k.usable, cfg))
 
 
 def _wgrad(sections, cfg: Config, i: int, n: int) -> float:
@@ -131,7 +157,7 @@ def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero:
             list(mems), all(fits))
 
 
-def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster):
+def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster, rank: _Rank):
     """(stage time, parameters, backward seconds, StagePlan, pairs tried) of the feasible
     (full, selective) recompute counts of least stage time; the first four None if none fits."""
     best, tried = (None, None, None, None), 0
@@ -141,7 +167,8 @@ def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster):
                 continue
             sp = StagePlan(n, rf, rs)
             tried += 1
-            t, pa, bwd, _, ok = _stage(sections, tables, cfg, i, sp, zero, rounding, cluster)
+            t, pa, bwd, _, ok = _stage(sections, tables, cfg, i, sp, zero, rounding, cluster,
+                                       rank)
             if ok and (best[0] is None or t < best[0]):
                 best = (t, pa, bwd, sp)
     return (*best, tried)
@@ -153,16 +180,19 @@ def _best_for_config(traced, tables, cluster, cfg, options, zero_stages, modes, 
     groups = tied_groups(traced)
     splits = stage_splits(traced.num_layers, cfg.pp, cfg.virtual_stages)
     best, covered = None, 0
+    ranks = {(i, z): _rank(tables, cfg, i, z, cluster) for i in range(cfg.pp) for z in zero_stages}
     for sections in itertools.product(*options):
         if not ties_agree(*sections, groups=groups):
             continue
         for zero, split in itertools.product(zero_stages, splits):
-            stages = [_best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster)
-                      for i, n in enumerate(split)]
+            stages = [_best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster,
+                                  ranks[i, zero]) for i, n in enumerate(split)]
             covered += math.prod(s[4] for s in stages)
             if any(s[0] is None for s in stages):
                 continue
             times, params, bwds, plans, _ = zip(*stages)
+            if best is not None and cfg.num_micro_batches * max(times) > best[0]:
+                continue  # each rank is busy m·T_i: no price below it (order-priced: costly)
             wgrad = [_wgrad(sections, cfg, i, n) for i, n in enumerate(split)]
             fwd = [_forward(sections, cfg, i, n) for i, n in enumerate(split)]
             step = step_time_s(times, params, bwds, tables, cluster, cfg, zero, wgrad_s=wgrad,

@@ -174,7 +174,9 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
                                                               plan.virtual_stages)
         working = per_mode["none"] if layers else 0.0
         head = pipeline_schedule(plan.schedule).head_rank(p, plan.virtual_stages)
-        mem["activations"] = kept * inflight + (post if rank == head else 0.0) + working
+        heads = pipeline_schedule(plan.schedule).head_in_flight(p, plan.num_micro_batches,
+                                                                plan.virtual_stages)
+        mem["activations"] = kept * inflight + (post * heads if rank == head else 0.0) + working
         out.append(mem)
     return out
 

@@ -28,18 +28,15 @@ less the backward of its last micro-batch, which bucketed reduction overlaps),
 closing all-reduces (``CostTables.step_end_s``, a constant of the config) and
 :math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
 (:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
-subject to per-GPU memory (:meth:`~ConfigModel.add_memory`)
-:math:`\text{states}_i + \text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M_i`
-for every rank (:math:`M_i`: device memory less the rank's reserve,
-:mod:`autopar.planner.reserve`). Products of two decision variables are exact CP-SAT
-multiplication constraints.
-Each constraint family has one ``add_*`` method and every constraint a name; without the
+subject to per-GPU memory (:meth:`~ConfigModel.add_memory`) :math:`\text{states}_i +
+\text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M_i` for every rank (:math:`M_i`:
+device memory less the rank's reserve, :mod:`autopar.planner.reserve`); products of two
+decision variables are exact CP-SAT multiplication constraints. Each constraint family has one ``add_*`` method and every constraint a name; without the
 cutoff (:meth:`~ConfigModel.add_cutoff`) only the memory rows ``memory[stage i]`` can be
 unsatisfiable (replicating every node with an even split, no recompute and any ZeRO stage
 satisfies all other families), so an INFEASIBLE model means no plan of the Config fits.
 Times are integers in a unit of about 1e-4 of one layer's forward+backward
-(``units_per_second``), memory integer KiB, parameters integer units of 1024
-(:data:`~autopar.planner.step.PARAM_UNIT`).
+(``units_per_second``), memory integer KiB, parameters units of 1024 (``PARAM_UNIT``).
 
 v > 1 chunks per rank: p·v equal chunks of L/(p·v), as Megatron-LM requires, placed by the
 schedule's record (round-robin, or ZB-V's V, the head on rank 0: ``Plan.stage_layers``), so
@@ -251,8 +248,9 @@ class ConfigModel:
         (:func:`~autopar.planner.step.state_kib_times_d`), :math:`A_i` the kept activations
         of one micro-batch (``act_stage``: plain layers, selective layers without the
         attention core, full-recompute checkpoints, the pre section on rank 0) and
-        :math:`W_i` the working set (one layer's activations, the head and loss on the last
-        rank, with the loss's fp32 temporaries of the chosen loss strategy)."""
+        :math:`W_i` the working set (one layer's activations, the head and loss on the head's
+        rank, once per micro-batch it holds, ``head_in_flight``, with the loss's fp32
+        temporaries of the chosen loss strategy)."""
         cfg, terms, model = self.cfg, self.terms, self.model
         L, p = self.traced.num_layers, cfg.pp
         act_ub = terms.upper_bound("layer", "act")
@@ -281,7 +279,9 @@ class ConfigModel:
                                 L * act_ub * 4 + terms.upper_bound("pre", "act"))
             working = a_layer  # working set of the layer being recomputed / run
             if i == head_rank(cfg):
-                working = working + terms.expr("post", "act") + terms.expr("post", "temp")
+                heads = pipeline_schedule(cfg.schedule).head_in_flight(
+                    p, cfg.num_micro_batches, cfg.virtual_stages)
+                working = working + terms.expr("post", "act") * heads + terms.expr("post", "temp")
             limit = scaled_memory_limit(usable_bytes(self.tables.p2p_bytes, self.cluster, cfg, i), cfg)
             row = model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit)
             row.WithName(f"memory[stage {i}]")

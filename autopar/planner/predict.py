@@ -177,7 +177,8 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, cfg, l
             if section == "pre":
                 act += cost["act_bytes"]
             else:
-                held += cost["act_bytes"]  # the head and the loss, once (the output node)
+                held += cost["act_bytes"] * pipeline_schedule(cfg.schedule).head_in_flight(
+                    cfg.pp, cfg.num_micro_batches, cfg.virtual_stages)  # the head and loss
     if i == head_rank(cfg) and counts_tied_weight_once(cfg):  # both ends on this rank: one tensor
         total["params"] -= tied_param_numel(traced, tables, choice)
     return total, rec_s, act, held, working, full_layers

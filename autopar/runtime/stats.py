@@ -79,7 +79,12 @@ class SavedActivationTracker:
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         else:
             entry[0] += 1
-        return _Saved(t, key, self)
+        # detached: a saved output's grad_fn is the node holding this handle, and the cycle
+        # through C++ would keep the node and its tensors alive whenever the node is not
+        # run with retain_graph=False (a split backward's input-gradient pass: torch's
+        # own saving of outputs leaves the grad_fn out for the same reason); the detached
+        # view shares the storage and the version counter
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     def _unpack(handle):

@@ -176,10 +176,19 @@ def interleaved_order(pp: int, m: int, rank: int, v: int) -> Order:
 
 def order_in_flight(order: Order, virtual_stages: int) -> float:
     """Whole-stage micro-batches of activations a rank holds at peak when it runs ``order``:
-    the most chunk forwards whose input gradient has not yet run ("B", or "BW"), over v (a
-    split backward's W keeps less than its B frees; Qi et al. 2024, Table 1)."""
+    the most chunk forwards whose backward has not finished, over v. A backward finishes at
+    its "B" in an order without "W" blocks (a whole backward, run with
+    ``retain_graph=False``, frees each node's saved tensors as it goes), else at its "W" or
+    "BW": torch's split backward runs the input-gradient pass with ``retain_graph=True``
+    (``torch.distributed.pipelining._backward.stage_backward_input``), so a micro-batch's
+    whole graph stays until its weight-gradient pass frees it. Qi et al. 2024 (Table 1)
+    count less, a W holding only the weight gradients' inputs; on two processes the
+    saved bytes torch holds were measured equal to this count (benchmarks/
+    split_backward_memory.py)."""
+    split = any(kind == "W" for kind, _, _ in order)
+    frees = {"BW", "W"} if split else {"B", "BW"}
     held = peak = 0
     for kind, _, _ in order:
-        held += {"F": 1, "B": -1, "BW": -1}.get(kind, 0)
+        held += 1 if kind == "F" else -1 if kind in frees else 0
         peak = max(peak, held)
     return peak / virtual_stages

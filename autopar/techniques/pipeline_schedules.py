@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
@@ -113,6 +114,13 @@ class PipelineSchedule:
         under the V placement, where the first rank holds both ends of the model."""
         return self.chunk_rank(pp * virtual_stages - 1, pp, pp * virtual_stages)
 
+    def head_in_flight(self, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> int:
+        """Micro-batches whose head-and-loss activations the head rank holds at once: the
+        most forwards of the last chunk whose "B" or "BW" has not run (GPipe: m; others 1).
+        A split backward frees the loss tensors at B, the head's inputs at W (ZB-H1: see
+        its ``pinned_only``)."""
+        return _order_peaks(self.name, pp, num_micro_batches, virtual_stages)[1]
+
     def rank_chunks(self, pp: int, num_chunks: int, rank: int) -> list[int]:
         """The model chunks pipeline rank ``rank`` runs, ascending (its local order: chunk
         j of the rank's list is its j-th ``PipelineStage``)."""
@@ -175,6 +183,22 @@ class PipelineSchedule:
             raise ValueError(f"{target} cannot run pipeline schedule {self.name!r}: "
                              f"{answer.reason}")
         return answer
+
+
+@functools.lru_cache(maxsize=4096)
+def _order_peaks(name: str, pp: int, m: int, v: int) -> tuple[tuple[float, ...], int]:
+    """(each rank's :func:`order_in_flight`, :meth:`PipelineSchedule.head_in_flight`) of
+    schedule ``name``'s orders (kept: the search and the oracle ask per rank and plan)."""
+    record = pipeline_schedule(name)
+    orders = [record.order(pp, m, i, v) for i in range(pp)]
+    head = record.head_rank(pp, v)
+    chunk = record.rank_chunks(pp, pp * v, head).index(pp * v - 1)
+    held = peak = 0
+    for kind, _, c in orders[head]:
+        if c == chunk:
+            held += 1 if kind == "F" else -1 if kind in ("B", "BW") else 0
+            peak = max(peak, held)
+    return tuple(order_in_flight(order, v) for order in orders), peak
 
 
 def _no_rule(pp: int, m: int, v: int, num_layers: int | None) -> None:
@@ -263,11 +287,10 @@ _SPLIT_BACKWARD_RECOMPUTES = (
     "prices; use recompute 'selective' or 'none', or schedule='1f1b'")
 _MEGATRON_1F1B_ONLY = Refusal("Megatron-LM's pipeline runs 1F1B, interleaved with "
                               "--num-layers-per-virtual-pipeline-stage; it has no GPipe")
-_SPLIT_BACKWARD_MEMORY = (
-    "its saved activations are not yet priced as torch's split backward holds them: the "
-    "input-gradient pass retains each micro-batch's graph, and the gradients its weight "
-    "pass needs, until that weight pass (measured 1.3x to 3x the predicted saved bytes on "
-    "some stages, issue 33), so the search does not choose it; pin schedule= to run it")
+_ZB_H1_HEAD_MEMORY = (  # issue 33
+    "its head rank's saved activations are priced low: torch keeps a micro-batch's final "
+    "LayerNorm and output-layer inputs until its W, which ZB-H1 defers by up to p - 1 "
+    "micro-batches there, counted once (1.106x measured at p = 4); pin schedule= to run it")
 _MEGATRON_NO_ZERO_BUBBLE = Refusal("Megatron-LM's pipeline runs 1F1B and interleaved 1F1B; "
                                    "it has no zero-bubble schedule")
 _DEEPSPEED_1F1B_ONLY = Refusal("DeepSpeed's PipelineEngine runs its TrainSchedule (1F1B) only")
@@ -299,10 +322,9 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
     PipelineSchedule(
         name="zb_h1", title="ZB-H1", source="Qi et al. 2024, ICLR, section 3.1",
         interleaved=False, split_backward=True, rule=_zb_h1_rule,
-        in_flight=lambda p, i, m, v: one_forward_one_backward_in_flight(p, i, m),
+        in_flight=lambda p, i, m, v: _order_peaks("zb_h1", p, m, v)[0][i],
         order=zb_h1_order, runner="ScheduleInterleavedZeroBubble",
-        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
-        pinned_only=_SPLIT_BACKWARD_MEMORY,
+        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES}, pinned_only=_ZB_H1_HEAD_MEMORY,
         frameworks={"megatron": _MEGATRON_NO_ZERO_BUBBLE,
                     "torchtitan": Refusal(
                         "torchtitan builds at least 2 stages per rank for a multi-stage "
@@ -312,10 +334,9 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
     PipelineSchedule(
         name="zb_v", title="ZB-V", source="Qi et al. 2024, ICLR, section 6",
         interleaved=True, split_backward=True, placement="v", rule=_zb_v_rule,
-        in_flight=lambda p, i, m, v: order_in_flight(zb_v_order(p, m, i, v), v),
+        in_flight=lambda p, i, m, v: _order_peaks("zb_v", p, m, v)[0][i],
         order=zb_v_order, runner="ScheduleZBVZeroBubble",
         refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
-        pinned_only=_SPLIT_BACKWARD_MEMORY,
         frameworks={"megatron": _MEGATRON_NO_ZERO_BUBBLE,
                     "torchtitan": "ZBVZeroBubble",
                     "deepspeed": _DEEPSPEED_1F1B_ONLY}),
@@ -323,10 +344,9 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
         name="dualpipe_v", title="DualPipeV",
         source="DeepSeek-AI 2024, DeepSeek-V3 technical report, section 3.2.1",
         interleaved=True, split_backward=True, placement="v", rule=_dualpipe_v_rule,
-        in_flight=lambda p, i, m, v: order_in_flight(dualpipe_v_order(p, m, i, v), v),
+        in_flight=lambda p, i, m, v: _order_peaks("dualpipe_v", p, m, v)[0][i],
         order=dualpipe_v_order, runner="ScheduleDualPipeV",
         refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
-        pinned_only=_SPLIT_BACKWARD_MEMORY,
         frameworks={"megatron": Refusal("Megatron-LM's pipeline runs 1F1B and interleaved "
                                         "1F1B; it has no DualPipe"),
                     "torchtitan": "DualPipeV",

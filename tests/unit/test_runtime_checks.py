@@ -41,8 +41,10 @@ def test_unsupported_schedules_raise() -> None:
 
 
 @pytest.mark.parametrize("field, change, says", [
-    ("zero_stage", dict(zero_stage=3), "zero_stage=3 with pp > 1 (ZeRO-2/3 reduce-scatter"),
-    ("recompute", dict(zero_stage=1, recompute=["none", "offload"]), "recompute='offload'"),
+    ("zero_stage", dict(zero_stage=3, schedule="1f1b"),
+     "zero_stage=3 with pp > 1 (ZeRO-2/3 reduce-scatter"),
+    ("recompute", dict(zero_stage=1, schedule="1f1b", recompute=["none", "offload"]),
+     "recompute='offload'"),
     ("schedule", dict(zero_stage=1, schedule="zero_bubble"), "schedule='zero_bubble'"),
 ])
 def test_every_door_refuses_an_unexecutable_plan_by_the_same_rule(field, change, says):
