@@ -193,12 +193,9 @@ def _order_peaks(name: str, pp: int, m: int, v: int) -> tuple[tuple[float, ...],
     orders = [record.order(pp, m, i, v) for i in range(pp)]
     head = record.head_rank(pp, v)
     chunk = record.rank_chunks(pp, pp * v, head).index(pp * v - 1)
-    held = peak = 0
-    for kind, _, c in orders[head]:
-        if c == chunk:
-            held += 1 if kind == "F" else -1 if kind in ("B", "BW") else 0
-            peak = max(peak, held)
-    return tuple(order_in_flight(order, v) for order in orders), peak
+    head_blocks = [b for b in orders[head] if b[2] == chunk and b[0] != "W"]  # held to B
+    return (tuple(order_in_flight(order, v) for order in orders),
+            round(order_in_flight(head_blocks, 1)))
 
 
 def _no_rule(pp: int, m: int, v: int, num_layers: int | None) -> None:
