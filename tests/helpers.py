@@ -147,13 +147,17 @@ def combinations(tp: int, pp: int, dp: int, support=None) -> list[dict]:
             if r not in PIPELINE_SCHEDULES[s].refused_recompute]  # what composes
 
 
-def pairwise(cases: list[dict], factors: tuple[str, ...]) -> list[dict]:
+def pairwise(cases: list[dict], factors: tuple[str, ...], strength: int = 2) -> list[dict]:
     """A subset of ``cases`` in which every pair of values of two ``factors`` that occurs
     together in some case occurs together in a chosen one (all-pairs coverage; each
-    single value too). Greedy and deterministic: repeatedly the first case that covers
-    the most pairs not yet covered (Cohen et al. 1997, the AETG system's greedy step)."""
+    single value too). ``strength=1``: only each single value (every value of every
+    factor in some chosen case). Greedy and deterministic: repeatedly the first case that
+    covers the most pairs not yet covered (Cohen et al. 1997, the AETG system's greedy
+    step)."""
     def pairs(case: dict) -> set:
         items = [(f, case[f]) for f in factors]
+        if strength == 1:
+            return set(items)
         return {(a, b) for i, a in enumerate(items) for b in items[i + 1:]} | set(items)
 
     wanted = set().union(*(pairs(c) for c in cases))

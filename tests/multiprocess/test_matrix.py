@@ -10,9 +10,9 @@ layers into 4 chunks of one layer, pp=4 would need 8 layers), ZeRO stages, recom
 and sequence-parallel settings the runtime declares for that shape, and the optimizer. The
 full product (220 trainings at world size 4) is reduced to an all-pairs covering
 (``helpers.pairwise``: every two values of two factors that can run together do so in
-some trained case; 68 trainings): the bugs this matrix has found were interactions of two
-techniques (dropout's reproducibility: 39 combinations, the pairs of the factors that
-draw random numbers). Each chosen combination trains a 4-layer GPT (dropout 0) for 3
+some trained case; 70 trainings): the bugs this matrix has found were interactions of two
+techniques. At world size 8 (tp, pp and dp of 2) every single value runs in some trained
+combination (6 trainings). Each chosen combination trains a 4-layer GPT (dropout 0) for 3
 steps on real gloo process groups:
 
 * SGD, the gradient clipped to a global norm of CLIP_NORM (below the first two steps'
@@ -33,7 +33,8 @@ region), except under selective recompute, where they run the solver's own SP pl
 bf16 mixed precision (bf16 parameters, gradients, activations and collectives; fp32 master
 weights) runs on one combination per shape against the fp32 single-process run with the
 documented tolerance BF16_TOLERANCE. A second test turns dropout on and checks that every
-combination is reproducible from its seed (bitwise equal losses over two runs).
+combination of a pairwise covering of the shapes and the factors that draw random numbers
+(27 trainings) is reproducible from its seed (bitwise equal losses over two runs).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import pytest
 import torch
 
 import autopar
-from autopar.contract.support import RUNTIME_SUPPORT
 from autopar.models import GPT
 from autopar.planner.megatron import megatron_placements
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -166,10 +166,9 @@ def test_world4_every_pair_of_techniques_matches_single_process(shape):
 
 @pytest.mark.parametrize("shape", SHAPES_8, ids=lambda s: "tp%d-pp%d-dp%d" % s)
 def test_world8_combinations_match_single_process(shape):
-    layouts = combinations(*shape)
-    # every ZeRO stage and schedule, the recompute modes spread over them
-    chosen = [l for i, l in enumerate(layouts) if i % len(RUNTIME_SUPPORT.recompute) ==
-              (i // len(RUNTIME_SUPPORT.recompute)) % len(RUNTIME_SUPPORT.recompute)]
+    """Every value of every factor on the three-dimensional mesh (tp, pp and dp groups all
+    of size 2), in some trained combination; their pairs are trained at world size 4."""
+    chosen = pairwise(combinations(*shape), MATRIX_FACTORS, strength=1)
     runs = [(_plan_json(8, layout), "sgd") for layout in chosen]
     per_rank = run_distributed(_matrix_worker, 8, runs, timeout_s=900)
     _check_matrix(per_rank, 1e-5, {"sgd": 1e-5})
@@ -205,16 +204,17 @@ def _dropout_worker(rank: int, world: int, plans: list[str]):
     return results
 
 
-@pytest.mark.parametrize("shape", SHAPES_4, ids=lambda s: "tp%d-pp%d-dp%d" % s)
-def test_world4_dropout_is_reproducible_from_the_seed(shape):
+def test_world4_dropout_is_reproducible_from_the_seed():
     """Dropout on (Megatron's tracked RNG): the same seed repeats the losses bitwise on
-    every rank, for every pair of schedule, v, recompute and SP values; another seed
-    changes them."""
+    every rank, for every pair of values of the shape, schedule, v, recompute and SP;
+    another seed changes them."""
     # ZeRO shards optimizer states and gradients and draws no random numbers: the pairs of
-    # the factors that change which masks are drawn, and when
-    rng_factors = tuple(f for f in MATRIX_FACTORS if f != "zero_stage")
-    plans = [_plan_json(4, layout, DROPOUT_CONFIG)
-             for layout in pairwise(combinations(*shape), rng_factors)]
+    # the factors that change which masks are drawn, and when, the (tp, pp, dp) shape one
+    # of them
+    rng_factors = ("shape",) + tuple(f for f in MATRIX_FACTORS if f != "zero_stage")
+    cases = [dict(layout, shape=shape) for shape in SHAPES_4 for layout in combinations(*shape)]
+    plans = [_plan_json(4, {k: v for k, v in case.items() if k != "shape"}, DROPOUT_CONFIG)
+             for case in pairwise(cases, rng_factors)]
     per_rank = run_distributed(_dropout_worker, 4, plans, timeout_s=900)
     for rank, results in enumerate(per_rank):
         for k, (layout, runs) in enumerate(results):

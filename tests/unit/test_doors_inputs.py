@@ -30,6 +30,7 @@ from autopar.cli import commands as cli
 from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model
 from autopar.contract.support import check_pins
+from autopar.techniques.pipeline_schedules import PIPELINE_SCHEDULES
 from cost_models.hardware import Cluster
 
 PROPERTY = settings(max_examples=1500, deadline=None, derandomize=True, database=None,
@@ -43,7 +44,7 @@ ints = st.sampled_from([None] * 8 + [1, 1, 2, 2, 4, 3, 0, -1, True, False, 2.0, 
 @PROPERTY
 @given(tp=ints, pp=ints, dp=ints, mbs=ints, zero=ints,
        recompute=st.sampled_from([None] * 4 + ["none", "full", "selective", "all", 1]),
-       schedule=st.sampled_from([None] * 4 + ["1f1b", "gpipe", "interleaved_1f1b", "zb", 0]),
+       schedule=st.sampled_from([None] * 4 + [*PIPELINE_SCHEDULES, "zb", 0]),
        v=ints, sp=st.sampled_from([None] * 4 + [True, False, 1, "yes"]),
        dtype=st.sampled_from([None] * 4 + ["bf16", "fp32", "fp16"]))
 def test_layout_door(door_counts, tp, pp, dp, mbs, zero, recompute, schedule, v, sp, dtype):
@@ -84,7 +85,7 @@ FLAG_VALUES = st.sampled_from(["-1", "0", "1", "2", "3", "4", "8", "x", "2.5", "
 FLAGS = {"--tp": FLAG_VALUES, "--pp": FLAG_VALUES, "--dp": FLAG_VALUES, "--mbs": FLAG_VALUES,
          "--zero-stage": st.sampled_from(["0", "1", "2", "3", "4", "-1"]),
          "--recompute": st.sampled_from(["none", "full", "selective", "some"]),
-         "--schedule": st.sampled_from(["1f1b", "gpipe", "interleaved_1f1b", "zb"]),
+         "--schedule": st.sampled_from([*PIPELINE_SCHEDULES, "zb"]),
          "--virtual-stages": FLAG_VALUES,
          "--seq-len": st.sampled_from(["8", "16", "17", "64", "0", "-4"]),
          "--dtype": st.sampled_from(["bf16", "fp32", "fp8"]),
@@ -143,7 +144,7 @@ def assert_typed_failure(code: int, err: str, verb: str) -> None:
     assert lines and lines[-1].startswith(("autopar " + verb, "usage:", "autopar: error")), err
 
 
-@settings(max_examples=1000, deadline=None, derandomize=True, database=None,
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(flags=st.dictionaries(st.sampled_from(sorted(FLAGS)), st.just(None), max_size=4)
        .flatmap(lambda d: st.fixed_dictionaries({k: FLAGS[k] for k in d})),
