@@ -47,7 +47,7 @@ from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
-from autopar.runtime.fsdp import FULLY_SHARDED_STAGE
+from autopar.techniques.zero_stages import zero_stage
 from autopar.runtime.full_state import gather_full
 from autopar.runtime.materialize import InitFn, Initializer, on_meta
 from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_shards,
@@ -273,7 +273,7 @@ def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for name, b in local_model.named_buffers(remove_duplicate=False):
         buffers.setdefault(id(b), (name, b))
-    if plan.zero_stage == FULLY_SHARDED_STAGE:
+    if zero_stage(plan.zero_stage).shards_parameters:  # FSDP2 keeps fp32 shards
         cast_floating(local_model, torch.float32)
     keys = ModelKeys(
         parameters=frozenset(n for n, _ in local_model.named_parameters(remove_duplicate=False)),
@@ -310,7 +310,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     tied_names = [name for name, spec in shards.items() if spec.key in tied_keys]
     partial_names = [name for name, p in named.items() if id(p) in program.partial_grad_params]
     tp_sharded = [name for name, spec in shards.items() if spec.dim is not None]
-    zero3 = plan.zero_stage == FULLY_SHARDED_STAGE
+    zero3 = zero_stage(plan.zero_stage).shards_parameters
     where = dict(tp_rank=groups.tp_rank, tp=plan.tp, buffer_keys=local.buffer_keys(module))
     if init is not None and not zero3:
         _agreed(lambda: materialize_shards(module, shards, init, **where), groups)

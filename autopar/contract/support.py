@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from autopar.contract.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
                                                    pipeline_schedule)
+from autopar.techniques.zero_stages import ZERO_STAGE_RECORDS, zero_stage
 
 __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "Unsupported", "unsupported", "check_executable",
            "check_pins",
@@ -28,9 +29,10 @@ __all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "Unsupported", "unsupported", "c
 
 # Defined here, not in the runtime, so that planning loads no torch.distributed code
 # (autopar.runtime.zero and autopar.runtime.fsdp import them from here).
-EXECUTED_ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+EXECUTED_ZERO_STAGES: tuple[int, ...] = tuple(
+    s for s, r in ZERO_STAGE_RECORDS.items() if r.runner.endswith(".DistributedOptimizer"))
 """ZeRO stages :class:`autopar.runtime.zero.DistributedOptimizer` executes (0: plain DP)."""
-FULLY_SHARDED_STAGE = 3
+FULLY_SHARDED_STAGE: int = next(s for s, r in ZERO_STAGE_RECORDS.items() if r.shards_parameters)
 """The ZeRO stage :class:`autopar.runtime.fsdp.FullyShardedOptimizer` (FSDP2) executes."""
 
 
@@ -192,8 +194,8 @@ class RuntimeSupport:
         With :attr:`ddp_1d_only`, ZeRO-0 over ``dp`` > 1 ranks only at ``tp`` = ``pp`` = 1
         (maybe none is left: that mesh is not executable)."""
         piped = self.pipeline_zero_stages if pp > 1 and self.pipeline_zero_stages else None
-        return tuple(z for z in self.zero_stages if not (z >= 2 and pp > 1) and not (
-            self.ddp_1d_only and z == 0 and dp > 1 and (tp > 1 or pp > 1))
+        return tuple(z for z in self.zero_stages if zero_stage(z).problem(pp) is None and not (
+            self.ddp_1d_only and not zero_stage(z).shards_optimizer and dp > 1 and (tp > 1 or pp > 1))
             and (piped is None or z in piped))
 
     def dtype_for(self, dtype: str, tp: int, pp: int, dp: int) -> str:
@@ -250,11 +252,9 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
     if layout.zero_stage is not None and layout.pp is not None and \
             layout.zero_stage not in support.zero_stages_for(layout.pp, layout.tp or 1,
                                                              layout.dp or 1):
-        if layout.zero_stage >= 2:
-            raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: ZeRO-2/3 "
-                             "reduce-scatter after every micro-batch, which the runtime runs "
-                             "only without pipelining (as DeepSpeed); pin zero_stage 0 or 1, "
-                             "or pp=1")
+        problem = zero_stage(layout.zero_stage).problem(layout.pp)
+        if problem:
+            raise ValueError(f"zero_stage={layout.zero_stage} with pp={layout.pp}: {problem}")
         raise ValueError(f"zero_stage=0 with tp={layout.tp} pp={layout.pp} dp={layout.dp}: "
                          f"{support.name} runs plain data parallelism only without TP and PP; "
                          "pin zero_stage=3 with pp=1, or dp=1")
@@ -292,8 +292,9 @@ class Unsupported:
 def _mesh_rule(plan) -> str:
     """Why a ZeRO stage the runner has is excluded on ``plan``'s mesh
     (:meth:`RuntimeSupport.zero_stages_for`), for :attr:`Unsupported.why`."""
-    if plan.zero_stage >= 2 and plan.pp > 1:
-        return " with pp > 1 (ZeRO-2/3 reduce-scatter after every micro-batch: pp = 1 only)"
+    problem = zero_stage(plan.zero_stage).problem(plan.pp)
+    if problem:
+        return f" with pp > 1 ({problem})"
     return f" with tp={plan.tp} pp={plan.pp} dp={plan.dp}"
 
 

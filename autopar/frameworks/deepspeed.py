@@ -32,6 +32,7 @@ import json
 from autopar.frameworks.targets import FrameworkRun, outside_target
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import schedule_for
+from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["deepspeed_config", "read_deepspeed_config", "LAYER_CLASS"]
 
@@ -123,7 +124,7 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
             raise ValueError(f"data_types.grad_accum_dtype {accum!r}, communication_data_type "
                              f"{reduce!r} under bf16: autopar prices bf16 gradients reduced in "
                              "bf16 (DeepSpeed's defaults); drop them or set both to \"bf16\"")
-        if p > 1 and zero == 0:
+        if p > 1 and not zero_stage(zero).shards_optimizer:
             raise ValueError("zero_optimization.stage 0 under a pipeline with bf16: DeepSpeed "
                              "runs BF16_Optimizer (sharded fp32 master weights, a third "
                              "gradient copy), which autopar does not price; use stage 1")

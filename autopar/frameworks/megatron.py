@@ -61,6 +61,7 @@ from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, out
 from autopar.models import pad_vocab_size
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import default_schedule
+from autopar.techniques.zero_stages import zero_stage
 from autopar.contract.stages import equal_chunks
 from autopar.contract.support import plan_grad_dtype
 
@@ -368,7 +369,8 @@ def megatron_args(plan) -> list[str]:
         k = megatron_block_layers(plan.recompute, plan.stage_layers)
         out += ["--recompute-granularity", "full", "--recompute-method", "block",
                 "--recompute-num-layers", str(k)]
-    out += ["--use-distributed-optimizer"] if plan.zero_stage == 1 else []
+    zero = zero_stage(plan.zero_stage)  # the distributed optimizer when it shards
+    out += [zero.frameworks["megatron"]] if zero.shards_optimizer else []
     if plan.dtype == "bf16":
         out += ["--bf16"] + (["--grad-reduce-in-bf16"]
                              if plan_grad_dtype(plan) == "bf16" else [])

@@ -34,6 +34,7 @@ from autopar.frameworks.targets import (FrameworkRun, outside_target, target_sup
                                         torchrun_line)
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import pipeline_schedule, schedule_for
+from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",
            "FLAVOR"]
@@ -128,7 +129,7 @@ def torchtitan_toml(plan) -> str:
     if problem:
         raise ValueError(problem)
     flavor, args = torchtitan_model_args(plan)
-    fsdp = plan.zero_stage == 3
+    fsdp = zero_stage(plan.zero_stage).shards_parameters
     sections = {
         "job": {"description": f"autopar plan for {plan.model} on {plan.num_gpus} GPUs, "
                                f"predicted step {plan.predicted.step_time_s:.3f} s"},

@@ -16,6 +16,7 @@ from autopar.contract.plan import COMM_KINDS, rank_layers
 from autopar.planner.cost_tables import CostTables, state_bytes
 from autopar.planner.step import head_rank, tied_param_numel
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.zero_stages import zero_stage
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 
 __all__ = ["stage_stats", "dp_comm_bytes", "fsdp_units"]
@@ -59,11 +60,11 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
                  for n in traced.layers[l]]
         names += (traced.pre if i == 0 else []) + (traced.post if i == head_rank(cfg) else [])
         sizes = _partial_grad_param_sizes(traced, strategies, decision.strategy, names)
-        if decision.zero_stage == 3:  # once per step, on the fp32 DP shards FSDP2 keeps
+        zero = zero_stage(decision.zero_stage)
+        if zero.shards_parameters:  # once per step, on the fp32 DP shards FSDP2 keeps
             comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
-        else:  # ZeRO-2 frees the gradients after each micro-batch
-            times = m if decision.zero_stage == 2 else 1
-            comm["tp_all_reduce"] += times * grad_b * sum(sizes)
+        else:  # before the gradients leave: each micro-batch under ZeRO-2
+            comm["tp_all_reduce"] += zero.gradient_reductions(m) * grad_b * sum(sizes)
     comm.update(dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
                                fsdp_units(traced, strategies, decision, cfg)))
     if head_rank(cfg) != 0 and i in (0, head_rank(cfg)):  # the tied pair on two ranks
@@ -117,15 +118,16 @@ def dp_comm_bytes(params: float, zero: int, cfg, param_b: int, grad_b: int,
     d = cfg.dp
     if d == 1:
         return {}
-    if zero == 3:
+    record = zero_stage(zero)
+    if record.shards_parameters:
         layers, root = units
         m = cfg.num_micro_batches
         return {"dp_all_gather": m * param_b * (2 * sum(layers) + root),
                 "dp_reduce_scatter": m * grad_b * d * (sum(layers) + root)}
-    if zero == 0:
+    if record.gradient_collective == "all_reduce":
         return {"dp_all_reduce": grad_b * params}
     padded = math.ceil(round(params) / d) * d
-    times = cfg.num_micro_batches if zero == 2 else 1
+    times = record.gradient_reductions(cfg.num_micro_batches)
     return {"dp_reduce_scatter": times * grad_b * padded, "dp_all_gather": param_b * padded / d}
 
 
@@ -137,7 +139,7 @@ def fsdp_units(traced: TracedModel, strategies: NodeStrategies, decision, cfg
     by FSDP2 along dim 0, padded to a multiple of d: its shard is ceil(dim0/d) * numel/dim0
     elements of its TP-local shape (column/vocab split dim 0 by t, row splits the weight's
     dim 1 and keeps the bias whole, as ``rewrite.tensor_parallel`` does)."""
-    if decision.zero_stage != 3:
+    if not zero_stage(decision.zero_stage).shards_parameters:
         return None
     d, t = cfg.dp, cfg.tp
     seen: set[tuple[str, int | None]] = set()

@@ -15,6 +15,7 @@ from autopar.planner.cost_tables import Config
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, default_schedule,
                                                    pipeline_schedule)
+from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["candidate_configs", "validate_layout", "no_config_message", "MAX_MICRO_BATCH_SIZE"]
 
@@ -104,9 +105,9 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
             zeros = support.zero_stages_for(pp, tp, dp) if support is not None else None
             if zeros is not None and layout.zero_stage is not None and \
                     layout.zero_stage not in zeros:
-                why.setdefault("zero", f"zero_stage={layout.zero_stage} runs only with pp=1 "
-                                       "(ZeRO-2/3 reduce-scatter after every micro-batch)"
-                               if layout.zero_stage >= 2 else
+                problem = zero_stage(layout.zero_stage).problem(pp)
+                why.setdefault("zero", f"zero_stage={layout.zero_stage} with pp={pp}: {problem}"
+                               if problem else
                                f"zero_stage=0 with tp or pp > 1: {support.name} runs plain "
                                "data parallelism only without TP and PP")
                 continue

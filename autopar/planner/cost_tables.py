@@ -38,6 +38,7 @@ from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispa
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE
+from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
            "StateBytes", "state_bytes", "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
@@ -148,12 +149,13 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
         return 0.0
     b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
     per_param = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg, b.reduce)
-    if zero_stage in (1, 2):  # gloo reduce-scatters as a whole all-reduce (LinkSpec)
-        rs = _bucketed_s_per_param(comm.reduce_scatter_time_s, cluster, cfg, b.reduce)
-        return rs * (cfg.num_micro_batches if zero_stage == 2 else 1)
-    if zero_stage == 3:  # two all-gathers (an all-reduce's half each) and a reduce-scatter
+    zero = zero_stage_record(zero_stage)
+    if zero.shards_parameters:  # two all-gathers (an all-reduce's half each), a reduce-scatter
         gather = _bucketed_s_per_param(comm.all_reduce_time_s, cluster, cfg, b.gather)
         return (gather + 0.5 * per_param) * cfg.num_micro_batches
+    if zero.gradient_collective == "reduce_scatter":  # gloo: as a whole all-reduce (LinkSpec)
+        rs = _bucketed_s_per_param(comm.reduce_scatter_time_s, cluster, cfg, b.reduce)
+        return rs * zero.gradient_reductions(cfg.num_micro_batches)
     return per_param
 
 
@@ -174,7 +176,7 @@ def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> flo
     (:meth:`autopar.runtime.zero.DistributedOptimizer.step`)."""
     dev = cluster.device
     per_param = compute.memory_bound_time_s(dev.optimizer_bytes_per_param, dev)
-    if zero_stage == 0 or cfg.dp == 1:
+    if not zero_stage_record(zero_stage).shards_optimizer or cfg.dp == 1:
         return per_param
     gather = (_bucketed_s_per_param(comm.all_gather_time_s, cluster, cfg,
                                     state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage).gather)
@@ -230,11 +232,12 @@ def dp_latency_s(zero_stage: int, cluster: Cluster, cfg: Config, num_layers: int
     link = comm.group_link(cluster, cfg.dp, cfg.tp)
     gather, reduce_scatter = (comm.ring_latency_s(kind, cfg.dp, link)
                               for kind in ("all_gather", "reduce_scatter"))
-    if zero_stage == 3:
+    zero = zero_stage_record(zero_stage)
+    if zero.shards_parameters:
         return cfg.num_micro_batches * (num_layers + 1) * (2 * gather + reduce_scatter)
-    if zero_stage == 0:
+    if zero.gradient_collective == "all_reduce":
         return comm.ring_latency_s("all_reduce", cfg.dp, link)
-    return gather + reduce_scatter * (cfg.num_micro_batches if zero_stage == 2 else 1)
+    return gather + reduce_scatter * zero.gradient_reductions(cfg.num_micro_batches)
 
 
 def step_end_s(traced: TracedModel, tables: CostTables, cluster: Cluster, cfg: Config) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.contract.plan import grad_dtype_of
+from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
 __all__ = ["StateBytes", "state_bytes", "bytes_per_param"]
 
@@ -44,7 +45,7 @@ def state_bytes(dtype: str, grad_dtype: str | None = None, zero_stage: int = 0) 
         return StateBytes(4, 4, 8, 4, 4)
     if grad_dtype_of(dtype, grad_dtype) == "bf16":
         return StateBytes(2, 2, 12, 2, 2)
-    if zero_stage == 3:
+    if zero_stage_record(zero_stage).shards_parameters:  # FSDP2's fp32 shard is the master
         return StateBytes(4, 4, 8, 2, 4)
     return StateBytes(2, 4, 12, 2, 4)
 

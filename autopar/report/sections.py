@@ -13,6 +13,7 @@ Nothing here solves or prices anything.
 from __future__ import annotations
 
 
+from autopar.techniques.zero_stages import zero_stage
 from autopar.contract.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.contract.plan_memory import binding_stage, reserve_parts
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
@@ -67,7 +68,7 @@ def layout_section(plan: Plan) -> list[str]:
         ["micro-batches per step m", f"{plan.num_micro_batches}"],
         ["pipeline schedule", f"{plan.schedule}" + (f" (v={plan.virtual_stages})"
                                                     if plan.virtual_stages > 1 else "")],
-        ["ZeRO stage", f"{plan.zero_stage}"],
+        ["ZeRO stage", zero_stage(plan.zero_stage).title],
         ["activation recompute", _recompute_summary(plan.recompute)],
     ]
     lines = ["## Chosen plan", "", f"`{plan.headline()}`", ""]

@@ -58,10 +58,11 @@ from autopar.runtime.health import (NonFiniteError, as_collective_error, check_s
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
-from autopar.runtime.fsdp import FULLY_SHARDED_STAGE, FullyShardedOptimizer
+from autopar.runtime.fsdp import FullyShardedOptimizer
 from autopar.runtime.zero import DistributedOptimizer
 from autopar.contract.support import check_positive_ints, pipeline_problem
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES, SCHEDULES
+from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
 
 
@@ -175,11 +176,13 @@ class ParallelModule(nn.Module):
                             hidden_size=hidden_size)
         chunks = list(stage_module) if isinstance(stage_module, nn.ModuleList) else [stage_module]
         _check_schedule(schedule, groups.pp, num_micro_batches, len(chunks))
-        if zero_stage >= 2 and groups.pp > 1:
-            raise ValueError(f"ZeRO-{zero_stage} reduces gradients after every micro-batch, "
-                             "which the pipeline schedule does not expose (as in DeepSpeed, "
-                             "ZeRO-2/3 are not combined with pipeline parallelism); use "
-                             "zero_stage=1 with pp > 1")
+        zero = zero_stage_record(zero_stage)
+        if zero.problem(groups.pp):
+            raise ValueError(zero.problem(groups.pp))
+        # ZeRO-2's gradients leave each micro-batch: their sums over TP come first, each
+        # micro-batch; FSDP2 (ZeRO-3) sums its gradient shards once per step
+        self._partial_sums_each_micro_batch = (zero.reduces_each_micro_batch
+                                               and not zero.shards_parameters)
         self.stage_module = stage_module
         self.chunks = chunks
         self.groups = groups
@@ -189,7 +192,7 @@ class ParallelModule(nn.Module):
         self._stats: dict = {}
         self.steps_done = 0  # optimizer steps taken (restored by a checkpoint)
         self.tied_parameters = self._find_tied(tied_parameter_names)
-        if zero_stage == FULLY_SHARDED_STAGE:
+        if zero.shards_parameters:
             self.dp_optimizer = FullyShardedOptimizer(
                 stage_module, optimizer_factory,
                 dp_mesh=groups.device_mesh["dp"] if groups.device_mesh is not None else None,
@@ -263,7 +266,7 @@ class ParallelModule(nn.Module):
         for mb_idx, mb_targets in zip(idx.split(self.micro_batch_size), targets.split(self.micro_batch_size)):
             loss = self.loss_fn(self.stage_module(mb_idx), mb_targets)  # (b, s, V) -> scalar
             (loss / m).backward()
-            if self.dp_optimizer.zero_stage == 2:  # gradients leave after each micro-batch
+            if self._partial_sums_each_micro_batch:
                 self._sync_partial_grads()
             self.dp_optimizer.micro_batch_done()
             total += loss.detach().double()
@@ -300,10 +303,11 @@ class ParallelModule(nn.Module):
                 # pair follow it (they commute with it on the whole gradient). ZeRO-1/2 own
                 # shards of buffers laid out per stage: the sums come first, on whole tensors
                 # of the deferred buckets, which reduce_gradients then reduce-scatters.
-                dp_first = self.dp_optimizer.zero_stage == 0
+                dp_first = zero_stage_record(self.dp_optimizer.zero_stage).gradient_collective \
+                    == "all_reduce"
                 if dp_first:
                     self.dp_optimizer.reduce_gradients()
-                if self.dp_optimizer.zero_stage != 2:
+                if not self._partial_sums_each_micro_batch:
                     self._sync_partial_grads()
                 self._sync_tied_grads()
                 if not dp_first:

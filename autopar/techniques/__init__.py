@@ -5,4 +5,5 @@ refusal). The cost model, planner, runtime, report and frameworks read the recor
 instead of comparing names.
 
 * :mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV.
+* :mod:`autopar.techniques.zero_stages`: ZeRO-0 (replicated), ZeRO-1, ZeRO-2, ZeRO-3 (FSDP2).
 """

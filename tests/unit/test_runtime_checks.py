@@ -42,7 +42,7 @@ def test_unsupported_schedules_raise() -> None:
 
 @pytest.mark.parametrize("field, change, says", [
     ("zero_stage", dict(zero_stage=3, schedule="1f1b"),
-     "zero_stage=3 with pp > 1 (ZeRO-2/3 reduce-scatter"),
+     "zero_stage=3 with pp > 1 (ZeRO-3 reduce-scatters gradients after every"),
     ("recompute", dict(zero_stage=1, schedule="1f1b", recompute=["none", "offload"]),
      "recompute='offload'"),
     ("schedule", dict(zero_stage=1, schedule="zero_bubble"), "schedule='zero_bubble'"),
