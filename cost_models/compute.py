@@ -203,5 +203,5 @@ def gpt_model_flops(
     h = check_positive("hidden_size", hidden_size)
     v = check_positive("vocab_size", vocab_size)
     check_choice("recompute", recompute, RECOMPUTE_MODES)
-    factor = 96.0 if recompute == "full" else 72.0
+    factor = {"none": 72.0, "selective": 72.0, "full": 96.0}[recompute]  # c, per the above
     return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))

@@ -82,11 +82,11 @@ def transformer_layer_activation_bytes(
         raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
     check_choice("recompute", recompute, RECOMPUTE_MODES)
     sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
     linear_part = 34 / t if sequence_parallel else 10 + 24 / t
-    attention_core = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
-    return sbh * (linear_part + attention_core)
+    attention_core = 5 * a * s / (h * t)
+    table_2 = {"none": sbh * (linear_part + attention_core), "selective": sbh * linear_part,
+               "full": 2 * sbh / (t if sequence_parallel else 1)}  # the rows above
+    return table_2[recompute]
 
 
 def _stage_args(pp: int, stage: int, num_micro_batches: int) -> tuple[int, int, int]:

@@ -32,6 +32,7 @@ import json
 from autopar.frameworks.targets import FrameworkRun, outside_target
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import schedule_for
+from autopar.techniques.recompute_modes import recompute_mode, recompute_mode_for
 from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["deepspeed_config", "read_deepspeed_config", "LAYER_CLASS"]
@@ -48,7 +49,8 @@ def deepspeed_config(plan) -> dict:
     problem = outside_target(plan, "deepspeed")
     if problem:
         raise ValueError(problem)
-    full = "full" in plan.recompute
+    # one mode on every layer (the target's uniform recompute): its checkpoint interval
+    interval = int(recompute_mode(plan.recompute[0]).frameworks["deepspeed"])
     config = {"train_batch_size": plan.global_batch_size,
               "train_micro_batch_size_per_gpu": plan.micro_batch_size,
               "gradient_accumulation_steps": plan.num_micro_batches,
@@ -58,14 +60,14 @@ def deepspeed_config(plan) -> dict:
         config |= {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
     if plan.pp > 1:
         config["pipeline"] = {"stages": plan.pp, "partition": f"type:{LAYER_CLASS}",
-                              "activation_checkpoint_interval": int(full)}
+                              "activation_checkpoint_interval": interval}
         model_side = [f"model = deepspeed.pipe.PipelineModule(layers=<embedding, {LAYER_CLASS} "
                       f"layers, head>, num_stages={plan.pp}, partition_method="
-                      f"'type:{LAYER_CLASS}', activation_checkpoint_interval={int(full)}, "
+                      f"'type:{LAYER_CLASS}', activation_checkpoint_interval={interval}, "
                       "loss_fn=<loss>)"]
     else:
         model_side = ["model = <the model>"]
-        if full:
+        if interval:
             model_side = ["deepspeed.checkpointing.configure(None, deepspeed_config=<this file>)",
                           f"in the model's forward, each {LAYER_CLASS}: x = "
                           "deepspeed.checkpointing.checkpoint(layer, x)"] + model_side
@@ -74,7 +76,7 @@ def deepspeed_config(plan) -> dict:
     config |= {"steps_per_print": 10,
                "autopar": {"plan": f"tp={plan.tp} pp={plan.pp} dp={plan.dp} "
                                    f"mbs={plan.micro_batch_size} zero={plan.zero_stage}",
-                           "recompute": "full" if full else "none",
+                           "recompute": plan.recompute[0],
                            "model_side": model_side,
                            "predicted_step_time_s": round(plan.predicted.step_time_s, 6)}}
     return config
@@ -114,7 +116,8 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
         raise ValueError("give train_batch_size and gradient_accumulation_steps, or the GPUs")
     interval = pipe.get("activation_checkpoint_interval", 0)
     if p == 1 and not interval:
-        interval = int(config.get("autopar", {}).get("recompute") == "full")
+        written = config.get("autopar", {}).get("recompute", "none")  # what autopar emitted
+        interval = int(recompute_mode(written).recomputes_layer)
     bf16 = bool(config.get("bf16", {}).get("enabled"))
     zero = config.get("zero_optimization", {}).get("stage", 0)
     if bf16:
@@ -133,7 +136,7 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
                          "and 1 (every layer)")
     dtype = "bf16" if bf16 else "fp32"
     layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b, zero_stage=zero,
-                    recompute="full" if interval else "none",
+                    recompute=recompute_mode_for("deepspeed", str(interval)).name,
                     schedule=schedule_for("deepspeed", "TrainSchedule").name,
                     virtual_stages=1, sequence_parallel=False,
                     dtype=dtype, grad_dtype=dtype)

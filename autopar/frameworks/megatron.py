@@ -61,12 +61,15 @@ from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, out
 from autopar.models import pad_vocab_size
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import default_schedule
+from autopar.techniques.recompute_modes import mode_recomputing, recompute_mode, recompute_mode_for
 from autopar.techniques.zero_stages import zero_stage
 from autopar.contract.stages import equal_chunks
 from autopar.contract.support import plan_grad_dtype
 
 __all__ = ["read_megatron_args", "megatron_args", "format_megatron_args", "parse_pp_layout",
            "pp_layout", "ATTENTION_BACKENDS"]
+# the recompute modes by what they recompute (their answers: Megatron-LM's granularities)
+_NOTHING, _CORE, _LAYER = (mode_recomputing(w) for w in ("nothing", "attention_core", "layer"))
 
 _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-batch-size",
         "global-batch-size", "num-layers", "hidden-size", "num-attention-heads",
@@ -171,22 +174,22 @@ def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | 
     method = flags.get("recompute-method") or flags.get("activations-checkpoint-method")
     k = flags.get("recompute-num-layers") or flags.get("activations-checkpoint-num-layers")
     if granularity is None and flags.get("recompute-activations"):
-        granularity = "selective"
+        granularity = _CORE.frameworks["megatron"]
     if granularity is None and (flags.get("checkpoint-activations")
                                 or "activations-checkpoint-method" in flags):
-        granularity = "full"
+        granularity = _LAYER.frameworks["megatron"]
         ignored.append("--activations-checkpoint-method / --checkpoint-activations: the 2021 "
-                       "names, read as --recompute-granularity full")
-    if granularity not in (None, "full", "selective"):
-        raise ValueError(f"--recompute-granularity {granularity}: expected full or selective")
-    if granularity == "full" and method not in ("uniform", "block"):
-        raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
-                         f"block (got {method}); Megatron-LM refuses it without")
-    if granularity == "full" and method == "block" and k is None:
+                       f"names, read as --recompute-granularity {granularity}")
+    # ValueError naming Megatron-LM's granularities for another
+    mode = recompute_mode_for("megatron", granularity or _NOTHING.frameworks["megatron"])
+    if mode.recomputes_layer and method not in ("uniform", "block"):
+        raise ValueError(f"--recompute-granularity {granularity} needs --recompute-method "
+                         f"uniform or block (got {method}); Megatron-LM refuses it without")
+    if mode.recomputes_layer and method == "block" and k is None:
         raise ValueError("--recompute-method block needs --recompute-num-layers; Megatron-LM "
                          "refuses it without (TransformerConfig: recompute_num_layers must "
                          "be between 1 and the layers per stage)")
-    return granularity or "none", method, k
+    return mode.name, method, k
 
 
 def _refuse_unpriced(flags: dict, unknown: list[str]) -> None:
@@ -203,7 +206,7 @@ def _refuse_unpriced(flags: dict, unknown: list[str]) -> None:
         raise ValueError(f"{fp8[0]}: FP8 training is not priced by autopar yet (it prices "
                          "bf16); drop the --fp8-* flags to price the bf16 run")
     modules = flags.get("recompute-modules")
-    selective = flags.get("recompute-granularity") == "selective" or (
+    selective = flags.get("recompute-granularity") == _CORE.frameworks["megatron"] or (
         "recompute-granularity" not in flags and flags.get("recompute-activations"))
     if modules is not None and selective and modules != ["core_attn"]:
         raise ValueError(f"--recompute-modules {' '.join(modules)}: autopar prices selective "
@@ -242,14 +245,14 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
         v = len(counts) // p
     stages = _stages(flags, L, p, v, counts)
     granularity, method, k = _recompute(flags, ignored)
-    recompute, per_layer = (granularity if granularity != "full" or method == "uniform"
-                            else None), None
+    recompute, per_layer = (granularity if not recompute_mode(granularity).recomputes_layer
+                            or method == "uniform" else None), None
     if recompute is None:  # block: the first k layers of every chunk (Megatron-LM)
         chunks = stages or equal_chunks(L, p * v)
-        per_layer = ["none"] * L
+        per_layer = [_NOTHING.name] * L
         for lo, hi in chunks:
             for layer in range(lo, min(hi, lo + (k or 0))):
-                per_layer[layer] = "full"
+                per_layer[layer] = _LAYER.name
     dtype = "bf16" if flags.get("bf16") or flags.get("fp16") else "fp32"
     attention = _attention(flags.get("attention-backend", "auto"), dtype)
     # arguments.py validate_args: under --bf16, fp32 main grads reduced in fp32 unless
@@ -360,15 +363,15 @@ def megatron_args(plan) -> list[str]:
         counts = [hi - lo for lo, hi in plan.stage_layers]
         out += ["--pipeline-model-parallel-layout", pp_layout(counts)]
     modes = set(plan.recompute)
-    if modes == {"selective"}:
-        out += ["--recompute-granularity", "selective"]
-    elif modes == {"full"}:
-        out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                "--recompute-num-layers", "1"]
-    elif "full" in modes:
+    if modes == {_CORE.name}:
+        out += ["--recompute-granularity", _CORE.frameworks["megatron"]]
+    elif modes == {_LAYER.name}:
+        out += ["--recompute-granularity", _LAYER.frameworks["megatron"], "--recompute-method",
+                "uniform", "--recompute-num-layers", "1"]
+    elif _LAYER.name in modes:
         k = megatron_block_layers(plan.recompute, plan.stage_layers)
-        out += ["--recompute-granularity", "full", "--recompute-method", "block",
-                "--recompute-num-layers", str(k)]
+        out += ["--recompute-granularity", _LAYER.frameworks["megatron"], "--recompute-method",
+                "block", "--recompute-num-layers", str(k)]
     zero = zero_stage(plan.zero_stage)  # the distributed optimizer when it shards
     out += [zero.frameworks["megatron"]] if zero.shards_optimizer else []
     if plan.dtype == "bf16":

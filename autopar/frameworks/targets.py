@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from autopar.contract.plan import Layout, recompute_counts
 from autopar.contract.support import unsupported
 from autopar.targets import FRAMEWORKS, TARGETS, target_support
+from autopar.techniques.recompute_modes import mode_recomputing
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support", "FrameworkRun", "outside_target",
            "megatron_block_layers", "torchrun_line"]
@@ -64,13 +65,14 @@ def megatron_block_layers(recompute: list[str], stage_layers: list[list[int]]) -
     """k when ``recompute`` is Megatron's block method over ``stage_layers``: full on the
     first min(k, n) layers of every chunk and "none" elsewhere (k = 0: no recompute); None
     when it is not (a mix of granularities, or a full layer after a plain one)."""
-    if set(recompute) - {"none", "full"}:
+    nothing, layer = mode_recomputing("nothing").name, mode_recomputing("layer").name
+    if set(recompute) - {nothing, layer}:
         return None
     counts = []
     for lo, hi in stage_layers:
         modes = recompute[lo:hi]
-        k = modes.count("full")
-        if modes != ["full"] * k + ["none"] * (len(modes) - k):
+        k = modes.count(layer)
+        if modes != [layer] * k + [nothing] * (len(modes) - k):
             return None
         counts.append((k, hi - lo))
     k = max((c for c, _ in counts), default=0)

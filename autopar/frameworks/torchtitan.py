@@ -34,6 +34,8 @@ from autopar.frameworks.targets import (FrameworkRun, outside_target, target_sup
                                         torchrun_line)
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import pipeline_schedule, schedule_for
+from autopar.techniques.recompute_modes import (framework_recompute_modes, recompute_mode,
+                                                recompute_mode_for)
 from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["torchtitan_toml", "read_torchtitan_toml", "torchtitan_model_args", "ffn_hidden_size",
@@ -145,7 +147,8 @@ def torchtitan_toml(plan) -> str:
                         "pipeline_parallel_degree": plan.pp,
                         "pipeline_parallel_schedule": pipeline_schedule(plan.schedule).framework_name("torchtitan"),
                         "pipeline_parallel_microbatch_size": plan.micro_batch_size},
-        "activation_checkpoint": {"mode": plan.recompute[0] if plan.recompute else "none"},
+        "activation_checkpoint": {"mode": recompute_mode(plan.recompute[0]).frameworks[
+            "torchtitan"]},  # one mode on every layer: the target's uniform recompute
     }
     if plan.pp > 1:
         sections["parallelism"]["module_fqns_per_model_part"] = _chunks(plan.stage_layers)
@@ -214,8 +217,11 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
                      "trains fp32 (maybe_enable_amp), priced so")
     name = par.get("pipeline_parallel_schedule", "1F1B")  # torchtitan's JobConfig default
     schedule = schedule_for("torchtitan", name)
-    if ac not in ("none", "full"):
-        raise ValueError(f"activation_checkpoint.mode {ac!r}: autopar prices modes none, full")
+    try:
+        recompute = recompute_mode_for("torchtitan", ac).name
+    except ValueError as exc:
+        raise ValueError(f"activation_checkpoint.mode {ac!r}: autopar prices modes "
+                         f"{', '.join(framework_recompute_modes('torchtitan'))} ({exc})") from None
     parts = par.get("module_fqns_per_model_part")
     if schedule.interleaved and not parts:
         raise ValueError(f"{name}: give module_fqns_per_model_part (pp*v chunks) so "
@@ -229,7 +235,7 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
          else train.get("local_batch_size", 8))
     d = replicate * shard
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
-                    recompute=ac, schedule=schedule.name, virtual_stages=v,
+                    recompute=recompute, schedule=schedule.name, virtual_stages=v,
                     sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32")
     batch = train.get("global_batch_size", -1)
     known = {"parallelism", "training", "activation_checkpoint"}

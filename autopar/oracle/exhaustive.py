@@ -58,6 +58,7 @@ from autopar.planner.step import (KIB, counts_tied_weight_once, head_rank, in_fl
 from autopar.planner.strategies import node_strategies, tied_groups
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.recompute_modes import recomputed_by
 
 __all__ = ["FIELDS", "SectionOption", "StagePlan", "ExhaustiveResult", "exhaustive",
            "exhaustive_search", "section_options", "stage_splits", "price", "replicated_index",
@@ -161,9 +162,10 @@ def _best_stage(sections, tables, cfg, i, n, zero, modes, rounding, cluster, ran
     """(stage time, parameters, backward seconds, StagePlan, pairs tried) of the feasible
     (full, selective) recompute counts of least stage time; the first four None if none fits."""
     best, tried = (None, None, None, None), 0
-    for rf in range(n + 1) if "full" in modes else (0,):
-        for rs in range(n - rf + 1) if "selective" in modes else (0,):
-            if "none" not in modes and rf + rs < n:
+    allowed = recomputed_by(modes)
+    for rf in range(n + 1) if allowed["layer"] else (0,):
+        for rs in range(n - rf + 1) if allowed["attention_core"] else (0,):
+            if not allowed["nothing"] and rf + rs < n:
                 continue
             sp = StagePlan(n, rf, rs)
             tried += 1

@@ -59,12 +59,14 @@ from autopar.oracle.symbolic import SYMBOLS, closed_form
 from autopar.oracle.symbolic_llama import llama_closed_form
 from autopar.contract.plan import Plan, rank_layers
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.recompute_modes import recompute_mode
 
 __all__ = ["ModelShape", "layer_activation_bytes", "stage_memory_bytes", "step_flops",
            "predicted_flops"]
 
-_GPT_ACTIVATIONS = {"none": "activations_tp", "selective": "activations_tp_selective",
-                    "full": "activations_full"}
+# what a recompute mode recomputes -> the closed form of the bytes a layer keeps
+_ACTIVATIONS = {"nothing": "activations_tp", "attention_core": "activations_tp_selective",
+                "layer": "activations_full"}
 _STATE_BYTES = {"parameters": 2, "gradients": 2, "optimizer_states": 12}  # bf16 + Adam
 _SHARDED_FROM = {"parameters": 3, "gradients": 2, "optimizer_states": 1}  # ZeRO stage
 
@@ -124,12 +126,8 @@ class ModelShape:
 
 def layer_activation_bytes(shape: ModelShape, s: int, b: int, t: int, mode: str) -> float:
     """One layer's activation bytes per micro-batch per GPU (the module docstring)."""
-    if shape.family == "gpt":
-        expr = closed_form(_GPT_ACTIVATIONS[mode])
-    else:
-        expr = llama_closed_form("activations_full" if mode == "full" else
-                                 "activations_tp_selective" if mode == "selective" else
-                                 "activations_tp")
+    form = _ACTIVATIONS[recompute_mode(mode).recomputes]
+    expr = closed_form(form) if shape.family == "gpt" else llama_closed_form(form)
     return float(expr.subs(shape._values(s, b, t)))
 
 
@@ -187,7 +185,7 @@ def step_flops(shape: ModelShape, plan: Plan) -> tuple[float, float]:
     layer = shape.layer_flops(s)
     model = 3.0 * B * (shape.layers * layer + 2 * s * shape.hidden * shape.vocab)
     core = 4.0 * s * s * shape.hidden
-    extra = sum(layer if r == "full" else core if r == "selective" else 0.0 for r in plan.recompute)
+    extra = sum(recompute_mode(r).recomputed(layer, core) for r in plan.recompute)
     return model, model + B * extra
 
 

@@ -59,6 +59,7 @@ from autopar.planner.cpsat_edges import crosses_section
 from autopar.models import GPT, GPTConfig
 from autopar.contract.placement import REPLICATE, format_strategy_key
 from autopar.contract.plan import RECOMPUTE_MODES
+from autopar.techniques.recompute_modes import recompute_mode
 from autopar.planner.strategies import node_strategies, strategies_by_key, tensor_inputs
 from autopar.graph.capture import trace_model
 
@@ -264,15 +265,11 @@ def activation_expr(monomials: dict[str, sympy.Expr], recompute: str) -> sympy.E
     """A layer's activation bytes from the fitted :func:`layer_bytes` monomials: the
     saved bytes of its nodes ("none"), less the attention core ("selective"), or the
     layer input alone ("full"); factored."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    mode = recompute_mode(recompute)  # ValueError naming the modes
     core = [m for k, m in monomials.items() if k.endswith(_CORE)]
     saved = [m for k, m in monomials.items() if not k.endswith(_CORE) and k != _INPUT]
-    if recompute == "full":
-        return sympy.factor(monomials[_INPUT])
     # a node's saved bytes include its attention core, which selective drops
-    expr = sympy.Add(*saved) - (sympy.Add(*core) if recompute == "selective" else 0)
-    return sympy.factor(expr)
+    return sympy.factor(mode.kept(sympy.Add(*saved), sympy.Add(*core), monomials[_INPUT]))
 
 
 # --------------------------------------------------------------- derived closed forms
@@ -320,7 +317,8 @@ def model_flops_expr(model: ModelSource = GPT, *, recompute: str = "full",
                               _FLOPS_BASE, _FLOPS_CHECK)
     per_layer = sympy.Add(*(m for k, m in monomials.items() if k.startswith("layer:")))
     other = sympy.Add(*(m for k, m in monomials.items() if k.startswith("other:")))
-    passes = 4 if recompute == "full" else 3
+    # a recomputed layer runs a 4th pass; a recomputed core is not model FLOPs
+    passes = 3 + recompute_mode(recompute).recomputed(1, 0)
     return sympy.expand(B * (passes * L * per_layer + 3 * other))
 
 

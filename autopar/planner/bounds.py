@@ -31,6 +31,7 @@ from autopar.planner.decision import stage_size_range
 from autopar.planner.reserve import usable_bytes
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.recompute_modes import recomputed_by
 
 __all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
            "LayerPieces", "layer_pieces", "step_bound_s"]
@@ -110,7 +111,8 @@ def _recompute_s(need: float, n: int, full: tuple[float, float], sel: tuple[floa
     if need <= 0:
         return 0.0
     best = float("inf")
-    kinds = [k for k, on in ((full, "full" in modes), (sel, "selective" in modes))
+    allowed = recomputed_by(modes)
+    kinds = [k for k, on in ((full, allowed["layer"]), (sel, allowed["attention_core"]))
              if on and k[0] > 0]
     for freed, cost in kinds:  # one kind only
         if need <= freed * n:

@@ -20,6 +20,7 @@ from autopar.graph.export import user_frames
 from autopar.planner.step import PARAM_UNIT, head_rank
 from autopar.planner.strategies import tied_groups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.recompute_modes import recomputed_by
 
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
            "deferred_weight_grads", "OrderedMakespan", "ordered_pipeline",
@@ -290,6 +291,7 @@ def add_recompute_rows(model: cp_model.CpModel, layers: list, num_layers: int,
         raise ValueError(f"recompute_layout must be one of {RECOMPUTE_LAYOUTS}, got {layout!r}")
     L = num_layers
     full, selective = [], []
+    allowed = recomputed_by(modes)
     if layout != "per_layer":
         use_full, use_sel = model.NewBoolVar("recompute_uses_full"), model.NewBoolVar(
             "recompute_uses_selective")
@@ -301,14 +303,12 @@ def add_recompute_rows(model: cp_model.CpModel, layers: list, num_layers: int,
         rf = model.NewIntVar(0, L, f"recompute_full[{i}]")
         rs = model.NewIntVar(0, L, f"recompute_selective[{i}]")
         model.Add(rf + rs <= n).WithName(f"recompute_within_stage[{i}]")
-        if "full" not in modes:
+        if not allowed["layer"]:
             model.Add(rf == 0).WithName(f"recompute_mode[{i}]")
-        if "selective" not in modes:
+        if not allowed["attention_core"]:
             model.Add(rs == 0).WithName(f"recompute_mode[{i}]")
-        if modes == ("full",):
-            model.Add(rf == n).WithName(f"recompute_mode[{i}]")
-        if modes == ("selective",):
-            model.Add(rs == n).WithName(f"recompute_mode[{i}]")
+        if not allowed["nothing"]:  # every layer recomputes
+            model.Add(rf + rs == n).WithName(f"recompute_mode[{i}]")
         if layout != "per_layer":
             model.Add(rs == n).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_sel)
             model.Add(rs == 0).WithName(f"recompute_uniform[{i}]").OnlyEnforceIf(use_sel.Not())

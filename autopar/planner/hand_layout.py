@@ -23,6 +23,7 @@ from autopar.planner.megatron import megatron_placements
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 from autopar.contract.stages import even_stage_layers
 from autopar.techniques.pipeline_schedules import default_schedule, pipeline_schedule
+from autopar.techniques.recompute_modes import mode_recomputing
 
 __all__ = ["complete_hand_layout", "hand_decision", "check_fits_memory"]
 
@@ -117,7 +118,8 @@ def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:
 
 def _remedies(layout: Layout) -> list[str]:
     """What would lower a complete hand layout's memory, among the knobs it has not turned."""
-    out = ["recompute=full"] if layout.recompute != "full" else []
+    most = mode_recomputing("layer")  # keeps the least
+    out = [f"recompute={most.name}"] if layout.recompute != most.name else []
     record, fewer = pipeline_schedule(layout.schedule), default_schedule(layout.virtual_stages)
     p, v = max(layout.pp, 2), layout.virtual_stages or 1
     if record.in_flight(p, 0, 2 * p, v) > fewer.in_flight(p, 0, 2 * p, v):

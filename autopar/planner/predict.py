@@ -21,6 +21,7 @@ from autopar.planner.step import (counts_tied_weight_once, head_rank, model_stat
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
+from autopar.techniques.recompute_modes import recompute_mode
 
 __all__ = ["section_cost", "predict"]
 
@@ -158,16 +159,11 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, cfg, l
         layer = layer_costs[l]
         for key, val in layer.items():
             total[key] += val
-        mode = recompute[l]
-        if mode == "full":
-            rec_s += layer["rec_fwd_s"]
-            act += tables.full_ckpt_bytes
+        mode = recompute_mode(recompute[l])
+        rec_s += mode.recomputed(layer["rec_fwd_s"], layer["core_fwd_s"])
+        act += mode.kept(layer["act_bytes"], layer["core_act_bytes"], tables.full_ckpt_bytes)
+        if mode.recomputes_layer:
             full_layers.append(layer)
-        elif mode == "selective":
-            rec_s += layer["core_fwd_s"]
-            act += layer["act_bytes"] - layer["core_act_bytes"]
-        else:
-            act += layer["act_bytes"]
         working = max(working, layer["act_bytes"])
     for section, on in (("pre", i == 0), ("post", i == head_rank(cfg))):
         if on:
@@ -238,9 +234,10 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     }
     n = cfg.tp * p * cfg.dp
     model_flops = tables.model_flops_per_seq * global_batch_size
+    core_flops = _sdpa_flops(traced)
     rec_flops = global_batch_size * sum(
-        tables.layer_fwd_flops_per_seq if r == "full" else
-        (_sdpa_flops(traced) if r == "selective" else 0.0) for r in decision.recompute)
+        recompute_mode(r).recomputed(tables.layer_fwd_flops_per_seq, core_flops)
+        for r in decision.recompute)
     peak = cluster.device.peak_flops
     return Prediction(
         step_time_s=step, tflops_per_gpu=(model_flops + rec_flops) / step / n / 1e12,

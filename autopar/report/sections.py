@@ -13,6 +13,7 @@ Nothing here solves or prices anything.
 from __future__ import annotations
 
 
+from autopar.techniques.recompute_modes import recompute_mode
 from autopar.techniques.zero_stages import zero_stage
 from autopar.contract.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.contract.plan_memory import binding_stage, reserve_parts
@@ -38,11 +39,12 @@ def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[st
 
 
 def _recompute_summary(modes: list[str]) -> str:
-    """``full on layers 0–95 (96/96)`` or one run per contiguous range of a mode."""
+    """``full (the whole layer recomputed) on all 96 layers`` (the mode's record names it)
+    or one run per contiguous range of a mode."""
     if not modes:
         return "no transformer layers"
     if len(set(modes)) == 1:
-        return f"{modes[0]} on all {len(modes)} layers"
+        return f"{recompute_mode(modes[0]).title} on all {len(modes)} layers"
     runs: list[tuple[str, int, int]] = []
     for i, mode in enumerate(modes):
         if runs and runs[-1][0] == mode and runs[-1][2] == i - 1:

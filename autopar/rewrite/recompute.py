@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.runtime.rng import RNGStatesTracker
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, attention_core
+from autopar.techniques.recompute_modes import recompute_mode
 
 __all__ = ["Checkpointed", "apply_recompute"]
 
@@ -91,28 +92,38 @@ def _extract(gm: fx.GraphModule, names: list[str]) -> tuple[fx.GraphModule, list
 
 def apply_recompute(gm: fx.GraphModule, layer_nodes: list[list[str]], recompute: list[str], *,
                     tracker: RNGStatesTracker | None = None) -> None:
-    """Apply each layer's recompute mode in place. ``layer_nodes[l]``: node names of layer l
-    in ``gm`` (after the TP pass, inserted collectives included). ``tracker``: the
-    program's RNG tracker when dropouts fork it (their masks are then redrawn equal)."""
+    """Apply each layer's recompute mode in place: the pass its record names
+    (:data:`RUNNERS`). ``layer_nodes[l]``: node names of layer l in ``gm`` (after the TP
+    pass, inserted collectives included). ``tracker``: the program's RNG tracker when
+    dropouts fork it (their masks are then redrawn equal). ValueError for an unknown mode."""
     for layer, (names, mode) in enumerate(zip(layer_nodes, recompute)):
-        if mode == "selective":
-            _checkpoint_attention(gm, names, layer, tracker)
-        elif mode == "full":
-            body, inputs, last = _extract(gm, names)
-            gm.add_submodule(f"recompute_layer_{layer}", Checkpointed(body, tracker))
-            with gm.graph.inserting_after(last):
-                new = gm.graph.call_module(f"recompute_layer_{layer}", tuple(inputs))
-            new.meta.update({k: v for k, v in last.meta.items() if k.startswith("autopar")})
-            last.replace_all_uses_with(new)
-            for n in reversed([n for n in gm.graph.nodes if n.name in set(names)]):
-                gm.graph.erase_node(n)
+        RUNNERS[recompute_mode(mode).runner](gm, names, layer, tracker)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
 
 
-def _checkpoint_attention(gm: fx.GraphModule, names: list[str], layer: int,
-                          tracker: RNGStatesTracker | None) -> None:
+def keep_layer(gm: fx.GraphModule, names: list[str], layer: int,
+               tracker: RNGStatesTracker | None) -> None:
+    """Recompute nothing: autograd keeps every tensor the layer saves."""
+
+
+def checkpoint_layer(gm: fx.GraphModule, names: list[str], layer: int,
+                     tracker: RNGStatesTracker | None) -> None:
+    """Move the layer's nodes into a sub-GraphModule run through checkpoint (module
+    docstring, ``full``)."""
+    body, inputs, last = _extract(gm, names)
+    gm.add_submodule(f"recompute_layer_{layer}", Checkpointed(body, tracker))
+    with gm.graph.inserting_after(last):
+        new = gm.graph.call_module(f"recompute_layer_{layer}", tuple(inputs))
+    new.meta.update({k: v for k, v in last.meta.items() if k.startswith("autopar")})
+    last.replace_all_uses_with(new)
+    for n in reversed([n for n in gm.graph.nodes if n.name in set(names)]):
+        gm.graph.erase_node(n)
+
+
+def checkpoint_attention_core(gm: fx.GraphModule, names: list[str], layer: int,
+                              tracker: RNGStatesTracker | None) -> None:
     """Checkpoint each attention core: a plain scaled_dot_product_attention call, or the
     dropout pass's ``ForkedRNG(AttentionCore)`` module."""
     for n in [n for n in gm.graph.nodes if n.name in set(names)]:
@@ -128,3 +139,7 @@ def _checkpoint_attention(gm: fx.GraphModule, names: list[str], layer: int,
 
 def _is_forked_core(module: nn.Module) -> bool:
     return isinstance(module, ForkedRNG) and isinstance(module.body, AttentionCore)
+
+
+RUNNERS = {f.__name__: f for f in (keep_layer, checkpoint_layer, checkpoint_attention_core)}
+"""The per-layer passes, by the name a recompute record's ``runner`` gives."""

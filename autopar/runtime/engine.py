@@ -179,10 +179,10 @@ class ParallelModule(nn.Module):
         zero = zero_stage_record(zero_stage)
         if zero.problem(groups.pp):
             raise ValueError(zero.problem(groups.pp))
-        # ZeRO-2's gradients leave each micro-batch: their sums over TP come first, each
-        # micro-batch; FSDP2 (ZeRO-3) sums its gradient shards once per step
+        # ZeRO-2's gradients leave each micro-batch, their sums over TP first; FSDP2's once
         self._partial_sums_each_micro_batch = (zero.reduces_each_micro_batch
                                                and not zero.shards_parameters)
+        self._dp_all_reduce = zero.gradient_collective == "all_reduce"
         self.stage_module = stage_module
         self.chunks = chunks
         self.groups = groups
@@ -303,8 +303,7 @@ class ParallelModule(nn.Module):
                 # pair follow it (they commute with it on the whole gradient). ZeRO-1/2 own
                 # shards of buffers laid out per stage: the sums come first, on whole tensors
                 # of the deferred buckets, which reduce_gradients then reduce-scatters.
-                dp_first = zero_stage_record(self.dp_optimizer.zero_stage).gradient_collective \
-                    == "all_reduce"
+                dp_first = self._dp_all_reduce
                 if dp_first:
                     self.dp_optimizer.reduce_gradients()
                 if not self._partial_sums_each_micro_batch:

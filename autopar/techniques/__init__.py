@@ -6,4 +6,5 @@ instead of comparing names.
 
 * :mod:`autopar.techniques.pipeline_schedules`: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV.
 * :mod:`autopar.techniques.zero_stages`: ZeRO-0 (replicated), ZeRO-1, ZeRO-2, ZeRO-3 (FSDP2).
+* :mod:`autopar.techniques.recompute_modes`: none, selective (the attention core), full (the layer).
 """
