@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from autopar.contract import support as support_rules
@@ -34,7 +34,8 @@ from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["candidate_configs", "search", "solve_one", "solve_config", "strategies_for",
-           "validate_layout", "zero_choices", "SearchResult", "Solved", "DEFAULT_TIME_LIMIT_S"]
+           "validate_layout", "zero_choices", "SearchContext", "SearchResult", "Solved",
+           "DEFAULT_TIME_LIMIT_S"]
 
 # The CP-SAT objective rounds coefficients to integer units (parameters up to 1024, times
 # to ~1e-4 of a layer), so it may overshoot the prediction slightly; a config is only cut
@@ -45,6 +46,34 @@ SOLVE_BATCH = 2  # configs solved at once, each with the cutoff from before the 
 ALTERNATIVES = 5  # runner-ups a plan lists (priced by _price_alternatives)
 ALTERNATIVE_TIME_LIMIT_S = 0.25  # CP-SAT deterministic time per runner-up priced for the report
 DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-limit``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchContext:
+    """What every config of one search shares: the traced model, the cluster, the user's
+    pins (``layout``), the space searched (``support``: a runtime's or a target's
+    :class:`~autopar.contract.support.RuntimeSupport`; None: all the cost model prices),
+    the template map of the CP-SAT model (:func:`~autopar.planner.cpsat_terms.template_map`),
+    whether stages are split evenly as Megatron-LM does (hand layouts), and ``memo``: the
+    strategies, cost tables and bounds the configs share (:func:`strategies_for`,
+    :func:`~autopar.planner.cost_tables.cost_tables`, :mod:`autopar.planner.pruning`).
+    Build with :meth:`of`."""
+
+    traced: TracedModel
+    cluster: object
+    layout: Layout
+    support: RuntimeSupport | None
+    mapping: dict
+    even_stages: bool = False
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, traced: TracedModel, cluster, layout: Layout,
+           support: RuntimeSupport | None = RUNTIME_SUPPORT,
+           even_stages: bool = False) -> SearchContext:
+        """The context of a search of ``traced`` on ``cluster`` inside ``support``."""
+        return cls(traced=traced, cluster=cluster, layout=layout, support=support,
+                   mapping=template_map(traced), even_stages=even_stages)
 
 
 @dataclass
@@ -74,20 +103,18 @@ class Solved:
     model: ConfigModel
 
 
-def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
-                 mapping, time_limit_s: float = DEFAULT_TIME_LIMIT_S, even_stages: bool = False,
-                 cutoff_s: float | None = None, memo: dict | None = None,
-                 assume_memory: bool = False, hint: dict[str, int] | None = None) -> Solved:
-    """Solve one Config with CP-SAT (:class:`~autopar.planner.cpsat.ConfigModel`) within
-    ``time_limit_s`` seconds of deterministic time, only for plans faster than ``cutoff_s``
-    seconds when given; ``mapping``: :func:`~autopar.planner.cpsat_terms.template_map`;
-    ``memo``: strategies and cost tables shared by the configs of one search
-    (:func:`strategies_for`, :func:`~autopar.planner.cost_tables.cost_tables`);
+def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                 cutoff_s: float | None = None, assume_memory: bool = False,
+                 hint: dict[str, int] | None = None) -> Solved:
+    """Solve one Config of the search ``ctx`` with CP-SAT
+    (:class:`~autopar.planner.cpsat.ConfigModel`) within ``time_limit_s`` seconds of
+    deterministic time, only for plans faster than ``cutoff_s`` seconds when given;
     ``assume_memory``: memory rows behind assumption literals (to name binding stages);
     ``hint``: strategy indices per node to try first (:func:`hint_strategies`)."""
     from ortools.sat.python import cp_model
 
-    memo = {} if memo is None else memo
+    traced, cluster, layout, support, memo = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
+                                              ctx.memo)
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
     tables = cost_tables(traced, strategies, cluster, cfg, memo)
     zero = zero_choices(layout, support, cfg)
@@ -97,7 +124,7 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
                         allowed=allowed_strategies(traced, strategies, cfg.tp,
                                                    cfg.sequence_parallel, memo, support),
                         recompute_modes=modes, fixed_recompute=layout.recompute,
-                        even_stages=even_stages or bool(support and support.even_stages),
+                        even_stages=ctx.even_stages or bool(support and support.even_stages),
                         recompute_layout=support.recompute_layout if support else "per_layer",
                         assume_memory=assume_memory)
     model.build()
@@ -109,19 +136,17 @@ def solve_config(traced, cluster, cfg: Config, layout: Layout, support: RuntimeS
         return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
     bound_s = max(0.0, solver.BestObjectiveBound() / model.units_per_second / cfg.virtual_stages)
-    decision = (model.decision(solver, mapping)
+    decision = (model.decision(solver, ctx.mapping)
                 if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None)
     return Solved(decision, solver.StatusName(status), tables, strategies, bound_s, model)
 
 
-def solve_one(traced, cluster, cfg: Config, layout: Layout, support: RuntimeSupport | None,
-              mapping, time_limit_s: float = DEFAULT_TIME_LIMIT_S, even_stages: bool = False,
-              cutoff_s: float | None = None, memo: dict | None = None):
+def solve_one(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+              cutoff_s: float | None = None):
     """:func:`solve_config` as (Decision | None, CP-SAT status name, tables, strategies):
     None unless the status is OPTIMAL or FEASIBLE (FEASIBLE: stopped at the limit, not
     proven optimal)."""
-    out = solve_config(traced, cluster, cfg, layout, support, mapping, time_limit_s,
-                       even_stages, cutoff_s, memo)
+    out = solve_config(ctx, cfg, time_limit_s=time_limit_s, cutoff_s=cutoff_s)
     return out.decision, out.status, out.tables, out.strategies
 
 
@@ -157,12 +182,12 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     validate_layout(traced, cluster, layout, global_batch_size)
     if support is not None:
         support_rules.check_pins(layout, support)
-    mapping = template_map(traced)
+    ctx = SearchContext.of(traced, cluster, layout, support, even_stages)
     why: dict[str, str] = {}
     configs = candidate_configs(traced, cluster, global_batch_size, layout, support, why)
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
-    memo: dict = {}
+    memo = ctx.memo
     bound = {c: order_bound_s(traced, cluster, c, memo, layout, support) for c in configs}
     configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
     best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
@@ -191,9 +216,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 pruned = pruned_entry(traced, cluster, cfg, memo, layout, support, best.step_s)
                 if pruned is None:
                     batch.append((cfg, pool.submit(
-                        solve_config, traced, cluster, cfg, layout, support, mapping,
-                        time_limit_s, even_stages, cutoff * (1 + CUTOFF_SLACK), memo,
-                        False, hints.get(_hint_key(cfg)))))
+                        solve_config, ctx, cfg, time_limit_s=time_limit_s,
+                        cutoff_s=cutoff * (1 + CUTOFF_SLACK), hint=hints.get(_hint_key(cfg)))))
                 else:
                     seen.append(pruned)
             for cfg, future in batch:  # in config order: the result never depends on timing
@@ -203,17 +227,15 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     for cfg in [c for c in configs if statuses.get(c) in STOPPED]:
         if lower[cfg] < best.step_s:
             cutoff = best.step_s
-            take(cfg, solve_config(traced, cluster, cfg, layout, support, mapping, time_limit_s,
-                                   even_stages, cutoff * (1 + CUTOFF_SLACK), memo, False,
-                                   hints.get(_hint_key(cfg))), cutoff)
+            take(cfg, solve_config(ctx, cfg, time_limit_s=time_limit_s,
+                                   cutoff_s=cutoff * (1 + CUTOFF_SLACK),
+                                   hint=hints.get(_hint_key(cfg))), cutoff)
     best, best_t, best_tab = best.decision, best.step_s, best.tables
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
     if best is None:
-        raise no_plan_error(cluster, seen, statuses, time_limit_s, _binding(
-            traced, cluster, layout, support, mapping, memo, statuses, even_stages))
-    _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping,
-                        seen, even_stages, memo, hints, lower)
+        raise no_plan_error(cluster, seen, statuses, time_limit_s, _binding(ctx, statuses))
+    _price_alternatives(ctx, global_batch_size, seen, hints, lower)
     status = solver_status(best_t, statuses, lower, len(configs), time_limit_s)
     return SearchResult(best, best_tab[0], best_tab[1], seen, time.perf_counter() - start,
                         status)
@@ -257,15 +279,14 @@ def _entry(traced, cluster, cfg: Config, out: Solved, cutoff: float, global_batc
             "reason": ""}
 
 
-def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_stages) -> str | None:
+def _binding(ctx: SearchContext, statuses: dict) -> str | None:
     """The stages in CP-SAT's infeasible core for the INFEASIBLE config whose mesh holds
     the fewest parameters per GPU (the most memory-frugal one), as text; None if none."""
     infeasible = [c for c, s in statuses.items() if s == "INFEASIBLE"]
     if not infeasible:
         return None
     cfg = min(infeasible, key=lambda c: (1 / (c.tp * c.pp), c.micro_batch_size))
-    model = solve_config(traced, cluster, cfg, layout, support, mapping,
-                         even_stages=even_stages, memo=memo, assume_memory=True).model
+    model = solve_config(ctx, cfg, assume_memory=True).model
     stages = binding_stages(model)
     if not stages:
         return None
@@ -274,9 +295,8 @@ def _binding(traced, cluster, layout, support, mapping, memo, statuses, even_sta
             f"{cfg.schedule}")
 
 
-def _price_alternatives(traced, cluster, global_batch_size, layout, support, mapping, seen,
-                        even_stages, memo: dict, hints: dict, known_lower: dict,
-                        count: int = ALTERNATIVES,
+def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[dict],
+                        hints: dict, known_lower: dict, count: int = ALTERNATIVES,
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
     """Solve without a cutoff the configs the search never priced (cut off by CP-SAT or
     pruned by a bound), those with the least step-time lower bound first
@@ -292,13 +312,12 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
     beat)."""
     missing = max(0, count + 1 - sum(1 for s in seen if s["feasible"]))  # the best is not one
     lower = {id(s): max(known_lower.get(Config(**s["layout"]), 0.0), step_lower_bound_s(
-        traced, cluster, Config(**s["layout"]), memo, layout, support, float("inf")))
-             for s in seen if s["feasible"] is None}
+        ctx.traced, ctx.cluster, Config(**s["layout"]), ctx.memo, ctx.layout, ctx.support,
+        float("inf"))) for s in seen if s["feasible"] is None}
     entries = sorted((s for s in seen if id(s) in lower), key=lambda s: lower[id(s)])[:missing]
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:
-        futures = [pool.submit(solve_config, traced, cluster, cfg, layout, support, mapping,
-                               time_limit_s, even_stages, None, memo, False,
-                               hints.get(_hint_key(cfg)))
+        futures = [pool.submit(solve_config, ctx, cfg, time_limit_s=time_limit_s,
+                               hint=hints.get(_hint_key(cfg)))
                    for cfg in (Config(**entry["layout"]) for entry in entries)]
     for entry, future in zip(entries, futures):
         out = future.result()
@@ -307,7 +326,7 @@ def _price_alternatives(traced, cluster, global_batch_size, layout, support, map
             feasible, reason = unsolved(status, float("inf"))
             entry.update(feasible=feasible, reason=reason)
             continue
-        pred = predict(traced, strategies, tables, cluster, decision,
+        pred = predict(ctx.traced, strategies, tables, ctx.cluster, decision,
                        global_batch_size=global_batch_size)
         floor_s = max(out.bound_s, lower[id(entry)])
         entry.update(step_time_s=pred.step_time_s, feasible=True,

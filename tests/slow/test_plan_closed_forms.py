@@ -12,8 +12,7 @@ import pytest
 
 import autopar
 from autopar.planner.cost_tables import Config
-from autopar.planner.cpsat_terms import template_map
-from autopar.planner.search import solve_one
+from autopar.planner.search import SearchContext, solve_one
 from autopar.contract.support import RUNTIME_SUPPORT
 from helpers import load_script
 
@@ -35,8 +34,8 @@ def test_plan_is_found_and_its_config_solves_to_optimality(case):
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
                  plan.schedule, plan.virtual_stages, plan.dtype, case.cluster.attention,
                  plan.sequence_parallel)
-    decision, status, _, _ = solve_one(case.traced, case.cluster, cfg, autopar.Layout(),
-                                       RUNTIME_SUPPORT, template_map(case.traced))
+    ctx = SearchContext.of(case.traced, case.cluster, autopar.Layout(), RUNTIME_SUPPORT)
+    decision, status, _, _ = solve_one(ctx, cfg)
     assert status == "OPTIMAL"
     assert decision.stage_layers == plan.stage_layers
 

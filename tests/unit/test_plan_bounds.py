@@ -22,11 +22,10 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
 from autopar.planner.bounds import compute_bound_s, layer_pieces, step_bound_s
 from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat import template_map
 from autopar.planner.layer_bounds import min_layer_kept_bytes, min_layer_time_s
 from autopar.planner.decision import decision_from_plan
 from autopar.planner.predict import predict, section_cost
-from autopar.planner.search import solve_one
+from autopar.planner.search import SearchContext, solve_one
 from autopar.planner.strategies import node_strategies, tensor_inputs
 from autopar.contract.support import RUNTIME_SUPPORT
 from cost_models.hardware import Cluster
@@ -97,7 +96,7 @@ def _bound_and_step(traced, cluster, cfg: Config):
                          RUNTIME_SUPPORT.zero_stages_for(cfg.pp), RUNTIME_SUPPORT.recompute,
                          pieces)
     decision, status, tables, strategies = solve_one(
-        traced, cluster, cfg, autopar.Layout(), RUNTIME_SUPPORT, template_map(traced),
+        SearchContext.of(traced, cluster, autopar.Layout(), RUNTIME_SUPPORT), cfg,
         time_limit_s=5.0)
     if decision is None:
         return bound, None, status
@@ -173,7 +172,7 @@ def test_layer_kept_bytes_bound_whole_choices(fields):
     per_node = layer_pieces(traced, tables)
     assert per_node.act <= act * (1 + 1e-9) and per_node.sel <= sel * (1 + 1e-9)
     decision, status, tables, strategies = solve_one(
-        traced, cluster, cfg, autopar.Layout(), RUNTIME_SUPPORT, template_map(traced),
+        SearchContext.of(traced, cluster, autopar.Layout(), RUNTIME_SUPPORT), cfg,
         time_limit_s=5.0)
     assert status == "OPTIMAL"
     cost = section_cost(traced, strategies, tables, decision.strategy, traced.layers[0])

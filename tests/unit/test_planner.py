@@ -8,8 +8,7 @@ import torch.nn as nn
 
 import autopar
 from autopar.models import GPT, preset
-from autopar.planner.search import solve_one
-from autopar.planner.cpsat import template_map
+from autopar.planner.search import SearchContext, solve_one
 from autopar.graph.capture import trace_model
 
 
@@ -104,7 +103,7 @@ def test_objective_equals_independent_prediction(schedule):
 
     cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8, schedule=schedule)
     decision, status, tables, strategies = solve_one(
-        traced, cluster, cfg, autopar.Layout(), None, template_map(traced))
+        SearchContext.of(traced, cluster, autopar.Layout(), None), cfg)
     pred = predict(traced, strategies, tables, cluster, decision, global_batch_size=32)
     assert status == "OPTIMAL"
     assert decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)
