@@ -270,3 +270,13 @@ def refused_load(pm, path, error: type[BaseException]) -> tuple[str | None, bool
         message = str(exc)
     after = pm.full_state_dict()
     return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def framework_answer_gaps(record) -> list[str]:
+    """"framework: no answer for T" for each framework target T a technique record
+    (``autopar.techniques``) has neither a name nor a reasoned Refusal for."""
+    from autopar.techniques.answers import FRAMEWORK_TARGETS, Refusal
+
+    return [f"framework: no answer for {target}" for target in FRAMEWORK_TARGETS
+            if not (isinstance(answer := record.frameworks.get(target), str) and answer
+                    or isinstance(answer, Refusal) and answer.reason)]

@@ -35,6 +35,7 @@ from cost_models.memory import (all_forwards_in_flight, interleaved_in_flight,
                                 one_forward_one_backward_in_flight)
 from cost_models.pipeline import pipeline_step_time_s, simulate_orders
 
+from autopar.techniques.answers import FRAMEWORK_TARGETS, Refusal, framework_records, record_for
 from autopar.techniques.pipeline_orders import (Order, dualpipe_v_order, gpipe_order,
                                                 interleaved_order, one_f_one_b_order,
                                                 order_in_flight, zb_h1_order, zb_v_order)
@@ -46,18 +47,6 @@ __all__ = ["PipelineSchedule", "Refusal", "PIPELINE_SCHEDULES", "SCHEDULES",
 
 PLACEMENTS = ("loop", "v")
 """Where a schedule's p·v model chunks run (:meth:`PipelineSchedule.chunk_rank`)."""
-
-
-FRAMEWORK_TARGETS = ("megatron", "torchtitan", "deepspeed")
-"""The frameworks every record answers for (``autopar.targets.TARGETS``)."""
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A framework cannot run this value of a technique; ``reason`` says why, naming what
-    the framework runs instead."""
-
-    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,19 +363,13 @@ def pipeline_schedule(name: str) -> PipelineSchedule:
 
 def framework_schedules(target: str) -> tuple[str, ...]:
     """The schedules framework ``target`` runs: those whose record names it there."""
-    return tuple(s.name for s in PIPELINE_SCHEDULES.values()
-                 if isinstance(s.frameworks.get(target), str))
+    return tuple(s.name for s in framework_records(PIPELINE_SCHEDULES.values(), target))
 
 
 def schedule_for(target: str, framework_name: str) -> PipelineSchedule:
     """The record framework ``target`` calls ``framework_name``. Raises ValueError naming the
     names ``target`` has for the schedules autopar prices."""
-    for s in PIPELINE_SCHEDULES.values():
-        if s.frameworks.get(target) == framework_name:
-            return s
-    names = [s.frameworks[target] for s in PIPELINE_SCHEDULES.values()
-             if isinstance(s.frameworks.get(target), str)]
-    raise ValueError(f"{target} pipeline schedule {framework_name!r}: autopar prices {names}")
+    return record_for(PIPELINE_SCHEDULES.values(), target, framework_name, "pipeline schedule")
 
 
 def default_schedule(virtual_stages: int | None) -> PipelineSchedule:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS, Refusal
+from autopar.techniques.answers import Refusal, framework_records, record_for
 
 __all__ = ["RecomputeMode", "RECOMPUTE_MODE_RECORDS", "RECOMPUTED", "recompute_mode",
            "mode_recomputing", "recompute_mode_for", "recomputed_by",
@@ -124,15 +124,10 @@ def recompute_mode_for(target: str, setting: str) -> RecomputeMode:
     """The mode ``target`` runs under its recompute ``setting`` (the inverse of
     ``frameworks``); ValueError with the refusal's reason for a mode it refuses, or
     naming the settings it has."""
-    for record in RECOMPUTE_MODE_RECORDS.values():
-        answer = record.frameworks.get(target)
-        if answer == setting:
-            return record
-        if isinstance(answer, Refusal) and record.name == setting:
-            raise ValueError(f"{target} recompute {setting!r}: {answer.reason}")
-    settings = [r.frameworks[target] for r in RECOMPUTE_MODE_RECORDS.values()
-                if isinstance(r.frameworks.get(target), str)]
-    raise ValueError(f"{target} has no recompute setting {setting!r}; it has {settings}")
+    refused = RECOMPUTE_MODE_RECORDS.get(setting)
+    if refused is not None and isinstance(refused.frameworks.get(target), Refusal):
+        raise ValueError(f"{target} recompute {setting!r}: {refused.frameworks[target].reason}")
+    return record_for(RECOMPUTE_MODE_RECORDS.values(), target, setting, "recompute setting")
 
 
 def recomputed_by(modes) -> dict[str, bool]:
@@ -144,7 +139,4 @@ def recomputed_by(modes) -> dict[str, bool]:
 
 def framework_recompute_modes(target: str) -> tuple[str, ...]:
     """The recompute modes ``target`` (one of FRAMEWORK_TARGETS) runs."""
-    if target not in FRAMEWORK_TARGETS:
-        raise ValueError(f"unknown framework {target!r}; choose one of {FRAMEWORK_TARGETS}")
-    return tuple(n for n, r in RECOMPUTE_MODE_RECORDS.items()
-                 if not isinstance(r.frameworks[target], Refusal))
+    return tuple(r.name for r in framework_records(RECOMPUTE_MODE_RECORDS.values(), target))

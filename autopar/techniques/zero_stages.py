@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS, Refusal
+from autopar.techniques.answers import Refusal, framework_records, record_for
 
 __all__ = ["ZeroStage", "ZERO_STAGE_RECORDS", "zero_stage", "framework_zero_stages",
            "zero_stage_for"]
@@ -133,18 +133,10 @@ def zero_stage(stage: int) -> ZeroStage:
 
 def framework_zero_stages(target: str) -> tuple[int, ...]:
     """The ZeRO stages ``target`` (one of FRAMEWORK_TARGETS) runs: those it does not refuse."""
-    if target not in FRAMEWORK_TARGETS:
-        raise ValueError(f"unknown framework {target!r}; choose one of {FRAMEWORK_TARGETS}")
-    return tuple(s for s, r in ZERO_STAGE_RECORDS.items()
-                 if not isinstance(r.frameworks[target], Refusal))
+    return tuple(r.stage for r in framework_records(ZERO_STAGE_RECORDS.values(), target))
 
 
 def zero_stage_for(target: str, setting: str) -> ZeroStage:
     """The record ``target`` runs under its ``setting`` (the inverse of ``frameworks``);
     ValueError naming the settings it has."""
-    for record in ZERO_STAGE_RECORDS.values():
-        if record.frameworks.get(target) == setting:
-            return record
-    settings = [r.frameworks[target] for r in ZERO_STAGE_RECORDS.values()
-                if isinstance(r.frameworks.get(target), str)]
-    raise ValueError(f"{target} has no ZeRO setting {setting!r}; it has {settings}")
+    return record_for(ZERO_STAGE_RECORDS.values(), target, setting, "ZeRO setting")

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from helpers import framework_answer_gaps
 from autopar.contract.plan import RECOMPUTE_MODES
 from autopar.contract.support import RUNTIME_SUPPORT
 from autopar.frameworks.targets import TARGETS
@@ -15,7 +16,7 @@ from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
 from autopar.report.sections import _recompute_summary as recompute_summary
 from autopar.rewrite.recompute import RUNNERS, Checkpointed
-from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS, PIPELINE_SCHEDULES, Refusal
+from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS, PIPELINE_SCHEDULES
 from autopar.techniques.recompute_modes import (RECOMPUTE_MODE_RECORDS, RecomputeMode,
                                                 framework_recompute_modes, mode_recomputing,
                                                 recompute_mode, recompute_mode_for,
@@ -61,12 +62,7 @@ def missing(record: RecomputeMode) -> list[str]:
     row = recompute_summary([record.name] * 4) if record.name in RECOMPUTE_MODES else ""
     if not (record.title.startswith(record.name + " (") and record.title in row):
         out.append(f"drawing: the report's {row!r} does not show {record.title!r}")
-    for target in FRAMEWORK_TARGETS:
-        answer = record.frameworks.get(target)
-        if not (isinstance(answer, str) and answer or isinstance(answer, Refusal) and
-                answer.reason):
-            out.append(f"framework: no answer for {target}")
-    return out
+    return out + framework_answer_gaps(record)
 
 
 @pytest.mark.parametrize("name", RECOMPUTE_MODES)
@@ -114,7 +110,7 @@ def test_unknown_modes_and_refused_settings_are_clear_errors():
             recompute_mode(bad)
     with pytest.raises(ValueError, match="torchtitan recompute 'selective': torchtitan's"):
         recompute_mode_for("torchtitan", "selective")
-    with pytest.raises(ValueError, match="deepspeed has no recompute setting '2'"):
+    with pytest.raises(ValueError, match="deepspeed recompute setting '2': autopar prices"):
         recompute_mode_for("deepspeed", "2")
     with pytest.raises(ValueError, match="unknown framework"):
         framework_recompute_modes("nemo")

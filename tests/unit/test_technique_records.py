@@ -11,6 +11,7 @@ import pytest
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from helpers import framework_answer_gaps
 from autopar.frameworks.targets import TARGETS
 from autopar.contract.plan import SCHEDULES as PLAN_SCHEDULES
 from autopar.report.schedule import makespan_s, simulate_schedule
@@ -72,12 +73,7 @@ def missing(record: PipelineSchedule) -> list[str]:
 
         if not all(once(order) for order in orders) or not makespan_s(timeline) > 0:
             out.append("drawing: a rank does not run each block exactly once")
-    for target in FRAMEWORK_TARGETS:
-        answer = record.frameworks.get(target)
-        if not (isinstance(answer, str) and answer or isinstance(answer, Refusal) and
-                answer.reason):
-            out.append(f"framework: no answer for {target}")
-    return out
+    return out + framework_answer_gaps(record)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from helpers import framework_answer_gaps
 from autopar.contract.plan import ZERO_STAGES, Plan
 from autopar.contract.support import EXECUTED_ZERO_STAGES, FULLY_SHARDED_STAGE, RUNTIME_SUPPORT
 from autopar.frameworks.targets import TARGETS
@@ -17,7 +18,7 @@ from autopar.planner.comm_bytes import dp_comm_bytes
 from autopar.planner.cost_tables import Config
 from autopar.planner.precision import bytes_per_param
 from autopar.report.sections import layout_section
-from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS, Refusal
+from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS
 from autopar.techniques.zero_stages import (ZERO_STAGE_RECORDS, ZeroStage, framework_zero_stages,
                                             zero_stage, zero_stage_for)
 
@@ -59,12 +60,7 @@ def missing(record: ZeroStage, plan: Plan) -> list[str]:
                 if line.startswith("| ZeRO stage")), "")
     if not (record.title.startswith(f"ZeRO-{record.stage}") and record.title in row):
         out.append(f"drawing: the report's row {row!r} does not show {record.title!r}")
-    for target in FRAMEWORK_TARGETS:
-        answer = record.frameworks.get(target)
-        if not (isinstance(answer, str) and answer or isinstance(answer, Refusal) and
-                answer.reason):
-            out.append(f"framework: no answer for {target}")
-    return out
+    return out + framework_answer_gaps(record)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +105,7 @@ def test_unknown_stages_and_settings_are_clear_errors():
     for bad in (4, -1, True, "1"):
         with pytest.raises(ValueError, match="zero_stage must be one of"):
             zero_stage(bad)
-    with pytest.raises(ValueError, match="megatron has no ZeRO setting"):
+    with pytest.raises(ValueError, match="megatron ZeRO setting '--use-torch-fsdp2': autopar prices"):
         zero_stage_for("megatron", "--use-torch-fsdp2")
     with pytest.raises(ValueError, match="unknown framework"):
         framework_zero_stages("nemo")
