@@ -98,7 +98,8 @@ def parallelize(model, cluster=None, plan=None, *, optimizer, global_batch_size=
     :func:`~autopar.techniques.pipeline_schedules.interleaving_problem`, e.g. m % pp != 0: before any
     collective; a bad timeout, max_norm or on_nonfinite; a meta buffer the init rule does
     not set: before any collective; a parameter it leaves unset: on every rank),
-    NotImplementedError (a plan feature the runtime cannot run), RuntimeError (no process
+    PlanError (a ValueError: a plan feature the runtime cannot run, named by its field, the
+    same error and message as a plan file's), RuntimeError (no process
     group, an accelerator backend on a machine without one, or ranks disagree on the plan),
     ``autopar.verify.VerificationError`` (verify=True and the program is wrong).
     """

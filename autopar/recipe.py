@@ -55,7 +55,6 @@ from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_sha
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
-from autopar.contract.support import check_executable
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
@@ -160,7 +159,8 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     (plan None) solved for ``cluster`` on rank 0 and broadcast; then digests compared.
 
     Collective over the world. Raises RuntimeError (no process group, or ranks disagree),
-    NotImplementedError (a plan feature the runtime cannot run), ValueError (world size
+    PlanError (a ValueError: a plan feature the runtime cannot run, or a malformed plan;
+    :func:`~autopar.contract.support.check_executable`), ValueError (world size
     != tp·pp·dp, an interleaved plan breaking :func:`~autopar.techniques.pipeline_schedules.interleaving_problem`,
     plan=None without cluster, global_batch_size and seq_len, or a cluster of another size
     than the world).
@@ -169,7 +169,6 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     world = dist.get_world_size()
     if plan is not None:
         validate_degrees(plan.tp, plan.pp, plan.dp, world)
-        check_executable(plan)
         check_plan(plan, world_size=world, executable=True)  # the one plan validator
     else:
         if cluster is None or global_batch_size is None or seq_len is None:

@@ -31,11 +31,13 @@ import math
 from dataclasses import MISSING, fields
 from pathlib import Path
 
+from autopar.contract.errors import REPLAN, PlanError
 from autopar.contract.placement import parse_strategy_key
 from autopar.contract.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
-from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, pipeline_problem, unsupported
+from autopar.contract.support import (RUNTIME_SUPPORT, RuntimeSupport, check_executable,
+                                     pipeline_problem)
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from cost_models.hardware import Cluster
 
@@ -46,18 +48,8 @@ PHASES = ("forward", "backward", "recompute", "p2p")
 whose schedule splits the backward also has "weight_grad" (:data:`SPLIT_PHASES`)."""
 SPLIT_PHASES = PHASES + ("weight_grad",)
 
-REPLAN = "re-plan with `autopar plan ... -o FILE` (or `autopar evaluate`)"
 VERSION_NOTE = ("version 3 prices the memory reserve: plans of version 2 may not fit a real "
                 "GPU and carry no reserve or margin, so they are not read")
-
-
-class PlanError(ValueError):
-    """A plan that cannot be read or run as it is: the message names the source (file),
-    the field, what is wrong and the fix. A ValueError, so the CLI exits with 2."""
-
-    def __init__(self, source: str, field: str, problem: str, fix: str = REPLAN) -> None:
-        super().__init__(f"{source}: plan field {field!r} {problem}; {fix}")
-        self.source, self.field = source, field
 
 
 def _is_int(value) -> bool:
@@ -333,7 +325,7 @@ def check_plan(plan: Plan, *, source: str = "plan", world_size: int | None = Non
                         f"{plan.num_gpus} processes but the world size is {world_size}",
                         f"launch {plan.num_gpus} processes or pass a plan for {world_size}")
     if executable:
-        _check_executable(plan, src, support)
+        check_executable(plan, support, source=src)
 
 
 def _check_stages(plan: Plan, src: str, L: int) -> None:
@@ -369,12 +361,3 @@ def _check_placements(plan: Plan, src: str) -> None:
             raise PlanError(src, f"placements[{node!r}]", f"is not a strategy key ({exc})") \
                 from None
 
-
-def _check_executable(plan: Plan, src: str, support: RuntimeSupport) -> None:
-    """Every feature inside what the runtime executes (:func:`autopar.contract.support.unsupported`)."""
-    problem = unsupported(plan, support)
-    if problem is not None:
-        raise PlanError(src, problem.field, f"is {problem.value!r}{problem.why}, which the "
-                        f"{support.name} runtime does not execute (it runs {problem.field} in "
-                        f"{problem.allowed})",
-                        "re-plan with `autopar plan`, which emits only executable plans")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.contract.errors import PlanError
 from autopar.contract.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
                                                    pipeline_schedule)
@@ -330,20 +331,25 @@ def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported 
     return None
 
 
-def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> None:
-    """Raise NotImplementedError naming the first plan feature the runtime cannot run
-    (:func:`unsupported`), or ValueError for a plan that breaks :func:`pipeline_problem` or
-    whose ``stage_layers`` does not hold pp·v chunks (no collective runs before either)."""
+def check_executable(plan, support: RuntimeSupport = RUNTIME_SUPPORT,
+                     source: str = "plan") -> None:
+    """Raise :class:`~autopar.contract.errors.PlanError` (``source``: where the plan came
+    from) naming the first plan feature the runtime cannot run (:func:`unsupported`), a
+    plan whose ``stage_layers`` does not hold pp·v chunks, or one that breaks
+    :func:`pipeline_problem`: the one executability check of plan files
+    (:func:`~autopar.contract.plan_check.check_plan`) and ``parallelize`` (no collective
+    runs before it)."""
     problem = unsupported(plan, support)
     if problem is not None:
-        raise NotImplementedError(f"{problem.message(f'the {support.name} runtime')}; "
-                                  "re-plan with autopar.plan, which only emits executable plans")
+        raise PlanError(source, problem.field, f"is {problem.value!r}{problem.why}, which the "
+                        f"{support.name} runtime does not execute (it runs {problem.field} in "
+                        f"{problem.allowed})", "re-plan with autopar.plan, which emits only "
+                        "executable plans")
     chunks = plan.pp * plan.virtual_stages
     if len(plan.stage_layers) != chunks:
-        raise ValueError(f"plan.stage_layers has {len(plan.stage_layers)} entries but pp*v = "
-                         f"{plan.pp}*{plan.virtual_stages} = {chunks} model chunks; re-plan "
-                         "with autopar.plan")
+        raise PlanError(source, "stage_layers", f"has {len(plan.stage_layers)} entries but pp*v "
+                        f"= {plan.pp}*{plan.virtual_stages} = {chunks} model chunks")
     problem = pipeline_problem(plan.schedule, plan.pp, plan.num_micro_batches,
                                plan.stage_layers[-1][1], plan.virtual_stages)
     if problem:
-        raise ValueError(problem)
+        raise PlanError(source, "schedule", f"breaks the pipeline rule: {problem}")

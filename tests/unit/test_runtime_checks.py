@@ -48,8 +48,9 @@ def test_unsupported_schedules_raise() -> None:
     ("schedule", dict(zero_stage=1, schedule="zero_bubble"), "schedule='zero_bubble'"),
 ])
 def test_every_door_refuses_an_unexecutable_plan_by_the_same_rule(field, change, says):
-    """parallelize (check_executable), plan files (check_plan) and the framework targets
-    (outside_target) ask one check, autopar.contract.support.unsupported, and word it alike."""
+    """parallelize and plan files (check_plan, through check_executable: one error type,
+    PlanError) and the framework targets (outside_target) ask one check,
+    autopar.contract.support.unsupported, and word it alike."""
     import dataclasses
 
     from helpers import tiny_plan
@@ -62,7 +63,8 @@ def test_every_door_refuses_an_unexecutable_plan_by_the_same_rule(field, change,
     problem = unsupported(plan)
     assert problem is not None and problem.field == field
     assert says in problem.message("x")
-    with pytest.raises(NotImplementedError, match=r"the autopar runtime cannot run " + field):
+    with pytest.raises(PlanError, match=rf"^plan: plan field '{field}' .* which the autopar "
+                       "runtime does not execute"):
         check_executable(plan)
     with pytest.raises(PlanError, match=rf"plan.json: plan field '{field}'"):
         check_plan(plan, source="plan.json", executable=True)
