@@ -196,8 +196,8 @@ class RuntimeSupport:
         (maybe none is left: that mesh is not executable)."""
         piped = self.pipeline_zero_stages if pp > 1 and self.pipeline_zero_stages else None
         return tuple(z for z in self.zero_stages if zero_stage(z).problem(pp) is None and not (
-            self.ddp_1d_only and not zero_stage(z).shards_optimizer and dp > 1 and (tp > 1 or pp > 1))
-            and (piped is None or z in piped))
+            self.ddp_1d_only and not zero_stage(z).shards_optimizer and dp > 1
+            and (tp > 1 or pp > 1)) and (piped is None or z in piped))
 
     def dtype_for(self, dtype: str, tp: int, pp: int, dp: int) -> str:
         """The precision a run asked for in ``dtype`` trains in on a (tp, pp, dp) mesh:

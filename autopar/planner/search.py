@@ -20,7 +20,7 @@ from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import RECOMPUTE_MODES, Layout, SolverStatus
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
-from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
 from autopar.planner.cpsat_terms import hint_strategies
 from autopar.planner.decision import Decision
@@ -28,6 +28,7 @@ from autopar.planner.megatron import allowed_strategies
 from autopar.planner.predict import predict
 from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
                                      strategies_for, zero_choices)
+from autopar.planner.strategies import NodeStrategies
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -82,8 +83,8 @@ class SearchResult:
     proved (:class:`~autopar.contract.plan.SolverStatus`) and its wall time."""
 
     decision: Decision | None
-    tables: object
-    strategies: object
+    tables: CostTables
+    strategies: NodeStrategies
     seen: list[dict]
     solve_time_s: float
     solver: SolverStatus = SolverStatus()
@@ -97,8 +98,8 @@ class Solved:
 
     decision: Decision | None
     status: str
-    tables: object
-    strategies: object
+    tables: CostTables
+    strategies: NodeStrategies
     bound_s: float
     model: ConfigModel
 
