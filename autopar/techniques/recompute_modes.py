@@ -15,7 +15,7 @@ A :class:`RecomputeMode` owns, for its value of ``Layout.recompute`` and of each
   (``runner``: ``torch.utils.checkpoint`` around the layer or its attention core);
 * **the drawing**: how the report names it (``title``);
 * **the framework mapping**: per target framework, its value of that framework's
-  recompute setting, or a :class:`~autopar.techniques.pipeline_schedules.Refusal`.
+  recompute setting, or a :class:`~autopar.techniques.answers.Refusal`.
 
 Pure Python: the planner, the rewrite, the report and the frameworks import it.
 """

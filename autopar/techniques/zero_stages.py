@@ -15,7 +15,7 @@ A :class:`ZeroStage` owns, for its value of ``Layout.zero_stage``:
 * **the runner**: the autopar class that executes it (``runner``);
 * **the drawing**: how the report names it (``title``, the layout table's row);
 * **the framework mapping**: per target framework, its setting for the stage, or a
-  :class:`~autopar.techniques.pipeline_schedules.Refusal` saying why that framework does
+  :class:`~autopar.techniques.answers.Refusal` saying why that framework does
   not run it.
 
 Pure Python: the planner, the runtime, the report and the frameworks import it.
