@@ -180,8 +180,8 @@ def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | 
         granularity = _LAYER.frameworks["megatron"]
         ignored.append("--activations-checkpoint-method / --checkpoint-activations: the 2021 "
                        f"names, read as --recompute-granularity {granularity}")
-    # ValueError naming Megatron-LM's granularities for another
-    mode = recompute_mode_for("megatron", granularity or _NOTHING.frameworks["megatron"])
+    mode = recompute_mode_for("megatron", granularity or _NOTHING.frameworks["megatron"],
+                              "--recompute-granularity")
     if mode.recomputes_layer and method not in ("uniform", "block"):
         raise ValueError(f"--recompute-granularity {granularity} needs --recompute-method "
                          f"uniform or block (got {method}); Megatron-LM refuses it without")

@@ -120,14 +120,16 @@ def mode_recomputing(recomputes: str) -> RecomputeMode:
     raise ValueError(f"no recompute mode recomputes {recomputes!r}; one of {RECOMPUTED}")
 
 
-def recompute_mode_for(target: str, setting: str) -> RecomputeMode:
+def recompute_mode_for(target: str, setting: str,
+                       setting_name: str = "recompute setting") -> RecomputeMode:
     """The mode ``target`` runs under its recompute ``setting`` (the inverse of
-    ``frameworks``); ValueError with the refusal's reason for a mode it refuses, or
-    naming the settings it has."""
+    ``frameworks``); ValueError, naming the framework's key ``setting_name``, with the
+    refusal's reason for a mode it refuses, or naming the settings it has."""
     refused = RECOMPUTE_MODE_RECORDS.get(setting)
     if refused is not None and isinstance(refused.frameworks.get(target), Refusal):
-        raise ValueError(f"{target} recompute {setting!r}: {refused.frameworks[target].reason}")
-    return record_for(RECOMPUTE_MODE_RECORDS.values(), target, setting, "recompute setting")
+        raise ValueError(f"{target} {setting_name} {setting!r}: "
+                         f"{refused.frameworks[target].reason}")
+    return record_for(RECOMPUTE_MODE_RECORDS.values(), target, setting, setting_name)
 
 
 def recomputed_by(modes) -> dict[str, bool]:

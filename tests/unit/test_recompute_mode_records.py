@@ -108,8 +108,12 @@ def test_unknown_modes_and_refused_settings_are_clear_errors():
     for bad in ("all", None, 1):
         with pytest.raises(ValueError, match="recompute must be one of"):
             recompute_mode(bad)
-    with pytest.raises(ValueError, match="torchtitan recompute 'selective': torchtitan's"):
+    with pytest.raises(ValueError, match="torchtitan recompute setting 'selective': "
+                                         "torchtitan's"):
         recompute_mode_for("torchtitan", "selective")
+    with pytest.raises(ValueError, match=r"torchtitan activation_checkpoint.mode 'op': autopar "
+                                         r"prices \['none', 'full'\]"):
+        recompute_mode_for("torchtitan", "op", "activation_checkpoint.mode")
     with pytest.raises(ValueError, match="deepspeed recompute setting '2': autopar prices"):
         recompute_mode_for("deepspeed", "2")
     with pytest.raises(ValueError, match="unknown framework"):
