@@ -41,11 +41,10 @@ class ParallelGroups:
     """This rank's coordinates and process groups. Build with :meth:`build`.
 
     Attributes:
-        tp: tensor-parallel size t.
-        pp: pipeline-parallel size p.
-        dp: data-parallel size d.
+        mesh_shape: (p, d, t): the pipeline, data- and tensor-parallel sizes, in the
+            DeviceMesh's row-major order (``tp``, ``pp``, ``dp`` and ``world_size`` = t*p*d
+            read it: the groups describe a mesh, the layout's degrees live in the plan).
         rank: global rank of this process.
-        world_size: N = t*p*d.
         tp_rank: index in the TP group (innermost).
         pp_rank: pipeline stage index of this rank.
         dp_rank: data-parallel replica index.
@@ -67,11 +66,8 @@ class ParallelGroups:
             or 0 under a V placement (the schedule record's ``head_rank``).
     """
 
-    tp: int
-    pp: int
-    dp: int
+    mesh_shape: tuple[int, int, int]
     rank: int
-    world_size: int
     tp_rank: int
     pp_rank: int
     dp_rank: int
@@ -122,7 +118,7 @@ class ParallelGroups:
                                 if options is not None else None)
         tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
         return cls(
-            tp=tp, pp=pp, dp=dp, rank=rank, world_size=world_size,
+            mesh_shape=(pp, dp, tp), rank=rank,
             tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
             tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"),
             dp_group=mesh.get_group("dp"),
@@ -133,6 +129,26 @@ class ParallelGroups:
             checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
                                             backend="gloo"),
         )
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size t (ranks per TP group)."""
+        return self.mesh_shape[2]
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel size p (pipeline ranks)."""
+        return self.mesh_shape[0]
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size d (replicas)."""
+        return self.mesh_shape[1]
+
+    @property
+    def world_size(self) -> int:
+        """N = t*p*d, every rank of the mesh."""
+        return self.mesh_shape[0] * self.mesh_shape[1] * self.mesh_shape[2]
 
     def pp_rank_to_global(self, pp_rank: int) -> int:
         """Global rank of stage ``pp_rank`` with this rank's tp/dp coordinates.

@@ -25,7 +25,7 @@ def test_validate_degrees_messages() -> None:
 
 
 def test_unsupported_schedules_raise() -> None:
-    groups = ParallelGroups(1, 2, 1, 0, 2, 0, 0, 0, None, None, None, None)  # never used for comm
+    groups = ParallelGroups((2, 1, 1), 0, 0, 0, 0, None, None, None, None)  # never used for comm
     kwargs = dict(micro_batch_size=1, num_micro_batches=2, seq_len=S, hidden_size=H,
                   optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR))
     with pytest.raises(ValueError, match="ModuleList of v >= 2 chunks"):
