@@ -56,6 +56,7 @@ from autopar.contract.plan import DTYPES
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import framework_schedules
 from autopar.techniques.recompute_modes import framework_recompute_modes
+from autopar.techniques.tensor_parallel import framework_max_tp, framework_sequence_parallel
 from autopar.techniques.zero_stages import framework_zero_stages
 
 __all__ = ["TARGETS", "FRAMEWORKS", "target_support"]
@@ -65,7 +66,8 @@ TARGETS: dict[str, RuntimeSupport] = {
     "megatron": RuntimeSupport(
         name="megatron", schedules=framework_schedules("megatron"),
         zero_stages=framework_zero_stages("megatron"),
-        recompute=framework_recompute_modes("megatron"), sequence_parallel=(False, True),
+        recompute=framework_recompute_modes("megatron"),
+        sequence_parallel=framework_sequence_parallel("megatron"),
         virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
         placements="megatron", recompute_layout="block",
         attention_kernels=(("bf16", ("flash", "math")), ("fp32", ("math",)))),
@@ -73,16 +75,17 @@ TARGETS: dict[str, RuntimeSupport] = {
         name="torchtitan", schedules=framework_schedules("torchtitan"),
         zero_stages=framework_zero_stages("torchtitan"),
         recompute=framework_recompute_modes("torchtitan"),
-        sequence_parallel=(True,), virtual_stages=(1, 2, 3, 4), dtypes=DTYPES,
-        grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
+        sequence_parallel=framework_sequence_parallel("torchtitan"), virtual_stages=(1, 2, 3, 4),
+        dtypes=DTYPES, grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
         ddp_1d_only=True, mixed_precision_by_fsdp=True,
         attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",)))),
     "deepspeed": RuntimeSupport(
         name="deepspeed", schedules=framework_schedules("deepspeed"),
         zero_stages=framework_zero_stages("deepspeed"),
-        recompute=framework_recompute_modes("deepspeed"), sequence_parallel=(False,),
-        virtual_stages=(1,),
-        dtypes=DTYPES, recompute_layout="uniform", even_stages=True, max_tp=1,
+        recompute=framework_recompute_modes("deepspeed"),
+        sequence_parallel=framework_sequence_parallel("deepspeed"), virtual_stages=(1,),
+        dtypes=DTYPES, recompute_layout="uniform", even_stages=True,
+        max_tp=framework_max_tp("deepspeed"),
         pipeline_zero_stages=(1,)),
 }
 """Target name -> the plans its runner executes (module docstring)."""

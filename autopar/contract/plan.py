@@ -14,11 +14,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 from autopar.contract.stages import equal_chunks, rank_layers  # re-exported: the plan's vocabulary
+from autopar.contract.plan_alternatives import Alternative
 from autopar.contract.plan_memory import memory_line
 from autopar.contract.plan_replicated import ReplicatedOp, ReplicatedOps, format_share
 from autopar.techniques.pipeline_schedules import SCHEDULES  # one record per schedule
 
-__all__ = ["Layout", "Plan", "Prediction", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
+__all__ = ["Layout", "Plan", "Prediction", "Alternative", "ReplicatedOp", "ReplicatedOps", "SolverStatus",
            "format_share", "SCHEDULES", "RECOMPUTE_MODES", "recompute_counts", "DTYPES", "GRAD_DTYPES",
            "grad_dtype_of", "ATTENTION_KERNELS", "ZERO_STAGES", "SOLVER_STATUSES", "COMM_KINDS", "PLAN_VERSION", "rank_layers", "equal_chunks"]
 
@@ -260,7 +261,7 @@ class Plan:
         (read and written only by :mod:`autopar.contract.placement`; the strategies are those of
         :func:`autopar.planner.strategies.node_strategies`).
     predicted: the cost model's :class:`Prediction`.
-    alternatives: the best other layouts the search priced (dicts with layout + step time).
+    alternatives: the best other configs the search visited (:class:`Alternative`).
     binding: human-readable binding constraints (memory, divisibility ...).
     replicated_ops: the compute ops every TP rank runs whole (:class:`ReplicatedOps`); None
         in a plan saved before autopar recorded them.
@@ -290,7 +291,7 @@ class Plan:
     dtype: str = "bf16"
     grad_dtype: str | None = None
     attention: str | None = None
-    alternatives: list[dict] = field(default_factory=list)
+    alternatives: list[Alternative] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
     solver: SolverStatus = field(default_factory=SolverStatus)
@@ -324,6 +325,7 @@ class Plan:
         before)."""
         data = asdict(self)
         del data["solve_wall_s"]
+        data["alternatives"] = [a.to_dict() for a in self.alternatives]
         if data["attention"] is None:
             del data["attention"]
         return data

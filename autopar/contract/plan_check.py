@@ -33,6 +33,7 @@ from pathlib import Path
 
 from autopar.contract.errors import REPLAN, PlanError
 from autopar.contract.placement import parse_strategy_key
+from autopar.contract.plan_alternatives import Alternative
 from autopar.contract.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_VERSION, RECOMPUTE_MODES, SCHEDULES,
                           SOLVER_STATUSES, ZERO_STAGES, Plan, Prediction, ReplicatedOp, ReplicatedOps,
                           SolverStatus)
@@ -260,6 +261,7 @@ def plan_from_dict(data, source: str = "plan") -> Plan:
     kwargs["predicted"] = _check_prediction(src, data["predicted"], data["pp"],
                                             data.get("schedule"))
     kwargs["solver"] = _check_solver(src, data.get("solver", {}))
+    kwargs["alternatives"] = [Alternative.from_dict(a) for a in data.get("alternatives", [])]
     if data.get("replicated_ops") is not None:
         kwargs["replicated_ops"] = _check_replicated(src, data["replicated_ops"])
     try:

@@ -21,9 +21,10 @@ from autopar.contract.errors import PlanError
 from autopar.contract.plan import DTYPES, RECOMPUTE_MODES, Layout, grad_dtype_of
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, SCHEDULES, interleaved_names,
                                                    pipeline_schedule)
+from autopar.techniques.tensor_parallel import tensor_parallel_mode
 from autopar.techniques.zero_stages import ZERO_STAGE_RECORDS, zero_stage
 
-__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "Unsupported", "unsupported", "check_executable",
+__all__ = ["RuntimeSupport", "RUNTIME_SUPPORT", "FULL_SPACE", "Unsupported", "unsupported", "check_executable",
            "check_pins",
            "pipeline_problem", "check_positive_ints", "validate_degrees", "validate_layout",
            "divisors", "plan_grad_dtype", "EXECUTED_ZERO_STAGES", "FULLY_SHARDED_STAGE"]
@@ -158,6 +159,11 @@ class RuntimeSupport:
         ``((dtype, kernels), ...)``; the cluster's kernel when it is one of them, else the
         first (:meth:`attention_for`). None: the cluster's kernel in every dtype (the
         model's own ``scaled_dot_product_attention`` call: the autopar runtime, DeepSpeed).
+    as_written: the space the cost model prices (:data:`FULL_SPACE`), where a layout is
+        evaluated as written, not searched: its schedule, v and sequence parallelism are
+        priced as given (a free schedule is 1F1B, a free v is 2 under interleaving), every
+        ZeRO stage is priced with any pipeline degree, and no runner's rule applies
+        (``autopar.evaluate`` of a published layout, the hand layouts of the report).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -176,6 +182,13 @@ class RuntimeSupport:
     mixed_precision_by_fsdp: bool = False
     pipeline_zero_stages: tuple[int, ...] | None = None
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    as_written: bool = False
+
+    @property
+    def default_grad_dtype(self) -> str | None:
+        """The gradient dtype planned under bf16 when no layout pins one: the first of
+        :attr:`grad_dtypes`, or None (the training dtype's own) where there is none."""
+        return self.grad_dtypes[0] if self.grad_dtypes else None
 
     def kernels_in(self, dtype: str) -> tuple[str, ...] | None:
         """The attention kernels the runner runs in ``dtype`` (:attr:`attention_kernels`), or
@@ -194,6 +207,8 @@ class RuntimeSupport:
         micro-batch loop (pp == 1); as in DeepSpeed, neither is combined with pipelining.
         With :attr:`ddp_1d_only`, ZeRO-0 over ``dp`` > 1 ranks only at ``tp`` = ``pp`` = 1
         (maybe none is left: that mesh is not executable)."""
+        if self.as_written:
+            return self.zero_stages
         piped = self.pipeline_zero_stages if pp > 1 and self.pipeline_zero_stages else None
         return tuple(z for z in self.zero_stages if zero_stage(z).problem(pp) is None and not (
             self.ddp_1d_only and not zero_stage(z).shards_optimizer and dp > 1
@@ -219,6 +234,14 @@ class RuntimeSupport:
 
 
 RUNTIME_SUPPORT = RuntimeSupport()
+"""What the autopar runtime executes: the space ``autopar.plan`` searches by default."""
+
+FULL_SPACE = RuntimeSupport(
+    name="cost model", zero_stages=tuple(ZERO_STAGE_RECORDS), recompute=RECOMPUTE_MODES,
+    virtual_stages=(), grad_dtypes=(), as_written=True)
+"""Everything the cost model prices, each layout as written (:attr:`RuntimeSupport.as_written`):
+what ``autopar.evaluate`` and the report's hand layouts price, whether or not a runner
+executes it."""
 
 
 def plan_grad_dtype(plan) -> str:
@@ -266,9 +289,10 @@ def check_pins(layout: Layout, support: RuntimeSupport = RUNTIME_SUPPORT) -> Non
                          f"{record.name!r}; drop one of the two pins")
     if record is not None and record.interleaved and (layout.pp == 1 or v == 1):
         raise ValueError(record.problem(layout.pp or 2, 0, v or 2))
-    if layout.sequence_parallel and layout.tp == 1:
-        raise ValueError("sequence_parallel=True splits activations over the TP group but "
-                         "tp=1 is pinned; pin tp > 1 or drop sequence_parallel")
+    if layout.sequence_parallel is not None and layout.tp is not None:
+        problem = tensor_parallel_mode(layout.sequence_parallel).problem(layout.tp)
+        if problem:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)

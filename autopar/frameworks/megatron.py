@@ -62,6 +62,7 @@ from autopar.models import pad_vocab_size
 from autopar.contract.plan import Layout
 from autopar.techniques.pipeline_schedules import default_schedule
 from autopar.techniques.recompute_modes import mode_recomputing, recompute_mode, recompute_mode_for
+from autopar.techniques.tensor_parallel import tensor_parallel_mode
 from autopar.techniques.zero_stages import zero_stage
 from autopar.contract.stages import equal_chunks
 from autopar.contract.support import plan_grad_dtype
@@ -345,17 +346,16 @@ def megatron_args(plan) -> list[str]:
     if shape["swiglu"]:
         out += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                 "--disable-bias-linear"]
-    if shape["untied"]:
-        out += ["--untie-embeddings-and-output-weights"]
+    out += ["--untie-embeddings-and-output-weights"] * shape["untied"]
     out += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
             str(shape.get("seq_length") or plan.seq_len), "--vocab-size", str(shape["vocab_size"]),
             "--hidden-dropout", f"{shape.get('dropout', 0.0):g}",
             "--attention-dropout", f"{shape.get('dropout', 0.0):g}",
             "--tensor-model-parallel-size", str(plan.tp),
             "--pipeline-model-parallel-size", str(plan.pp)]
-    out += ["--sequence-parallel"] if plan.sequence_parallel else []
-    out += ["--micro-batch-size", str(plan.micro_batch_size),
-            "--global-batch-size", str(plan.global_batch_size)]
+    sp = tensor_parallel_mode(plan.sequence_parallel)  # its flag beside --tensor-model-...
+    out += [sp.frameworks["megatron"]] * sp.shards_sequence + ["--micro-batch-size", str(
+        plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     L, v = len(plan.recompute), plan.virtual_stages
     if v > 1:
         out += ["--num-layers-per-virtual-pipeline-stage", str(L // (plan.pp * v))]

@@ -45,7 +45,7 @@ from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import trace_model
 from autopar.oracle.section_vectors import (FIELDS, SectionOption, replicated_index,
                                             section_options, ties_agree)
-from autopar.contract.plan import RECOMPUTE_MODES, Layout, Plan
+from autopar.contract.plan import Alternative, Layout, Plan
 from autopar.planner.cost_tables import Config, cost_tables
 from autopar.planner.cpsat_terms import template_map
 from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
@@ -238,7 +238,7 @@ def decision_of(traced, cfg, sections, stages: list[StagePlan], zero, step, elap
 
 
 def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
-                      layout: Layout | None = None, support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      layout: Layout | None = None, support: RuntimeSupport = RUNTIME_SUPPORT,
                       rounding: str = "predict") -> ExhaustiveResult:
     """The fastest plan over every config and every plan of each (see the module docstring).
     Raises ValueError for an unknown ``rounding`` or a layout :func:`validate_layout` rejects."""
@@ -247,7 +247,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
     start, layout = time.perf_counter(), layout or Layout()
     validate_layout(traced, cluster, layout, global_batch_size)
     modes = (layout.recompute,) if layout.recompute else \
-        (support.recompute if support else RECOMPUTE_MODES)
+        support.recompute
     cache, best, seen, priced = {}, None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
         strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
@@ -272,7 +272,7 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
 
 
 def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: Layout | None = None,
-               support: RuntimeSupport | None = RUNTIME_SUPPORT, rounding: str = "predict",
+               support: RuntimeSupport = RUNTIME_SUPPORT, rounding: str = "predict",
                model_name: str = "model") -> Plan:
     """The optimal Plan of the search space of :func:`autopar.plan`, by exhaustion; its
     ``predicted`` comes from :func:`autopar.planner.predict.predict`. Raises InfeasibleError when
@@ -282,8 +282,8 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
     if res.decision is None:
         raise InfeasibleError(f"no plan of the search space fits in {cluster.device.memory_gib} "
                               f"GiB per GPU (exhaustive check, {res.plans_covered} plans covered)")
-    seen = [{"layout": vars(s["layout"]), "step_time_s": s["step_time_s"], "reason": "",
-             "feasible": s["step_time_s"] is not None} for s in res.seen]
+    seen = [Alternative(layout=vars(s["layout"]), step_time_s=s["step_time_s"],
+                        feasible=s["step_time_s"] is not None) for s in res.seen]
     out = plan_from_decision(traced, model, cluster, res.decision, res.tables, res.strategies,
                              global_batch_size=global_batch_size, seq_len=seq_len,
                              model_name=model_name, seen=seen)

@@ -68,7 +68,7 @@ def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_s
 
 
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
-                      support: RuntimeSupport | None = RUNTIME_SUPPORT,
+                      support: RuntimeSupport = RUNTIME_SUPPORT,
                       why: dict[str, str] | None = None) -> list[Config]:
     """All (tp, pp, dp, mbs, schedule, v, sequence_parallel) consistent with ``layout`` and
     the runtime. Sequence parallelism is the layout's, or both (without, then with) when
@@ -79,13 +79,14 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     other schedule gets v = 1; a (schedule, p, m, v) is kept when
     :func:`~autopar.contract.support.pipeline_problem` accepts it (1F1B: m >= p; interleaved:
     pp > 1, L % (pp·v) == 0, m % pp == 0), and a pinned ZeRO stage only with the pipeline
-    sizes the runtime runs it with. ``support`` None (evaluating a hand layout): the
-    layout's schedule and v, checked by the same rule. ``why``: filled with the first
+    sizes the runtime runs it with. ``support``
+    :data:`~autopar.contract.support.FULL_SPACE` (evaluating a hand layout): the layout's
+    schedule and v, checked by the same rule. ``why``: filled with the first
     reason each rule rejected a config for (the error when none is left).
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
     # Megatron's pattern splits whole key/value heads (megatron-core: num_query_groups % tp)
-    kv = _kv_heads(traced) if support is not None and support.placements == "megatron" else None
+    kv = _kv_heads(traced) if support.placements == "megatron" else None
     why = {} if why is None else why
     schedules = [layout.schedule] if layout.schedule else _searched_schedules(layout, support)
     out = []
@@ -96,14 +97,14 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
             why.setdefault("kv", f"{support.name} splits whole key/value heads over TP: "
                                  f"{kv} kv heads do not divide over tp={tp}")
             continue
-        if support is not None and support.max_tp is not None and tp > support.max_tp:
+        if support.max_tp is not None and tp > support.max_tp:
             continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
                 continue
-            zeros = support.zero_stages_for(pp, tp, dp) if support is not None else None
-            if zeros is not None and layout.zero_stage is not None and \
+            zeros = support.zero_stages_for(pp, tp, dp)
+            if layout.zero_stage is not None and \
                     layout.zero_stage not in zeros:
                 problem = zero_stage(layout.zero_stage).problem(pp)
                 why.setdefault("zero", f"zero_stage={layout.zero_stage} with pp={pp}: {problem}"
@@ -130,12 +131,12 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     """The configs of one mesh shape (tp, pp, dp): micro-batch sizes, schedules and v."""
     out, L = [], traced.num_layers
     # sequence parallelism: the layout's; free (without, then with) when it is unset, the
-    # search and tp > 1; a hand layout (support None) is priced as written
+    # search and tp > 1; a hand layout (the full space) is priced as written
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
-                         if layout.sequence_parallel is not None or support is None
+                         if layout.sequence_parallel is not None or support.as_written
                          else tuple(sp for sp in (False, True) if sp in support.sequence_parallel))
     dtype = layout.dtype or cluster.dtype
-    if support is not None and support.dtype_for(dtype, tp, pp, dp) != dtype:
+    if support.dtype_for(dtype, tp, pp, dp) != dtype:
         if layout.dtype is not None:  # pinned bf16 the target would run in fp32
             why.setdefault("dtype", f"{support.name} trains bf16 with tp or pp > 1 only under "
                                     "FSDP (dp > 1); it would run fp32 at "
@@ -143,17 +144,16 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
             return out
         dtype = support.dtype_for(dtype, tp, pp, dp)
     # gradients: the layout's, else the first the target runs (fp32 under fp32 training)
-    grad_dtype = None if dtype == "fp32" else (
-        layout.grad_dtype or (support.grad_dtypes[0] if support else None))
+    grad_dtype = None if dtype == "fp32" else (layout.grad_dtype or support.default_grad_dtype)
     # attention: the kernel the target runs in this dtype (the cluster's when it can)
-    attention = support.attention_for(cluster.attention, dtype) if support else cluster.attention
+    attention = support.attention_for(cluster.attention, dtype)
     for mbs in divisors(per_replica):
         if layout.micro_batch_size not in (None, mbs) or (
                 layout.micro_batch_size is None and mbs > MAX_MICRO_BATCH_SIZE):
             continue
         m = per_replica // mbs
         for sched in schedules:
-            if support and sched not in support.schedules:
+            if sched not in support.schedules:
                 continue
             refused = pipeline_schedule(sched).refused_recompute.get(layout.recompute)
             if refused:
@@ -179,24 +179,24 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
     return out
 
 
-def _searched_schedules(layout: Layout, support: RuntimeSupport | None) -> list[str]:
+def _searched_schedules(layout: Layout, support: RuntimeSupport) -> list[str]:
     """The schedules a layout without one is searched over: the default (1F1B; interleaved
     when it pins v > 1) and, in a search whose runtime runs them, the interleaved and the
     split-backward (zero-bubble) ones, less those whose record is ``pinned_only``."""
     default = default_schedule(layout.virtual_stages)
-    if default.interleaved or support is None:
+    if default.interleaved or support.as_written:
         return [default.name]
     return [default.name] + [s.name for s in PIPELINE_SCHEDULES.values()
                              if (s.interleaved or s.split_backward) and s.name != default.name
                              and s.name in support.schedules and s.pinned_only is None]
 
 
-def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport | None, L: int,
+def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport, L: int,
                     pp: int, m: int) -> tuple[int, ...]:
     """The v to try for one (schedule, pp, m): see :func:`candidate_configs`."""
     if not pipeline_schedule(schedule).interleaved:
         return (1,) if (layout.virtual_stages or 1) == 1 else ()
-    if layout.virtual_stages is not None or support is None:
+    if layout.virtual_stages is not None or support.as_written:
         return (layout.virtual_stages or 2,)
     return support.virtual_stages_for(schedule, L, pp, m)
 

@@ -32,6 +32,7 @@ from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
 from autopar.contract.plan import grad_dtype_of
+from autopar.planner.search_cache import SearchCache
 from autopar.planner.precision import StateBytes, bytes_per_param, state_bytes
 from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
                                        node_cost)
@@ -185,14 +186,14 @@ def optimizer_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> flo
 
 
 def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster,
-                cfg: Config, memo: dict | None = None,
+                cfg: Config, cache: SearchCache | None = None,
                 template_only: bool = False) -> CostTables:
     """Price every node strategy and every edge transition for ``cfg`` on ``cluster``:
     seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
     :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point).
 
-    memo: a dict shared by calls for one ``traced``, ``strategies`` per TP size and
-    ``cluster`` (the search passes one): configs that differ only in pp, dp, m, schedule
+    cache: a :class:`~autopar.planner.search_cache.SearchCache` shared by calls for one
+    ``traced``, ``strategies`` per TP size and ``cluster`` (the search passes its own): configs that differ only in pp, dp, m, schedule
     or v share everything but the point-to-point cost, and nodes or edges with equal
     inputs (the same op in every layer) are priced once. The tables are the same with or
     without it; the solver and the predictor only read them, so entries may be shared.
@@ -200,13 +201,12 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     post section (and the edges into them), what the search's bounds read (the same
     prices; ``predict`` needs the full tables).
     """
-    memo = {} if memo is None else memo
-    key = ("tables", cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
+    cache = SearchCache() if cache is None else cache
+    key = (cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
            cfg.sequence_parallel, template_only)
-    if key not in memo:
-        names = set(traced.pre + traced.layers[0] + traced.post) if template_only else None
-        memo[key] = _tp_tables(traced, strategies, cluster, cfg, memo, names)
-    base = memo[key]
+    names = set(traced.pre + traced.layers[0] + traced.post) if template_only else None
+    base = cache.tp_tables(key, lambda: _tp_tables(traced, strategies, cluster, cfg, cache,
+                                                   names))
     end = step_end_s(traced, base, cluster, cfg)
     lat = tuple(dp_latency_s(z, cluster, cfg, traced.num_layers) for z in range(4))
     if cfg.pp == 1:
@@ -275,39 +275,43 @@ def _node_key(info) -> tuple:
 
 
 def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: bool,
-                  memo: dict, names: set[str] | None = None) -> list[tuple]:
+                  cache: SearchCache, names: set[str] | None = None) -> list[tuple]:
     """Per node, once per (tp, sequence parallelism): (name, info, node signature, input
     elements, [(source, j, edge signature, source elements, per sequence)]), where a
     signature is a small int naming one pricing problem (equal ones: the same op in every
     layer), so that :func:`_tp_tables` looks prices up instead of hashing them anew.
     ``names``: rows of these nodes only (signatures then number their own problems)."""
-    key = ("rows", tp, sp, names is not None)
-    if key not in memo:
-        nodes, ids, rows = traced.nodes, {}, []
-        for node in traced.gm.graph.nodes:
-            if names is not None and node.name not in names:
-                continue
-            info, options = nodes[node.name], strategies[node.name]
-            ins = tensor_inputs(node, nodes)
-            in_numel = sum(nodes[n.name].numel for n in ins)
-            sig = ids.setdefault(("node", _node_key(info), tuple(options), in_numel), len(ids))
-            edges = []
-            for j, src in enumerate(ins):
-                src_info = nodes[src.name]
-                outs = tuple(su.output for su in strategies[src.name])
-                wants = tuple(sv.inputs[j] for sv in options)
-                saves, grad = saves_inputs(info), not info.no_grad
-                esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
-                                       saves, grad), len(ids))
-                edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves,
-                              grad))
-            rows.append((node.name, info, sig, in_numel, edges))
-        memo[key] = rows
-    return memo[key]
+    return cache.pricing_rows(tp, sp, names is not None,
+                              lambda: _rows(traced, strategies, names))
+
+
+def _rows(traced: TracedModel, strategies: NodeStrategies,
+          names: set[str] | None) -> list[tuple]:
+    """:func:`_pricing_rows`, computed."""
+    nodes, ids, rows = traced.nodes, {}, []
+    for node in traced.gm.graph.nodes:
+        if names is not None and node.name not in names:
+            continue
+        info, options = nodes[node.name], strategies[node.name]
+        ins = tensor_inputs(node, nodes)
+        in_numel = sum(nodes[n.name].numel for n in ins)
+        sig = ids.setdefault(("node", _node_key(info), tuple(options), in_numel), len(ids))
+        edges = []
+        for j, src in enumerate(ins):
+            src_info = nodes[src.name]
+            outs = tuple(su.output for su in strategies[src.name])
+            wants = tuple(sv.inputs[j] for sv in options)
+            saves, grad = saves_inputs(info), not info.no_grad
+            esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
+                                   saves, grad), len(ids))
+            edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves,
+                          grad))
+        rows.append((node.name, info, sig, in_numel, edges))
+    return rows
 
 
 def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster, cfg: Config,
-               memo: dict, names: set[str] | None = None) -> CostTables:
+               cache: SearchCache, names: set[str] | None = None) -> CostTables:
     """:func:`cost_tables` of ``cfg`` without the pipeline's point-to-point time (what
     depends only on tp, the micro-batch size, the dtype, attention and sequence parallelism);
     ``names``: only these nodes (and the edges into them), None: every node."""
@@ -320,29 +324,25 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     f_bytes: dict[str, float] = {}
     f_rs_s: dict[str, float] = {}
     scope = names is not None  # signatures of template rows number their own problems
-    for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, memo,
+    for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, cache,
                                                           names):
-        nkey = ("node", tp, sp, scope, sig, b, act, attn)
-        if nkey not in memo:
-            memo[nkey] = [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
-                          for st in strategies[name]]
-        node_tab[name] = memo[nkey]
+        node_tab[name] = cache.node_costs(
+            (tp, sp, scope, sig, b, act, attn),
+            lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
+                     for st in strategies[name]])
         for src, j, esig, numel, per_sequence, saves, grad in edges:
-            ekey = ("edge", tp, sp, scope, esig, b, act)
-            if ekey not in memo:
-                nbytes = act * numel * (b if per_sequence else 1)
-                outs = tuple(su.output for su in strategies[src])
-                wants = tuple(sv.inputs[j] for sv in strategies[name])
-                memo[ekey] = _edge_table(outs, wants, nbytes, tp, tp_link, sp, saves, grad)
-            edge_tab[(src, name, j)] = memo[ekey]
+            edge_tab[(src, name, j)] = cache.edge_costs(
+                (tp, sp, scope, esig, b, act),
+                lambda: _edge_table(tuple(su.output for su in strategies[src]),
+                                    tuple(sv.inputs[j] for sv in strategies[name]),
+                                    act * numel * (b if per_sequence else 1), tp, tp_link, sp,
+                                    saves, grad))
         if info.shape is not None:
             nbytes = act * info.numel * (b if info.per_sequence else 1)
-            fkey = ("f", nbytes, tp)
-            if fkey not in memo:
-                memo[fkey] = (comm.all_reduce_time_s(nbytes, tp, tp_link),
-                              comm.reduce_scatter_time_s(nbytes, tp, tp_link))
             f_bytes[name] = nbytes
-            f_s[name], f_rs_s[name] = memo[fkey]
+            f_s[name], f_rs_s[name] = cache.tp_collective_s(
+                nbytes, tp, lambda: (comm.all_reduce_time_s(nbytes, tp, tp_link),
+                                     comm.reduce_scatter_time_s(nbytes, tp, tp_link)))
     boundary = traced.boundary_numel() * b
     p2p_bytes = act * boundary
     out = next(n for n in traced.gm.graph.nodes if n.op == "output")

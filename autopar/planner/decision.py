@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
-from autopar.contract.plan import Plan, equal_chunks, rank_layers
+from autopar.contract.plan import Alternative, Plan, equal_chunks, rank_layers
 from autopar.contract.plan_memory import binding_stage, memory_line
 from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.predict import predict
@@ -106,7 +106,7 @@ def peak_memory_line(predicted, cluster) -> str:
 def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                        tables: CostTables, strategies: NodeStrategies, *,
                        global_batch_size: int, seq_len: int, model_name: str,
-                       seen: list[dict] = ()) -> Plan:
+                       seen: list[Alternative] = ()) -> Plan:
     """The :class:`~autopar.contract.plan.Plan` of ``decision``: its placements (strategy keys), the
     :func:`~autopar.planner.predict.predict` prediction,
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
@@ -116,8 +116,8 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=global_batch_size)
     placements = {name: strategies[name][k].key for name, k in decision.strategy.items()}
-    feasible = sorted((s for s in seen if s["feasible"]), key=lambda s: s["step_time_s"])
-    others = feasible[1:6] + [s for s in seen if s["feasible"] is False][:3]
+    feasible = sorted((s for s in seen if s.feasible), key=lambda s: s.step_time_s)
+    others = feasible[1:6] + [s for s in seen if s.feasible is False][:3]
     return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
                 global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
                 dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,

@@ -20,6 +20,7 @@ from autopar.planner.configs import candidate_configs, no_config_message, valida
 from autopar.planner.cost_tables import CostTables, cost_tables
 from autopar.planner.decision import Decision, InfeasibleError
 from autopar.planner.megatron import megatron_placements
+from autopar.contract.support import FULL_SPACE
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 from autopar.contract.stages import even_stage_layers
 from autopar.techniques.pipeline_schedules import default_schedule, pipeline_schedule
@@ -61,7 +62,7 @@ def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_siz
     change)."""
     validate_layout(traced, cluster, layout, global_batch_size)
     why: dict[str, str] = {}
-    configs = candidate_configs(traced, cluster, global_batch_size, layout, None, why)
+    configs = candidate_configs(traced, cluster, global_batch_size, layout, FULL_SPACE, why)
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
     cfg = configs[0]  # every field pinned: the one config

@@ -141,22 +141,22 @@ def linear_roles(traced: TracedModel) -> dict[str, str]:
 
 
 def allowed_strategies(traced: TracedModel, strategies: NodeStrategies, tp: int,
-                       sequence_parallel: bool, memo: dict, support) -> dict[str, set[str]] | None:
+                       sequence_parallel: bool, cache, support) -> dict[str, set[str]] | None:
     """The strategy keys each node may take under ``support`` (an
     :class:`autopar.contract.support.RuntimeSupport`): None (any) unless its placements are
     "megatron", then Megatron-LM's (:func:`megatron_placements`), and for the activations
     that cross a pipeline cut also the replicated ones (a pipeline send is whole here;
     Megatron-LM sends sequence shards under SP, so the SP plans pay an all-gather more).
-    ``strategies``: :func:`node_strategies` at (tp, sequence_parallel); ``memo`` keeps the
-    answer per (tp, sequence_parallel) for one search. The cost tables keep every strategy,
+    ``strategies``: :func:`node_strategies` at (tp, sequence_parallel); ``cache`` (the search's
+    :class:`~autopar.planner.search_cache.SearchCache`) keeps the answer per (tp,
+    sequence_parallel). The cost tables keep every strategy,
     so a plan is priced alike in any search and by ``autopar.evaluate_plan``."""
-    if support is None or support.placements != "megatron" or tp == 1:
+    if support.placements != "megatron" or tp == 1:
         return None
-    key = ("megatron_keys", tp, sequence_parallel)
-    if key not in memo:
+    def compute() -> dict[str, set[str]]:
         keys = megatron_placements(traced, tp, sequence_parallel)
         cut = {traced.pre[-1], traced.layers[0][-1]} if traced.layers else set()
-        memo[key] = {n: {s.key for s in options if s.key == keys[n]
-                         or (n in cut and s.output.is_replicated)}
-                     for n, options in strategies.items()}
-    return memo[key]
+        return {n: {s.key for s in options if s.key == keys[n]
+                    or (n in cut and s.output.is_replicated)}
+                for n, options in strategies.items()}
+    return cache.megatron_keys(tp, sequence_parallel, compute)

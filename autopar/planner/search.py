@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
-from autopar.contract.plan import RECOMPUTE_MODES, Layout, SolverStatus
+from autopar.contract.plan import Alternative, Layout, SolverStatus
 from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.cost_tables import Config, CostTables, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
@@ -29,6 +29,7 @@ from autopar.planner.predict import predict
 from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
                                      strategies_for, zero_choices)
 from autopar.planner.strategies import NodeStrategies
+from autopar.planner.search_cache import SearchCache
 from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -53,24 +54,26 @@ DEFAULT_TIME_LIMIT_S = 1.0  # CP-SAT deterministic time per config (``--time-lim
 class SearchContext:
     """What every config of one search shares: the traced model, the cluster, the user's
     pins (``layout``), the space searched (``support``: a runtime's or a target's
-    :class:`~autopar.contract.support.RuntimeSupport`; None: all the cost model prices),
+    :class:`~autopar.contract.support.RuntimeSupport`, or
+    :data:`~autopar.contract.support.FULL_SPACE`: all the cost model prices),
     the template map of the CP-SAT model (:func:`~autopar.planner.cpsat_terms.template_map`),
-    whether stages are split evenly as Megatron-LM does (hand layouts), and ``memo``: the
-    strategies, cost tables and bounds the configs share (:func:`strategies_for`,
+    whether stages are split evenly as Megatron-LM does (hand layouts), and ``cache``
+    (:class:`~autopar.planner.search_cache.SearchCache`): the strategies, cost tables and
+    bounds the configs share (:func:`strategies_for`,
     :func:`~autopar.planner.cost_tables.cost_tables`, :mod:`autopar.planner.pruning`).
     Build with :meth:`of`."""
 
     traced: TracedModel
     cluster: object
     layout: Layout
-    support: RuntimeSupport | None
+    support: RuntimeSupport
     mapping: dict
     even_stages: bool = False
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    cache: SearchCache = field(default_factory=SearchCache, compare=False, repr=False)
 
     @classmethod
     def of(cls, traced: TracedModel, cluster, layout: Layout,
-           support: RuntimeSupport | None = RUNTIME_SUPPORT,
+           support: RuntimeSupport = RUNTIME_SUPPORT,
            even_stages: bool = False) -> SearchContext:
         """The context of a search of ``traced`` on ``cluster`` inside ``support``."""
         return cls(traced=traced, cluster=cluster, layout=layout, support=support,
@@ -85,7 +88,7 @@ class SearchResult:
     decision: Decision | None
     tables: CostTables
     strategies: NodeStrategies
-    seen: list[dict]
+    seen: list[Alternative]
     solve_time_s: float
     solver: SolverStatus = SolverStatus()
 
@@ -114,19 +117,18 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
     ``hint``: strategy indices per node to try first (:func:`hint_strategies`)."""
     from ortools.sat.python import cp_model
 
-    traced, cluster, layout, support, memo = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
-                                              ctx.memo)
-    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, memo)
-    tables = cost_tables(traced, strategies, cluster, cfg, memo)
+    traced, cluster, layout, support, cache = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
+                                               ctx.cache)
+    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache)
+    tables = cost_tables(traced, strategies, cluster, cfg, cache)
     zero = zero_choices(layout, support, cfg)
-    modes = pipeline_schedule(cfg.schedule).recompute_modes(
-        support.recompute if support else RECOMPUTE_MODES)
+    modes = pipeline_schedule(cfg.schedule).recompute_modes(support.recompute)
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         allowed=allowed_strategies(traced, strategies, cfg.tp,
-                                                   cfg.sequence_parallel, memo, support),
+                                                   cfg.sequence_parallel, cache, support),
                         recompute_modes=modes, fixed_recompute=layout.recompute,
-                        even_stages=ctx.even_stages or bool(support and support.even_stages),
-                        recompute_layout=support.recompute_layout if support else "per_layer",
+                        even_stages=ctx.even_stages or support.even_stages,
+                        recompute_layout=support.recompute_layout,
                         assume_memory=assume_memory)
     model.build()
     if cutoff_s is not None and cutoff_s < float("inf"):
@@ -152,7 +154,7 @@ def solve_one(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAULT_
 
 
 def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
-           support: RuntimeSupport | None = RUNTIME_SUPPORT,
+           support: RuntimeSupport = RUNTIME_SUPPORT,
            even_stages: bool = False,
            progress: Callable[[int, int, float | None], None] | None = None,
            time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> SearchResult:
@@ -181,15 +183,14 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     """
     start = time.perf_counter()
     validate_layout(traced, cluster, layout, global_batch_size)
-    if support is not None:
+    if not support.as_written:
         support_rules.check_pins(layout, support)
     ctx = SearchContext.of(traced, cluster, layout, support, even_stages)
     why: dict[str, str] = {}
     configs = candidate_configs(traced, cluster, global_batch_size, layout, support, why)
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
-    memo = ctx.memo
-    bound = {c: order_bound_s(traced, cluster, c, memo, layout, support) for c in configs}
+    bound = {c: order_bound_s(traced, cluster, c, ctx.cache, layout, support) for c in configs}
     configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
     best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
 
@@ -199,7 +200,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
         if out.decision is not None:
             hints[_hint_key(cfg)] = out.decision.strategy
         entry = _entry(traced, cluster, cfg, out, cutoff, global_batch_size, best)
-        old = next((k for k, s in enumerate(seen) if s["layout"] == entry["layout"]), None)
+        old = next((k for k, s in enumerate(seen) if s.layout == entry.layout), None)
         if old is None:
             seen.append(entry)
         else:  # a stopped config solved again under the cutoff replaces its first record
@@ -214,7 +215,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 cfg, i = configs[i], i + 1
                 if progress is not None:
                     progress(len(seen) + len(batch), len(configs), best.found_s)
-                pruned = pruned_entry(traced, cluster, cfg, memo, layout, support, best.step_s)
+                pruned = pruned_entry(traced, cluster, cfg, ctx.cache, layout, support, best.step_s)
                 if pruned is None:
                     batch.append((cfg, pool.submit(
                         solve_config, ctx, cfg, time_limit_s=time_limit_s,
@@ -263,21 +264,20 @@ class _Best:
 
 
 def _entry(traced, cluster, cfg: Config, out: Solved, cutoff: float, global_batch_size: int,
-           best: _Best) -> dict:
+           best: _Best) -> Alternative:
     """The ``seen`` record of a solved config (its plan priced by ``predict``, or why it
     has none given ``cutoff``), making its plan the incumbent ``best`` when faster."""
     if out.decision is None:
         feasible, reason = unsolved(out.status, cutoff)
-        return {"layout": asdict(cfg), "step_time_s": None, "feasible": feasible,
-                "reason": reason}
+        return Alternative(layout=asdict(cfg), feasible=feasible, reason=reason)
     pred = predict(traced, out.strategies, out.tables, cluster, out.decision,
                    global_batch_size=global_batch_size)
     if pred.step_time_s < best.step_s:
         best.decision, best.step_s = out.decision, pred.step_time_s
         best.tables = (out.tables, out.strategies)
-    return {"layout": asdict(cfg), "step_time_s": pred.step_time_s, "feasible": True,
-            "tflops_per_gpu": pred.tflops_per_gpu, "peak_memory_bytes": pred.peak_memory_bytes,
-            "reason": ""}
+    return Alternative(layout=asdict(cfg), feasible=True, step_time_s=pred.step_time_s,
+                       tflops_per_gpu=pred.tflops_per_gpu,
+                       peak_memory_bytes=pred.peak_memory_bytes)
 
 
 def _binding(ctx: SearchContext, statuses: dict) -> str | None:
@@ -296,7 +296,7 @@ def _binding(ctx: SearchContext, statuses: dict) -> str | None:
             f"{cfg.schedule}")
 
 
-def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[dict],
+def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[Alternative],
                         hints: dict, known_lower: dict, count: int = ALTERNATIVES,
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
     """Solve without a cutoff the configs the search never priced (cut off by CP-SAT or
@@ -311,28 +311,28 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[d
     X the largest of CP-SAT's objective bound, the step-time lower bound and what the
     search proved (``known_lower``: seconds per Config, e.g. a cutoff CP-SAT could not
     beat)."""
-    missing = max(0, count + 1 - sum(1 for s in seen if s["feasible"]))  # the best is not one
-    lower = {id(s): max(known_lower.get(Config(**s["layout"]), 0.0), step_lower_bound_s(
-        ctx.traced, ctx.cluster, Config(**s["layout"]), ctx.memo, ctx.layout, ctx.support,
-        float("inf"))) for s in seen if s["feasible"] is None}
-    entries = sorted((s for s in seen if id(s) in lower), key=lambda s: lower[id(s)])[:missing]
+    missing = max(0, count + 1 - sum(1 for s in seen if s.feasible))  # the best is not one
+    lower = {k: max(known_lower.get(Config(**s.layout), 0.0), step_lower_bound_s(
+        ctx.traced, ctx.cluster, Config(**s.layout), ctx.cache, ctx.layout, ctx.support,
+        float("inf"))) for k, s in enumerate(seen) if s.feasible is None}
+    entries = sorted(lower, key=lower.get)[:missing]  # indices into seen
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:
         futures = [pool.submit(solve_config, ctx, cfg, time_limit_s=time_limit_s,
                                hint=hints.get(_hint_key(cfg)))
-                   for cfg in (Config(**entry["layout"]) for entry in entries)]
-    for entry, future in zip(entries, futures):
+                   for cfg in (Config(**seen[k].layout) for k in entries)]
+    for k, future in zip(entries, futures):
         out = future.result()
         decision, status, tables, strategies = out.decision, out.status, out.tables, out.strategies
         if decision is None:
             feasible, reason = unsolved(status, float("inf"))
-            entry.update(feasible=feasible, reason=reason)
+            seen[k] = replace(seen[k], feasible=feasible, reason=reason)
             continue
         pred = predict(ctx.traced, strategies, tables, ctx.cluster, decision,
                        global_batch_size=global_batch_size)
-        floor_s = max(out.bound_s, lower[id(entry)])
-        entry.update(step_time_s=pred.step_time_s, feasible=True,
-                     tflops_per_gpu=pred.tflops_per_gpu,
-                     peak_memory_bytes=pred.peak_memory_bytes,
-                     reason="slower" if status == "OPTIMAL" else
-                     "slower (not proven optimal: CP-SAT stopped at its time limit; no plan of "
-                     f"this config beats {floor_s:.4g} s)")
+        floor_s = max(out.bound_s, lower[k])
+        seen[k] = replace(seen[k], step_time_s=pred.step_time_s, feasible=True,
+                          tflops_per_gpu=pred.tflops_per_gpu,
+                          peak_memory_bytes=pred.peak_memory_bytes,
+                          reason="slower" if status == "OPTIMAL" else
+                          "slower (not proven optimal: CP-SAT stopped at its time limit; no "
+                          f"plan of this config beats {floor_s:.4g} s)")

@@ -19,7 +19,7 @@ to fit, :class:`SolverTimeLimitError` when some config only ran out of time.
 
 from __future__ import annotations
 
-from autopar.contract.plan import SolverStatus
+from autopar.contract.plan import Alternative, SolverStatus
 from autopar.planner.decision import InfeasibleError
 from autopar.planner.reserve import reserve_text
 
@@ -76,12 +76,12 @@ def binding_stages(model) -> list[int]:
     return sorted(index[k] for k in solver.SufficientAssumptionsForInfeasibility() if k in index)
 
 
-def infeasible_message(cluster, seen: list[dict], statuses: dict,
+def infeasible_message(cluster, seen: list[Alternative], statuses: dict,
                        binding: str | None = None) -> str:
     """Why no plan was found, per mesh shape: pruned by the memory lower bound, INFEASIBLE
     for CP-SAT (``binding``: the stages that bind for the most frugal such config), or
     stopped at CP-SAT's time limit (then the message says so)."""
-    bounds = [s["min_memory_bytes"] for s in seen if "min_memory_bytes" in s]
+    bounds = [s.min_memory_bytes for s in seen if s.min_memory_bytes is not None]
     need = (f"the most memory-frugal mesh shape needs at least {min(bounds) / 2**30:.2f} GiB per "
             "GPU" if bounds else "every mesh shape exceeds it once activations are counted")
     found = []
@@ -89,7 +89,7 @@ def infeasible_message(cluster, seen: list[dict], statuses: dict,
         found.append(f"{len(bounds)} pruned by the memory lower bound (model states and "
                      f"full-recompute checkpoints: {min(bounds) / 2**30:.2f} GiB and up vs "
                      f"{cluster.device.memory_gib:.1f} GiB less the reserve)")
-    rank0 = sum(1 for s in seen if "memory-time lower bound" in s["reason"])
+    rank0 = sum(1 for s in seen if "memory-time lower bound" in s.reason)
     if rank0:
         found.append(f"{rank0} where pipeline rank 0 cannot fit its layers with any "
                      "recompute (the binding stage is stage 0: memory-time lower bound of "
@@ -107,7 +107,7 @@ def infeasible_message(cluster, seen: list[dict], statuses: dict,
             "ZeRO / recompute")
 
 
-def no_plan_error(cluster, seen: list[dict], statuses: dict, time_limit_s: float,
+def no_plan_error(cluster, seen: list[Alternative], statuses: dict, time_limit_s: float,
                   binding: str | None = None) -> Exception:
     """The error of a search without a plan: :class:`SolverTimeLimitError` when some config
     stopped at CP-SAT's time limit without one (nothing proves that nothing fits), else

@@ -33,6 +33,7 @@ from autopar.graph.annotate import NodeInfo, TracedModel
 from autopar.graph.ops import linear_features, packet
 from autopar.contract.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
                                format_strategy_key, shape_strategy_name)
+from autopar.techniques.tensor_parallel import tensor_parallel_mode
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
            "SEQUENCE_DIM", "strategies_by_key", "decode_placements",
@@ -144,7 +145,8 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
     ins = tensor_inputs(node, nodes)
     base = [_replicate(len(ins))]
     kind, shape = info.kind, info.shape
-    if (tp > 1 and sequence_parallel and kind == "layernorm" and len(ins) == 1 and shape
+    if (tp > 1 and tensor_parallel_mode(sequence_parallel).shards_sequence
+            and kind == "layernorm" and len(ins) == 1 and shape
             and len(shape) == 3 and shape[SEQUENCE_DIM] % tp == 0):
         seq = Shard(SEQUENCE_DIM)  # per-token normalisation: runs on sequence shards
         return base + [Strategy("sharded", (seq,), seq, tp, 1, (False,))]
@@ -326,13 +328,16 @@ def reshard_kinds(src: Placement, dst: Placement, sequence_parallel: bool = Fals
                   ) -> tuple[str | None, str | None] | None:
     """Collectives that turn placement ``src`` into ``dst`` as (forward, backward) kinds
     ("all_reduce" | "all_gather" | "reduce_scatter" | None); None when the transition is
-    not offered (P -> S only with ``sequence_parallel``)."""
+    not offered (P -> S only with ``sequence_parallel``): a partial output is completed by
+    the region collectives of the tensor-parallel mode that ends in ``dst``
+    (:attr:`~autopar.techniques.tensor_parallel.TensorParallelMode.region_collectives`)."""
     if src == dst:
         return (None, None)
     if src.is_partial and dst.is_replicated:
-        return ("all_reduce", None)
+        return tensor_parallel_mode(False).region_collectives
     if src.is_partial and dst.is_sharded:
-        return ("reduce_scatter", "all_gather") if sequence_parallel else None
+        mode = tensor_parallel_mode(sequence_parallel)
+        return mode.region_collectives if mode.shards_sequence else None
     if src.is_sharded and dst.is_replicated:
         return ("all_gather", None)
     if src.is_replicated and dst.is_sharded:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 
 from autopar.techniques.recompute_modes import recompute_mode
+from autopar.techniques.tensor_parallel import tensor_parallel_mode
 from autopar.techniques.zero_stages import zero_stage
-from autopar.contract.plan import Plan, ReplicatedOp, ReplicatedOps, format_share
+from autopar.contract.plan import Alternative, Plan, ReplicatedOp, ReplicatedOps, format_share
 from autopar.contract.plan_memory import binding_stage, reserve_parts
 from autopar.report.format import (GIB, MEMORY_KINDS, TIME_KIND_NOTES, TIME_KINDS, cluster_line,
                                    device_memory_bytes, format_bytes, format_gib, format_layout,
@@ -63,7 +64,7 @@ def layout_section(plan: Plan) -> list[str]:
         ["cluster", cluster_line(plan)],
         ["GPUs N = t·p·d", f"{plan.num_gpus}"],
         ["global batch B / sequence length s", f"{plan.global_batch_size} / {plan.seq_len}"],
-        ["tensor parallel t", f"{plan.tp}" + (" + sequence parallel" * plan.sequence_parallel)],
+        ["tensor parallel t", f"{plan.tp}" + tensor_parallel_mode(plan.sequence_parallel).title],
         ["pipeline parallel p", f"{plan.pp}"],
         ["data parallel d", f"{plan.dp}"],
         ["micro-batch size b", f"{plan.micro_batch_size}"],
@@ -272,28 +273,27 @@ def replicated_section(plan: Plan) -> list[str]:
     return lines
 
 
-def _alternative_row(alt: dict, chosen_s: float) -> list[str]:
+def _alternative_row(alt: Alternative, chosen_s: float) -> list[str]:
     """One alternative layout: its step time against the chosen one, and why it lost."""
-    step, feasible = alt.get("step_time_s"), alt.get("feasible", True)
+    step, feasible, reason = alt.step_time_s, alt.feasible, alt.reason
     priced = isinstance(step, (int, float)) and step > 0
     ratio = f"{step / chosen_s:.2f}×" if priced and chosen_s else "–"
-    peak = alt.get("peak_memory_bytes")
     if feasible is None:  # not priced, e.g. pruned by a lower bound
-        outcome = alt.get("reason") or "not priced"
+        outcome = reason or "not priced"
     elif not feasible:
-        reason = alt.get("reason") or "does not fit"
+        reason = reason or "does not fit"
         outcome = reason if reason.startswith("infeasible") else f"infeasible: {reason}"
-    elif priced and chosen_s and alt.get("reason", "").startswith("slower ("):  # not proven optimal
-        outcome = f"{step / chosen_s - 1:.1%} {alt['reason']}"
-    elif alt.get("reason") not in (None, "", "slower"):  # a specific reason from the search
-        outcome = alt["reason"]
+    elif priced and chosen_s and reason.startswith("slower ("):  # not proven optimal
+        outcome = f"{step / chosen_s - 1:.1%} {reason}"
+    elif reason not in ("", "slower"):  # a specific reason from the search
+        outcome = reason
     elif priced and chosen_s and step > chosen_s * 1.0005:
         outcome = f"{step / chosen_s - 1:.1%} slower"
     else:
         outcome = "ties the chosen plan (tie broken by the search order)"
-    return [format_layout(alt.get("layout", {})), format_seconds(step) if priced else "–", ratio,
-            format_tflops(alt["tflops_per_gpu"]) if alt.get("tflops_per_gpu") else "–",
-            format_bytes(peak) if peak else "–", outcome]
+    return [format_layout(alt.layout), format_seconds(step) if priced else "–", ratio,
+            format_tflops(alt.tflops_per_gpu) if alt.tflops_per_gpu else "–",
+            format_bytes(alt.peak_memory_bytes) if alt.peak_memory_bytes else "–", outcome]
 
 
 def _schedule_lines(plan: Plan) -> list[str]:
@@ -332,8 +332,8 @@ def why_section(plan: Plan, max_alternatives: int = 12) -> list[str]:
     lines += [f"- {b}" for b in plan.binding] or ["- none reported: the fastest layout fits."]
     lines += [""] + _schedule_lines(plan)
     rank = {True: 0, None: 1, False: 2}  # feasible, not priced, infeasible
-    alts = sorted(plan.alternatives, key=lambda a: (rank.get(a.get("feasible", True), 2),
-                                                   a.get("step_time_s") or float("inf")))
+    alts = sorted(plan.alternatives, key=lambda a: (rank.get(a.feasible, 2),
+                                                   a.step_time_s or float("inf")))
     lines += ["### Best alternatives the search priced", ""]
     if not alts:
         return lines + ["The plan records no alternatives.", ""]

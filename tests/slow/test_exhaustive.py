@@ -26,7 +26,7 @@ from autopar.oracle.exhaustive import (StagePlan, config_options, decision_of, e
                                        ties_agree)
 from autopar.models import GPT, GPTConfig
 from autopar.planner.predict import predict, section_cost
-from autopar.contract.support import RuntimeSupport
+from autopar.contract.support import FULL_SPACE, RuntimeSupport
 from autopar.planner.search import candidate_configs
 from autopar.planner.decision import Decision
 from autopar.planner.cpsat_terms import template_map
@@ -152,7 +152,7 @@ def test_fast_pricing_equals_predict_on_random_plans(attention):
     traced = trace_model(_meta(GPTConfig(6, 8, 256, 512, 128)), 128)
     cluster = dataclasses.replace(Cluster.dgx_a100(1), attention=attention)
     rng, groups = random.Random(0), tied_groups(traced)
-    configs = candidate_configs(traced, cluster, 16, autopar.Layout(), None)
+    configs = candidate_configs(traced, cluster, 16, autopar.Layout(), FULL_SPACE)
     for _ in range(40):
         cfg = rng.choice(configs)
         strategies = node_strategies(traced, cfg.tp)

@@ -46,7 +46,7 @@ def test_megatron_gpt3_layout_predicted_near_published(gpt3_plan):
 
 
 # Megatron-LM's published layout as the search-based evaluate priced it (the solver's best
-# placements for the fixed degrees, layers split evenly; ``search(..., support=None,
+# placements for the fixed degrees, layers split evenly; ``search(..., support=FULL_SPACE,
 # even_stages=True)`` then ``predict``): 31.257 s per step at 5a52581, 31.470 s under the
 # GEMM-shape and scatter/gather cost model merged at 311a5e0 (evaluate: 31.474 s).
 SEARCHED_EVALUATE_STEP_S = 31.470

@@ -57,6 +57,6 @@ def test_every_plan_the_solver_emits_is_executable(model_name, nodes, batch, lay
     for field, value in layout.items():
         assert getattr(plan, field) == value, (field, plan.layout())
     for alt in plan.alternatives:
-        cfg = alt["layout"]
+        cfg = alt.layout
         if cfg.get("schedule") is not None:
             assert cfg["schedule"] in RUNTIME_SUPPORT.schedules, alt

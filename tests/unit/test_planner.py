@@ -9,6 +9,7 @@ import torch.nn as nn
 import autopar
 from autopar.models import GPT, preset
 from autopar.planner.search import SearchContext, solve_one
+from autopar.contract.support import FULL_SPACE
 from autopar.graph.capture import trace_model
 
 
@@ -103,7 +104,7 @@ def test_objective_equals_independent_prediction(schedule):
 
     cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8, schedule=schedule)
     decision, status, tables, strategies = solve_one(
-        SearchContext.of(traced, cluster, autopar.Layout(), None), cfg)
+        SearchContext.of(traced, cluster, autopar.Layout(), FULL_SPACE), cfg)
     pred = predict(traced, strategies, tables, cluster, decision, global_batch_size=32)
     assert status == "OPTIMAL"
     assert decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)

@@ -15,7 +15,7 @@ import pytest
 
 import autopar
 from autopar import cli
-from autopar.contract.plan import Layout, Plan, Prediction
+from autopar.contract.plan import Alternative, Layout, Plan, Prediction
 from autopar.report import render_markdown, write_report
 from autopar.report.format import format_bytes, format_seconds
 from cost_models.hardware import Cluster
@@ -45,12 +45,11 @@ def make_plan(tp=4, pp=4, dp=64, mbs=2, step=12.5, model="gpt3-175b", **override
         stage_layers=[[i * per_stage, (i + 1) * per_stage] for i in range(pp)],
         placements={}, predicted=predicted,
         alternatives=[
-            {"layout": {"tp": 8, "pp": 8, "dp": 16, "micro_batch_size": 1}, "step_time_s": 14.0,
-             "tflops_per_gpu": 135.0, "peak_memory_bytes": 50 * GIB, "feasible": True,
-             "reason": "more pipeline bubble"},
-            {"layout": {"tp": 2, "pp": 4, "dp": 128}, "step_time_s": None, "tflops_per_gpu": None,
-             "peak_memory_bytes": 120 * GIB, "feasible": False,
-             "reason": "needs 120 GiB per GPU, device has 80 GiB"}],
+            Alternative(layout={"tp": 8, "pp": 8, "dp": 16, "micro_batch_size": 1},
+                        step_time_s=14.0, tflops_per_gpu=135.0, peak_memory_bytes=50 * GIB,
+                        feasible=True, reason="more pipeline bubble"),
+            Alternative(layout={"tp": 2, "pp": 4, "dp": 128}, peak_memory_bytes=120 * GIB,
+                        feasible=False, reason="needs 120 GiB per GPU, device has 80 GiB")],
         binding=["memory on stage 0: 65.0 GiB of 80 GiB"])
     fields.update(overrides)
     return Plan(**fields)
