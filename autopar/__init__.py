@@ -14,8 +14,8 @@ from autopar.api import evaluate, evaluate_plan, plan
 from autopar.models import load_model
 from autopar.contract.plan import Layout, Plan, Prediction
 from autopar.contract.plan_check import PlanError
-from autopar.planner.decision import InfeasibleError
-from autopar.planner.search_outcome import SolverTimeLimitError
+from autopar.planner.costs.decision import InfeasibleError
+from autopar.planner.search.outcome import SolverTimeLimitError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",

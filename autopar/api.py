@@ -4,7 +4,7 @@ saved plan's decisions) and ``what_if_plans`` (re-plan on changed inputs for the
 
 Thin: tracing (:mod:`autopar.graph`), the search (:mod:`autopar.planner.search`), the hand
 layout's decision (:mod:`autopar.planner.hand_layout`) and Decision ↔ Plan
-(:mod:`autopar.planner.decision`) do the work.
+(:mod:`autopar.planner.costs.decision`) do the work.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from cost_models.hardware import Cluster
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import Layout, Plan, SolverStatus
 from autopar.contract.plan_check import check_plan
-from autopar.planner.decision import InfeasibleError, decision_from_plan, plan_from_decision
+from autopar.planner.costs.decision import InfeasibleError, decision_from_plan, plan_from_decision
 from autopar.planner.hand_layout import check_fits_memory, complete_hand_layout, hand_decision
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
-from autopar.planner.predict import predict
-from autopar.planner.replicated import replicated_ops
-from autopar.planner.search_outcome import SolverTimeLimitError
+from autopar.planner.costs.predict import predict
+from autopar.planner.strategies.replicated import replicated_ops
+from autopar.planner.search.outcome import SolverTimeLimitError
 from autopar.targets import target_support
 from autopar.contract.support import check_positive_ints
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
@@ -38,7 +38,7 @@ __all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_sear
 
 def plan_from_search(traced: TracedModel, model, cluster, result: SearchResult, *,
                      global_batch_size: int, seq_len: int, model_name: str) -> Plan:
-    """The Plan of the search's best decision (:func:`~autopar.planner.decision.plan_from_decision`
+    """The Plan of the search's best decision (:func:`~autopar.planner.costs.decision.plan_from_decision`
     with the search's tables, strategies and per-config records), with what the search
     proved (``solver``) and its wall time (``solve_wall_s``, not saved)."""
     out = plan_from_decision(traced, model, cluster, result.decision, result.tables,

@@ -7,7 +7,8 @@ For ``autopar/`` and ``cost_models/`` (static: the source is parsed, nothing imp
   ``in`` or ``not in`` whose other side is one of a technique's names (pipeline schedules,
   recompute modes) or, for the ZeRO stage, an int compared with something named
   ``zero_stage`` / ``zero`` / ``stage``;
-* cycles between packages (``autopar.graph``, ``autopar.planner``, ..., and each top-level
+* cycles between packages (``autopar.graph``, ``autopar.planner``, ..., their sub-packages
+  such as ``autopar.planner.search``, and each top-level
   module, ``autopar.contract``, ``autopar.api``, ...), imports inside functions included;
 * layout types: classes with both a ``tp`` and a ``pp`` field or constructor argument.
 
@@ -85,6 +86,8 @@ def _package(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "autopar"
+    if len(parts) > 2 and (ROOT / "autopar" / parts[1] / parts[2]).is_dir():
+        return ".".join(parts[:3])  # a sub-package (autopar.planner.search, ...)
     if (ROOT / "autopar" / parts[1]).is_dir() or (ROOT / "autopar" / f"{parts[1]}.py").exists():
         return "autopar." + parts[1]
     return "autopar"  # a name autopar/__init__ defines

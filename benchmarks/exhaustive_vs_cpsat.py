@@ -30,7 +30,7 @@ from autopar.oracle.exhaustive import exhaustive_search
 from autopar.models import GPT, GPTConfig
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.planner.search import search
-from autopar.planner.decision import InfeasibleError
+from autopar.planner.costs.decision import InfeasibleError
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
 from cost_models.reserve import MemoryReserve

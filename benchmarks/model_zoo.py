@@ -122,7 +122,7 @@ def build(family: str, size: str = "tiny", device: str = "cpu", seed: int = 0,
 def megatron_pattern(traced, placements: dict[str, str]) -> list[str]:
     """The Linears whose placement breaks Megatron's pattern ("in" by columns, "out" by
     rows, an MoE router whole); empty when the plan follows it."""
-    from autopar.planner.megatron import linear_roles, moe_routers
+    from autopar.planner.strategies.megatron import linear_roles, moe_routers
 
     routers = moe_routers(traced)
     want = {"in": "column", "out": "row"}

@@ -12,7 +12,7 @@ search (``autopar.plan`` without its capture), prints the plan, and checks
   the recomputed forwards) equal the closed forms of :mod:`autopar.oracle.plan_forms`;
 * its predicted memory per GPU, each pipeline rank and kind, equals the closed form when
   the plan's TP placements are Megatron's hand pattern without sequence parallelism (the
-  plan re-priced with :func:`~autopar.planner.megatron.megatron_placements`, SP off: the
+  plan re-priced with :func:`~autopar.planner.strategies.megatron.megatron_placements`, SP off: the
   closed forms are Korthikanti's tensor-parallel rows). The solver's own
   placements differ from that pattern where it is free to (which element-wise ops run on
   which shards): its prediction is printed beside it with the nodes that differ.
@@ -21,7 +21,7 @@ It also lists the tensors of the chosen plan that are produced sharded and all-g
 for a consumer that keeps its input for backward (a replicated LayerNorm, a column-split
 Linear): the runtime keeps the gathered tensor whole (measured with
 ``SavedActivationTracker`` on 2 gloo ranks), and the cost model prices it so
-(:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`, in the solver's memory rows).
+(:attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`, in the solver's memory rows).
 
 Batches: GPT-3 at s = 2048, B = 1536 (Brown et al. 2020; Narayanan et al. 2021, Table 1);
 Llama-3-70B at s = 8192, B = 512, 4.2M tokens per step (Llama 3 pre-training used 4M
@@ -50,9 +50,9 @@ from autopar.graph.capture import trace_model  # noqa: E402
 from autopar.models import GPT, preset  # noqa: E402
 from autopar.oracle.plan_forms import (ModelShape, predicted_flops, stage_memory_bytes,  # noqa: E402
                                        step_flops)
-from autopar.planner.megatron import megatron_placements  # noqa: E402
-from autopar.planner.decision import decision_from_plan  # noqa: E402
-from autopar.planner.predict import predict  # noqa: E402
+from autopar.planner.strategies.megatron import megatron_placements  # noqa: E402
+from autopar.planner.costs.decision import decision_from_plan  # noqa: E402
+from autopar.planner.costs.predict import predict  # noqa: E402
 from autopar.planner.search import search  # noqa: E402
 from autopar.planner.strategies import decode_placements, tensor_inputs  # noqa: E402
 from autopar.contract.support import RUNTIME_SUPPORT  # noqa: E402

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from autopar.api import evaluate_plan
 from autopar.runtime.calibrate import calibrate_local

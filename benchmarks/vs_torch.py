@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.runtime.launch import launch
 from cost_models.hardware import Cluster
 

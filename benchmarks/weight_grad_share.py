@@ -6,7 +6,7 @@ measured, for the transformer layers of a GPT on one GPU.
 
 A zero-bubble schedule runs each backward as B (the input gradient) and W (the weight
 gradient) and fills the bubble with the W's, so its price rests on the W/B split of the
-cost model (:func:`autopar.planner.matmul_cost.gemm_times_s`: a linear's dW GEMM; attention
+cost model (:func:`autopar.planner.costs.matmul_cost.gemm_times_s`: a linear's dW GEMM; attention
 and element-wise ops none). Measured with public autograd alone: the layers' forward, then
 ``torch.autograd.grad`` of a loss with respect to the layers' input only (autograd runs the
 input-gradient path: B) or to the input and every parameter (B + W); W is the difference.
@@ -28,7 +28,7 @@ import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
 from autopar.oracle.section_vectors import replicated_index
-from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.costs.tables import Config, cost_tables
 from autopar.planner.strategies import node_strategies
 from gpu_check import device_preset  # benchmarks/ is on sys.path when run as a script
 

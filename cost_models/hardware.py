@@ -83,7 +83,7 @@ class DeviceSpec:
     comm_overlap: float = 1.0
     """Fraction of a collective's time that can run while the device computes, in [0, 1];
     that much of the DP gradient reduction hides behind the last backward
-    (:func:`autopar.planner.step.exposed_dp_s`). 1 on GPUs (NCCL beside the compute
+    (:func:`autopar.planner.costs.step.exposed_dp_s`). 1 on GPUs (NCCL beside the compute
     kernels, as DDP and Megatron use it). CPU processes over gloo move the bytes with the
     cores they compute on; ``autopar calibrate`` measures the fraction."""
     attention_tflops: float | None = None

@@ -231,7 +231,7 @@ def tiny_plan(tp: int, pp: int, dp: int = 1, zero_stage: int = 0,
 
     import autopar
     from autopar.graph.capture import trace_model
-    from autopar.planner.megatron import megatron_placements
+    from autopar.planner.strategies.megatron import megatron_placements
 
     meta, cluster = tiny_meta_gpt(), Cluster.local_cpu(processes=tp * pp * dp)
     plan = autopar.plan(meta, cluster, global_batch_size=TINY_BATCH, seq_len=TINY_SEQ,

@@ -6,7 +6,7 @@ same cost model (``autopar.evaluate``), so every difference is the cost model's 
 step time, TFLOP/s per GPU, MFU, peak memory per pipeline stage, the ratio auto/hand of
 step times, and where the difference comes from, per kind of
 :attr:`~autopar.contract.plan.Prediction.time_s_by_kind` (compute, recompute, tp_comm, pp_p2p,
-dp_comm, bubble, optimizer). Those kinds add up to the step time (``autopar.planner.predict``:
+dp_comm, bubble, optimizer). Those kinds add up to the step time (``autopar.planner.costs.predict``:
 step = m·(slowest stage + send) + bubble + DP reduction + optimizer), so the per-kind
 differences add up to the difference of step times; any remainder is shown as "other".
 """

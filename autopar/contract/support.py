@@ -135,7 +135,7 @@ class RuntimeSupport:
 
     name: the target ("autopar", "megatron", "torchtitan", "deepspeed").
     placements: "any" (the solver's tensor-parallel placements, per op) or "megatron"
-        (Megatron-LM's pattern only: :func:`autopar.planner.megatron.megatron_placements`,
+        (Megatron-LM's pattern only: :func:`autopar.planner.strategies.megatron.megatron_placements`,
         which a framework with a fixed TP plan runs).
     recompute_layout: "per_layer" (any mode per layer), "block" (Megatron-LM: one
         granularity, full recompute of the first k layers of every pipeline stage,

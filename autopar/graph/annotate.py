@@ -223,7 +223,7 @@ def _flops(node: fx.Node, kind: str, gm: fx.GraphModule, numel: int) -> float:
     if kind in ("other", "nontensor") and op_name(node, gm) not in CREATION_OPS and any(
             hasattr(n.meta.get("tensor_meta"), "shape") for n in node.all_input_nodes):
         # no formula (cumsum, sort, a comparison ...): one FLOP per output element, a floor
-        # that keeps the op visible (it is replicated: autopar.planner.replicated) not zero
+        # that keeps the op visible (it is replicated: autopar.planner.strategies.replicated) not zero
         return float(_output_elems(node.meta.get("tensor_meta")))
     return 0.0
 

@@ -16,7 +16,7 @@ Its time differs too: a fused kernel with ``is_causal`` and no mask skips the ti
 the diagonal (half the score FLOPs, as FlashAttention-2 counts causal attention:
 ``benchmarks/benchmark_flash_attention.py`` in Dao-AILab/flash-attention), and its backward
 recomputes the scores (Q·Kᵀ once more: 2.5 times the forward FLOPs, the same source);
-``extra["causal_skip"]`` says whether the first applies (:mod:`autopar.planner.matmul_cost`).
+``extra["causal_skip"]`` says whether the first applies (:mod:`autopar.planner.costs.matmul_cost`).
 """
 
 from __future__ import annotations

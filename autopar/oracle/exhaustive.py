@@ -7,8 +7,8 @@ transitions offered by :func:`~autopar.planner.strategies.reshard_kinds`, replic
 boundaries, tied weights split alike), stage sizes within ``STAGE_SLACK`` of even (interleaved
 1F1B: L/p layers per rank, p·v equal chunks), per stage the numbers of full and selective
 recompute layers, and the ZeRO stage. Each plan is priced with predict's section sums and the
-per-step arithmetic of :mod:`autopar.planner.step` (as :func:`autopar.planner.predict.predict`)
-and must fit device memory less the reserve (:mod:`autopar.planner.reserve`); the fastest
+per-step arithmetic of :mod:`autopar.planner.costs.step` (as :func:`autopar.planner.costs.predict.predict`)
+and must fit device memory less the reserve (:mod:`autopar.planner.costs.reserve`); the fastest
 wins (ties: lower ZeRO stage, less recompute).
 
 Three exact reductions keep this tractable; neither can lose the optimum.
@@ -46,13 +46,13 @@ from autopar.graph.capture import trace_model
 from autopar.oracle.section_vectors import (FIELDS, SectionOption, replicated_index,
                                             section_options, ties_agree)
 from autopar.contract.plan import Alternative, Layout, Plan
-from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat_terms import template_map
-from autopar.planner.decision import (Decision, InfeasibleError, plan_from_decision,
+from autopar.planner.costs.tables import Config, cost_tables
+from autopar.planner.cpsat.terms import template_map
+from autopar.planner.costs.decision import (Decision, InfeasibleError, plan_from_decision,
                                       stage_bounds_and_recompute, stage_splits)
-from autopar.planner.reserve import usable_bytes
+from autopar.planner.costs.reserve import usable_bytes
 from autopar.planner.search import candidate_configs, validate_layout, zero_choices
-from autopar.planner.step import (KIB, counts_tied_weight_once, head_rank, in_flight_times_v,
+from autopar.planner.costs.step import (KIB, counts_tied_weight_once, head_rank, in_flight_times_v,
                                   model_state_bytes_by_kind, scaled_memory_limit,
                                   state_kib_times_d, step_time_s)
 from autopar.planner.strategies import node_strategies, tied_groups
@@ -100,7 +100,7 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     """(seconds of one micro-batch, parameters, backward seconds (compute + TP comm: what
     bucketed DP reduction hides behind), memory bytes, fits in ``cluster``'s usable bytes
     with the loss temporaries) of rank ``i``; solver rounding: the CP-SAT row
-    (:func:`~autopar.planner.step.scaled_memory`). ``rank``: :func:`_rank`'s, if known."""
+    (:func:`~autopar.planner.costs.step.scaled_memory`). ``rank``: :func:`_rank`'s, if known."""
     k = rank or _rank(tables, cfg, i, zero, cluster)
     pre, lay, post = sections
     n = sp.layers
@@ -145,9 +145,9 @@ def _forward(sections, cfg: Config, i: int, n: int) -> float:
 
 def price(sections, tables, cluster, cfg: Config, stages: list[StagePlan], zero: int,
           rounding: str = "predict") -> tuple[float, list[float], bool]:
-    """Predicted step time (seconds, as :func:`autopar.planner.predict.predict`), memory
+    """Predicted step time (seconds, as :func:`autopar.planner.costs.predict.predict`), memory
     bytes per stage and whether every stage fits, from the section vectors alone (no graph
-    walk; the per-step arithmetic is :func:`autopar.planner.step.step_time_s`)."""
+    walk; the per-step arithmetic is :func:`autopar.planner.costs.step.step_time_s`)."""
     per = [_stage(sections, tables, cfg, i, sp, zero, rounding, cluster)
            for i, sp in enumerate(stages)]
     times, params, bwds, mems, fits = zip(*per)
@@ -275,7 +275,7 @@ def exhaustive(model, cluster, *, global_batch_size: int, seq_len: int, layout: 
                support: RuntimeSupport = RUNTIME_SUPPORT, rounding: str = "predict",
                model_name: str = "model") -> Plan:
     """The optimal Plan of the search space of :func:`autopar.plan`, by exhaustion; its
-    ``predicted`` comes from :func:`autopar.planner.predict.predict`. Raises InfeasibleError when
+    ``predicted`` comes from :func:`autopar.planner.costs.predict.predict`. Raises InfeasibleError when
     no plan fits in memory."""
     traced = trace_model(model, seq_len, name=model_name)
     res = exhaustive_search(traced, cluster, global_batch_size, layout, support, rounding)

@@ -3,7 +3,7 @@ predictions for big models (``benchmarks/plan_large.py``, ``tests/slow/test_plan
 
 A plan fixes t, p, d, b, m, the schedule and v, the ZeRO stage, the layers of each pipeline
 rank and a recompute mode per layer. With Megatron's tensor-parallel pattern
-(:func:`~autopar.planner.megatron.megatron_placements`), bf16 mixed
+(:func:`~autopar.planner.strategies.megatron.megatron_placements`), bf16 mixed
 precision and math attention, the closed forms are:
 
 **Model states** of pipeline rank i (Rajbhandari et al. 2020, Fig. 1): its parameters per

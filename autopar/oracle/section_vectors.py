@@ -11,8 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.planner.cost_tables import f_cost
-from autopar.planner.step import KIB, PARAM_UNIT
+from autopar.planner.costs.tables import f_cost
+from autopar.planner.costs.step import KIB, PARAM_UNIT
 from autopar.planner.strategies import (gathers_for_partial_grad, param_split,
                                         partial_grad_input, tensor_inputs, tied_groups)
 

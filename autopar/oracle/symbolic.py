@@ -9,10 +9,10 @@ symbol changed at once, else :class:`SymbolicFitError` names the node. The sum o
 layer's nodes is then a sympy expression that ``sympy.simplify`` compares with the paper.
 
 Activation bytes per layer (:func:`layer_activation_expr`) use exactly what the solver
-uses: ``autopar.planner.cost_tables.cost_tables`` of the traced graph, with Megatron's placements found
+uses: ``autopar.planner.costs.tables.cost_tables`` of the traced graph, with Megatron's placements found
 by ``autopar.plan`` itself (``tp=8`` on one DGX A100 node, where tensor parallelism
 pays); a tensor is divided by t when its placement is sharded, and b enters through the
-micro-batch size of :class:`autopar.planner.cost_tables.Config`. Both exponents are fitted, not assumed.
+micro-batch size of :class:`autopar.planner.costs.tables.Config`. Both exponents are fitted, not assumed.
 They reproduce Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4 and Table 2), 16-bit activations and 1-byte dropout
 masks (build the model with dropout > 0, as Megatron does):
@@ -54,8 +54,8 @@ import torch.nn as nn
 
 from cost_models.hardware import Cluster
 
-from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.cpsat_edges import crosses_section
+from autopar.planner.costs.tables import Config, cost_tables
+from autopar.planner.costs.predict import crosses_section
 from autopar.models import GPT, GPTConfig
 from autopar.contract.placement import REPLICATE, format_strategy_key
 from autopar.contract.plan import RECOMPUTE_MODES
@@ -306,7 +306,7 @@ def model_flops_expr(model: ModelSource = GPT, *, recompute: str = "full",
                      dropout: float = 0.1) -> sympy.Expr:
     """Model FLOPs of one training step in B, s, L, h, V (and a, which must cancel), as
     the cost adapter counts them: B·(3·(L·F_layer + F_other) + [full] L·F_layer) with F the
-    forward matmul FLOPs per sequence (``autopar.planner.cost_tables.cost_tables``; Narayanan et al. 2021,
+    forward matmul FLOPs per sequence (``autopar.planner.costs.tables.cost_tables``; Narayanan et al. 2021,
     section 5.1: backward = 2 × forward, full recompute = one more forward of each layer).
     recompute: "full" | "none" ("selective" counts like "none": its recomputed attention
     core is hardware work, not model FLOPs, as in Korthikanti et al. 2022)."""

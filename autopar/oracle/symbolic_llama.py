@@ -30,7 +30,7 @@ tensor counted once, when some consumer keeps it, in the layer of its producer):
   projection (kept by the product), their product (kept by ``down_proj``): 4·2sbf.
 
 No parallelism: :math:`A = sbh(24 + 4kv/a + 8f/h + 8/h + 2as/h) + 4h + 4sh/a`. Tensor
-parallel with Megatron's placements (:func:`~autopar.planner.megatron.megatron_placements`): q/k/v and
+parallel with Megatron's placements (:func:`~autopar.planner.strategies.megatron.megatron_placements`): q/k/v and
 the MLP's gate/up split by columns, o_proj and down_proj by rows, so everything between
 them is split over t while the norms (no sequence parallelism), their outputs and cos/sin
 stay whole: :math:`A_t = sbh(12 + 8/h + (12 + 4kv/a + 8f/h + 2as/h)/t) + 4h + 4sh/a`.
@@ -59,7 +59,7 @@ import sympy
 import torch
 
 from autopar.oracle.symbolic import SYMBOLS, activation_expr, fit_monomials, layer_bytes
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 
 __all__ = ["llama_closed_form", "llama_closed_form_names", "llama_layer_activation_expr",
            "llama_layer_flops_expr", "build_llama"]
@@ -130,7 +130,7 @@ def llama_layer_activation_expr(*, tp_symbolic: bool = True,
                                 recompute: str = "none") -> sympy.Expr:
     """Bytes one Llama layer keeps for backward, per micro-batch, per GPU, as a sympy
     expression in b, s, h, a, kv, f (and t when ``tp_symbolic``; else t = 1), recovered
-    from traces priced by ``cost_tables`` under :func:`~autopar.planner.megatron.megatron_placements`. recompute:
+    from traces priced by ``cost_tables`` under :func:`~autopar.planner.strategies.megatron.megatron_placements`. recompute:
     "none" | "selective" | "full" (:func:`autopar.oracle.symbolic.activation_expr`)."""
     def measure(p: dict) -> dict[str, float]:
         traced = _traced_at(p)

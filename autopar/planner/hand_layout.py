@@ -3,12 +3,12 @@
 A layout such as Megatron-LM's GPT-3 175B flags (``tp=8, pp=16, dp=8, mbs=1,
 recompute=full``) fixes everything but where each op runs; Megatron-LM fixes that too:
 column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out, vocabulary-parallel
-embedding and head (Shoeybi et al. 2019, section 3; :func:`~autopar.planner.megatron.megatron_placements`),
+embedding and head (Shoeybi et al. 2019, section 3; :func:`~autopar.planner.strategies.megatron.megatron_placements`),
 sequence parallelism only when the layout turns it on (Korthikanti et al. 2022), layers
 split evenly over the pipeline ranks with the embedding on the first and the head on the
 last (:func:`~autopar.contract.stages.even_stage_layers`), one recompute mode for every layer. So
 :func:`hand_decision` builds that Decision directly, with no CP-SAT search, and
-:func:`~autopar.planner.predict.predict` prices it like any plan; :func:`check_fits_memory`
+:func:`~autopar.planner.costs.predict.predict` prices it like any plan; :func:`check_fits_memory`
 refuses one that does not fit, naming the stage and its bytes.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import RECOMPUTE_MODES, Layout, Prediction
-from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
-from autopar.planner.cost_tables import CostTables, cost_tables
-from autopar.planner.decision import Decision, InfeasibleError
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.search.configs import candidate_configs, no_config_message, validate_layout
+from autopar.planner.costs.tables import CostTables, cost_tables
+from autopar.planner.costs.decision import Decision, InfeasibleError
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.contract.support import FULL_SPACE
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 from autopar.contract.stages import even_stage_layers
@@ -97,7 +97,7 @@ def _check_stages(stage_layers: list[list[int]], recompute: list[str], num_layer
 
 
 def check_fits_memory(pred: Prediction, cluster, layout: Layout) -> None:
-    """Raise :class:`~autopar.planner.decision.InfeasibleError` when a pipeline stage of
+    """Raise :class:`~autopar.planner.costs.decision.InfeasibleError` when a pipeline stage of
     ``pred`` needs more bytes per GPU than ``cluster``'s device holds, naming the first
     such stage, its bytes by kind and what would lower them. A stage fits when its peak
     plus its memory reserve (``pred.memory_reserve_bytes_by_stage``: context, NCCL,

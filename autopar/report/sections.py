@@ -380,7 +380,7 @@ def formulas_section() -> list[str]:
     """The published closed forms the cost model is checked against: the static table of
     :mod:`autopar.report.formulas` (equal to ``autopar.oracle.symbolic.formulas_markdown()``)."""
     return ["", "## How the cost model is checked", "",
-            "Every number above comes from one cost model (`autopar/planner/cost_tables.py` over "
+            "Every number above comes from one cost model (`autopar/planner/costs/tables.py` over "
             "`cost_models/`); these are the published formulas it reproduces, and "
             "`reports/published_vs_predicted.md` compares it with published Megatron-LM runs.",
             ""] + FORMULAS_MARKDOWN.splitlines()

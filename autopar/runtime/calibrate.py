@@ -283,13 +283,13 @@ def _profile(processes: int, results: list[dict], source: str, sizes: Calibratio
 
 def tiny_block_nodes() -> int:
     """Graph nodes of one :data:`TINY_GPT` block that the cost model charges the host's
-    per-node overhead (:func:`autopar.planner.node_cost.dispatches`), from autopar's own
+    per-node overhead (:func:`autopar.planner.costs.node_cost.dispatches`), from autopar's own
     trace of the model on the meta device."""
     import torch
 
     from autopar.graph.capture import trace_model
     from autopar.models import GPT, GPTConfig
-    from autopar.planner.node_cost import dispatches
+    from autopar.planner.costs.node_cost import dispatches
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=1, **TINY_GPT))

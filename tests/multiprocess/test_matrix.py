@@ -46,7 +46,7 @@ import torch
 
 import autopar
 from autopar.models import GPT
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.graph.capture import trace_model
 from dist_utils import run_distributed

@@ -88,7 +88,7 @@ def test_llama_saved_activations_match_the_prediction_under_the_solvers_placemen
     copy (about 9% over here)."""
     pytest.importorskip("transformers")
     from autopar.graph.capture import trace_model
-    from autopar.planner.megatron import megatron_placements
+    from autopar.planner.strategies.megatron import megatron_placements
     from dist_utils import run_distributed
 
     plan = zoo.tiny_plan("llama", dict(tp=2, pp=1, dp=1, micro_batch_size=zoo.BATCH,

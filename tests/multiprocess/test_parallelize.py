@@ -13,7 +13,7 @@ import torch
 
 import autopar
 from autopar.models import GPT
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from cost_models.hardware import Cluster
 from dist_utils import run_distributed

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG
 from autopar.rewrite.recompute import apply_recompute
 from dist_utils import run_distributed

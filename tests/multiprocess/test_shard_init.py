@@ -28,7 +28,7 @@ import torch.nn as nn
 import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig, gpt2_init
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from dist_utils import run_distributed
 from helpers import BATCH, CONFIG, SEQ, batches, fast_cluster, load_script, rel, train_eagerly
 

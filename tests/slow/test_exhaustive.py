@@ -20,16 +20,16 @@ import torch.nn as nn
 
 import autopar
 from autopar.contract.placement import REPLICATE
-from autopar.planner.cost_tables import cost_tables
+from autopar.planner.costs.tables import cost_tables
 from autopar.oracle.exhaustive import (StagePlan, config_options, decision_of, exhaustive,
                                        exhaustive_search, price, replicated_index, stage_splits,
                                        ties_agree)
 from autopar.models import GPT, GPTConfig
-from autopar.planner.predict import predict, section_cost
+from autopar.planner.costs.predict import predict, section_cost
 from autopar.contract.support import FULL_SPACE, RuntimeSupport
 from autopar.planner.search import candidate_configs
-from autopar.planner.decision import Decision
-from autopar.planner.cpsat_terms import template_map
+from autopar.planner.costs.decision import Decision
+from autopar.planner.cpsat.terms import template_map
 from autopar.planner.strategies import (node_strategies, param_split, reshard_kinds, tensor_inputs,
                                 tied_groups)
 from autopar.graph.capture import trace_model

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.planner.cost_tables import Config
+from autopar.planner.costs.tables import Config
 from autopar.planner.search import SearchContext, solve_one
 from autopar.contract.support import RUNTIME_SUPPORT
 from helpers import load_script

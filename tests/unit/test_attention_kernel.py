@@ -18,7 +18,7 @@ import pytest
 import autopar
 from autopar.frameworks import emit, outside_target, price_run, read, read_megatron_args, target_support
 from autopar.graph.capture import trace_model
-from autopar.planner.matmul_cost import CAUSAL_SKIP_FRACTION, gemm_times_s
+from autopar.planner.costs.matmul_cost import CAUSAL_SKIP_FRACTION, gemm_times_s
 from autopar.planner.strategies import node_strategies
 from cost_models import compute
 from helpers import TINY_BATCH, TINY_SEQ, tiny_meta_gpt

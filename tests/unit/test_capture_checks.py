@@ -104,7 +104,7 @@ def test_a_no_grad_region_over_parameters_stops_gradients_as_eager():
     the eager model's, bit for bit."""
     from autopar.graph.annotate import saves_inputs
     from autopar.graph.capture import trace_model
-    from autopar.planner.node_cost import node_cost
+    from autopar.planner.costs.node_cost import node_cost
     from autopar.planner.strategies import node_strategies
 
     traced = trace_model(CycleLM(stop=False), 8)  # a buffer under no_grad: nothing to stop

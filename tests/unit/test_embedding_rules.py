@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from autopar.graph.capture import trace_model
 from autopar.graph.export import causal_lm_logits, export_logits
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.planner.strategies import node_strategies
 from autopar.rewrite.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.vocab_parallel import VocabParallelEmbedding

@@ -66,8 +66,10 @@ def test_evaluate_runs_no_search(monkeypatch, small_tp2):
 
     import autopar.api
     import autopar.planner.search
+    import autopar.planner.search.branch_and_bound
 
     monkeypatch.setattr(autopar.planner.search, "search", no_search)
+    monkeypatch.setattr(autopar.planner.search.branch_and_bound, "search", no_search)
     monkeypatch.setattr(autopar.api, "search", no_search)
     again = autopar.evaluate(model, cluster, autopar.Layout(tp=2, pp=1, dp=1, micro_batch_size=1),
                              global_batch_size=4, seq_len=64, model_name="gpt-small-test")

@@ -311,7 +311,7 @@ def test_plan_for_a_target_stays_inside_it(target):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_megatron_target_keeps_megatrons_placements(sequence_parallel):
     from autopar.graph.capture import trace_model
-    from autopar.planner.megatron import megatron_placements
+    from autopar.planner.strategies.megatron import megatron_placements
 
     model, cluster = _small_problem(1.0)
     plan = autopar.plan(model, cluster, global_batch_size=16, seq_len=64, target="megatron",

@@ -13,7 +13,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import cost_models as cm
 from autopar.graph.ops import gemm_shapes
-from autopar.planner.cost_tables import Config, cost_tables, node_cost
+from autopar.planner.costs.tables import Config, cost_tables, node_cost
 from autopar.planner.strategies import node_strategies
 from cost_models.hardware import Cluster, DeviceSpec
 from helpers import tiny_meta_gpt
@@ -210,7 +210,7 @@ def test_attention_and_matmul_shapes_carry_their_flops(traced):
 
 def test_matmul_kind_is_no_faster_than_its_flops_or_its_bytes():
     from autopar.graph.annotate import NodeInfo
-    from autopar.planner.strategies import _replicate
+    from autopar.planner.strategies.nodes import _replicate
 
     cluster = Cluster.dgx_a100()
 

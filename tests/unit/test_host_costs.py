@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 
-from autopar.planner.cost_tables import (Config, dp_comm_s_per_param, node_cost,
+from autopar.planner.costs.tables import (Config, dp_comm_s_per_param, node_cost,
                                          optimizer_s_per_param)
-from autopar.planner.node_cost import dispatches
-from autopar.planner.matmul_cost import CAUSAL_SKIP_FRACTION
-from autopar.planner.step import exposed_dp_s
+from autopar.planner.costs.node_cost import dispatches
+from autopar.planner.costs.matmul_cost import CAUSAL_SKIP_FRACTION
+from autopar.planner.costs.step import exposed_dp_s
 from autopar.planner.strategies import node_strategies
 from cost_models import comm
 from cost_models.hardware import Cluster
@@ -167,7 +167,7 @@ def test_an_all_gather_pays_its_own_measured_latency_where_the_link_sets_one():
 
 
 def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient_sum(traced):
-    from autopar.planner.cost_tables import cost_tables, state_bytes
+    from autopar.planner.costs.tables import cost_tables, state_bytes
     from autopar.planner.strategies import tied_groups
 
     alpha = CPU.intra_node.latency_s
@@ -185,7 +185,7 @@ def test_every_step_ends_with_the_loss_and_norm_all_reduce_and_the_tied_gradient
 
 
 def test_dp_latency_the_bucketed_rate_leaves_out():
-    from autopar.planner.cost_tables import dp_latency_s
+    from autopar.planner.costs.tables import dp_latency_s
 
     alpha = CPU.intra_node.latency_s  # gloo: a reduce-scatter is a whole all-reduce
     cfg = Config(tp=1, pp=1, dp=2, micro_batch_size=1, num_micro_batches=3, dtype="fp32")
@@ -199,7 +199,7 @@ def test_dp_latency_the_bucketed_rate_leaves_out():
 
 
 def test_gelu_and_the_loss_pay_a_transcendental_per_element(traced):
-    from autopar.planner.cost_tables import loss_cost
+    from autopar.planner.costs.tables import loss_cost
     from cost_models import compute
 
     name = _first(traced, "gelu")

@@ -18,7 +18,7 @@ import autopar
 from autopar.cli import commands as cli
 from autopar.contract.plan_check import PlanError, read_plan
 from autopar.planner.search import search
-from autopar.planner.search_outcome import SolverTimeLimitError, solver_status
+from autopar.planner.search.outcome import SolverTimeLimitError, solver_status
 from autopar.verify.result import NonFinite, ParamDiff, StepLoss, Tolerances, VerifyReport
 from autopar.verify.claims import claim_problem
 from helpers import tiny_plan

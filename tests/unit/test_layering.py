@@ -54,8 +54,31 @@ def _under(modules: list[str], *packages: str) -> list[str]:
 
 
 def _submodules(package: str) -> list[str]:
+    """Every module under ``package``, sub-packages' included."""
     folder = AUTOPAR / package.split(".", 1)[1]
-    return [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
+    return [f"{package}." + ".".join(p.relative_to(folder).with_suffix("").parts)
+            for p in sorted(folder.rglob("*.py")) if p.stem != "__init__"]
+
+
+# the planner's sub-packages in the order of the flow: each imports only those before it
+PLANNER_STEPS = ("strategies", "costs", "cpsat", "search")
+
+
+def test_planner_sub_packages_import_only_earlier_steps():
+    """strategies -> costs -> cpsat -> search: no sub-package of the planner imports a later
+    one (the modules directly in autopar/planner/, the planner's doors, may import any)."""
+    wrong = []
+    for i, step in enumerate(PLANNER_STEPS):
+        for path in sorted((AUTOPAR / "planner" / step).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for name in names:
+                    parts = name.split(".")
+                    if parts[:2] == ["autopar", "planner"] and len(parts) > 2 and (
+                            parts[2] not in PLANNER_STEPS[:i + 1]):
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert wrong == [], wrong
 
 
 # ---------------------------------------------------------------------------- imports
@@ -147,7 +170,9 @@ def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
     runtime = set(_under(loaded, "autopar.runtime"))
     assert runtime <= REWRITE_MAY_LOAD, sorted(runtime - REWRITE_MAY_LOAD)
     planner = set(_under(loaded, "autopar.planner", "autopar.api", "autopar.oracle", "ortools"))
-    assert planner <= {"autopar.planner", "autopar.planner.strategies"}, sorted(planner)
+    assert planner <= {"autopar.planner", "autopar.planner.strategies",
+                       "autopar.planner.strategies.nodes", "autopar.planner.strategies.aten"
+                       }, sorted(planner)
 
 
 # ----------------------------------------------------------------------------- source

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.graph.capture import trace_model
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.rewrite.tensor_parallel import apply_tensor_parallel
 from stack_models import LoopedLM, StackConfig
 

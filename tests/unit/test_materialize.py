@@ -17,7 +17,7 @@ import torch.nn as nn
 import autopar
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.rewrite.tensor_parallel import apply_tensor_parallel
 from autopar.runtime.materialize import Initializer, module_seed
 from autopar.runtime.shard_init import materialize_shards

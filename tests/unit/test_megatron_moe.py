@@ -1,4 +1,4 @@
-"""Megatron-LM's TP pattern on an MoE block (``autopar.planner.megatron``): the router stays
+"""Megatron-LM's TP pattern on an MoE block (``autopar.planner.strategies.megatron``): the router stays
 whole on every rank, the shared expert is split like a dense MLP, and a row-parallel output
 of the block's (tokens, h) rows is all-reduced (it has no sequence dim to reduce-scatter
 over), so ``autopar.evaluate`` prices the layout instead of refusing its placements."""
@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.graph.capture import trace_model
-from autopar.planner.megatron import linear_roles, megatron_placements, moe_routers
+from autopar.planner.strategies.megatron import linear_roles, megatron_placements, moe_routers
 
 SEQ = 16
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's TP pattern (``autopar.planner.megatron``) on models Megatron does not ship,
+"""Megatron-LM's TP pattern (``autopar.planner.strategies.megatron``) on models Megatron does not ship,
 with sequence parallelism, where every reshard must be one autopar offers (else ``evaluate``
 refuses the placements):
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.graph.capture import trace_model
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 
 SEQ, H, V = 16, 32, 64
 CLUSTER = autopar.Cluster.local_cpu(processes=2)

@@ -3,10 +3,10 @@
 * A consumer that keeps its input for backward (a LayerNorm, a Linear) keeps the version
   it reads: whole when replicated (all-gathered from a shard if need be), 1/t when a shard
   or a slice; the edge's ``saved_bytes`` says which, and a section pays for each once.
-* :mod:`autopar.planner.bounds`: the step bound (recompute forced by memory, exposed DP,
+* :mod:`autopar.planner.search.bounds`: the step bound (recompute forced by memory, exposed DP,
   optimizer, sends) never exceeds the optimum CP-SAT finds for a config, and says "does
   not fit" (inf) only where CP-SAT finds no plan; its memory is the device's less the
-  reserve (:mod:`autopar.planner.reserve`).
+  reserve (:mod:`autopar.planner.costs.reserve`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import autopar
 from autopar.graph.annotate import saves_inputs
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.bounds import compute_bound_s, layer_pieces, step_bound_s
-from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.layer_bounds import min_layer_kept_bytes, min_layer_time_s
-from autopar.planner.decision import decision_from_plan
-from autopar.planner.predict import predict, section_cost
+from autopar.planner.search.bounds import compute_bound_s, layer_pieces, step_bound_s
+from autopar.planner.costs.tables import Config, cost_tables
+from autopar.planner.search.layer_bounds import min_layer_kept_bytes, min_layer_time_s
+from autopar.planner.costs.decision import decision_from_plan
+from autopar.planner.costs.predict import predict, section_cost
 from autopar.planner.search import SearchContext, solve_one
 from autopar.planner.strategies import node_strategies, tensor_inputs
 from autopar.contract.support import RUNTIME_SUPPORT
@@ -130,7 +130,7 @@ def test_step_bound_holds_against_cp_sat():
 
 def test_step_bound_reads_memory_less_the_reserve():
     """The bound compares rank 0's memory with the device less the reserve
-    (:func:`~autopar.planner.reserve.usable_bytes`): a 1 GiB context on a device 1 GiB
+    (:func:`~autopar.planner.costs.reserve.usable_bytes`): a 1 GiB context on a device 1 GiB
     larger gives the bound of the smaller device without a reserve, above the bound of the
     larger device without one where memory binds."""
     traced, base = _traced(), Cluster.local_cpu(processes=8)

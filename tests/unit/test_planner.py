@@ -47,7 +47,7 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
     assert p["transformer_h_0_ln_1"] == "replicate:R"
     assert p["transformer_wte"] == "vocab:P" and p["lm_head"] == "column:S2"
     assert all(p[f"transformer_h_{l}_mlp_c_proj"] == "row:P" for l in range(72))
-    from autopar.planner.megatron import megatron_placements
+    from autopar.planner.strategies.megatron import megatron_placements
 
     assert p == megatron_placements(trace_model(_meta("gpt-8.3b"), 1024), 8)
 
@@ -56,7 +56,7 @@ def test_solver_rediscovers_megatron_tensor_parallel_pattern(tp8_plan):
 def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     """Korthikanti et al. 2022, Table 2: s·b·h·(34 + 5as/h) bytes per layer at t = 1 and
     s·b·h·(10 + 24/t + 5as/(ht)) with Megatron TP, derived here from the traced graph."""
-    from autopar.planner.cost_tables import Config, cost_tables
+    from autopar.planner.costs.tables import Config, cost_tables
     from autopar.planner.strategies import node_strategies
     from cost_models.memory import transformer_layer_activation_bytes
 
@@ -64,7 +64,7 @@ def test_traced_activation_bytes_equal_korthikanti_closed_form(tp8_plan, tp):
     traced = trace_model(_meta("gpt-8.3b"), 1024)
     strategies = node_strategies(traced, tp)
     tables = cost_tables(traced, strategies, cluster, Config(tp, 1, 8 // tp, 1, 2))
-    from autopar.planner.predict import section_cost
+    from autopar.planner.costs.predict import section_cost
 
     placements = tp8_plan.placements if tp == 8 else {}
     choice = {name: [s.key for s in options].index(placements.get(name, "replicate:R"))
@@ -99,8 +99,8 @@ def test_objective_equals_independent_prediction(schedule):
     cluster = autopar.Cluster.dgx_a100(nodes=2)
     model = _meta("gpt-1.3b")
     traced = trace_model(model, 2048)
-    from autopar.planner.cost_tables import Config
-    from autopar.planner.predict import predict
+    from autopar.planner.costs.tables import Config
+    from autopar.planner.costs.predict import predict
 
     cfg = Config(tp=4, pp=2, dp=2, micro_batch_size=1, num_micro_batches=8, schedule=schedule)
     decision, status, tables, strategies = solve_one(

@@ -18,7 +18,7 @@ import pytest
 import autopar
 from autopar.frameworks import emit, read
 from autopar.frameworks.model_shape import build_model
-from autopar.planner.cost_tables import bytes_per_param, state_bytes
+from autopar.planner.costs.tables import bytes_per_param, state_bytes
 
 D = 8
 

@@ -16,7 +16,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 import autopar
 import autopar.graph.capture as capture
-import autopar.planner.strategies as strategies
+import autopar.planner.strategies.nodes as strategies
 from autopar.graph.capture import trace_model
 
 MODELS = [("gpt-small-test", 64), ("hf:gpt2", 64), ("hf:llama", 64)]

@@ -15,7 +15,7 @@ import autopar
 from autopar import cli
 from autopar.graph.capture import trace_model
 from autopar.contract.plan import Plan, ReplicatedOps, format_share
-from autopar.planner.replicated import replicated_ops
+from autopar.planner.strategies.replicated import replicated_ops
 from autopar.planner.strategies import node_strategies
 from autopar.report import render_markdown, write_report
 from helpers import fast_cluster, load_script, tiny_meta_gpt, tiny_plan

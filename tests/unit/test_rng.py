@@ -16,7 +16,7 @@ from autopar.rewrite.dropout import AttentionCore, ForkedRNG, apply_dropout_rng
 from autopar.contract.placement import parse_strategy_key
 from autopar.rewrite.recompute import Checkpointed, apply_recompute
 from autopar.runtime.rng import TENSOR_PARALLEL, RNGStatesTracker, rank_seeds, seed_rank
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.graph.capture import trace_model
 from helpers import RNG_CONFIG as CONFIG, rng_gpt as _model
 

@@ -13,7 +13,7 @@ import torch
 
 import autopar
 from autopar.oracle import symbolic
-from autopar.planner.cost_tables import Config, cost_tables
+from autopar.planner.costs.tables import Config, cost_tables
 from autopar.models import GPT, GPTConfig, preset
 from autopar.planner.strategies import node_strategies
 from autopar.oracle.symbolic import SYMBOLS, closed_form, layer_activation_expr, model_flops_expr
@@ -68,7 +68,7 @@ def test_model_flops_simplify_to_narayanan_eq3_and_korthikanti_appendix_a():
 
 @pytest.mark.parametrize("name, seq_len", [("gpt-1.3b", 2048), ("gpt-8.3b", 1024)])
 def test_traced_flops_equal_eq3_exactly(name, seq_len):
-    """The count autopar.planner.cost_tables uses (3 × forward matmuls + one forward of every layer),
+    """The count autopar.planner.costs.tables uses (3 × forward matmuls + one forward of every layer),
     per sequence, equals eq. (3) with B = 1 exactly (integers below 2**53)."""
     cfg = preset(name)
     with torch.device("meta"):
@@ -162,7 +162,7 @@ def test_megatron_placements_split_llama_like_megatron():
     """Found by role (reads the residual stream or another Linear), not by module name:
     rotary and SwiGLU's product pass the shards through."""
     pytest.importorskip("transformers")
-    from autopar.planner.megatron import megatron_placements
+    from autopar.planner.strategies.megatron import megatron_placements
     from autopar.oracle import symbolic_llama as sl
 
     traced = trace_model(sl.build_llama(s=16, h=256, a=16, kv=4, f=192, vocab=64), 16)
@@ -181,9 +181,9 @@ def _reference_plan(model, layout, recompute, seq, batch):
     """``layout`` evaluated, per-layer ``recompute`` and Megatron's placements set, priced."""
     import dataclasses
 
-    from autopar.planner.megatron import megatron_placements
-    from autopar.planner.decision import decision_from_plan
-    from autopar.planner.predict import predict
+    from autopar.planner.strategies.megatron import megatron_placements
+    from autopar.planner.costs.decision import decision_from_plan
+    from autopar.planner.costs.predict import predict
 
     cluster = autopar.Cluster.dgx_a100(1)
     plan = autopar.evaluate(model, cluster, layout, global_batch_size=batch, seq_len=seq)

@@ -19,7 +19,7 @@ import torch
 
 from autopar.graph.capture import trace_model
 from autopar.models import GPT, GPTConfig
-from autopar.planner.megatron import megatron_placements
+from autopar.planner.strategies.megatron import megatron_placements
 from autopar.rewrite.tensor_parallel import apply_tensor_parallel
 
 TP, RANK, SEQ = 8, 3, 16

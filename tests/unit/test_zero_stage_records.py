@@ -14,9 +14,9 @@ from helpers import framework_answer_gaps
 from autopar.contract.plan import ZERO_STAGES, Plan
 from autopar.contract.support import EXECUTED_ZERO_STAGES, FULLY_SHARDED_STAGE, RUNTIME_SUPPORT
 from autopar.frameworks.targets import TARGETS
-from autopar.planner.comm_bytes import dp_comm_bytes
-from autopar.planner.cost_tables import Config
-from autopar.planner.precision import bytes_per_param
+from autopar.planner.costs.comm_bytes import dp_comm_bytes
+from autopar.planner.costs.tables import Config
+from autopar.planner.costs.precision import bytes_per_param
 from autopar.report.sections import layout_section
 from autopar.techniques.pipeline_schedules import FRAMEWORK_TARGETS
 from autopar.techniques.zero_stages import (ZERO_STAGE_RECORDS, ZeroStage, framework_zero_stages,

@@ -10,10 +10,10 @@ both ends share a rank, :func:`counts_tied_weight_once`), whose last micro-batch
   DDP / Megatron), as far as the device lets communication run beside compute (the
   fraction f, ``DeviceSpec.comm_overlap``: 1 on GPUs, where this is
   :math:`\max(0, \delta_z P_i - B_i)`),
-  :math:`\delta_z` = :func:`~autopar.planner.cost_tables.dp_comm_s_per_param`, plus the
+  :math:`\delta_z` = :func:`~autopar.planner.costs.tables.dp_comm_s_per_param`, plus the
   latency the bucketed rate leaves out (``CostTables.dp_latency_s[z]``);
 * optimizer time :math:`T_{opt} = \max_i \omega_z P_i`,
-  :math:`\omega_z` = :func:`~autopar.planner.cost_tables.optimizer_s_per_param`;
+  :math:`\omega_z` = :func:`~autopar.planner.costs.tables.optimizer_s_per_param`;
 * step time = pipeline time (``cost_models.pipeline``) + :math:`T_{dp}` + :math:`T_{opt}` +
   the all-reduces closing the step (``CostTables.step_end_s``);
 * memory of rank i, bytes: model states by kind (Rajbhandari et al. 2020, Fig. 1: ZeRO
@@ -27,7 +27,7 @@ coefficient is an integer (:func:`scaled_memory`).
 from __future__ import annotations
 
 
-from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
+from autopar.planner.costs.tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
                                          optimizer_s_per_param, state_bytes)
 from autopar.planner.strategies import tied_groups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -114,7 +114,7 @@ def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config) -> di
     """Bytes per GPU of parameters, gradients and optimizer states for ``params`` elements:
     ZeRO shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3) over
     d (Rajbhandari et al. 2020, Fig. 1); bytes per parameter from
-    :func:`~autopar.planner.cost_tables.state_bytes`."""
+    :func:`~autopar.planner.costs.tables.state_bytes`."""
     b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
     d = cfg.dp
     return {"parameters": params * b.param / (d if zero_stage >= 3 else 1),
@@ -150,6 +150,6 @@ def scaled_memory(cfg: Config, rank: int, state_kib_d, act_kib, working_kib):
 
 def scaled_memory_limit(memory_bytes: float, cfg: Config) -> int:
     """``memory_bytes`` (what a rank may use: device memory less the reserve,
-    :func:`autopar.planner.reserve.usable_bytes`) in KiB, rounded down, times d·v: the
+    :func:`autopar.planner.costs.reserve.usable_bytes`) in KiB, rounded down, times d·v: the
     right-hand side of :func:`scaled_memory` ≤ limit."""
     return int(memory_bytes // KIB) * cfg.dp * cfg.virtual_stages

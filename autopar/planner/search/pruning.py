@@ -3,10 +3,10 @@
 :func:`order_bound_s` is the bound the search visits configs in; :func:`pruned_entry`
 decides, given the best step time found so far, whether a config can be skipped: its
 memory lower bound exceeds device memory less the reserve, or a step-time lower bound of
-:mod:`autopar.planner.bounds` (with the layer's least time and least kept bytes over whole
-strategy choices, :mod:`autopar.planner.layer_bounds`) is no better than the best. Pieces
+:mod:`autopar.planner.search.bounds` (with the layer's least time and least kept bytes over whole
+strategy choices, :mod:`autopar.planner.search.layer_bounds`) is no better than the best. Pieces
 shared by the configs of one search live in its
-:class:`~autopar.planner.search_cache.SearchCache`.
+:class:`~autopar.planner.costs.cache.SearchCache`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from dataclasses import asdict
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import RECOMPUTE_MODES, Alternative, Layout
-from autopar.planner.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
+from autopar.planner.search.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
                                     min_layer_compute_s, step_bound_s)
-from autopar.planner.cost_tables import Config, cost_tables
-from autopar.planner.layer_bounds import min_layer_kept_bytes, min_layer_time_s
-from autopar.planner.reserve import max_usable_bytes, p2p_bytes
-from autopar.planner.search_cache import SearchCache
+from autopar.planner.costs.tables import Config, cost_tables
+from autopar.planner.search.layer_bounds import min_layer_kept_bytes, min_layer_time_s
+from autopar.planner.costs.reserve import max_usable_bytes, p2p_bytes
+from autopar.planner.costs.cache import SearchCache
 from autopar.planner.strategies import node_strategies
 from autopar.contract.support import RuntimeSupport
 
@@ -48,7 +48,7 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
                        layout: Layout,
                        support: RuntimeSupport, best_s: float,
                        comm: bool = True) -> float:
-    """The tightest step-time lower bound (seconds) of :mod:`autopar.planner.bounds` that
+    """The tightest step-time lower bound (seconds) of :mod:`autopar.planner.search.bounds` that
     is needed: the compute bound first (no tables), then :func:`step_bound_s` (recompute
     forced by rank 0's memory with the layer's least kept bytes over whole strategy
     choices, a small CP-SAT solve each; the largest rank, exposed DP, optimizer, sends)
@@ -95,7 +95,7 @@ def order_bound_s(traced, cluster, cfg: Config, cache: SearchCache, layout: Layo
 def memory_bounds(traced, cluster, cfg: Config, cache: SearchCache, layout: Layout,
                   support: RuntimeSupport) -> tuple[float, float]:
     """(:func:`memory_lower_bound_bytes`, the largest usable bytes of any rank:
-    :func:`~autopar.planner.reserve.max_usable_bytes`) of ``cfg``, kept per config in
+    :func:`~autopar.planner.costs.reserve.max_usable_bytes`) of ``cfg``, kept per config in
     ``cache`` (``traced.total_params()`` once per search)."""
     def compute() -> tuple[float, float]:
         total = cache.total_params(traced.total_params)

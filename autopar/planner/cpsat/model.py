@@ -14,7 +14,7 @@ The outer search enumerates mesh shapes (t, p, d) with t·p·d = N and micro-bat
   partial (one backward all-reduce of u, shared by all such consumers)
   (:meth:`~ConfigModel.add_edges`), and each version of a tensor that a consumer keeps
   for backward adds its bytes to its section's activations
-  (:mod:`autopar.planner.cpsat_edges`);
+  (:mod:`autopar.planner.cpsat.edges`);
 * pipeline cuts: :math:`n_i` layers on rank i within ``STAGE_SLACK`` of L/p,
   :math:`\sum_i n_i = L`, contiguous; recompute: :math:`r^{full}_i + r^{sel}_i \le n_i`
   (:meth:`~ConfigModel.add_stages`);
@@ -24,13 +24,13 @@ minimising the 1F1B/GPipe step time (:meth:`~ConfigModel.add_objective`)
 :math:`(m-1)\,T_{max} + \sum_i T_i + (p-1)\,c_{p2p} + T_{dp} + T_{opt} + T_{end}` with
 :math:`T_{max} \ge T_i + c_{p2p}`, :math:`T_{dp} \ge D_i - B_i` (rank i's gradient reduction
 less the backward of its last micro-batch, which bucketed reduction overlaps),
-:math:`T_{opt} \ge O_i` (its optimizer step; :mod:`autopar.planner.step`), :math:`T_{end}` the
+:math:`T_{opt} \ge O_i` (its optimizer step; :mod:`autopar.planner.costs.step`), :math:`T_{end}` the
 closing all-reduces (``CostTables.step_end_s``, a constant of the config) and
 :math:`T_i = n_i (F_L + B_L) + r^{full}_i R_L + r^{sel}_i C_L + [i=0] T_{pre} + [i=p-1] T_{post}`
 (:math:`R_L`: the forward that full recompute repeats, up to the layer's last saved tensor),
 subject to per-GPU memory (:meth:`~ConfigModel.add_memory`) :math:`\text{states}_i +
 \text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M_i` for every rank (:math:`M_i`:
-device memory less the rank's reserve, :mod:`autopar.planner.reserve`); products of two
+device memory less the rank's reserve, :mod:`autopar.planner.costs.reserve`); products of two
 decision variables are exact CP-SAT multiplication constraints. Each constraint family has one ``add_*`` method and every constraint a name; without the
 cutoff (:meth:`~ConfigModel.add_cutoff`) only the memory rows ``memory[stage i]`` can be
 unsatisfiable (replicating every node with an even split, no recompute and any ZeRO stage
@@ -57,16 +57,16 @@ from ortools.sat.python import cp_model
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.contract.plan import RECOMPUTE_MODES
-from autopar.planner.cost_tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
-from autopar.planner.cpsat_edges import add_edges
-from autopar.planner.cpsat_terms import (OrderedMakespan, SectionTerms, add_exposed_dp,
+from autopar.planner.costs.tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
+from autopar.planner.cpsat.edges import add_edges
+from autopar.planner.cpsat.terms import (OrderedMakespan, SectionTerms, add_exposed_dp,
                                          add_recompute_rows, deferred_weight_grads, int_var,
                                          ordered_pipeline, precision_scale, product_var,
                                          solve_deterministic, template_map, tied_param_units)
-from autopar.planner.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
+from autopar.planner.costs.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
-from autopar.planner.reserve import usable_bytes
-from autopar.planner.step import (KIB, PARAM_UNIT, counts_tied_weight_once, head_rank, scaled_memory,
+from autopar.planner.costs.reserve import usable_bytes
+from autopar.planner.costs.step import (KIB, PARAM_UNIT, counts_tied_weight_once, head_rank, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.contract.support import pipeline_problem
@@ -176,16 +176,16 @@ class ConfigModel:
 
     def add_edges(self) -> None:
         """The edge rows (reshards, Megatron's f, kept tensor versions):
-        :func:`autopar.planner.cpsat_edges.add_edges`."""
+        :func:`autopar.planner.cpsat.edges.add_edges`."""
         add_edges(self)
 
     # -- stages, recompute, ZeRO ----------------------------------------------------------
     def add_stages(self) -> None:
         r"""``all_layers_placed``: :math:`\sum_i n_i = L` with :math:`n_i` within
-        :data:`~autopar.planner.decision.STAGE_SLACK` of L/p; ``equal_chunks``
+        :data:`~autopar.planner.costs.decision.STAGE_SLACK` of L/p; ``equal_chunks``
         (interleaved): :math:`n_i = L/p`; ``even_stages`` (hand layouts, as Megatron):
         :math:`n_i = \lfloor L/p \rfloor + [i < L \bmod p]`;
-        and the recompute counts of :func:`~autopar.planner.cpsat_terms.add_recompute_rows`
+        and the recompute counts of :func:`~autopar.planner.cpsat.terms.add_recompute_rows`
         (``recompute_layout`` "block" is "uniform" under interleaving). Raises
         ValueError for p > L or a schedule :func:`~autopar.contract.support.pipeline_problem` rejects."""
         cfg, L, model = self.cfg, self.traced.num_layers, self.model
@@ -219,7 +219,7 @@ class ConfigModel:
     # -- memory ---------------------------------------------------------------------------
     def _rank_params(self, i: int):
         r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=h] P_{post}`
-        (h: :func:`~autopar.planner.step.head_rank`), less the tied weight once when both
+        (h: :func:`~autopar.planner.costs.step.head_rank`), less the tied weight once when both
         ends share a rank; returns (variable, upper bound)."""
         terms, L, model = self.terms, self.traced.num_layers, self.model
         layer_ub = terms.upper_bound("layer", "param")
@@ -238,14 +238,14 @@ class ConfigModel:
 
     def add_memory(self) -> None:
         r"""``memory[stage i]`` for every pipeline rank i, in KiB times d·v
-        (:func:`~autopar.planner.step.scaled_memory`):
+        (:func:`~autopar.planner.costs.step.scaled_memory`):
         :math:`v \sum_z \beta_z d\, P_{i,z} + d\,(\lceil\text{inflight}_i v\rfloor A_i + v
         W_i) \le d\,v\,M_i`, where :math:`M_i` is the device memory less rank i's reserve
-        (:func:`~autopar.planner.reserve.usable_bytes`: CUDA context, NCCL buffers,
+        (:func:`~autopar.planner.costs.reserve.usable_bytes`: CUDA context, NCCL buffers,
         headroom, fragmentation, pipeline receive buffers, a DP bucket), :math:`P_{i,z}` =
         rank i's parameter units if ZeRO stage z is chosen, else 0 (``params_if_zero``),
         :math:`\beta_z d` the state KiB per unit times d
-        (:func:`~autopar.planner.step.state_kib_times_d`), :math:`A_i` the kept activations
+        (:func:`~autopar.planner.costs.step.state_kib_times_d`), :math:`A_i` the kept activations
         of one micro-batch (``act_stage``: plain layers, selective layers without the
         attention core, full-recompute checkpoints, the pre section on rank 0) and
         :math:`W_i` the working set (one layer's activations, the head and loss on the head's
@@ -295,8 +295,8 @@ class ConfigModel:
         :math:`T_i`, ``t_max[i]`` :math:`T_{max} \ge T_i + v c_{p2p}`, ``t_dp[i]``
         :math:`K T_{dp} \ge \sum_z K\delta_z P_{i,z} - K B_i` and ``t_optimizer[i]``
         :math:`K T_{opt} \ge \sum_z K\omega_z P_{i,z}` (:math:`\delta_z, \omega_z`:
-        :mod:`autopar.planner.step`'s per-parameter seconds in time units per parameter
-        unit, K = :func:`~autopar.planner.cpsat_terms.precision_scale`), plus the chosen ZeRO
+        :mod:`autopar.planner.costs.step`'s per-parameter seconds in time units per parameter
+        unit, K = :func:`~autopar.planner.cpsat.terms.precision_scale`), plus the chosen ZeRO
         stage's DP latency (``CostTables.dp_latency_s``) and 1 unit per stage (ties: lower)."""
         cfg, L, terms, model = self.cfg, self.traced.num_layers, self.terms, self.model
         ub = terms.upper_bound
@@ -375,7 +375,7 @@ class ConfigModel:
 
     # -- solve and read back --------------------------------------------------------------
     def solve(self, max_time_s: float = 10.0) -> tuple[int, cp_model.CpSolver]:
-        """:func:`~autopar.planner.cpsat_terms.solve_deterministic` on this model, again after
+        """:func:`~autopar.planner.cpsat.terms.solve_deterministic` on this model, again after
         each ``OrderedMakespan.cut`` (a schedule priced by its order) that adds a row."""
         while True:
             status, solver = solve_deterministic(self.model, max_time_s)

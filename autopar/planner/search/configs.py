@@ -11,7 +11,7 @@ from dataclasses import asdict
 from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import Layout
-from autopar.planner.cost_tables import Config
+from autopar.planner.costs.tables import Config
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, default_schedule,
                                                    pipeline_schedule)

@@ -1,10 +1,10 @@
 """What one graph node costs under one strategy, for one micro-batch on one GPU.
 
-:func:`node_cost` is the per-node cost function that :mod:`autopar.planner.cost_tables`
-tabulates for the CP-SAT model, :func:`~autopar.planner.predict.predict` and the
+:func:`node_cost` is the per-node cost function that :mod:`autopar.planner.costs.tables`
+tabulates for the CP-SAT model, :func:`~autopar.planner.costs.predict.predict` and the
 exhaustive oracle alike (they read the same tables), and that the search's bounds call
 directly; :func:`loss_cost` prices the cross-entropy as the graph's output node. The
-assumptions are :mod:`autopar.planner.cost_tables`' (GEMMs at their shapes, other ops
+assumptions are :mod:`autopar.planner.costs.tables`' (GEMMs at their shapes, other ops
 memory-bound, backward twice the forward), plus the host's per-node dispatch and
 checkpointing overheads of the device (``DeviceSpec.op_overhead_s``,
 ``DeviceSpec.recompute_overhead_s``), added to a CPU rank's compute and the longer of the
@@ -20,7 +20,7 @@ from cost_models.hardware import Cluster
 from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES
-from autopar.planner.matmul_cost import gemm_times_s
+from autopar.planner.costs.matmul_cost import gemm_times_s
 from autopar.planner.strategies import Strategy
 
 __all__ = ["StrategyCost", "node_cost", "loss_cost", "dispatches", "LOSS_BYTES_PER_LOGIT"]
@@ -41,7 +41,7 @@ class StrategyCost:
     checkpoint's bookkeeping, ``DeviceSpec.recompute_overhead_s``); wgrad_s: the part of
     ``bwd_s`` that computes weight gradients (W of Qi et al. 2024, which a zero-bubble
     schedule defers; the rest, B, is the input gradient): the weight-gradient GEMMs' share
-    of the backward GEMMs (:func:`~autopar.planner.matmul_cost.gemm_times_s`), 0 for a node
+    of the backward GEMMs (:func:`~autopar.planner.costs.matmul_cost.gemm_times_s`), 0 for a node
     without weights or without GEMMs.
     """
 

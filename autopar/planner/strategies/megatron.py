@@ -1,7 +1,7 @@
 """Megatron-LM's hand-written tensor-parallel pattern as plan placements.
 
 The hand layout that ``autopar.evaluate`` prices and the report compares against: the
-same solver space (:mod:`autopar.planner.strategies`) with every node's choice forced.
+same solver space (:mod:`autopar.planner.strategies.nodes`) with every node's choice forced.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.placement import REPLICATE, Shard
-from autopar.planner.strategies import (SEQUENCE_DIM, NodeStrategies, node_strategies,
+from autopar.planner.strategies.nodes import (SEQUENCE_DIM, NodeStrategies, node_strategies,
                                         reshard_kinds, tensor_inputs, tied_groups)
 
 aten = torch.ops.aten
@@ -148,7 +148,7 @@ def allowed_strategies(traced: TracedModel, strategies: NodeStrategies, tp: int,
     that cross a pipeline cut also the replicated ones (a pipeline send is whole here;
     Megatron-LM sends sequence shards under SP, so the SP plans pay an all-gather more).
     ``strategies``: :func:`node_strategies` at (tp, sequence_parallel); ``cache`` (the search's
-    :class:`~autopar.planner.search_cache.SearchCache`) keeps the answer per (tp,
+    :class:`~autopar.planner.costs.cache.SearchCache`) keeps the answer per (tp,
     sequence_parallel). The cost tables keep every strategy,
     so a plan is priced alike in any search and by ``autopar.evaluate_plan``."""
     if support.placements != "megatron" or tp == 1:

@@ -38,7 +38,7 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
     FLOPs, backward twice the forward (a linear's W half of it); so is fused attention on a
     device with a measured ``attention_tflops`` (:func:`cost_models.compute.attention_time_s`).
 
-    ``attention`` is the kernel of an "sdpa" node (:attr:`autopar.planner.cost_tables.Config.
+    ``attention`` is the kernel of an "sdpa" node (:attr:`autopar.planner.costs.tables.Config.
     attention`): "math" runs Q·Kᵀ and P·V over every score, masked or not; "flash" (a fused
     kernel, FlashAttention-2, Dao 2023, Algorithm 1 and 2) computes only the tiles on and
     below the diagonal of a causal node (:data:`CAUSAL_SKIP_FRACTION`, ``extra

@@ -1,5 +1,5 @@
 """What a search proved, in words: the solver status of a plan, and the errors of a search
-that found none (step 3 of the flow, after :func:`autopar.planner.search.search`).
+that found none (step 3 of the flow, after :func:`autopar.planner.search.branch_and_bound.search`).
 
 CP-SAT ends each config's solve in one of four states, and the search says which:
 
@@ -20,8 +20,8 @@ to fit, :class:`SolverTimeLimitError` when some config only ran out of time.
 from __future__ import annotations
 
 from autopar.contract.plan import Alternative, SolverStatus
-from autopar.planner.decision import InfeasibleError
-from autopar.planner.reserve import reserve_text
+from autopar.planner.costs.decision import InfeasibleError
+from autopar.planner.costs.reserve import reserve_text
 
 __all__ = ["SolverTimeLimitError", "STOPPED", "unsolved", "solver_status", "infeasible_message",
            "no_plan_error", "binding_stages"]
@@ -93,7 +93,7 @@ def infeasible_message(cluster, seen: list[Alternative], statuses: dict,
     if rank0:
         found.append(f"{rank0} where pipeline rank 0 cannot fit its layers with any "
                      "recompute (the binding stage is stage 0: memory-time lower bound of "
-                     "autopar.planner.bounds)")
+                     "autopar.planner.search.bounds)")
     infeasible = sum(1 for s in statuses.values() if s == "INFEASIBLE")
     if infeasible:
         found.append(f"{infeasible} INFEASIBLE for CP-SAT (memory[stage i] fails for every "

@@ -16,9 +16,9 @@ from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
 from autopar.contract.plan import Alternative, Plan, equal_chunks, rank_layers
 from autopar.contract.plan_memory import binding_stage, memory_line
-from autopar.planner.cost_tables import Config, CostTables, cost_tables
-from autopar.planner.predict import predict
-from autopar.planner.replicated import replicated_ops
+from autopar.planner.costs.tables import Config, CostTables, cost_tables
+from autopar.planner.costs.predict import predict
+from autopar.planner.strategies.replicated import replicated_ops
 from autopar.planner.strategies import NodeStrategies, decode_placements, node_strategies
 
 __all__ = ["Decision", "InfeasibleError", "STAGE_SLACK", "stage_size_range", "stage_splits",
@@ -108,10 +108,10 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                        global_batch_size: int, seq_len: int, model_name: str,
                        seen: list[Alternative] = ()) -> Plan:
     """The :class:`~autopar.contract.plan.Plan` of ``decision``: its placements (strategy keys), the
-    :func:`~autopar.planner.predict.predict` prediction,
+    :func:`~autopar.planner.costs.predict.predict` prediction,
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
     (the search's per-config records), the binding line (:func:`peak_memory_line`) and
-    the ops TP leaves whole (:func:`~autopar.planner.replicated.replicated_ops`)."""
+    the ops TP leaves whole (:func:`~autopar.planner.strategies.replicated.replicated_ops`)."""
     cfg = decision.config
     pred = predict(traced, strategies, tables, cluster, decision,
                    global_batch_size=global_batch_size)

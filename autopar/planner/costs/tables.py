@@ -32,9 +32,9 @@ from cost_models.hardware import Cluster
 
 from autopar.graph.annotate import ACTIVATION_BYTES, TracedModel, saves_inputs
 from autopar.contract.plan import grad_dtype_of
-from autopar.planner.search_cache import SearchCache
-from autopar.planner.precision import StateBytes, bytes_per_param, state_bytes
-from autopar.planner.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
+from autopar.planner.costs.cache import SearchCache
+from autopar.planner.costs.precision import StateBytes, bytes_per_param, state_bytes
+from autopar.planner.costs.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost, dispatches, loss_cost,
                                        node_cost)
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
@@ -83,7 +83,7 @@ class EdgeCost:
     (0 when it keeps none): ``nbytes`` when it reads the tensor whole (replicated or
     partial, all-gathered or all-reduced if need be), ``nbytes/t`` when it reads a shard
     (this rank's slice, or a reduce-scatter). A tensor costs the sum of its kept versions,
-    each once (:func:`autopar.planner.predict.section_cost`); its producer's
+    each once (:func:`autopar.planner.costs.predict.section_cost`); its producer's
     :class:`StrategyCost` holds only dropout masks and the attention core.
     """
 
@@ -105,7 +105,7 @@ class CostTables:
     u arrives sharded (:func:`f_cost`); p2p_s: one activation send between stages, fwd+bwd;
     vocab_loss_bytes: payload of the vocabulary-parallel cross-entropy's three all-reduces
     per micro-batch. The cross-entropy itself is priced as the output node
-    (:func:`~autopar.planner.node_cost.loss_cost`). step_end_s: the collectives that end
+    (:func:`~autopar.planner.costs.node_cost.loss_cost`). step_end_s: the collectives that end
     every step after the pipeline (:func:`step_end_s`); dp_latency_s[z]: the DP
     collectives' latency that the per-parameter rate leaves out under ZeRO stage z
     (:func:`dp_latency_s`).
@@ -143,7 +143,7 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     our runtime do (m/2 all-reduces); ZeRO-3 (FSDP2, :mod:`autopar.runtime.fsdp`)
     all-gathers the parameters in forward and again in backward and reduce-scatters the
     gradients in every micro-batch: 1.5 all-reduces (ZeRO paper section 7.2) per
-    micro-batch, 1.5·m per step, the counts :func:`autopar.planner.comm_bytes.dp_comm_bytes`
+    micro-batch, 1.5·m per step, the counts :func:`autopar.planner.costs.comm_bytes.dp_comm_bytes`
     predicts in bytes (there the root unit, kept gathered through backward, saves one
     all-gather of the embeddings; not priced here)."""
     if cfg.dp == 1:
@@ -192,7 +192,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     seconds and bytes of one micro-batch on one GPU (the module docstring's assumptions;
     :func:`node_cost` per node, ``cost_models.comm`` per collective and point-to-point).
 
-    cache: a :class:`~autopar.planner.search_cache.SearchCache` shared by calls for one
+    cache: a :class:`~autopar.planner.costs.cache.SearchCache` shared by calls for one
     ``traced``, ``strategies`` per TP size and ``cluster`` (the search passes its own): configs that differ only in pp, dp, m, schedule
     or v share everything but the point-to-point cost, and nodes or edges with equal
     inputs (the same op in every layer) are priced once. The tables are the same with or

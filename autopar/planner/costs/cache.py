@@ -49,7 +49,7 @@ class SearchCache:
 
     def megatron_keys(self, tp: int, sequence_parallel: bool, compute: Callable[[], T]) -> T:
         """The strategy keys Megatron-LM's pattern allows per node at (tp, SP)
-        (:func:`~autopar.planner.megatron.allowed_strategies`)."""
+        (:func:`~autopar.planner.strategies.megatron.allowed_strategies`)."""
         return self._get("megatron_keys", (tp, sequence_parallel), compute)
 
     def pricing_rows(self, tp: int, sequence_parallel: bool, template_only: bool,
@@ -78,7 +78,7 @@ class SearchCache:
 
     def layer_compute_s(self, key: tuple, compute: Callable[[], T]) -> T:
         """The least compute seconds of a layer, per (tp, micro-batch size, dtype,
-        attention, SP) (:func:`~autopar.planner.layer_bounds.min_layer_compute_s`)."""
+        attention, SP) (:func:`~autopar.planner.search.layer_bounds.min_layer_compute_s`)."""
         return self._get("layer_compute_s", key, compute)
 
     def layer_pieces(self, key: tuple, compute: Callable[[], T]) -> T:

@@ -1,7 +1,7 @@
 """Predicted payload bytes per collective kind: what each pipeline rank's GPUs should measure
 in one step (``ParallelizedModel.last_step_stats()["comm_bytes"]``).
 
-Tensor-parallel bytes come from the section costs of :mod:`autopar.planner.predict`; pipeline
+Tensor-parallel bytes come from the section costs of :mod:`autopar.planner.costs.predict`; pipeline
 sends from the chunk cuts; data-parallel bytes from what :class:`autopar.runtime.zero.
 DistributedOptimizer` (ZeRO 0-2) and :mod:`autopar.runtime.fsdp` (ZeRO-3, FSDP2) send. Tests
 compare these with the bytes the runtime's ``CommMeter`` counts over the technique matrix.
@@ -13,8 +13,8 @@ import math
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import COMM_KINDS, rank_layers
-from autopar.planner.cost_tables import CostTables, state_bytes
-from autopar.planner.step import head_rank, tied_param_numel
+from autopar.planner.costs.tables import CostTables, state_bytes
+from autopar.planner.costs.step import head_rank, tied_param_numel
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.zero_stages import zero_stage
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
@@ -29,7 +29,7 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
     ``ParallelizedModel.last_step_stats()``): payload bytes per collective kind
     (:data:`~autopar.contract.plan.COMM_KINDS`), model-state bytes and peak saved-activation bytes.
 
-    total: rank i's summed :func:`~autopar.planner.predict.section_cost` (per micro-batch);
+    total: rank i's summed :func:`~autopar.planner.costs.predict.section_cost` (per micro-batch);
     memory: its bytes by kind; saved: its saved activation bytes; full_layers: the section
     costs of its layers under full recompute, in layer order (their forward TP collectives
     run again in backward)."""

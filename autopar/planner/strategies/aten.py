@@ -28,7 +28,7 @@ import torch.fx as fx
 from autopar.graph.annotate import NodeInfo
 from autopar.graph.ops import packet
 from autopar.contract.placement import REPLICATE, Placement, Shard
-from autopar.planner.strategies import Strategy, batch_safe_view_map
+from autopar.planner.strategies.nodes import Strategy, batch_safe_view_map
 
 __all__ = ["aten_strategies"]
 

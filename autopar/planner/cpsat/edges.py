@@ -1,4 +1,4 @@
-r"""The edge rows of the CP-SAT model (:class:`autopar.planner.cpsat.ConfigModel`).
+r"""The edge rows of the CP-SAT model (:class:`autopar.planner.cpsat.model.ConfigModel`).
 
 For every edge u → v (input j of v) and strategy pair (k, l) of u and v:
 
@@ -20,11 +20,12 @@ section (the rewriter inserts one collective), so each has one variable per sect
 from __future__ import annotations
 
 from autopar.graph.annotate import saves_inputs
-from autopar.planner.cost_tables import f_cost
-from autopar.planner.step import KIB
+from autopar.planner.costs.tables import f_cost
+from autopar.planner.costs.predict import crosses_section
+from autopar.planner.costs.step import KIB
 from autopar.planner.strategies import gathers_for_partial_grad, partial_grad_input, tensor_inputs
 
-__all__ = ["add_edges", "add_saved_versions", "crosses_section"]
+__all__ = ["add_edges", "add_saved_versions"]
 
 
 def add_edges(cm) -> None:
@@ -80,19 +81,10 @@ def _add_edge(cm, u: str, v: str, j: int, table) -> None:
                 model.Add(r >= xu + xv - 1).WithName(f"reshard[{label}]")
 
 
-def crosses_section(traced, u: str, v: str) -> bool:
-    """Is u a section's output (the embedding's, a layer's) read by another section (the
-    next layer, the head)? Its kept version is then charged to the reader's section, so
-    each layer pays for its input; every other kept tensor is charged to its producer's."""
-    a, b = traced.nodes[u], traced.nodes[v]
-    is_output = u == traced.pre[-1] or (a.layer is not None and traced.layers[a.layer][-1] == u)
-    return is_output and (a.section, a.layer) != (b.section, b.layer)
-
-
 def add_saved_versions(cm) -> None:
     r"""``kept[u,D]``: the version D of tensor u that some consumer keeps for backward (u's
-    own output, or the copy a reshard makes: :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`),
-    one variable per tensor, version and charged section (:func:`crosses_section`) with its
+    own output, or the copy a reshard makes: :attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`),
+    one variable per tensor, version and charged section (:func:`~autopar.planner.costs.predict.crosses_section`) with its
     bytes in that section's activations: for each consumer v of u that saves its inputs,
     :math:`c \ge \sum_{k \in K_u} x_{u,k} + \sum_{l \in K_v} x_{v,l} - 1` over the
     strategies of v that read u as D (with one Megatron-f flavour) and those of u that make

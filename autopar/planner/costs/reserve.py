@@ -3,22 +3,22 @@ model states and activations the cost model predicts (:mod:`cost_models.reserve`
 
 Every reader of device memory goes through here, so the CP-SAT rows
 (:meth:`~autopar.planner.cpsat.ConfigModel.add_memory`), the pruning bounds
-(:mod:`autopar.planner.bounds`), the exhaustive oracle and ``predict`` agree: rank i fits when
+(:mod:`autopar.planner.search.bounds`), the exhaustive oracle and ``predict`` agree: rank i fits when
 
     peak_i + loss_i <= usable_bytes(rank i),
     usable = (device - CUDA context - NCCL buffers - headroom) / (1 + fragmentation)
              - p2p receive buffers_i - one DP bucket,
 
 where ``loss_i`` (the loss's fp32 logits, last rank only) depends on the loss's TP strategy
-and so is a term of the row (:attr:`~autopar.planner.cost_tables.StrategyCost.temp_bytes`).
+and so is a term of the row (:attr:`~autopar.planner.costs.tables.StrategyCost.temp_bytes`).
 """
 
 from __future__ import annotations
 
 from cost_models.reserve import RESERVE_KINDS, nccl_peers, p2p_buffer_bytes
 
-from autopar.planner.cost_tables import DP_BUCKET_BYTES, Config
-from autopar.planner.step import in_flight_times_v
+from autopar.planner.costs.tables import DP_BUCKET_BYTES, Config
+from autopar.planner.costs.step import in_flight_times_v
 
 __all__ = ["p2p_bytes", "rank_temporaries", "usable_bytes", "max_usable_bytes", "rank_reserve",
            "reserve_text", "RESERVE_KINDS"]

@@ -1,12 +1,12 @@
 r"""Lower bounds that prune a search's configs before CP-SAT sees them (step 3 of the flow).
 
-:func:`autopar.planner.search.search` visits the configs (mesh shape, micro-batch size,
+:func:`autopar.planner.search.branch_and_bound.search` visits the configs (mesh shape, micro-batch size,
 schedule) in order of :func:`step_bound_s` (with the layer's least compute) and skips one
 when a bound says it cannot beat the best plan found so far, or cannot fit device memory.
 Every bound here holds for every plan the CP-SAT model of :mod:`autopar.planner.cpsat`
 admits, so pruning never loses the optimum (memory: device memory less the reserve,
-:mod:`autopar.planner.reserve`); all quantities are those of
-:mod:`autopar.planner.cost_tables`, per micro-batch and GPU, in seconds and bytes.
+:mod:`autopar.planner.costs.reserve`); all quantities are those of
+:mod:`autopar.planner.costs.tables`, per micro-batch and GPU, in seconds and bytes.
 
 The pipeline step of :mod:`autopar.planner.cpsat` (v virtual stages, 1 for 1F1B and GPipe)
 is :math:`((v m - 1)\,T_{max} + \sum_i T_i)/v` plus non-negative terms, so with
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 
 from autopar.graph.annotate import TracedModel, last_saver_index
-from autopar.planner.cost_tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
+from autopar.planner.costs.tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
                                          node_cost, optimizer_s_per_param)
-from autopar.planner.decision import stage_size_range
-from autopar.planner.reserve import usable_bytes
+from autopar.planner.costs.decision import stage_size_range
+from autopar.planner.costs.reserve import usable_bytes
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.recompute_modes import recomputed_by
@@ -88,7 +88,7 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
 def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
                 boundary: str | None) -> float:
     """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
-    its input ``boundary``'s; :attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`):
+    its input ``boundary``'s; :attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`):
     per tensor, the smallest version any of them could keep."""
     members, least = set(names), {}
     graph = {n.name: n for n in traced.gm.graph.nodes}
@@ -151,7 +151,7 @@ def layer_pieces(traced: TracedModel, tables: CostTables,
                  layer_kept: tuple[float, float] | None = None) -> LayerPieces:
     """The :class:`LayerPieces` of ``tables``; ``layer_kept``: lower bounds on a layer's
     kept bytes without and with selective recompute over whole strategy choices
-    (:func:`~autopar.planner.layer_bounds.min_layer_kept_bytes`), tighter than each node's
+    (:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes`), tighter than each node's
     least (the default)."""
     layer, pre = traced.layers[0], traced.pre
     kept = _least_kept(traced, tables, layer, pre[-1])
@@ -198,14 +198,14 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     where :math:`T_0 \ge n_0 \ell + R_z(n_0) + T_{pre} (+ T_{post}` at p = 1) is rank 0's
     time (ℓ = ``layer_s``; R the least recompute, :func:`_recompute_s`, that brings rank
     0's memory under its usable bytes, device memory less the reserve,
-    :func:`~autopar.planner.reserve.usable_bytes`, with z's bytes per parameter: model
+    :func:`~autopar.planner.costs.reserve.usable_bytes`, with z's bytes per parameter: model
     states of its layers and the embedding, each node's least saved activations per
     micro-batch in flight, one working layer), :math:`\hat T = \max(T_0,
     \lceil L/p \rceil \ell)` (some rank holds at least ceil(L/p) layers),
     :math:`T_{pre}, T_{post}` the sections' least forward+backward, :math:`P_0 \ge n_0 P_L
     + P_{pre}` rank 0's parameters, c the send between stages (0 at p = 1),
     :math:`\delta_z, \omega_z` the DP and optimizer seconds per parameter
-    (:mod:`autopar.planner.step`), f the device's ``comm_overlap``, :math:`\lambda_z`
+    (:mod:`autopar.planner.costs.step`), f the device's ``comm_overlap``, :math:`\lambda_z`
     the DP latency (``CostTables.dp_latency_s``) and :math:`T_{end}` the closing
     collectives (``CostTables.step_end_s``). Derivation, from the objective of
     :mod:`autopar.planner.cpsat`, :math:`v\,\text{pipe} = (v m - 1) T_{max} + \sum_i T_i

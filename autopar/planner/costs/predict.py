@@ -1,7 +1,7 @@
 """Price a fully decided plan: the :class:`~autopar.contract.plan.Prediction` of a Decision.
 
 Walks the real graph (every layer, not a template) with the same
-:class:`~autopar.planner.cost_tables.CostTables` the solver used, so ``evaluate`` of a hand layout, the
+:class:`~autopar.planner.costs.tables.CostTables` the solver used, so ``evaluate`` of a hand layout, the
 solver's chosen plan and the report agree, and the solver's objective can be checked
 against this independent sum (tests do).
 """
@@ -13,17 +13,25 @@ from collections import defaultdict
 
 from autopar.graph.annotate import TracedModel, last_saver_index, saves_inputs
 from autopar.contract.plan import Prediction, rank_layers
-from autopar.planner.comm_bytes import stage_stats
-from autopar.planner.cost_tables import CostTables, f_cost
-from autopar.planner.cpsat_edges import crosses_section
-from autopar.planner.reserve import rank_reserve
-from autopar.planner.step import (counts_tied_weight_once, head_rank, model_state_bytes_by_kind, step_time_s,
+from autopar.planner.costs.comm_bytes import stage_stats
+from autopar.planner.costs.tables import CostTables, f_cost
+from autopar.planner.costs.reserve import rank_reserve
+from autopar.planner.costs.step import (counts_tied_weight_once, head_rank, model_state_bytes_by_kind, step_time_s,
                                   tied_param_numel)
 from autopar.planner.strategies import NodeStrategies, gathers_for_partial_grad, partial_grad_input, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.recompute_modes import recompute_mode
 
-__all__ = ["section_cost", "predict"]
+__all__ = ["section_cost", "predict", "crosses_section"]
+
+
+def crosses_section(traced, u: str, v: str) -> bool:
+    """Is u a section's output (the embedding's, a layer's) read by another section (the
+    next layer, the head)? Its kept version is then charged to the reader's section, so
+    each layer pays for its input; every other kept tensor is charged to its producer's."""
+    a, b = traced.nodes[u], traced.nodes[v]
+    is_output = u == traced.pre[-1] or (a.layer is not None and traced.layers[a.layer][-1] == u)
+    return is_output and (a.section, a.layer) != (b.section, b.layer)
 
 
 def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
@@ -38,7 +46,7 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
     ("fwd_" prefix, repeated by full recompute) and backward. A reshard of one tensor into
     one placement, and Megatron's f, run once per section however many consumers read it;
     so is each version of a tensor that consumers keep for backward, in act_bytes
-    (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`; a section pays for its
+    (:attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`; a section pays for its
     nodes' kept outputs and for its input, :func:`_kept_outputs`).
     """
     out: dict[str, float] = defaultdict(float)
@@ -127,9 +135,9 @@ def _keep(out: dict, kept: set, key: tuple, nbytes: float) -> None:
 
 def _kept_outputs(traced, strategies, tables, choice, names, out, kept) -> None:
     """Charge to this section every version of its nodes' outputs that a consumer keeps
-    for backward (:attr:`~autopar.planner.cost_tables.EdgeCost.saved_bytes`), except a
+    for backward (:attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`), except a
     section output read by the next section, which that section pays for
-    (:func:`~autopar.planner.cpsat_edges.crosses_section`)."""
+    (:func:`crosses_section`)."""
     members = set(names)
     for node in traced.gm.graph.nodes:
         if node.name not in members:
@@ -183,13 +191,13 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, cfg, l
 def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables, cluster,
             decision, *, global_batch_size: int) -> Prediction:
     """The :class:`~autopar.contract.plan.Prediction` of ``decision`` (a
-    :class:`~autopar.planner.decision.Decision` on ``tables.config``): step time (s),
+    :class:`~autopar.planner.costs.decision.Decision` on ``tables.config``): step time (s),
     throughput (TFLOP/s per GPU, MFU, HFU over ``cluster``'s peak), memory per pipeline rank
     by kind (bytes), each rank's memory reserve by kind and the least margin (device memory
-    less reserve less peak, :mod:`autopar.planner.reserve`) and what each rank should
-    measure (:mod:`autopar.planner.comm_bytes`).
+    less reserve less peak, :mod:`autopar.planner.costs.reserve`) and what each rank should
+    measure (:mod:`autopar.planner.costs.comm_bytes`).
     Per-rank sums come from walking every layer (:func:`section_cost`); the per-step
-    arithmetic is :mod:`autopar.planner.step`'s. Raises ValueError when the decision's
+    arithmetic is :mod:`autopar.planner.costs.step`'s. Raises ValueError when the decision's
     placements ask for a transition the strategies do not offer."""
     cfg = tables.config
     p, m = cfg.pp, cfg.num_micro_batches

@@ -1,6 +1,6 @@
 """The ops tensor parallelism leaves whole: what a plan reports as replicated.
 
-An op without a sharding strategy (:func:`~autopar.planner.strategies.node_strategies`
+An op without a sharding strategy (:func:`~autopar.planner.strategies.nodes.node_strategies`
 offers it only "replicate") is still correct: every TP rank runs it on the whole tensor,
 and an input that arrives sharded is all-gathered first. It costs t times its share of the
 work, so a plan lists these ops with their share of the model's forward FLOPs
@@ -18,7 +18,7 @@ from autopar.graph.annotate import TracedModel
 from autopar.graph.ops import op_name
 from autopar.contract.plan import ReplicatedOp, ReplicatedOps
 from autopar.contract.placement import parse_strategy_key
-from autopar.planner.strategies import NodeStrategies, node_strategies
+from autopar.planner.strategies.nodes import NodeStrategies, node_strategies
 
 __all__ = ["replicated_ops", "REFERENCE_TP"]
 
@@ -30,7 +30,7 @@ def replicated_ops(traced: TracedModel, strategies: NodeStrategies, placements: 
                    tp: int, sequence_parallel: bool = False) -> ReplicatedOps:
     """The compute ops of ``traced`` that every TP rank runs whole under a plan with TP size
     ``tp`` and strategy keys ``placements``; ``strategies``: the nodes' strategies at ``tp``
-    (:func:`~autopar.planner.strategies.node_strategies` with ``sequence_parallel``).
+    (:func:`~autopar.planner.strategies.nodes.node_strategies` with ``sequence_parallel``).
 
     tp = 1: the strategies at :data:`REFERENCE_TP` (without sequence parallelism) say which
     ops TP could not split; nothing was chosen.
@@ -57,7 +57,7 @@ def replicated_ops(traced: TracedModel, strategies: NodeStrategies, placements: 
 
 def _reason(kind: str, tp: int, sequence_parallel: bool) -> str:
     """Why an op of ``kind`` has no strategy but replication (the rules of
-    :mod:`autopar.planner.strategies` and :mod:`autopar.planner.aten_strategies`)."""
+    :mod:`autopar.planner.strategies.nodes` and :mod:`autopar.planner.strategies.aten`)."""
     if kind in ("other", "nontensor"):
         return "no sharding rule for this op"
     if kind == "layernorm" and not sequence_parallel:

@@ -1,6 +1,6 @@
 """Least time and least kept bytes of one template layer, from small CP-SAT solves.
 
-The search's step-time bounds (:mod:`autopar.planner.bounds`) need what no plan of a
+The search's step-time bounds (:mod:`autopar.planner.search.bounds`) need what no plan of a
 Config can go below per layer. Summing each node's own least value is cheap but loose:
 strategies that keep the fewest bytes at one node force gathered (larger) versions on its
 neighbours' edges. Here the strategy-choice, boundary and edge rows of
@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 from autopar.graph.annotate import TracedModel
-from autopar.planner.cost_tables import CostTables
+from autopar.planner.costs.tables import CostTables
 from autopar.planner.cpsat import ConfigModel
-from autopar.planner.step import KIB
+from autopar.planner.costs.step import KIB
 from autopar.planner.strategies import NodeStrategies
 
 __all__ = ["min_layer_time_s", "min_layer_kept_bytes"]

@@ -158,7 +158,7 @@ def _strategies_for(node: fx.Node, info: NodeInfo, nodes: dict[str, NodeInfo],
     if tp == 1 or info.kind in ("input", "nontensor", "other", "layernorm", "param"):
         return base
     if node.op == "call_function" and packet(node.target) is not None:
-        from autopar.planner.aten_strategies import aten_strategies  # it builds on this module
+        from autopar.planner.strategies.aten import aten_strategies  # it builds on this module
 
         return base + aten_strategies(node, info, nodes, ins, tp)
     if kind == "output":  # the loss reads the logits: whole, or vocabulary-parallel

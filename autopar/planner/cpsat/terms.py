@@ -1,8 +1,8 @@
-"""Integer building blocks of the CP-SAT model (:mod:`autopar.planner.cpsat`).
+"""Integer building blocks of the CP-SAT model (:mod:`autopar.planner.cpsat.model`).
 
 A section (pre, the template layer, post) collects, per quantity, linear terms
 ``(coefficient, boolean variable)``: seconds already scaled to the model's time unit, memory
-in KiB, parameters in units of :data:`~autopar.planner.step.PARAM_UNIT`. :class:`SectionTerms`
+in KiB, parameters in units of :data:`~autopar.planner.costs.step.PARAM_UNIT`. :class:`SectionTerms`
 turns them into integer expressions (times rounded to the nearest unit so errors cancel;
 memory and parameters rounded up so a plan that fits really fits) and their upper bounds.
 """
@@ -17,7 +17,7 @@ from cost_models.pipeline import critical_path
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.export import user_frames
-from autopar.planner.step import PARAM_UNIT, head_rank
+from autopar.planner.costs.step import PARAM_UNIT, head_rank
 from autopar.planner.strategies import tied_groups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.recompute_modes import recomputed_by
@@ -142,7 +142,7 @@ def hint_strategies(cm, strategy: dict[str, int]) -> None:
 
 def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: dict, bwd,
                    overlap: float, i: int) -> None:
-    r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.step.
+    r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.costs.step.
     exposed_dp_s`), scaled by k: ``t_dp[i]`` :math:`K T_{dp} \ge \sum_z K\delta_z P_{i,z} - K B_i`
     (the reduction hides behind the last backward ``bwd``) and, when the device overlaps
     only a fraction f = ``overlap`` < 1 of it, ``t_dp_serial[i]``

@@ -2,10 +2,10 @@
 
 Configs are visited in order of a step-time lower bound (perfect TP split, no
 communication; the recompute rank 0's memory forces, the largest rank's layers, the
-exposed DP reduction, the optimizer step and the sends: :mod:`autopar.planner.bounds`), so
+exposed DP reduction, the optimizer step and the sends: :mod:`autopar.planner.search.bounds`), so
 the first plans found are near the best; a config whose bound (tightened, while it is
 needed, by the layer's TP communication) is already slower than the best plan found is
-skipped (:mod:`autopar.planner.pruning`), so the search proves optimality over the
+skipped (:mod:`autopar.planner.search.pruning`), so the search proves optimality over the
 enumerated space without solving every config.
 """
 
@@ -19,18 +19,18 @@ from typing import Callable
 from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import Alternative, Layout, SolverStatus
-from autopar.planner.configs import candidate_configs, no_config_message, validate_layout
-from autopar.planner.cost_tables import Config, CostTables, cost_tables
+from autopar.planner.search.configs import candidate_configs, no_config_message, validate_layout
+from autopar.planner.costs.tables import Config, CostTables, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
-from autopar.planner.cpsat_terms import hint_strategies
-from autopar.planner.decision import Decision
-from autopar.planner.megatron import allowed_strategies
-from autopar.planner.predict import predict
-from autopar.planner.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
+from autopar.planner.cpsat.terms import hint_strategies
+from autopar.planner.costs.decision import Decision
+from autopar.planner.strategies.megatron import allowed_strategies
+from autopar.planner.costs.predict import predict
+from autopar.planner.search.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
                                      strategies_for, zero_choices)
 from autopar.planner.strategies import NodeStrategies
-from autopar.planner.search_cache import SearchCache
-from autopar.planner.search_outcome import (STOPPED, binding_stages, no_plan_error,
+from autopar.planner.costs.cache import SearchCache
+from autopar.planner.search.outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -56,11 +56,11 @@ class SearchContext:
     pins (``layout``), the space searched (``support``: a runtime's or a target's
     :class:`~autopar.contract.support.RuntimeSupport`, or
     :data:`~autopar.contract.support.FULL_SPACE`: all the cost model prices),
-    the template map of the CP-SAT model (:func:`~autopar.planner.cpsat_terms.template_map`),
+    the template map of the CP-SAT model (:func:`~autopar.planner.cpsat.terms.template_map`),
     whether stages are split evenly as Megatron-LM does (hand layouts), and ``cache``
-    (:class:`~autopar.planner.search_cache.SearchCache`): the strategies, cost tables and
+    (:class:`~autopar.planner.costs.cache.SearchCache`): the strategies, cost tables and
     bounds the configs share (:func:`strategies_for`,
-    :func:`~autopar.planner.cost_tables.cost_tables`, :mod:`autopar.planner.pruning`).
+    :func:`~autopar.planner.costs.tables.cost_tables`, :mod:`autopar.planner.search.pruning`).
     Build with :meth:`of`."""
 
     traced: TracedModel
@@ -168,7 +168,7 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     the last plan of an earlier batch with the same (tp, SP, micro-batch size, dtype,
     attention), and read back in order (deterministic).
     ``even_stages``: layers split evenly as Megatron does (hand layouts). The result's
-    ``solver`` says what was proven (:mod:`autopar.planner.search_outcome`).
+    ``solver`` says what was proven (:mod:`autopar.planner.search.outcome`).
 
     Raises ValueError (:func:`validate_layout`, or no config fits the layout: the message
     names the rule), InfeasibleError when every config is proven not to fit, naming the
@@ -301,7 +301,7 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[A
                         time_limit_s: float = ALTERNATIVE_TIME_LIMIT_S) -> None:
     """Solve without a cutoff the configs the search never priced (cut off by CP-SAT or
     pruned by a bound), those with the least step-time lower bound first
-    (:func:`~autopar.planner.pruning.step_lower_bound_s`, TP communication included), so
+    (:func:`~autopar.planner.search.pruning.step_lower_bound_s`, TP communication included), so
     the report can show how much slower the nearest ones are, until ``count``
     runner-ups have a plan (those the search priced on its way count), each within
     ``time_limit_s`` of deterministic time, hinted with the search's plan of the same
