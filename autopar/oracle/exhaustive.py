@@ -77,22 +77,26 @@ class StagePlan:
 class _Rank:
     """What a rank's memory row takes from (config, rank, ZeRO stage) alone, computed once
     per rank rather than per recompute pair: the bytes it may use, the micro-batches in
-    flight (whole-stage; times v rounded, for the solver's row), head-and-loss copies held
-    (0 off the head's rank) and model-state KiB per parameter unit times d."""
+    flight (whole-stage; times v rounded, for the solver's row), head-section copies held
+    (0 off the head's rank: its loss tensors to B, ``heads``, the rest to W,
+    ``head_inputs``) and model-state KiB per parameter unit times d."""
 
     usable: float
     inflight: float
     inflight_v: int
     heads: int
+    head_inputs: int
     state_kib_d: int
 
 
 def _rank(tables, cfg: Config, i: int, zero: int, cluster) -> _Rank:
     """The :class:`_Rank` of rank ``i`` of ``cfg`` under ZeRO stage ``zero``."""
     record, m, v = pipeline_schedule(cfg.schedule), cfg.num_micro_batches, cfg.virtual_stages
-    heads = record.head_in_flight(cfg.pp, m, v) if i == head_rank(cfg) else 0  # GPipe: m
+    head = i == head_rank(cfg)
+    heads = record.head_in_flight(cfg.pp, m, v) if head else 0  # GPipe: m
+    inputs = record.head_weight_inputs_in_flight(cfg.pp, m, v) if head else 0
     return _Rank(usable_bytes(tables.p2p_bytes, cluster, cfg, i), record.in_flight(
-        cfg.pp, i, m, v), in_flight_times_v(cfg, i), heads, state_kib_times_d(zero, cfg))
+        cfg.pp, i, m, v), in_flight_times_v(cfg, i), heads, inputs, state_kib_times_d(zero, cfg))
 
 
 def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
@@ -116,13 +120,15 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
                + sp.full * tables.full_ckpt_bytes + first * pre["act_bytes"])
         states = model_state_bytes_by_kind(params, zero, cfg)
-        mem = sum(states.values()) + (k.inflight * act + k.heads * post["act_bytes"]
-                                      + lay["act_bytes"])
+        mem = sum(states.values()) + (k.inflight * act + lay["act_bytes"]
+                                      + k.head_inputs * (post["act_bytes"] - post["loss_act_bytes"])
+                                      + k.heads * post["loss_act_bytes"])
         return t, params, bwd, mem, mem + last * post["temp_bytes"] <= k.usable
     units = n * lay["param_units"] + first * pre["param_units"] + last * post[ukey]
     act = (keep * lay["act_kib"] + sp.selective * lay["sel_act_kib"]
            + sp.full * math.ceil(tables.full_ckpt_bytes / KIB) + first * pre["act_kib"])
-    working = lay["act_kib"] + k.heads * post["act_kib"]
+    working = (lay["act_kib"] + k.head_inputs * (post["act_kib"] - post["loss_act_kib"])
+               + k.heads * post["loss_act_kib"])
     v, d = cfg.virtual_stages, cfg.dp
     mem_dv = v * k.state_kib_d * units + d * (k.inflight_v * act + v * working)  # scaled_memory
     return (t, params, bwd, mem_dv / (d * v) * KIB,

@@ -131,14 +131,15 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, t: int, mode: str)
     return float(expr.subs(shape._values(s, b, t)))
 
 
-def _section_bytes(shape: ModelShape, s: int, b: int, t: int) -> tuple[float, float]:
-    """(embedding section, head section) activation bytes per micro-batch per GPU."""
+def _section_bytes(shape: ModelShape, s: int, b: int, t: int) -> tuple[float, float, float]:
+    """(embedding section, head section without the loss, the loss's saved fp32 softmax)
+    activation bytes per micro-batch per GPU."""
     h, a, V = shape.hidden, shape.heads, shape.vocab
     loss = 4 * s * b * V / t
     if shape.family == "gpt":
-        return s * b * h, 4 * s * b * h + loss
+        return s * b * h, 4 * s * b * h, loss
     pre = 2 * (s * s + s + sympy.Rational(h, 2 * a) + sympy.Rational(3 * s * h, a))
-    return float(pre), 2 * (2 * s * b * h + 2 * s * b + h) + 2 * s * b * h + loss
+    return float(pre), 2 * (2 * s * b * h + 2 * s * b + h) + 2 * s * b * h, loss
 
 
 def _stage_params(shape: ModelShape, plan: Plan, rank: int) -> float:
@@ -159,7 +160,7 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
     """Per pipeline rank, bytes per GPU by kind (parameters, gradients, optimizer_states,
     activations), the keys of ``Prediction.memory_bytes_by_stage``."""
     s, b, t, p, d = plan.seq_len, plan.micro_batch_size, plan.tp, plan.pp, plan.dp
-    pre, post = _section_bytes(shape, s, b, t)
+    pre, post, loss = _section_bytes(shape, s, b, t)
     per_mode = {m: layer_activation_bytes(shape, s, b, t, m) for m in ("none", "selective", "full")}
     out = []
     for rank in range(p):
@@ -172,9 +173,11 @@ def stage_memory_bytes(shape: ModelShape, plan: Plan) -> list[dict[str, float]]:
                                                               plan.virtual_stages)
         working = per_mode["none"] if layers else 0.0
         head = pipeline_schedule(plan.schedule).head_rank(p, plan.virtual_stages)
-        heads = pipeline_schedule(plan.schedule).head_in_flight(p, plan.num_micro_batches,
-                                                                plan.virtual_stages)
-        mem["activations"] = kept * inflight + (post * heads if rank == head else 0.0) + working
+        record, args = pipeline_schedule(plan.schedule), (p, plan.num_micro_batches,
+                                                          plan.virtual_stages)
+        held = (post * record.head_weight_inputs_in_flight(*args)
+                + loss * record.head_in_flight(*args))  # inputs to W, the loss's to B
+        mem["activations"] = kept * inflight + (held if rank == head else 0.0) + working
         out.append(mem)
     return out
 

@@ -30,7 +30,8 @@ FIELDS = ("time_s",        # forward + backward compute and TP communication (Me
           "act_kib", "sel_act_kib", "param_units", "param_units_p1",  # solver rounding
           "bwd_s",         # backward compute and TP communication (what hides DP reduction)
           "temp_bytes", "temp_kib",  # the loss's fp32 temporaries (memory reserve), exact / KiB
-          "wgrad_s")       # the weight-gradient part of bwd_s (a split backward defers it)
+          "wgrad_s",       # the weight-gradient part of bwd_s (a split backward defers it)
+          "loss_act_bytes", "loss_act_kib")  # the part of act the loss keeps (its softmax)
 _I = {name: i for i, name in enumerate(FIELDS)}
 _ZERO = (0.0,) * len(FIELDS)
 
@@ -74,7 +75,7 @@ def replicated_index(strategies, name: str) -> int:
 
 
 def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun: bool,
-                src_rerun: dict, tied_post: bool):
+                src_rerun: dict, tied_post: bool, loss: bool = False):
     """Cost vector of node ``v`` at strategy ``kv`` with its input reshards, the versions
     of its inputs it keeps for backward and Megatron f, each charged once per section and
     tensor (as
@@ -89,6 +90,8 @@ def _node_delta(tables, strategies, v: str, kv: int, ins, live: dict, node_rerun
     d[9] = d[10] = math.ceil(c.param_numel / PARAM_UNIT)
     d[11], d[12], d[13] = c.bwd_s, c.temp_bytes, math.ceil(c.temp_bytes / KIB)
     d[14] = c.wgrad_s
+    if loss:  # the graph's output: the loss, whose saved softmax a split backward frees at B
+        d[15], d[16] = c.saved_bytes, akib
     if tied_post:  # predict / ConfigModel: one tied tensor when pre and post share a stage
         d[6], d[10] = 0.0, 0
     used: dict = {}  # input -> (f charged here, placements resharded to here)
@@ -161,7 +164,8 @@ def section_options(traced: TracedModel, strategies, tables, names: list[str],
                 if replicated_out and i == len(names) - 1 and not sv.output.is_replicated:
                     continue  # a layer boundary is replicated (ConfigModel.add_boundaries)
                 delta, used = _node_delta(tables, strategies, v, kv, ins[v], live, rerun[v],
-                                          rerun_src, post_tie)
+                                          rerun_src, post_tie,
+                                          traced.nodes[v].kind == "output")
                 if delta is None:
                     continue
                 nxt = {}

@@ -66,8 +66,7 @@ class PipelineSchedule:
     why this schedule does not run with it (what composes with what). placement: which
     pipeline rank runs which model chunk, one of :data:`PLACEMENTS`
     (:meth:`chunk_rank`); ``order`` numbers a rank's chunks in the ascending order of
-    :meth:`rank_chunks`. pinned_only: why the search does not choose this schedule on its
-    own (it runs when a layout pins it), or None.
+    :meth:`rank_chunks`.
     """
 
     name: str
@@ -82,7 +81,6 @@ class PipelineSchedule:
     split_backward: bool = False
     refused_recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
     placement: str = "loop"
-    pinned_only: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -104,11 +102,19 @@ class PipelineSchedule:
         return self.chunk_rank(pp * virtual_stages - 1, pp, pp * virtual_stages)
 
     def head_in_flight(self, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> int:
-        """Micro-batches whose head-and-loss activations the head rank holds at once: the
-        most forwards of the last chunk whose "B" or "BW" has not run (GPipe: m; others 1).
-        A split backward frees the loss tensors at B, the head's inputs at W (ZB-H1: see
-        its ``pinned_only``)."""
+        """Micro-batches whose loss tensors (the cross-entropy's saved fp32 softmax) the head
+        rank holds at once: the most forwards of the last chunk whose "B" or "BW" has not
+        run (GPipe: m; others 1). A split backward frees them at B."""
         return _order_peaks(self.name, pp, num_micro_batches, virtual_stages)[1]
+
+    def head_weight_inputs_in_flight(self, pp: int, num_micro_batches: int,
+                                     virtual_stages: int = 1) -> int:
+        """Micro-batches whose head-section tensors other than the loss's (the final norm's
+        and the output layer's inputs) the head rank holds at once: as
+        :meth:`head_in_flight`, but a split backward holds them to the chunk's "W" (torch
+        keeps them for the weight gradients: ZB-H1 defers the head's W by up to p - 1
+        micro-batches; measured with ``benchmarks/split_backward_memory.py``)."""
+        return _order_peaks(self.name, pp, num_micro_batches, virtual_stages)[2]
 
     def rank_chunks(self, pp: int, num_chunks: int, rank: int) -> list[int]:
         """The model chunks pipeline rank ``rank`` runs, ascending (its local order: chunk
@@ -175,16 +181,18 @@ class PipelineSchedule:
 
 
 @functools.lru_cache(maxsize=4096)
-def _order_peaks(name: str, pp: int, m: int, v: int) -> tuple[tuple[float, ...], int]:
-    """(each rank's :func:`order_in_flight`, :meth:`PipelineSchedule.head_in_flight`) of
-    schedule ``name``'s orders (kept: the search and the oracle ask per rank and plan)."""
+def _order_peaks(name: str, pp: int, m: int, v: int) -> tuple[tuple[float, ...], int, int]:
+    """(each rank's :func:`order_in_flight`, :meth:`PipelineSchedule.head_in_flight`,
+    :meth:`PipelineSchedule.head_weight_inputs_in_flight`) of schedule ``name``'s orders
+    (kept: the search and the oracle ask per rank and plan)."""
     record = pipeline_schedule(name)
     orders = [record.order(pp, m, i, v) for i in range(pp)]
     head = record.head_rank(pp, v)
     chunk = record.rank_chunks(pp, pp * v, head).index(pp * v - 1)
-    head_blocks = [b for b in orders[head] if b[2] == chunk and b[0] != "W"]  # held to B
+    head_blocks = [b for b in orders[head] if b[2] == chunk]
     return (tuple(order_in_flight(order, v) for order in orders),
-            round(order_in_flight(head_blocks, 1)))
+            round(order_in_flight([b for b in head_blocks if b[0] != "W"], 1)),  # to B
+            round(order_in_flight(head_blocks, 1)))  # to W (B when the backward is whole)
 
 
 def _no_rule(pp: int, m: int, v: int, num_layers: int | None) -> None:
@@ -273,10 +281,6 @@ _SPLIT_BACKWARD_RECOMPUTES = (
     "prices; use recompute 'selective' or 'none', or schedule='1f1b'")
 _MEGATRON_1F1B_ONLY = Refusal("Megatron-LM's pipeline runs 1F1B, interleaved with "
                               "--num-layers-per-virtual-pipeline-stage; it has no GPipe")
-_ZB_H1_HEAD_MEMORY = (  # issue 33
-    "its head rank's saved activations are priced low: torch keeps a micro-batch's final "
-    "LayerNorm and output-layer inputs until its W, which ZB-H1 defers by up to p - 1 "
-    "micro-batches there, counted once (1.106x measured at p = 4); pin schedule= to run it")
 _MEGATRON_NO_ZERO_BUBBLE = Refusal("Megatron-LM's pipeline runs 1F1B and interleaved 1F1B; "
                                    "it has no zero-bubble schedule")
 _DEEPSPEED_1F1B_ONLY = Refusal("DeepSpeed's PipelineEngine runs its TrainSchedule (1F1B) only")
@@ -310,7 +314,7 @@ PIPELINE_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in (
         interleaved=False, split_backward=True, rule=_zb_h1_rule,
         in_flight=lambda p, i, m, v: _order_peaks("zb_h1", p, m, v)[0][i],
         order=zb_h1_order, runner="ScheduleInterleavedZeroBubble",
-        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES}, pinned_only=_ZB_H1_HEAD_MEMORY,
+        refused_recompute={"full": _SPLIT_BACKWARD_RECOMPUTES},
         frameworks={"megatron": _MEGATRON_NO_ZERO_BUBBLE,
                     "torchtitan": Refusal(
                         "torchtitan builds at least 2 stages per rank for a multi-stage "

@@ -23,8 +23,7 @@ steps on real gloo process groups:
   tolerances);
 * the step's communication, measured by the dispatch-mode CommMeter, equals the plan's
   predicted payload bytes for every kind, exactly; model-state bytes within 1%; without
-  recompute, the saved activations within 5% on every rank (SAVED_TOLERANCE) but the head
-  rank of a schedule whose record is ``pinned_only`` for that reason (ZB-H1).
+  recompute, the saved activations within 5% on every rank (SAVED_TOLERANCE).
 
 Sequence-parallel cases run Megatron's sequence-parallel placements (LayerNorm, dropout and
 residual adds on sequence shards; reduce-scatter out of and all-gather into each TP
@@ -47,7 +46,6 @@ import torch
 import autopar
 from autopar.models import GPT
 from autopar.planner.strategies.megatron import megatron_placements
-from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.graph.capture import trace_model
 from dist_utils import run_distributed
 from helpers import BATCH, CONFIG, MATRIX_FACTORS, SEQ, SHAPES_4, SHAPES_8, STEPS, combinations, pairwise
@@ -106,17 +104,14 @@ def _matrix_worker(rank: int, world: int, runs: list[tuple[str, str]]):
         measured = pm.last_step_stats()
         state = pm.full_state_dict()  # collective: every rank calls it
         predicted = plan.predicted.stage_stats[pm.groups.pp_rank]
-        record = pipeline_schedule(plan.schedule)
-        head = pm.groups.pp_rank == record.head_rank(plan.pp, plan.virtual_stages)
-        priced = set(plan.recompute) == {"none"} and not (head and record.pinned_only)
+        priced = set(plan.recompute) == {"none"}
         results.append({
             "layout": str(plan.layout()),
             "opt": opt, "losses": losses, "norms": norms,
             "state": state if rank == 0 else None,
             "comm_bytes": measured["comm_bytes"], "predicted_comm": predicted["comm_bytes"],
             "states_ratio": measured["model_state_bytes"] / predicted["model_state_bytes"],
-            # recompute is the hooks' blind spot (test_parallelize's docstring); ZB-H1's head
-            # rank is priced low, the reason its record is pinned_only
+            # recompute is the hooks' blind spot (test_parallelize's docstring)
             "saved_ratio": measured["saved_activation_bytes"]
             / predicted["saved_activation_bytes"] if priced else None,
         })

@@ -195,10 +195,13 @@ def _reference_plan(model, layout, recompute, seq, batch):
                                                        decision, global_batch_size=batch))
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_plan_memory_and_flops_equal_the_closed_forms(family):
+@pytest.mark.parametrize("family, schedule", [("gpt", "interleaved_1f1b"), ("llama", "interleaved_1f1b"),
+                                              ("gpt", "zb_h1")])
+def test_plan_memory_and_flops_equal_the_closed_forms(family, schedule):
     """autopar.oracle.plan_forms against the cost model on a small model: memory per rank
-    and kind (interleaved 1F1B, ZeRO-2, mixed recompute) and FLOPs, to float rounding."""
+    and kind (interleaved 1F1B with ZeRO-2; ZB-H1, whose head rank holds its inputs to W
+    and the loss's softmax to B, with ZeRO-1; mixed recompute) and FLOPs, to float
+    rounding."""
     from autopar.oracle import plan_forms
 
     if family == "gpt":
@@ -210,9 +213,12 @@ def test_plan_memory_and_flops_equal_the_closed_forms(family):
         from autopar.oracle.symbolic_llama import build_llama
 
         model = build_llama(s=64, h=256, a=16, kv=4, f=512, layers=8, vocab=512)
-    layout = autopar.Layout(tp=2, pp=2, dp=2, micro_batch_size=2, zero_stage=2,
-                            schedule="interleaved_1f1b", virtual_stages=2)
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    layout = autopar.Layout(tp=2, pp=2, dp=2, micro_batch_size=2, zero_stage=3 - v,
+                            schedule=schedule, virtual_stages=v)
     recompute = ["none", "selective", "full", "none", "selective", "none", "full", "none"]
+    if schedule == "zb_h1":  # a split backward does not recompute whole layers
+        recompute = [m.replace("full", "selective") for m in recompute]
     plan = _reference_plan(model, layout, recompute, 64, 32)
     shape = plan_forms.ModelShape.of(model)
     closed = plan_forms.stage_memory_bytes(shape, plan)

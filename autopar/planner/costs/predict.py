@@ -68,6 +68,8 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
                          ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
                          ("params", c.param_numel), ("temp_bytes", c.temp_bytes)):
             out[key] += val
+        if node.op == "output":  # the loss's saved softmax (a split backward frees it at B)
+            out["loss_act_bytes"] += c.saved_bytes
         strat = strategies[node.name][k]
         for j, src in enumerate(tensor_inputs(node, nodes)):
             edge = tables.edge[(src.name, node.name, j)][(choice[src.name], k)]
@@ -180,9 +182,12 @@ def _rank_costs(traced, strategies, tables, choice, layers, recompute, i, cfg, l
                 total[key] += val
             if section == "pre":
                 act += cost["act_bytes"]
-            else:
-                held += cost["act_bytes"] * pipeline_schedule(cfg.schedule).head_in_flight(
-                    cfg.pp, cfg.num_micro_batches, cfg.virtual_stages)  # the head and loss
+            else:  # the head: its inputs held to W, the loss's softmax to B
+                record, args = pipeline_schedule(cfg.schedule), (
+                    cfg.pp, cfg.num_micro_batches, cfg.virtual_stages)
+                loss = cost["loss_act_bytes"]
+                held += ((cost["act_bytes"] - loss) * record.head_weight_inputs_in_flight(*args)
+                         + loss * record.head_in_flight(*args))
     if i == head_rank(cfg) and counts_tied_weight_once(cfg):  # both ends on this rank: one tensor
         total["params"] -= tied_param_numel(traced, tables, choice)
     return total, rec_s, act, held, working, full_layers

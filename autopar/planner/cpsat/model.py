@@ -59,10 +59,10 @@ from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.contract.plan import RECOMPUTE_MODES
 from autopar.planner.costs.tables import CostTables, dp_comm_s_per_param, optimizer_s_per_param
 from autopar.planner.cpsat.edges import add_edges
-from autopar.planner.cpsat.terms import (OrderedMakespan, SectionTerms, add_exposed_dp,
-                                         add_recompute_rows, deferred_weight_grads, int_var,
-                                         ordered_pipeline, precision_scale, product_var,
-                                         solve_deterministic, template_map, tied_param_units)
+from autopar.planner.cpsat.terms import (
+    OrderedMakespan, SectionTerms, add_exposed_dp, add_recompute_rows, deferred_weight_grads,
+    head_working_kib, int_var, ordered_pipeline, precision_scale, product_var,
+    solve_deterministic, template_map, tied_param_units)
 from autopar.planner.costs.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.costs.reserve import usable_bytes
@@ -152,6 +152,8 @@ class ConfigModel:
                 self.terms.add(section, "core_act", cost.core_saved_bytes / KIB, xs[k])
                 self.terms.add(section, "param", cost.param_numel / PARAM_UNIT, xs[k])
                 self.terms.add(section, "temp", cost.temp_bytes / KIB, xs[k])
+                if self.traced.nodes[name].kind == "output":  # the loss's saved softmax
+                    self.terms.add(section, "loss_act", cost.saved_bytes / KIB, xs[k])
 
     def add_boundaries(self) -> None:
         r"""``boundary_replicated[n]``: :math:`x_{n,k} = 0` for every non-replicated output
@@ -249,8 +251,8 @@ class ConfigModel:
         of one micro-batch (``act_stage``: plain layers, selective layers without the
         attention core, full-recompute checkpoints, the pre section on rank 0) and
         :math:`W_i` the working set (one layer's activations, the head and loss on the head's
-        rank, once per micro-batch it holds, ``head_in_flight``, with the loss's fp32
-        temporaries of the chosen loss strategy)."""
+        rank as long as it holds them, :func:`~autopar.planner.cpsat.terms.head_working_kib`,
+        with the loss's fp32 temporaries of the chosen loss strategy)."""
         cfg, terms, model = self.cfg, self.terms, self.model
         L, p = self.traced.num_layers, cfg.pp
         act_ub = terms.upper_bound("layer", "act")
@@ -279,9 +281,7 @@ class ConfigModel:
                                 L * act_ub * 4 + terms.upper_bound("pre", "act"))
             working = a_layer  # working set of the layer being recomputed / run
             if i == head_rank(cfg):
-                heads = pipeline_schedule(cfg.schedule).head_in_flight(
-                    p, cfg.num_micro_batches, cfg.virtual_stages)
-                working = working + terms.expr("post", "act") * heads + terms.expr("post", "temp")
+                working = working + head_working_kib(terms, cfg)
             limit = scaled_memory_limit(usable_bytes(self.tables.p2p_bytes, self.cluster, cfg, i), cfg)
             row = model.Add(scaled_memory(cfg, i, state_kib_d, act_total, working) <= limit)
             row.WithName(f"memory[stage {i}]")

@@ -34,9 +34,10 @@ SECTIONS = ("pre", "layer", "post")
 TIME_KEYS = ("fwd", "bwd", "wgrad", "core", "rec")
 """Per section: forward, backward, selective recompute (attention core forward), full
 recompute (forward up to the last saved tensor); the other keys are memory and parameters:
-"act" (saved activation KiB), "core_act" (the part selective recompute drops), "param",
-"temp" (KiB allocated and freed within the step: the loss's fp32 logits)."""
-_KEYS = TIME_KEYS + ("act", "core_act", "param", "temp")
+"act" (saved activation KiB), "core_act" (the part selective recompute drops), "loss_act"
+(the part the loss keeps: its fp32 softmax), "param", "temp" (KiB allocated and freed
+within the step: the loss's fp32 logits)."""
+_KEYS = TIME_KEYS + ("act", "core_act", "loss_act", "param", "temp")
 
 
 class SectionTerms:
@@ -128,6 +129,18 @@ def tied_param_units(traced: TracedModel, tables, choice: dict[str, list]) -> ob
             for k, cost in enumerate(tables.node[last]):
                 expr += int(math.ceil(cost.param_numel / PARAM_UNIT)) * choice[last][k]
     return expr
+
+
+def head_working_kib(terms: SectionTerms, cfg):
+    """The head section's KiB the head rank holds at once: its tensors but the loss's for
+    ``head_weight_inputs_in_flight`` micro-batches (to W under a split backward), the
+    loss's saved softmax for ``head_in_flight`` (to B), and the loss's temporaries once
+    (:class:`~autopar.techniques.pipeline_schedules.PipelineSchedule`; as ``predict``)."""
+    record = pipeline_schedule(cfg.schedule)
+    args = (cfg.pp, cfg.num_micro_batches, cfg.virtual_stages)
+    loss = terms.expr("post", "loss_act")
+    return ((terms.expr("post", "act") - loss) * record.head_weight_inputs_in_flight(*args)
+            + loss * record.head_in_flight(*args) + terms.expr("post", "temp"))
 
 
 def hint_strategies(cm, strategy: dict[str, int]) -> None:

@@ -182,13 +182,13 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
 def _searched_schedules(layout: Layout, support: RuntimeSupport) -> list[str]:
     """The schedules a layout without one is searched over: the default (1F1B; interleaved
     when it pins v > 1) and, in a search whose runtime runs them, the interleaved and the
-    split-backward (zero-bubble) ones, less those whose record is ``pinned_only``."""
+    split-backward (zero-bubble) ones."""
     default = default_schedule(layout.virtual_stages)
     if default.interleaved or support.as_written:
         return [default.name]
     return [default.name] + [s.name for s in PIPELINE_SCHEDULES.values()
                              if (s.interleaved or s.split_backward) and s.name != default.name
-                             and s.name in support.schedules and s.pinned_only is None]
+                             and s.name in support.schedules]
 
 
 def _virtual_stages(schedule: str, layout: Layout, support: RuntimeSupport, L: int,
