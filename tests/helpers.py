@@ -272,6 +272,18 @@ def refused_load(pm, path, error: type[BaseException]) -> tuple[str | None, bool
     return message, all(torch.equal(before[k], after[k]) for k in before)
 
 
+def runtime_class(dotted: str):
+    """The class ``dotted`` names (``autopar.runtime.zero.DistributedOptimizer``), or None
+    when it is not an attribute of a module under ``autopar.runtime`` (a record's runner)."""
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    if not module.startswith("autopar.runtime"):
+        return None
+    runner = getattr(importlib.import_module(module), name, None)
+    return runner if isinstance(runner, type) else None
+
+
 def framework_answer_gaps(record) -> list[str]:
     """"framework: no answer for T" for each framework target T a technique record
     (``autopar.techniques``) has neither a name nor a reasoned Refusal for."""

@@ -6,12 +6,11 @@ shards, the pins, the targets, the report, the Megatron emitter)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 
 import pytest
 
-from helpers import framework_answer_gaps
+from helpers import framework_answer_gaps, runtime_class
 from autopar.contract.placement import PARTIAL, REPLICATE, Shard
 from autopar.contract.plan import Plan
 from autopar.contract.support import RUNTIME_SUPPORT, check_pins
@@ -65,10 +64,8 @@ def missing(record: TensorParallelMode, plan: Plan, traced) -> list[str]:
     on_shards = all(any(s.output == Shard(SEQUENCE_DIM) for s in options) for options in norms)
     if not norms or on_shards != record.shards_sequence:
         out.append(f"price: LayerNorm on sequence shards offered: {on_shards}")
-    module, _, name = record.runner.rpartition(".")
-    runner = getattr(importlib.import_module(module), name, None) if module.startswith(
-        "autopar.runtime") else None
-    if not (isinstance(runner, type) and issubclass(runner, TPOperator)
+    runner = runtime_class(record.runner)
+    if not (runner is not None and issubclass(runner, TPOperator)
             and (runner.forward_comm, runner.backward_comm) == tuple(
                 c and f"tp_{c}" for c in record.region_collectives)):
         out.append(f"runner: {record.runner} is not the TP operator of "

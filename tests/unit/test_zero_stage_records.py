@@ -5,12 +5,11 @@ a runner, a drawing and an answer for every framework target, and the flow reads
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 
 import pytest
 
-from helpers import framework_answer_gaps
+from helpers import framework_answer_gaps, runtime_class
 from autopar.contract.plan import ZERO_STAGES, Plan
 from autopar.contract.support import EXECUTED_ZERO_STAGES, FULLY_SHARDED_STAGE, RUNTIME_SUPPORT
 from autopar.frameworks.targets import TARGETS
@@ -51,10 +50,8 @@ def missing(record: ZeroStage, plan: Plan) -> list[str]:
         if f"dp_{record.gradient_collective}" not in comm:
             out.append(f"price: the gradients take {sorted(comm)}, the record says "
                        f"{record.gradient_collective}")
-    module, _, name = record.runner.rpartition(".")
-    runner = getattr(importlib.import_module(module), name, None) if module.startswith(
-        "autopar.runtime") else None
-    if not (isinstance(runner, type) and hasattr(runner, "step")):
+    runner = runtime_class(record.runner)
+    if not (runner is not None and hasattr(runner, "step")):
         out.append(f"runner: {record.runner} is not an autopar optimizer class")
     row = next((line for line in layout_section(dataclasses.replace(plan, zero_stage=record.stage))
                 if line.startswith("| ZeRO stage")), "")
