@@ -224,11 +224,14 @@ def _check_fields(src: str, data: dict) -> None:
             f"a list with one of {RECOMPUTE_MODES} per layer")
     for i, alt in enumerate(data.get("alternatives", [])):
         _expect(src, f"alternatives[{i}]", alt, isinstance(alt, dict)
-                and isinstance(alt.get("layout", {}), dict), "an object with a layout object")
+                and isinstance(alt.get("layout"), dict), "an object with a layout object")
         step = alt.get("step_time_s")
         _expect(src, f"alternatives[{i}].step_time_s", step, step is None or _is_number(step),
                 "a number or null")
-        for key in ("tflops_per_gpu", "peak_memory_bytes"):
+        feasible = alt.get("feasible", True)
+        _expect(src, f"alternatives[{i}].feasible", feasible,
+                feasible is None or isinstance(feasible, bool), "true, false or null")
+        for key in ("tflops_per_gpu", "peak_memory_bytes", "min_memory_bytes"):
             v = alt.get(key)
             _expect(src, f"alternatives[{i}].{key}", v, v is None or _is_number(v),
                     "a number or null")

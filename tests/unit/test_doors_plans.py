@@ -12,6 +12,7 @@ at the end of the run (conftest.py).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -107,6 +108,18 @@ def test_plan_json_door(door_counts, base_plans, tiny_and_traces, data):
         return
     assert render_markdown(plan)  # the report reader renders what the validator accepts
     door_counts("plan JSON (mutated)", True)
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({}, "alternatives[0]"), ({"feasible": True}, "alternatives[0]"),
+    ({"layout": []}, "alternatives[0]"), ({"layout": {}, "feasible": [1]}, "alternatives[0].feasible"),
+    ({"layout": {}, "min_memory_bytes": "x"}, "alternatives[0].min_memory_bytes")])
+def test_an_alternative_the_plan_type_cannot_hold_is_a_plan_error(base_plans, entry, field):
+    """Found by the door above in CI: an alternative without a layout object passed the
+    validator and failed building :class:`~autopar.contract.plan.Alternative`."""
+    plan_data = dict(next(iter(base_plans.values())), alternatives=[entry])
+    with pytest.raises(PlanError, match=rf"plan field '{re.escape(field)}'"):
+        autopar.Plan.from_json(json.dumps(plan_data), "mutated.json")
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
