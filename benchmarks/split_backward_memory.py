@@ -1,8 +1,8 @@
 """Saved activations of each pipeline schedule, measured against autopar's prediction.
 
-    python benchmarks/split_backward_memory.py [--micro-batches 4,8]
+    python benchmarks/split_backward_memory.py [--micro-batches 4,8] [--pp 2]
 
-Trains a 4-layer GPT (h 32, s 16, 8 sequences per step) on two gloo processes (pp = 2) under
+Trains a 4-layer GPT (h 32, s 16, 8 sequences per step) on pp gloo processes (default 2) under
 each pipeline schedule, pinned, and prints per pipeline rank the last step's measured
 saved-activation bytes (``last_step_stats()["saved_activation_bytes"]``) over the plan's
 prediction (``predicted.stage_stats[rank]["saved_activation_bytes"]``). The split-backward
@@ -44,15 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     """Print one row per (schedule, m): measured / predicted saved bytes on each rank."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", default="4,8", help="m values, comma-separated")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
     args = parser.parse_args(argv)
     with torch.device("meta"):
         meta = GPT(CONFIG)
-    cluster = autopar.Cluster.local_cpu(processes=2)
-    print("| schedule | m | rank 0 measured / predicted | rank 1 measured / predicted |")
-    print("|---|---:|---:|---:|")
+    cluster = autopar.Cluster.local_cpu(processes=args.pp)
+    print("| schedule | m | " + " | ".join(f"rank {i} measured / predicted"
+                                         for i in range(args.pp)) + " |")
+    print("|---|---:|" + "---:|" * args.pp)
     for m in (int(x) for x in args.micro_batches.split(",")):
         for schedule, v in SCHEDULES:
-            layout = autopar.Layout(tp=1, pp=2, dp=1, micro_batch_size=BATCH // m,
+            layout = autopar.Layout(tp=1, pp=args.pp, dp=1, micro_batch_size=BATCH // m,
                                     schedule=schedule, virtual_stages=v, recompute="none")
             try:
                 plan = autopar.plan(meta, cluster, global_batch_size=BATCH, seq_len=SEQ,
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             except ValueError as exc:  # the schedule's rule, e.g. DualPipeV's m >= 2p
                 print(f"| {schedule} | {m} | {exc} | |")
                 continue
-            rows = launch(_worker, 2, plan.to_json(), timeout_s=300)
+            rows = launch(_worker, args.pp, plan.to_json(), timeout_s=300)
             cells = " | ".join(f"{got / want:.3f} ({got:,.0f} / {want:,.0f} B)"
                                for got, want in rows)
             print(f"| {schedule} | {m} | {cells} |", flush=True)
