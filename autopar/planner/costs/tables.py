@@ -204,9 +204,9 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     cache = SearchCache() if cache is None else cache
     key = (cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
            cfg.sequence_parallel, template_only)
-    names = set(traced.pre + traced.layers[0] + traced.post) if template_only else None
-    base = cache.tp_tables(key, lambda: _tp_tables(traced, strategies, cluster, cfg, cache,
-                                                   names))
+    base = cache.tp_tables(key, lambda: _tp_tables(
+        traced, strategies, cluster, cfg, cache,
+        set(traced.pre + traced.layers[0] + traced.post) if template_only else None))
     end = step_end_s(traced, base, cluster, cfg)
     lat = tuple(dp_latency_s(z, cluster, cfg, traced.num_layers) for z in range(4))
     if cfg.pp == 1:
