@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.graph.attention import LSE_BYTES, annotate_attention
-from autopar.graph.ops import (CREATION_OPS, SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
-                               linear_features, op_name, packet)
+from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d, node_flops,
+                               packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index",
            "layer_of_nodes"]
@@ -44,7 +44,9 @@ class NodeInfo:
         "view" | "transpose" | "contiguous" | "input" | "output" | "nontensor" | "other".
     shape: output shape (b = 1) or None when the output is not a tensor.
     numel: output elements; flops: forward FLOPs (2 per multiply-add; an op without a
-        formula, kind "other" or several outputs, counts one per output element).
+        formula, kind "other" or several outputs, counts one per output element, except the
+        matmuls kind "other" holds, a router's ``F.linear`` and a MoE layer's grouped
+        matmuls: their GEMMs, :func:`autopar.graph.ops.gemm_shapes`).
     params: canonical parameter names (tied weights appear under their first name).
     param_numel: elements of those parameters.
     saved_elems: elements of this output saved for backward by its consumers.
@@ -208,35 +210,6 @@ def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
     return "other"
 
 
-def _flops(node: fx.Node, kind: str, gm: fx.GraphModule, numel: int) -> float:
-    if kind == "linear":
-        in_f, out_f, _ = linear_features(gm.get_submodule(node.target))
-        return 2.0 * numel // out_f * in_f * out_f
-    if kind == "matmul":
-        return 2.0 * numel * node.args[0].meta["tensor_meta"].shape[-1]
-    if kind == "sdpa":
-        b, nh, s, hd = node.args[0].meta["tensor_meta"].shape
-        s_kv = node.args[1].meta["tensor_meta"].shape[2]
-        return 4.0 * b * nh * s * s_kv * hd  # Q·Kᵀ and attention·V
-    if kind in ("layernorm", "gelu", "dropout", "add", "elementwise", "reduce", "softmax"):
-        return float(numel)
-    if kind in ("other", "nontensor") and op_name(node, gm) not in CREATION_OPS and any(
-            hasattr(n.meta.get("tensor_meta"), "shape") for n in node.all_input_nodes):
-        # no formula (cumsum, sort, a comparison ...): one FLOP per output element, a floor
-        # that keeps the op visible (it is replicated: autopar.planner.strategies.replicated) not zero
-        return float(_output_elems(node.meta.get("tensor_meta")))
-    return 0.0
-
-
-def _output_elems(meta) -> int:
-    """Elements of a node's output tensors (a tuple for ops with several outputs)."""
-    if hasattr(meta, "shape"):
-        return math.prod(meta.shape)
-    if isinstance(meta, (tuple, list)):
-        return sum(_output_elems(m) for m in meta)
-    return 0
-
-
 def _layer_of(node: fx.Node, prefix: str) -> int | None:
     stack = node.meta.get("nn_module_stack") or {}
     paths = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
@@ -305,14 +278,15 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
             and hasattr(meta, "shape") else None
         numel = math.prod(shape) if shape is not None else 0
         params = _params(node, gm, canon)
+        gemms = gemm_shapes(node, kind, gm, numel)
         nodes[node.name] = NodeInfo(
             name=node.name, kind=kind, shape=shape, numel=numel,
-            flops=_flops(node, kind, gm, numel), params=tuple(params),
+            flops=node_flops(node, kind, gm, numel, gemms), params=tuple(params),
             param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
             no_grad=bool(node.meta.get("no_grad")),
             extra={"param_sizes": params,
-                   "saves_inputs": packet(node.target) in SAVES_INPUTS and kind != "other",
-                   **gemm_shapes(node, kind, gm, numel)},
+                   "saves_inputs": (packet(node.target) in SAVES_INPUTS and kind != "other")
+                   or "gemm_weights" in gemms, **gemms},
         )
     _add_saved_bytes(gm, nodes)
     _mark_per_sequence(gm, nodes)

@@ -8,12 +8,15 @@ Leaf modules (``nn.Linear``, GPT-2's ``Conv1D``, ``nn.Embedding``, ``nn.LayerNor
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 __all__ = ["SDPA_ARGS", "POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
            "MATMULS", "CREATION_OPS", "aten_kind", "linear_features", "is_conv1d", "packet",
-           "op_name", "gemm_shapes"]
+           "op_name", "gemm_shapes", "GROUPED_MMS", "qualified_name", "is_grouped_mm",
+           "is_parameter_read", "node_flops"]
 
 aten = torch.ops.aten
 
@@ -47,6 +50,11 @@ MATMULS = {aten.matmul, aten.bmm}
 CREATION_OPS = {"arange", "ones", "zeros", "full", "empty", "scalar_tensor", "new_ones",
                 "new_zeros", "new_full", "new_empty", "ones_like", "zeros_like", "full_like",
                 "empty_like", "rand", "randn", "rand_like", "randn_like"}
+GROUPED_MMS = {"aten::_grouped_mm", "transformers::grouped_mm_fallback"}
+"""Grouped matmuls, one GEMM per group of rows (a mixture-of-experts layer's experts, the
+rows sorted by expert, ``offs`` their cumulative counts): torch's ``_grouped_mm`` and the
+custom op transformers 5.24 registers for when torch's does not run
+(``transformers/integrations/moe.py``, ``grouped_mm_fallback``), same arguments."""
 SHAPE_OPS = {aten.unsqueeze, aten.squeeze, aten.expand, aten.slice, aten.select, aten.cat,
              aten.flatten}
 
@@ -80,6 +88,27 @@ def aten_kind(target) -> str | None:
     if op is aten.sym_size:
         return "nontensor"
     return "other"
+
+
+def qualified_name(target) -> str:
+    """"namespace::op" of an op overload ("aten::linear"), "" for other targets."""
+    return getattr(packet(target), "_qualified_op_name", "")
+
+
+def is_grouped_mm(node) -> bool:
+    """Is fx ``node`` a grouped matmul (:data:`GROUPED_MMS`)?"""
+    return node.op == "call_function" and qualified_name(node.target) in GROUPED_MMS
+
+
+def is_parameter_read(node) -> bool:
+    """Is fx ``node`` a parameter or buffer (``get_attr``), or a view, transpose, copy or
+    cast of one (a stacked expert weight read as ``w.transpose(1, 2).to(x.dtype)``)?"""
+    passing = VIEWS | TRANSPOSES | {aten.to, aten._to_copy, aten.contiguous, aten.clone,
+                                    aten.alias}
+    while node.op == "call_function" and packet(node.target) in passing and node.args \
+            and hasattr(node.args[0], "op"):
+        node = node.args[0]
+    return node.op == "get_attr"
 
 
 def is_conv1d(mod: nn.Module) -> bool:
@@ -124,6 +153,8 @@ def gemm_shapes(node, kind: str, gm: nn.Module, numel: int) -> dict:
         _, nh, s, hd = shape(node.args[0])
         s_kv, hd_v = shape(node.args[1])[2], shape(node.args[2])[-1]
         return {"gemms": ((nh, s, s_kv, hd), (nh, s, hd_v, s_kv)), "gemm_folded": False}
+    if kind == "other":
+        return _weight_gemm_shapes(node, shape)
     if kind == "matmul" and len(node.args) >= 2:
         a, b = shape(node.args[0]), shape(node.args[1])
         if len(a) < 2 or len(b) < 2:
@@ -133,3 +164,66 @@ def gemm_shapes(node, kind: str, gm: nn.Module, numel: int) -> dict:
         m, n = a[-2], b[-1]
         return {"gemms": ((numel // (m * n), m, n, a[-1]),), "gemm_folded": False}
     return {}
+
+
+def _weight_gemm_shapes(node, shape) -> dict:
+    """GEMMs of an op that :func:`aten_kind` leaves "other" (replicated) but that is a
+    matmul: ``F.linear(x, w)`` on a weight that is not an ``nn.Linear`` (a MoE router),
+    x (..., k) by w (n, k); a grouped matmul (:data:`GROUPED_MMS`), a (m, k) by b (g, k, n)
+    with rows split into g groups by ``offs``, priced as g GEMMs of ceil(m/g) rows (the
+    groups of a balanced routing: the planning assumption), or a (g, m, k) by b (g, k, n)
+    without ``offs``. ``gemm_weights``: the second operand is a parameter (its gradient is
+    a weight gradient). Empty when the shapes are none of these."""
+    if len(node.args) < 2 or not all(
+            hasattr(getattr(a, "meta", {}).get("tensor_meta"), "shape") for a in node.args[:2]):
+        return {}
+    a, b = shape(node.args[0]), shape(node.args[1])
+    weights = {"gemm_weights": is_parameter_read(node.args[1])}
+    if qualified_name(node.target) == "aten::linear" and len(b) == 2 and a and a[-1] == b[1]:
+        return {"gemms": ((1, math.prod(a[:-1]), b[0], b[1]),), "gemm_folded": True, **weights}
+    if not is_grouped_mm(node):
+        return {}
+    if len(a) == 2 and len(b) == 3 and a[1] == b[1]:
+        return {"gemms": ((b[0], -(-a[0] // b[0]), b[2], a[1]),), "gemm_folded": True,
+                "gemm_rows": a[0], **weights}
+    if len(a) == 3 and len(b) == 3 and a[0] == b[0] and a[2] == b[1]:
+        return {"gemms": ((a[0], a[1], b[2], a[2]),), "gemm_folded": False, **weights}
+    return {}
+
+
+def node_flops(node, kind: str, gm: nn.Module, numel: int, gemms: dict) -> float:
+    """Forward FLOPs of fx ``node`` for one sequence (:class:`~autopar.graph.annotate.NodeInfo`
+    ``flops``): 2 per multiply-add of its GEMMs (``gemms``: :func:`gemm_shapes`, a grouped
+    matmul over every row once), attention's Q·Kᵀ and P·V, one per output element of an
+    element-wise op, a norm or a reduction, and of an op without a formula."""
+    if kind == "other" and "gemm_rows" in gemms:  # grouped: every row once, whatever its group
+        (_, _, n, k), = gemms["gemms"]
+        return 2.0 * gemms["gemm_rows"] * n * k
+    if kind == "other" and gemms:  # a matmul left replicated (a router's F.linear)
+        return sum(2.0 * batch * m * n * k for batch, m, n, k in gemms["gemms"])
+    if kind == "linear":
+        in_f, out_f, _ = linear_features(gm.get_submodule(node.target))
+        return 2.0 * numel // out_f * in_f * out_f
+    if kind == "matmul":
+        return 2.0 * numel * node.args[0].meta["tensor_meta"].shape[-1]
+    if kind == "sdpa":
+        b, nh, s, hd = node.args[0].meta["tensor_meta"].shape
+        s_kv = node.args[1].meta["tensor_meta"].shape[2]
+        return 4.0 * b * nh * s * s_kv * hd  # Q·Kᵀ and attention·V
+    if kind in ("layernorm", "gelu", "dropout", "add", "elementwise", "reduce", "softmax"):
+        return float(numel)
+    if kind in ("other", "nontensor") and op_name(node, gm) not in CREATION_OPS and any(
+            hasattr(n.meta.get("tensor_meta"), "shape") for n in node.all_input_nodes):
+        # no formula (cumsum, sort, a comparison ...): one FLOP per output element, a floor
+        # that keeps the op visible (it is replicated: autopar.planner.strategies.replicated) not zero
+        return float(_output_elems(node.meta.get("tensor_meta")))
+    return 0.0
+
+
+def _output_elems(meta) -> int:
+    """Elements of a node's output tensors (a tuple for ops with several outputs)."""
+    if hasattr(meta, "shape"):
+        return math.prod(meta.shape)
+    if isinstance(meta, (tuple, list)):
+        return sum(_output_elems(m) for m in meta)
+    return 0

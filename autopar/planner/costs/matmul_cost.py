@@ -50,7 +50,7 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
         fwd = compute.attention_time_s(info.flops * b / div, dev, head)
         if fwd is not None:
             return fwd, 2.0 * fwd, 0.0
-    weights = info.kind == "linear"
+    weights = info.kind == "linear" or info.extra.get("gemm_weights", False)
     if not gemms:
         fwd = compute.matmul_time_s(info.flops * b / div, dev)
         return fwd, 2.0 * fwd, fwd if weights else 0.0

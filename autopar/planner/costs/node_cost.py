@@ -91,7 +91,8 @@ def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: C
 def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
               act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
     """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
-    (linear, attention, batched matmul) at their GEMM shapes (:func:`gemm_times_s`: the
+    (linear, attention, batched matmul, and those of kind "other": a router's ``F.linear``,
+    a MoE layer's grouped matmuls, ``extra["gemms"]``) at their GEMM shapes (:func:`gemm_times_s`: the
     calibrated in-tile rate with tile and wave quantisation), attention's softmax passes
     over the s×s scores (``attention="math"``), a batched matmul no faster than the memory
     traffic of its inputs and output (roofline), every other op memory-bound over its
@@ -109,7 +110,7 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
     wgrad_share = 0.0  # of the backward
-    if info.kind in ("linear", "sdpa", "matmul"):
+    if info.kind in ("linear", "sdpa", "matmul") or info.extra.get("gemms"):
         fwd, bwd, wgrad = gemm_times_s(info, strat, b, dev, attention)
         wgrad_share = wgrad / bwd if bwd else 0.0
         if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores

@@ -1,0 +1,99 @@
+"""Mixture-of-experts layers as the cost model sees them: six transformers families (tiny
+configs, meta device) captured, their MoE blocks found from the graph (router, top-k,
+experts, shared experts), and the expert and router matmuls priced at their FLOPs and GEMM
+shapes instead of one FLOP per output element.
+
+Expected FLOPs per sequence of s tokens (Fedus et al. 2022, section 2; a gated MLP's three
+GEMMs, Shazeer 2020): routed experts 6·s·k·h·F, router 2·s·h·E; Llama 4's experts run every
+token through every expert (``bmm`` over E), 6·s·E·h·F as written.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_script
+
+from autopar.graph.capture import trace_model
+from autopar.graph.moe import moe_blocks
+from autopar.graph.ops import is_grouped_mm
+from autopar.planner.costs.node_cost import node_cost
+from autopar.planner.strategies import node_strategies
+from cost_models.hardware import Cluster
+
+pytest.importorskip("transformers")
+families = load_script("benchmarks/hf_families.py")
+
+SEQ = 16
+# family: (shared experts, score function, how the experts run)
+CASES = {
+    "mixtral": (False, "softmax", "grouped_mm"),
+    "qwen2_moe": (True, "softmax", "grouped_mm"),    # shared expert with a sigmoid gate
+    "deepseek_v3": (True, "sigmoid", "grouped_mm"),  # MLA, group-limited sigmoid routing
+    "olmoe": (False, "softmax", "grouped_mm"),
+    "gpt_oss": (False, "softmax", "grouped_mm"),     # expert biases, transposed weights
+    "llama4_text": (True, "sigmoid", "bmm"),         # every token through every expert
+}
+
+
+def _expert_ffn(cfg) -> int:
+    return getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+
+
+def _num_experts(cfg) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(cfg, key, None):
+            return getattr(cfg, key)
+    raise AssertionError(f"no expert count in {type(cfg).__name__}")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def captured(request):
+    model = families.build_family(request.param, device="meta")
+    return request.param, model.config, trace_model(model, SEQ)
+
+
+def test_every_layer_has_one_moe_block_with_the_config_sizes(captured):
+    family, cfg, traced = captured
+    shared, scores, form = CASES[family]
+    blocks = moe_blocks(traced)
+    assert [b.layer for b in blocks] == list(range(cfg.num_hidden_layers))
+    for block in blocks:
+        assert (block.num_experts, block.top_k, block.hidden_size, block.expert_ffn) == (
+            _num_experts(cfg), cfg.num_experts_per_tok, cfg.hidden_size, _expert_ffn(cfg))
+        assert (bool(block.shared), block.score_function, block.form) == (shared, scores, form)
+        assert block.tokens == SEQ and block.gated
+
+
+def test_expert_and_router_matmuls_are_priced_at_their_flops(captured):
+    family, cfg, traced = captured
+    h, k, E, F = cfg.hidden_size, cfg.num_experts_per_tok, _num_experts(cfg), _expert_ffn(cfg)
+    rows = SEQ * (E if CASES[family][2] == "bmm" else k)
+    for block in moe_blocks(traced):
+        experts = sum(traced.nodes[n].flops for n in block.experts)
+        assert experts == 6.0 * rows * h * F == block.routed_flops()
+        assert traced.nodes[block.router].flops == 2.0 * SEQ * h * E
+
+
+def test_a_grouped_matmul_is_priced_as_gemms_with_a_weight_gradient(captured):
+    family, _, traced = captured
+    if CASES[family][2] != "grouped_mm":
+        pytest.skip("Llama 4's bmm is a matmul node, priced by the matmul rules")
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    block = moe_blocks(traced)[0]
+    assert all(is_grouped_mm(by_name[n]) for n in block.experts)
+    info = traced.nodes[block.experts[0]]
+    batch, m, _, _ = info.extra["gemms"][0]
+    assert (batch, m) == (block.num_experts, -(-SEQ * block.top_k // block.num_experts))
+    strategy = node_strategies(traced, 1)[info.name][0]  # tp = 1: the one, replicated
+    cost = node_cost(info, strategy, 1, Cluster.dgx_a100(1), 1, info.numel)
+    # forward, backward = dX and dW GEMMs, dW deferred by a zero-bubble schedule
+    assert 0 < cost.wgrad_s < cost.bwd_s and cost.fwd_s > 0
+    assert info.extra["saves_inputs"]
+
+
+def test_bf16_capture_prices_torch_grouped_mm_the_same_way():
+    model = families.build_family("mixtral", device="meta")
+    fp32, bf16 = trace_model(model, SEQ), trace_model(model, SEQ, dtype="bf16")
+    flops = [[fp32.nodes[n].flops for n in b.experts] for b in moe_blocks(fp32)]
+    assert [[bf16.nodes[n].flops for n in b.experts] for b in moe_blocks(bf16)] == flops
