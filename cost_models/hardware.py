@@ -237,8 +237,8 @@ class Cluster:
     """Attention kernel: "math" keeps the softmax for backward (a·s² per sequence, the
     accounting of Korthikanti et al. 2022); "flash" keeps only output and log-sum-exp
     (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do (``F.scaled_dot_product_
-    attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100
-    and dgx-h200 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
+    attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100,
+    dgx-h200 and dgx-h800 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
     the fused kernel); dgx-a100 and dgx2h-v100 keep "math", the kernels of the 2021
     Megatron-LM runs their efficiency is fitted to (``benchmarks/published_runs.py``). A
     plan for a framework that fixes its kernel is priced with that one instead
