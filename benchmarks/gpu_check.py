@@ -108,8 +108,8 @@ def _model(config: GPTConfig, dtype=torch.float32) -> GPT:
     return GPT(config).to(dtype)
 
 
-PRESET_BY_DEVICE = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100"),
-                    ("V100", "dgx2h-v100"))
+PRESET_BY_DEVICE = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("H800", "dgx-h800"),
+                    ("A100", "dgx-a100"), ("V100", "dgx2h-v100"))
 """The cluster preset whose device a GPU's name (``torch.cuda.get_device_name``) names."""
 
 

@@ -21,8 +21,16 @@ A group crosses the slowest link any of its members must use: the two-level
 cluster is priced by :func:`group_link`, which picks ``intra_node`` (NVLink) or
 ``inter_node`` (InfiniBand) for a whole group.
 
+An all-to-all (every rank sends a distinct 1/n of its buffer to every other rank) is
+priced as the pairwise exchange of Thakur et al. 2005 (their long-message MPI_Alltoall):
+n-1 rounds, each one message of M/n per rank, ``(n-1)/n * M / B + (n-1) * alpha``; NCCL
+runs it as n-1 grouped point-to-point sends, and nccl-tests define its busbw = algbw *
+(n-1)/n (``src/alltoall.cu``), so B is again the bus bandwidth.  :func:`all_to_all_time_s`
+splits the peers of a group that spans nodes between NVLink and InfiniBand.
+
 Conventions: ``nbytes`` is the full tensor size in bytes (for all-gather, the
-gathered output; for reduce-scatter, the input before scattering).  A group of
+gathered output; for reduce-scatter, the input before scattering; for all-to-all, one
+rank's whole buffer, the 1/n it keeps included).  A group of
 one rank, or zero bytes, costs 0.0 s: nothing is sent.
 """
 
@@ -31,7 +39,7 @@ from __future__ import annotations
 from ._checks import check_choice, check_non_negative, check_positive_int
 from .hardware import Cluster, LinkSpec
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 """Kinds accepted by :func:`collective_time_s`."""
 
 
@@ -144,16 +152,72 @@ def pipeline_send_time_s(nbytes: float, tp: int, pp_link: LinkSpec, tp_link: Lin
 def collective_time_s(kind: str, nbytes: float, group_size: int, link: LinkSpec) -> float:
     """Dispatch on ``kind`` (one of :data:`COLLECTIVE_KINDS`), seconds.
 
-    ``"p2p"`` validates ``group_size`` but prices one message whatever it is.
-    An unknown kind raises ValueError: it is never priced as free.
+    ``"p2p"`` validates ``group_size`` but prices one message whatever it is;
+    ``"all_to_all"`` is the one-level case of :func:`all_to_all_time_s` (every peer on
+    ``link``). An unknown kind raises ValueError: it is never priced as free.
     """
     check_choice("collective kind", kind, COLLECTIVE_KINDS)
     if kind == "p2p":
         check_positive_int("group_size", group_size)
         return p2p_time_s(nbytes, link)
+    if kind == "all_to_all":
+        return all_to_all_time_s(nbytes, group_size, group_size, link, link)
     ring = {"all_reduce": all_reduce_time_s, "all_gather": all_gather_time_s,
             "reduce_scatter": reduce_scatter_time_s}[kind]
     return ring(nbytes, group_size, link)
+
+
+def _check_link(name: str, link: object) -> LinkSpec:
+    if not isinstance(link, LinkSpec):
+        raise ValueError(f"{name} must be a LinkSpec, got {type(link).__name__}")
+    return link
+
+
+def _pairwise_part_s(nbytes: float, peers: int, group_size: int, link: LinkSpec) -> float:
+    """``peers`` rounds of the pairwise exchange on ``link``, one message of nbytes/n each:
+    ``peers * (nbytes/n / bw + alpha)``; 0.0 without peers."""
+    if peers == 0:
+        return 0.0
+    return peers * (nbytes / group_size / link.bandwidth_bytes_per_s + link.latency_s)
+
+
+def all_to_all_time_s(nbytes_per_rank: float, group_size: int, ranks_per_node_in_group: int,
+                      intra: LinkSpec, inter: LinkSpec) -> float:
+    """All-to-all over ``group_size`` = g ranks, r = ``ranks_per_node_in_group`` of them on
+    each node, each rank holding a buffer of ``nbytes_per_rank`` = M bytes, in seconds.
+
+    Each rank keeps M/g and sends M/g to each of its g-1 peers, M*(g-1)/g in all (the
+    pairwise exchange of Thakur et al. 2005, their long-message MPI_Alltoall; NCCL's
+    all-to-all is such a set of grouped point-to-point sends, and nccl-tests' all-to-all
+    busbw = algbw*(g-1)/g). The
+    r-1 peers in the rank's node are reached over ``intra`` (NVLink/NVSwitch), the g-r
+    others over ``inter`` (InfiniBand); the two parts run concurrently, so
+
+        time = max((r-1) * (M/g / B_intra + alpha_intra),  (g-r) * (M/g / B_inter + alpha_inter))
+
+    one latency per message round on each link. Assumptions: ``inter`` is the per-GPU
+    InfiniBand rate as the presets hold it (one NIC per GPU, or the node's NICs shared
+    evenly by its r ranks, every rank sending at once); NVSwitch gives every pair the full
+    per-GPU NVLink rate; no token is forwarded or deduplicated between nodes (DeepSeek-V3's
+    node-limited routing and DeepEP's IB-then-NVLink forwarding, DeepSeek-V3 report
+    section 3.2.2, move fewer IB bytes than this). The IB part dominates as soon as g > r:
+    on H800 NVLink carries 160 GB/s against InfiniBand's 50 GB/s per GPU (DeepSeek-V3
+    report section 3.2.2), the reason Megatron-Core MoE overlaps the expert-parallel
+    all-to-all with compute (its MoE README: ``--overlap-moe-expert-parallel-comm``).
+
+    A group of one rank or zero bytes costs 0.0 s. ValueError unless 1 <= r <= g and g is
+    a multiple of r (the group spans whole node shares).
+    """
+    nbytes = check_non_negative("nbytes_per_rank", nbytes_per_rank)
+    g = check_positive_int("group_size", group_size)
+    r = check_positive_int("ranks_per_node_in_group", ranks_per_node_in_group)
+    intra, inter = _check_link("intra", intra), _check_link("inter", inter)
+    if r > g or g % r:
+        raise ValueError(f"ranks_per_node_in_group={r} must divide group_size={g} (each node "
+                         f"holds the same share of the group)")
+    if g == 1 or nbytes == 0:
+        return 0.0
+    return max(_pairwise_part_s(nbytes, r - 1, g, intra), _pairwise_part_s(nbytes, g - r, g, inter))
 
 
 def group_link(cluster: Cluster, group_size: int, stride: int) -> LinkSpec:

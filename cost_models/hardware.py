@@ -33,7 +33,7 @@ from ._spec_json import check_text, read_fields, spec_from_dict, unwrap
 from .reserve import MemoryReserve
 
 PRESET_DIR = Path(__file__).with_name("presets")
-PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx-h200", "dgx2h-v100", "local-cpu")
+PRESET_NAMES = ("dgx-a100", "dgx-h100", "dgx-h200", "dgx-h800", "dgx2h-v100", "local-cpu")
 """Names accepted by :meth:`Cluster.from_name`; each is ``presets/<name>.json``."""
 
 def _set(obj: object, field: str, value: object) -> None:
@@ -237,8 +237,8 @@ class Cluster:
     """Attention kernel: "math" keeps the softmax for backward (a·s² per sequence, the
     accounting of Korthikanti et al. 2022); "flash" keeps only output and log-sum-exp
     (Dao et al. 2022), as PyTorch's fused CPU/GPU kernels do (``F.scaled_dot_product_
-    attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100
-    and dgx-h200 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
+    attention``, which autopar's programs call) and Megatron-LM by default. The dgx-h100,
+    dgx-h200 and dgx-h800 presets say "flash" (a gpu_check on an H200 measured the saved bytes of
     the fused kernel); dgx-a100 and dgx2h-v100 keep "math", the kernels of the 2021
     Megatron-LM runs their efficiency is fitted to (``benchmarks/published_runs.py``). A
     plan for a framework that fixes its kernel is priced with that one instead
@@ -308,6 +308,12 @@ class Cluster:
         """DGX H200 nodes: 8x H200-SXM-141GB (HBM3e, 4.8 TB/s), NVLink4/NVSwitch, 8x NDR
         400 Gb/s: the DGX H100 with the H200's memory."""
         return cls.from_name("dgx-h200", nodes)
+
+    @classmethod
+    def dgx_h800(cls, nodes: int = 1) -> "Cluster":
+        """H800 nodes as DeepSeek-V3 trained on: 8x H800-SXM5-80GB (an H100 with NVLink cut to
+        400 GB/s bidirectional; 160 GB/s achievable), NVSwitch, 8x 400 Gb/s InfiniBand."""
+        return cls.from_name("dgx-h800", nodes)
 
     @classmethod
     def dgx2h_v100(cls, nodes: int = 1) -> "Cluster":
