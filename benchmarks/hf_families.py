@@ -64,6 +64,9 @@ FIXUPS = {
     "dory": dict(n_input_layers=1, n_recurrent_layers=1, n_output_layers=0),
     # compression rates 4 and 128 tokens: at the tiny seq_len 16 the heavily compressed
     # layers' compressor would read nothing; 8 keeps it in the graph
+    # its default attention config lacks the RoPE base its attention reads, and clip_qkv
+    # None reaches clamp(min=None, max=None) ("clamp called but both min and max are none")
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}),
     "deepseek_v4": dict(compress_rates={"compressed_sparse_attention": 4,
                                         "heavily_compressed_attention": 8}),
 }
@@ -238,7 +241,10 @@ def tiny_config(model_type: str, d: dict):
         fields.update({k: d["heads"] for k in ("num_key_value_heads", "num_kv_heads") if k in fields})
         if "head_dim" in fields:
             fields["head_dim"] = fields["qk_rope_head_dim"]
-    return tf.AutoConfig.for_model(model_type, **fields)
+    cfg = tf.AutoConfig.for_model(model_type, **fields)
+    if hasattr(getattr(cfg, "ffn_config", None), "hidden_size"):  # DBRX mirrors d_model into
+        cfg.ffn_config.hidden_size = cfg.hidden_size  # its experts' config before the alias is set
+    return cfg
 
 
 def build_family(model_type: str, device: str = "cpu", d: dict | None = None, seed: int = 0):

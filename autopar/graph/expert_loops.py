@@ -10,7 +10,13 @@ their experts otherwise, and export cannot capture them:
   (``for expert_idx in expert_mask.sum(...).nonzero()``: a loop of data-dependent length);
 * JetMoE reads the per-expert token counts back to the host (``expert_size.tolist()``) and
   splits the tokens by them (tensors of data-dependent size), in its MoE MLP and its
-  mixture of attention heads alike.
+  mixture of attention heads alike;
+* DBRX loops over the experts hit (``nonzero``), its experts fused in 2-D parameters
+  ``w1``, ``v1``, ``w2`` of (E·F, h);
+* every family whose experts class carries transformers' ``@use_experts_implementation``
+  runs such a loop too when its config asks for ``"eager"`` experts
+  (``model.set_experts_implementation("eager")``): :func:`static_experts` switches the
+  model to transformers' own ``"grouped_mm"`` form while it is captured, and back.
 
 While autopar captures a model, each module whose class :data:`STATIC_FORWARDS` names runs
 the same computation in the grouped form instead (:func:`static_experts`): the same
@@ -98,12 +104,36 @@ def _longcat_experts(self: nn.Module, hidden_states: torch.Tensor,
     return out.index_add(0, token, y.to(hidden_states.dtype))
 
 
+def _dbrx_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``DbrxExperts.forward``: ``hidden_states`` (b, s, h) or (T, h), ``top_k_index`` and
+    ``top_k_weights`` (T, k); expert e's gate, up and down weights are rows e·F:(e+1)·F of
+    ``mlp.w1``, ``mlp.v1`` and ``mlp.w2`` (E·F, h); each token's k outputs weighted and
+    added in expert order, as the family's loop adds them. Returns (b, T/b, h)."""
+    batch, k = hidden_states.shape[0], top_k_index.shape[-1]
+    x = hidden_states.reshape(-1, self.hidden_size)
+    experts = (self.num_experts, self.ffn_hidden_size, self.hidden_size)
+    expert_sorted, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    token = perm // k
+    rows = x[token]  # (S, h), sorted by expert
+    offs = torch.cumsum(F.one_hot(expert_sorted, self.num_experts).sum(0), dim=0,
+                        dtype=torch.int32)
+    gate = _grouped_linear(rows, self.mlp.w1.view(experts), offs)
+    up = _grouped_linear(rows, self.mlp.v1.view(experts), offs)
+    down = self.mlp.w2.view(experts).transpose(-2, -1)  # x @ w2[e]: (E, out=h, in=F)
+    y = _grouped_linear(self.mlp.activation_fn(gate) * up, down, offs)
+    y = y * top_k_weights[token, perm % k].unsqueeze(-1)
+    out = torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+    return out.view(batch, -1, self.hidden_size)
+
+
 STATIC_FORWARDS: dict[str, Callable] = {
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeTopKGating": _jetmoe_gating,
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeParallelExperts":
         _jetmoe_parallel_experts,
     "transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashExperts":
         _longcat_experts,
+    "transformers.models.dbrx.modeling_dbrx.DbrxExperts": _dbrx_experts,
 }
 """Module class (``module.qualname``) -> the static form its instances run while captured."""
 
@@ -112,8 +142,13 @@ STATIC_FORWARDS: dict[str, Callable] = {
 def static_experts(model: nn.Module) -> Iterator[int]:
     """While open, every submodule of ``model`` whose class :data:`STATIC_FORWARDS` names
     runs its static form (an instance attribute ``forward``, removed on exit, also when
-    the body raises). Yields how many modules it switched."""
+    the body raises), and a transformers model configured for ``"eager"`` experts runs
+    the ``"grouped_mm"`` ones (restored on exit). Yields how many modules it switched."""
     switched = []
+    eager = getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager" \
+        and getattr(model, "_can_set_experts_implementation", lambda: False)()
+    if eager:
+        model.set_experts_implementation("grouped_mm")
     for module in model.modules():
         cls = type(module)
         form = STATIC_FORWARDS.get(f"{cls.__module__}.{cls.__qualname__}")
@@ -125,3 +160,5 @@ def static_experts(model: nn.Module) -> Iterator[int]:
     finally:
         for module in switched:
             del module.forward
+        if eager:
+            model.set_experts_implementation("eager")

@@ -48,7 +48,7 @@ class MoEBlock:
     every expert); shared: the shared experts' Linear nodes (with a shared expert's gate),
     the block's Linears that the routed experts do not read;
     tokens: router rows for one sequence (s); gated: the expert MLP is gated (SwiGLU: its
-    first GEMM is 2F wide, gate and up fused).
+    first GEMM is 2F wide, gate and up fused, or three GEMMs, DBRX's w1, v1 and w2).
     """
 
     layer: int
@@ -172,7 +172,8 @@ def _block(traced: TracedModel, layer: int, names: list[str], experts: list, by_
     return MoEBlock(layer=layer, module=module, router=router.name, score_function=scores,
                     num_experts=num_experts, top_k=top_k, hidden_size=_shape(router.args[0])[-1],
                     expert_ffn=last[1][1], experts=tuple(n.name for n, _ in experts), form=form,
-                    shared=shared, tokens=tokens, gated=first[1][2] == 2 * last[1][1])
+                    shared=shared, tokens=tokens,
+                    gated=len(experts) == 3 or first[1][2] == 2 * last[1][1])
 
 
 def moe_blocks(traced: TracedModel) -> list[MoEBlock]:

@@ -90,3 +90,31 @@ def test_a_jetmoe_model_is_captured_and_equals_eager():
     gm = trace_model(model, 8).gm
     assert "forward" not in vars(model.model.layers[0].mlp.input_linear)
     torch.testing.assert_close(gm(idx), model(idx).logits)
+
+
+def test_dbrx_experts_equal_their_loop_with_an_empty_expert():
+    from transformers.models.dbrx.modeling_dbrx import DbrxExperts
+
+    config = tf.DbrxConfig(d_model=32, ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4,
+                                                   "moe_top_k": 2}).ffn_config
+    experts = _randomised(DbrxExperts(config))
+    tokens = 7
+    scores = torch.randn(tokens, 4)
+    scores[:, 1] = -10  # expert 1 gets no token
+    top_k_index = scores.topk(2, dim=-1).indices
+    inputs = [torch.randn(1, tokens, 32), top_k_index, torch.rand(tokens, 2)]
+    _assert_same_with_and_without(experts, lambda m, *a: m(*a), inputs)
+
+
+def test_eager_experts_are_captured_in_their_grouped_form_and_switched_back():
+    from autopar.graph.capture import trace_model
+
+    config = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                              num_local_experts=4, num_experts_per_tok=2)
+    model = tf.MixtralForCausalLM(config)
+    model.set_experts_implementation("eager")
+    traced = trace_model(model, 8)
+    assert model.config._experts_implementation == "eager"
+    grouped = [n for n in traced.gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert len(grouped) == 2  # gate|up and down of the one MoE layer
