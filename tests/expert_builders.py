@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 H, F, K = 32, 32, 2  # hidden size h, expert intermediate size, experts per token k
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "nemotron_h")
 
 
 def experts(family: str, num_experts: int, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -36,6 +36,11 @@ def experts(family: str, num_experts: int, dtype: torch.dtype = torch.float64) -
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
         config = GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=num_experts,
                               num_experts_per_tok=K)
+    elif family == "nemotron_h":  # no gate: up_proj, act_fn (relu²), down_proj
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts as cls
+        config = NemotronHConfig(hidden_size=H, moe_intermediate_size=F,
+                                 n_routed_experts=num_experts, num_experts_per_tok=K)
     else:
         raise KeyError(family)
     config._experts_implementation = "eager"
