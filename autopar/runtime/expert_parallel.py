@@ -19,8 +19,8 @@ top_k_weights (T, k)) -> (T, h)`` and the same math as transformers'
 (``act_fn(gate) · up`` with the halves chunked, or the family's own gate), ``y = act
 W_d[e]ᵀ (+ b)``, ``out_t = Σ_k w_{t,k} · y_{t,k}``. The router's weights multiply on the home
 rank, so the router's gradient stays local; the k products are summed in a fixed order
-(``view(T, k, h).sum(1)``), every sort is stable and every gather has unique indices, so a
-step is deterministic.
+(``view(T, k, h).sum(1)``), every sort is stable and every gather of token rows has unique
+indices (no scatter-add races in backward), so a step repeats bit for bit.
 
 **Parameter names (checkpoint mapping).** The module keeps the original's names, with dim 0
 the local experts: ``gate_up_proj`` (or ``up_proj`` when the family has no gate),
@@ -157,6 +157,9 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states (T, h), top_k_index (T, k) expert ids in [0, E), top_k_weights
+        (T, k) -> (T, h): Σ_k w_{t,k} · expert_{t,k}(x_t), the experts wherever they live.
+        Every rank of the EP group must call it (T may differ per rank, and may be 0)."""
         T, k = top_k_index.shape
         h, ep, El = hidden_states.size(-1), self.ep, self.num_local_experts
         # (a) the (token, slot) pairs, sorted by expert; stable: ties keep (token, slot) order
@@ -171,7 +174,8 @@ class ExpertParallelExperts(nn.Module):
         # (c) dispatch: (T·k, h) -> (R, h), each source's chunk sorted by its expert
         received = all_to_all_single_autograd(pairs, recv_splits, send_splits, self.ep_group)
         # (d) regroup the chunks by local expert (stable: source rank order within one)
-        local_ids = torch.arange(El, device=received.device).repeat(ep).repeat_interleave(received_per_expert.reshape(-1))
+        local_ids = torch.arange(El, device=received.device).repeat(ep)  # (ep·E/ep,)
+        local_ids = local_ids.repeat_interleave(received_per_expert.reshape(-1))  # (R,)
         regroup = torch.sort(local_ids, stable=True).indices  # (R,)
         rows_per_local = received_per_expert.sum(0)  # (E/ep,)
         y = self._mlp(received[regroup], rows_per_local)[_inverse(regroup)]  # (R, h)
@@ -184,12 +188,13 @@ class ExpertParallelExperts(nn.Module):
     def _mlp(self, x: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         """The local experts on ``x`` (S, h), rows grouped by local expert
         (``rows_per_expert`` (E/ep,) of them each): (S, h)."""
-        first = "gate_up_proj" if self.has_gate else "up_proj"
-        bias = (lambda n: getattr(self, f"{n}_bias")) if self.has_bias else (lambda n: None)
-        counts = rows_per_expert.tolist()
-        hidden = self._linear(x, getattr(self, first), bias(first), rows_per_expert, counts)
-        return self._linear(self._gate(hidden), self.down_proj, bias("down_proj"),
+        first, counts = self._names[0], rows_per_expert.tolist()  # gate_up_proj or up_proj
+        hidden = self._linear(x, getattr(self, first), self._bias(first), rows_per_expert, counts)
+        return self._linear(self._gate(hidden), self.down_proj, self._bias("down_proj"),
                             rows_per_expert, counts)
+
+    def _bias(self, weight_name: str) -> torch.Tensor | None:
+        return getattr(self, f"{weight_name}_bias") if self.has_bias else None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows_per_expert: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -90,7 +90,8 @@ def _case(case: int, ep: int, rank: int, group=None) -> dict:
     s = module.global_expert_slice()
     return {"y": y.detach(), "dx": x.grad, "dw": w.grad, "slice": (s.start, s.stop),
             "grads": {n: p.grad for n, p in module.named_parameters()},
-            "a2a": spy.calls, "grouped_mm": spy.grouped_mm, "meter": dict(meter.bytes), "last": meter.last, "module": module}
+            "a2a": spy.calls, "grouped_mm": spy.grouped_mm, "meter": dict(meter.bytes),
+            "last": meter.last, "module": module}
 
 
 # at world 4, also run on two ep = 2 groups {0, 1} and {2, 3}
