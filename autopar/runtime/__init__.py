@@ -8,7 +8,9 @@ fsdp shard over DP; rng keeps the per-rank dropout streams; checkpoint saves and
 training state across plans (checkpoint_state maps it to the checkpoint's keys, shard_state
 reads one parameter whole out of ZeRO's flat slices or FSDP2's shards, checkpoint_files
 makes a save whole or absent and checks a load, checkpoint_export moves whole weights in and
-out); stats measures a step; launch starts local gloo processes; compat
+out); expert_parallel runs a transformers experts module's E/ep local experts with
+tokens dispatched and combined by all-to-all; stats measures a step; launch starts local
+gloo processes; compat
 holds the private torch APIs autopar uses. Import the submodules directly (kept light:
 tp_ops does not pull in torch.distributed.pipelining).
 """

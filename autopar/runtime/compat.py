@@ -27,6 +27,12 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
 * ``all_gather_single`` / ``reduce_scatter_single``: torch 2.13's names of
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn as deprecated
   there; 2.11 has only the old ones).
+* ``all_to_all_single_autograd`` (``torch.distributed._functional_collectives``): the
+  all-to-all with uneven splits whose backward is the all-to-all with the splits swapped,
+  which expert parallelism's dispatch and combine use
+  (:mod:`autopar.runtime.expert_parallel`).
+* ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (public since 2.10), else the private
+  ``torch._grouped_mm`` of older builds, else None (callers then loop over the groups).
 
 Tested on torch 2.13 and 2.11 (the supported range, ``pyproject.toml``).
 """
@@ -38,17 +44,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
            "group_options", "cpu_memory_events", "all_gather_single", "reduce_scatter_single",
-           "PipelineStage"]
+           "PipelineStage", "all_to_all_single_autograd", "grouped_mm"]
 
 # (out, in, group=...): the whole tensor gathered / this rank's reduced slice, one call
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# (rows (S, in), weights (G, in, out), offs=int32 cumulative rows per group) -> (S, out)
+grouped_mm = (getattr(torch.nn.functional, "grouped_mm", None)
+              or getattr(torch, "_grouped_mm", None))
 
 
 
