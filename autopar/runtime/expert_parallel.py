@@ -33,7 +33,7 @@ So ``<prefix>.<name>`` here holds the original ``<prefix>.<name>[global_expert_s
 Σ_{s≠r} n_{s→r}·h·bytes; combine the reverse. Backward: the two all-to-alls again with the
 splits swapped (the same bytes, roles exchanged), so a step sends and receives
 2·(Σ_{d≠r} n_{r→d} + Σ_{s≠r} n_{s→r})·h·bytes. Balanced routing: n_{r→d} = T·k/ep, so each
-all-to-all moves T·k·h·bytes·(ep−1)/ep (:func:`balanced_dispatch_bytes`). Before the dispatch
+all-to-all moves T·k·h·bytes·(ep−1)/ep (:func:`cost_models.moe.moe_dispatch_bytes`). Before the dispatch
 one small all-to-all of int64 counts per expert (E/ep to each rank, forward only) tells every
 rank what it will receive: (E − E/ep)·8 bytes each way. :func:`dispatch_bytes` gives these
 numbers for the routing a step had.
@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from autopar.runtime.compat import all_to_all_single_autograd, grouped_mm
 
-__all__ = ["ExpertParallelExperts", "dispatch_bytes", "balanced_dispatch_bytes"]
+__all__ = ["ExpertParallelExperts", "dispatch_bytes"]
 
 # attributes ``transformers.integrations.moe.use_experts_implementation`` gives its classes
 _INTERFACE = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
@@ -268,9 +268,3 @@ def dispatch_bytes(top_k_indices: Sequence[torch.Tensor], num_experts: int, ep: 
     return {"dispatch_sent": sent, "dispatch_received": received, "combine_sent": received,
             "combine_received": sent, "count_exchange": (num_experts - local) * 8}
 
-
-def balanced_dispatch_bytes(tokens: int, top_k: int, hidden_size: int, ep: int,
-                            dtype_bytes: int) -> float:
-    """Bytes one all-to-all (dispatch or combine) sends per rank under balanced routing
-    (each rank's T·k pairs spread evenly over the ep ranks): T·k·h·bytes·(ep−1)/ep."""
-    return tokens * top_k * hidden_size * dtype_bytes * (ep - 1) / ep

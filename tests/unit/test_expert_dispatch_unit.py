@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autopar.runtime import compat
-from autopar.runtime.expert_parallel import (ExpertParallelExperts, balanced_dispatch_bytes,
-                                             dispatch_bytes)
+from autopar.runtime.expert_parallel import ExpertParallelExperts, dispatch_bytes
+from cost_models.moe import moe_dispatch_bytes
 from expert_builders import experts
 
 
@@ -28,7 +28,7 @@ def test_balanced_routing_moves_tkh_bytes_times_ep_minus_one_over_ep():
     ep, E, T, k, h, nbytes = 4, 8, 8, 2, 16, 2
     # token t of every rank goes to both experts of rank t % ep: T·k/ep pairs to each rank
     one = torch.stack([2 * (torch.arange(T) % ep), 2 * (torch.arange(T) % ep) + 1], dim=1)
-    expected = balanced_dispatch_bytes(T, k, h, ep, nbytes)
+    expected = moe_dispatch_bytes(T, k, h, nbytes, ep)  # the planner's price
     assert expected == T * k * h * nbytes * 3 / 4
     for rank in range(ep):
         got = dispatch_bytes([one] * ep, E, ep, rank, h, nbytes)
