@@ -20,6 +20,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
 from autopar.graph.export import export_logits, user_frame
+from autopar.graph.moe import check_router_losses
 from autopar.graph.shared_reads import hoist_shared_reads
 
 __all__ = ["TraceError", "trace_model", "symbolic_trace_logits", "check_causal_lm",
@@ -140,8 +141,10 @@ def trace_model(model: torch.nn.Module, seq_len: int, *, name: str = "model",
     Raises:
         TraceError: neither front end captures the model (export's diagnosis and the
             user's file:line are named), or shape propagation fails.
-        ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`).
+        ValueError: the model is not a causal LM with a layer stack (:func:`check_causal_lm`),
+            or adds a router loss autopar would drop (:func:`~autopar.graph.moe.check_router_losses`).
     """
+    check_router_losses(model)
     want = COMPUTE_DTYPES[dtype] if dtype is not None else None
     recast = want is not None and any(p.is_floating_point() and p.dtype != want
                                       for p in model.parameters())

@@ -30,7 +30,7 @@ import torch.fx as fx
 from autopar.graph.annotate import TracedModel
 from autopar.graph.ops import is_grouped_mm, is_parameter_read, qualified_name
 
-__all__ = ["MoEBlock", "moe_blocks"]
+__all__ = ["MoEBlock", "moe_blocks", "check_router_losses", "ROUTER_LOSS_COEFFICIENTS"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,34 @@ class MoEBlock:
     def gemms_per_expert(self) -> int:
         """3 for a gated MLP (gate, up, down; gate|up fused counts 2), 2 otherwise."""
         return 3 if self.gated else 2
+
+
+ROUTER_LOSS_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef", "moe_aux_loss_coef",
+                            "router_z_loss_coef", "moe_loss_weight")
+"""Config fields (transformers 5.24) that weight a router loss added to the language-model
+loss when ``output_router_logits`` is on: the load-balancing loss of Fedus et al. 2022
+(eq. 4; Mixtral, Qwen-MoE, OLMoE, DBRX's ``ffn_config.moe_loss_weight``) and the router
+z-loss (Zoph et al. 2022, ST-MoE, eq. 5)."""
+
+
+def check_router_losses(model) -> None:
+    """Raise ValueError when ``model`` (a transformers MoE model) adds a router loss to its
+    cross-entropy: its config has ``output_router_logits=True`` (weighted by the fields of
+    :data:`ROUTER_LOSS_COEFFICIENTS` it has). autopar's program trains the cross-entropy of
+    the logits; the router loss would be dropped, and training would silently differ from
+    the model's own. The message names the weights and the fix."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return
+    holders = [config, getattr(config, "ffn_config", None)]
+    weights = {key: getattr(c, key) for c in holders if c is not None
+               for key in ROUTER_LOSS_COEFFICIENTS if getattr(c, key, None) is not None}
+    named = ", ".join(f"{k}={v}" for k, v in weights.items()) or "an unnamed weight"
+    raise ValueError(
+        f"{type(model).__name__}'s config sets output_router_logits=True, so its forward adds "
+        f"a router loss ({named}) to the cross-entropy; autopar's program trains the "
+        "cross-entropy of the logits only and would drop it; fix: set "
+        "config.output_router_logits=False to train without it")
 
 
 def _module_paths(node: fx.Node) -> list[str]:

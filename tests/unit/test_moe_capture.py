@@ -97,3 +97,12 @@ def test_bf16_capture_prices_torch_grouped_mm_the_same_way():
     fp32, bf16 = trace_model(model, SEQ), trace_model(model, SEQ, dtype="bf16")
     flops = [[fp32.nodes[n].flops for n in b.experts] for b in moe_blocks(fp32)]
     assert [[bf16.nodes[n].flops for n in b.experts] for b in moe_blocks(bf16)] == flops
+
+
+def test_a_router_loss_the_program_would_drop_is_refused_by_name():
+    model = families.build_family("mixtral", device="meta")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True.*router_aux_loss_coef=0.001"):
+        trace_model(model, SEQ)
+    model.config.output_router_logits = False  # the fix the message names
+    assert moe_blocks(trace_model(model, SEQ))
