@@ -20,8 +20,7 @@ against the routing a step actually had (DESIGN.md, "Mixture of experts").
 
 from __future__ import annotations
 
-from ._checks import (RECOMPUTE_MODES, check_choice, check_non_negative, check_positive,
-                      check_positive_int, is_number)
+from ._checks import check_non_negative, check_positive, check_positive_int, is_number
 from .comm import all_to_all_time_s
 from .hardware import LinkSpec
 from .memory import ADAM_OPTIMIZER_BYTES_PER_PARAM, model_state_bytes
@@ -61,16 +60,16 @@ def _check_experts(num_experts: object, ep: object) -> tuple[int, int]:
     return e_total, e
 
 
-def moe_all_to_alls_per_layer(recompute: str = "none") -> int:
+def moe_all_to_alls_per_layer(forward_recomputed: bool = False) -> int:
     """All-to-alls one MoE layer runs per micro-batch in a training step: dispatch and
     combine in forward (:data:`MOE_FORWARD_ALL_TO_ALLS`), and in backward the reverse of
     each (the gradient of an all-to-all is the all-to-all with send and receive splits
     swapped: Megatron-Core ``tensor_parallel.all_to_all``, torch's
-    ``all_to_all_single_autograd``), 4 in all; full recomputation re-runs the forward's
-    two (Megatron-Core recomputes the whole layer), 6. Selective recomputation re-runs only
-    the attention core, 4."""
-    check_choice("recompute", recompute, RECOMPUTE_MODES)
-    return 2 * MOE_FORWARD_ALL_TO_ALLS + (MOE_FORWARD_ALL_TO_ALLS if recompute == "full" else 0)
+    ``all_to_all_single_autograd``), 4 in all; when backward recomputes the layer's forward
+    (``forward_recomputed``: a recompute mode that recomputes the whole layer, as the
+    mode's record says; Megatron-Core recomputes the whole layer) the forward's two run
+    again, 6."""
+    return 2 * MOE_FORWARD_ALL_TO_ALLS + (MOE_FORWARD_ALL_TO_ALLS if forward_recomputed else 0)
 
 
 def moe_dispatch_bytes(tokens: float, top_k: int, hidden: float, dtype_bytes: float, ep: int,
