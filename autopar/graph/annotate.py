@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.graph.attention import LSE_BYTES, annotate_attention
-from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d, node_flops,
-                               packet)
+from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
+                               is_parameter_read, node_flops, packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index",
            "layer_of_nodes"]
@@ -286,7 +286,8 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
             no_grad=bool(node.meta.get("no_grad")),
             extra={"param_sizes": params,
                    "saves_inputs": (packet(node.target) in SAVES_INPUTS and kind != "other")
-                   or "gemm_weights" in gemms, **gemms},
+                   or "gemm_weights" in gemms, "param_read": is_parameter_read(node),
+                   **gemms},
         )
     _add_saved_bytes(gm, nodes)
     _mark_per_sequence(gm, nodes)
@@ -338,8 +339,8 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         info = nodes[node.name]
         if info.shape is None:
             continue
-        if any(saves_inputs(nodes[u.name]) for u in node.users):
-            info.saved_elems += info.numel
+        if any(saves_inputs(nodes[u.name]) for u in node.users) and not is_parameter_read(node):
+            info.saved_elems += info.numel  # a parameter (or a view of one) is model state
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
             info.mask_elems += info.numel
     for node in gm.graph.nodes:  # once every output's saved_elems is known

@@ -34,11 +34,11 @@ the next layer or the head keeps. The sections outside the layers, by the same a
   :math:`4sbV/t`;
 * Llama embedding section: nothing per sequence (the embedding output is kept by nobody:
   RMSNorm keeps its fp32 copy, in layer 0); the causal mask kept by SDPA, the float
-  positions and inverse frequencies (kept by their product), the rotary angles (kept by
-  cos and sin) and cos and sin (kept by the attention-scaling products):
-  :math:`2(s^2 + s + h/(2a) + 3sh/a)` (not per sequence); head: the final RMSNorm
-  :math:`2(2sbh + 2sb + h)`, its output kept by the head 2sbh and the cross-entropy
-  :math:`4sbV/t`.
+  positions (kept by their product with the inverse frequencies, a buffer: model state,
+  not an activation), the rotary angles (kept by cos and sin) and cos and sin (kept by the
+  attention-scaling products): :math:`2(s^2 + s + 3sh/a)` (not per sequence); head: the
+  final RMSNorm :math:`2(2sbh + 2sb)` (its weight is a parameter), its output kept by the
+  head 2sbh and the cross-entropy :math:`4sbV/t`.
 
 **FLOPs** of one step (Narayanan et al. 2021, eq. 3 and section 5.1): model FLOPs
 :math:`3B(L F + 2shV)` with F a layer's forward matmul FLOPs per sequence (GPT
@@ -138,8 +138,8 @@ def _section_bytes(shape: ModelShape, s: int, b: int, t: int) -> tuple[float, fl
     loss = 4 * s * b * V / t
     if shape.family == "gpt":
         return s * b * h, 4 * s * b * h, loss
-    pre = 2 * (s * s + s + sympy.Rational(h, 2 * a) + sympy.Rational(3 * s * h, a))
-    return float(pre), 2 * (2 * s * b * h + 2 * s * b + h) + 2 * s * b * h, loss
+    pre = 2 * (s * s + s + sympy.Rational(3 * s * h, a))
+    return float(pre), 2 * (2 * s * b * h + 2 * s * b) + 2 * s * b * h, loss
 
 
 def _stage_params(shape: ModelShape, plan: Plan, rank: int) -> float:

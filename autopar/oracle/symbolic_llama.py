@@ -16,9 +16,9 @@ tensor counted once, when some consumer keeps it, in the layer of its producer):
 
 * each RMSNorm ``w · (x·rsqrt(mean(x²) + ε))``: x cast to fp32 (kept by ``pow`` and by the
   product) 2sbh, ``mean + ε`` and its ``rsqrt`` (kept by ``rsqrt`` and the product) 2·2sb,
-  the normalised x cast back (kept by the weight product) 2sbh, the weight (kept by the
-  product; not per sequence) 2h, and the output, kept by the projections after it, 2sbh.
-  Two norms: 12sbh + 8sb + 4h. The layer input itself is kept by nobody (the norm keeps
+  the normalised x cast back (kept by the weight product) 2sbh, and the output, kept by
+  the projections after it, 2sbh (the weight the product keeps is a parameter: model
+  state, not an activation). Two norms: 12sbh + 8sb. The layer input itself is kept by nobody (the norm keeps
   its fp32 copy; the residual adds keep nothing), so it is counted in the layer before;
 * attention: q and k after the projections (kept by the product with cos) and their
   ``rotate_half`` (kept by the product with sin) 2·2sbh + 2·2sbh·kv/a; cos and sin
@@ -29,11 +29,11 @@ tensor counted once, when some consumer keeps it, in the layer of its producer):
 * SwiGLU MLP: the gate projection (kept by SiLU and the product), SiLU(gate) and the up
   projection (kept by the product), their product (kept by ``down_proj``): 4·2sbf.
 
-No parallelism: :math:`A = sbh(24 + 4kv/a + 8f/h + 8/h + 2as/h) + 4h + 4sh/a`. Tensor
+No parallelism: :math:`A = sbh(24 + 4kv/a + 8f/h + 8/h + 2as/h) + 4sh/a`. Tensor
 parallel with Megatron's placements (:func:`~autopar.planner.strategies.megatron.megatron_placements`): q/k/v and
 the MLP's gate/up split by columns, o_proj and down_proj by rows, so everything between
 them is split over t while the norms (no sequence parallelism), their outputs and cos/sin
-stay whole: :math:`A_t = sbh(12 + 8/h + (12 + 4kv/a + 8f/h + 2as/h)/t) + 4h + 4sh/a`.
+stay whole: :math:`A_t = sbh(12 + 8/h + (12 + 4kv/a + 8f/h + 2as/h)/t) + 4sh/a`.
 Selective recompute drops the core (2as²b/t); full recompute keeps the layer input, 2sbh.
 
 The solver is free to do better than that pattern and does: RMSNorm is element-wise aten
@@ -41,7 +41,7 @@ ops here (not an ``nn.LayerNorm``), which may run on sequence or hidden shards, 
 ``autopar.plan`` at t = 8 for a Llama-3-8B layer keeps only the two fp32 copies of the norm
 inputs whole and runs the rest of each norm on sequence shards between a slice (free
 forward) and the all-gather before the column Linears, Korthikanti's sequence-parallel
-pattern found by the solver: :math:`sbh(4 + (20 + 4kv/a + 8f/h + 8/h + 2as/h)/t) + 4h +
+pattern found by the solver: :math:`sbh(4 + (20 + 4kv/a + 8f/h + 8/h + 2as/h)/t) +
 4sh/a`. Such choices are ties or near-ties in time that CP-SAT breaks either way, so the
 closed forms here are for the fixed reference pattern.
 
@@ -71,13 +71,13 @@ __all__ = ["llama_closed_form", "llama_closed_form_names", "llama_layer_activati
 _CLOSED_FORMS: dict[str, tuple[str, str]] = {
     "layer_flops": ("2*s*h*(2*h + 2*h*kv/a + 3*f + 2*s)",
                     "forward matmul FLOPs of one layer, per sequence"),
-    "activations": ("s*b*h*(24 + 4*kv/a + 8*f/h + 8/h + 2*a*s/h) + 4*h + 4*s*h/a",
+    "activations": ("s*b*h*(24 + 4*kv/a + 8*f/h + 8/h + 2*a*s/h) + 4*s*h/a",
                     "activation bytes per layer, no parallelism"),
-    "activations_tp": ("s*b*h*(12 + 8/h + (12 + 4*kv/a + 8*f/h + 2*a*s/h)/t) + 4*h + 4*s*h/a",
+    "activations_tp": ("s*b*h*(12 + 8/h + (12 + 4*kv/a + 8*f/h + 2*a*s/h)/t) + 4*s*h/a",
                        "activation bytes per layer, tensor parallel"),
-    "activations_selective": ("s*b*h*(24 + 4*kv/a + 8*f/h + 8/h) + 4*h + 4*s*h/a",
+    "activations_selective": ("s*b*h*(24 + 4*kv/a + 8*f/h + 8/h) + 4*s*h/a",
                               "same, selective recompute"),
-    "activations_tp_selective": ("s*b*h*(12 + 8/h + (12 + 4*kv/a + 8*f/h)/t) + 4*h + 4*s*h/a",
+    "activations_tp_selective": ("s*b*h*(12 + 8/h + (12 + 4*kv/a + 8*f/h)/t) + 4*s*h/a",
                                  "same, tensor parallel + selective recompute"),
     "activations_full": ("2*s*b*h", "same, full recompute (the layer input)"),
 }

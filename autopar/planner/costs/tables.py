@@ -270,7 +270,7 @@ def _node_key(info) -> tuple:
             info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
             info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
             extra.get("score_passes_elems", 0),
-            extra.get("gemms"), extra.get("gemm_folded"),
+            extra.get("gemms"), extra.get("gemm_folded"), extra.get("gemm_weights", False),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
 
 
@@ -301,7 +301,10 @@ def _rows(traced: TracedModel, strategies: NodeStrategies,
             src_info = nodes[src.name]
             outs = tuple(su.output for su in strategies[src.name])
             wants = tuple(sv.inputs[j] for sv in options)
-            saves, grad = saves_inputs(info), not info.no_grad
+            # a parameter (or a view of one) that the consumer keeps is model state, not an
+            # activation: autograd keeps a reference, no copy
+            saves = saves_inputs(info) and not src_info.extra.get("param_read", False)
+            grad = not info.no_grad
             esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
                                    saves, grad), len(ids))
             edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves,
