@@ -1,7 +1,9 @@
-"""A model whose layers differ, planned as groups (autopar.graph.layer_groups) and cut into
-pipeline stages, trains like one process: DeepSeek-V3 with a dense first layer
-(``first_k_dense_replace=1``; the dense layer joins the first stage's prelude, the two MoE
-layers are the two groups) at pp = 2 on 2 gloo ranks."""
+"""Models whose layers differ, planned as groups (autopar.graph.layer_groups) and cut into
+pipeline stages, train like one process at pp = 2 on 2 gloo ranks: DeepSeek-V3 with a dense
+first layer (``first_k_dense_replace=1``: the dense layer joins the first stage's prelude,
+the two MoE layers are the two groups) and Qwen2-MoE with experts on every second of 5
+layers (``decoder_sparse_step=2``: two groups of (dense, MoE), the fifth layer joins the
+last stage's head)."""
 
 from __future__ import annotations
 
@@ -9,34 +11,38 @@ import pytest
 
 from helpers import load_script
 
-SWITCHES = dict(first_k_dense_replace=1)
-LAYERS, SEQ, BATCH = 3, 16, 8
+CASES = {"deepseek_v3": (3, dict(first_k_dense_replace=1)),
+         "qwen2_moe": (5, dict(decoder_sparse_step=2))}
+SEQ, BATCH = 16, 8
 
 
-def _deepseek():
-    """The zoo's tiny DeepSeek-V3 with 3 layers, the first dense (benchmarks/hf_families.py
-    with its every-layer-MoE switch overridden; a rank builds its own)."""
+def _model(model_type: str):
+    """The zoo's tiny ``model_type`` with :data:`CASES`' layers and switches
+    (benchmarks/hf_families.py with its every-layer-MoE switches overridden; a rank builds
+    its own)."""
     hf = load_script("benchmarks/hf_families.py")
     from benchmarks.model_zoo import TINY
 
-    hf.MOE_EVERY_LAYER = {**hf.MOE_EVERY_LAYER, **SWITCHES}
-    return hf, hf.build_family("deepseek_v3", d={**TINY, "layers": LAYERS})
+    layers, switches = CASES[model_type]
+    hf.MOE_EVERY_LAYER = {**hf.MOE_EVERY_LAYER, **switches}
+    return hf, hf.build_family(model_type, d={**TINY, "layers": layers})
 
 
-def _verify_rank(rank: int, world: int, plan) -> dict:
+def _verify_rank(rank: int, world: int, model_type: str, plan) -> dict:
     from autopar.verify.check import verify
 
-    return verify(_deepseek()[1], plan).to_dict()
+    return verify(_model(model_type)[1], plan).to_dict()
 
 
-def test_deepseek_dense_first_layer_verifies_at_pp2():
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_grouped_layers_verify_at_pp2(model_type):
     pytest.importorskip("transformers")
     import autopar
     from autopar.runtime.launch import launch
 
-    hf, model = _deepseek()
+    hf, model = _model(model_type)
     plan = autopar.plan(model, hf.tiny_cluster(2), global_batch_size=BATCH, seq_len=SEQ,
-                        layout=autopar.Layout(tp=1, pp=2, dp=1), model_name="deepseek_v3")
-    assert plan.stage_layers == [[0, 1], [1, 2]]  # groups: module layers 1 and 2
-    report = launch(_verify_rank, 2, plan, timeout_s=300, pg_timeout_s=60)[0]
+                        layout=autopar.Layout(tp=1, pp=2, dp=1), model_name=model_type)
+    assert plan.stage_layers == [[0, 1], [1, 2]]  # two groups, one per stage
+    report = launch(_verify_rank, 2, model_type, plan, timeout_s=300, pg_timeout_s=60)[0]
     assert report["ok"] and report["max_grad_diff"] < 1e-5, report
