@@ -10,8 +10,8 @@ on every ``no_rope_layer_interval``-th), hybrids alternate attention with recurr
 :func:`find_grouping` writes the module layers' op-kind sequences as
 
     L = k + G·n + r:  k leading layers (the prefix), then G groups of n consecutive layers
-    (the period), each group the same op sequence as the first, then r < n trailing layers
-    (the suffix)
+    (the period), each group the same op sequence as the first, then r trailing layers
+    (the suffix: a partial group, or layers of another kind)
 
 and :func:`group_layers` hands the planner a model whose layers are the G groups: the k
 prefix layers join ``pre`` (before the first group, so on the first model chunk: pipeline
@@ -34,7 +34,9 @@ and gradient mode (:func:`_signature`), so a group priced as the template costs 
 runs. Llama 4's default 4-layer pattern (MoE on layers 1 and 3, no RoPE on layer 3) gives
 (0, 4, 0): one group. Layers that are all alike give
 (0, 1, 0), the model unchanged; DeepSeek-V3 (61 layers, 3 dense) gives (3, 1, 0), 58
-groups; a model with no repeat at all gives (0, L, 0), one group (no pipeline cut).
+groups; a model with no repeat at all gives (0, L, 0), one group (no pipeline cut); a loop
+that applies an op after each layer call (``x = f(layer(x))``) puts the last layer's ``f``
+after the stack, so its layers read [A f] ... [A f] [A]: (0, 1, 1), the last in post.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class LayerGrouping:
     period: int
     """n: module layers per group (the template)"""
     suffix: int
-    """r: trailing module layers planned node by node in ``post`` (r < n)"""
+    """r: trailing module layers planned node by node in ``post``"""
     module_layers: int
     """L: the model's transformer layers"""
 
@@ -89,15 +91,13 @@ def find_grouping(kinds: list[tuple]) -> LayerGrouping:
     """The grouping of layers whose op sequences are ``kinds`` (one hashable per layer): the
     (k, n, r) with the fewest distinct layers k + n + r, then the most groups, then the
     fewest layers outside groups (k + r), then the smallest k, such that layers k .. L - r - 1
-    are groups of n that all equal the first (r < n)."""
+    are groups of n that all equal the first, as many as match."""
     L = len(kinds)
     best, best_key = None, None
     for n in range(1, L + 1):
         for k in range(0, L - n + 1):
             groups = _matching_groups(kinds, k, n)
             r = L - k - groups * n
-            if r >= n:
-                continue  # a trailing run as long as a group that does not match it
             key = (k + n + r, -groups, k + r, k)
             if best_key is None or key < best_key:
                 best, best_key = (k, n, r), key

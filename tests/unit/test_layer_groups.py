@@ -32,6 +32,7 @@ SEQ, BATCH = 32, 8
     ("abac" * 12, (0, 4, 0)),           # Llama 4 Maverick's 48 layers: 12 groups of 4
     ("ababa", (0, 2, 1)),               # 5 layers of period 2: the last one in post
     ("abc", (0, 3, 0)),                 # nothing repeats: one group
+    (["Af", "Af", "Af", "A"], (0, 1, 1)),  # x = f(layer(x)): the last f is after the stack
 ])
 def test_find_grouping(kinds, want):
     g = find_grouping(list(kinds))
