@@ -3,7 +3,7 @@ pipeline stages, train like one process at pp = 2 on 2 gloo ranks: DeepSeek-V3 w
 first layer (``first_k_dense_replace=1``: the dense layer joins the first stage's prelude,
 the two MoE layers are the two groups) and Qwen2-MoE with experts on every second of 5
 layers (``decoder_sparse_step=2``: two groups of (dense, MoE), the fifth layer joins the
-last stage's head)."""
+last stage's head; under full recompute, each group of two layers is one checkpoint)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from helpers import load_script
 
 CASES = {"deepseek_v3": (3, dict(first_k_dense_replace=1)),
          "qwen2_moe": (5, dict(decoder_sparse_step=2))}
+RECOMPUTE = {"deepseek_v3": "none", "qwen2_moe": "full"}  # full: a group is one checkpoint
 SEQ, BATCH = 16, 8
 
 
@@ -42,7 +43,8 @@ def test_grouped_layers_verify_at_pp2(model_type):
 
     hf, model = _model(model_type)
     plan = autopar.plan(model, hf.tiny_cluster(2), global_batch_size=BATCH, seq_len=SEQ,
-                        layout=autopar.Layout(tp=1, pp=2, dp=1), model_name=model_type)
+                        layout=autopar.Layout(tp=1, pp=2, dp=1, recompute=RECOMPUTE[model_type]),
+                        model_name=model_type)
     assert plan.stage_layers == [[0, 1], [1, 2]]  # two groups, one per stage
     report = launch(_verify_rank, 2, model_type, plan, timeout_s=300, pg_timeout_s=60)[0]
     assert report["ok"] and report["max_grad_diff"] < 1e-5, report
