@@ -29,8 +29,8 @@ same one and a plan file's layer indices mean the same groups there
 Among the (k, n, r) that fit, the one with the fewest distinct layers k + n + r is taken
 (the layers whose nodes the CP-SAT model holds: prefix, template, suffix), then the most
 groups G (finer pipeline cuts), then the fewest layers outside groups, then the smallest k.
-Two layers' nodes match when they have the same op kind, output shape, parameter elements
-and gradient mode (:func:`_signature`), so a group priced as the template costs what it
+Two layers' nodes match when they have the same op kind, output shape, FLOPs, parameter
+elements and gradient mode (:func:`_signature`), so a group priced as the template costs what it
 runs. Llama 4's default 4-layer pattern (MoE on layers 1 and 3, no RoPE on layer 3) gives
 (0, 4, 0): one group. Layers that are all alike give
 (0, 1, 0), the model unchanged; DeepSeek-V3 (61 layers, 3 dense) gives (3, 1, 0), 58
@@ -157,8 +157,8 @@ def group_layers(traced: TracedModel) -> TracedModel:
 
 def _signature(info) -> tuple:
     """What two layers' nodes must share for one to be priced as the other: the op kind,
-    output shape, parameter elements and gradient mode (the FLOPs and bytes follow)."""
-    return info.kind, info.shape, info.param_numel, info.no_grad
+    output shape, forward FLOPs, parameter elements and gradient mode."""
+    return info.kind, info.shape, info.flops, info.param_numel, info.no_grad
 
 
 def grouping_of(traced: TracedModel) -> LayerGrouping:
