@@ -20,7 +20,9 @@ model types in transformers 5.24). A family is, by these rules in this order:
 :func:`tiny_config` sets the tiny sizes on whichever size fields the config class has
 (the same ``_hf_extra`` sizes as the zoo's other families), experts to 4 with top-2
 routing, and every layer of the same kind where the config has a per-layer pattern of
-dense and MoE layers (``first_k_dense_replace`` ...), so the two layers are one template;
+dense and MoE layers (``first_k_dense_replace`` ...), so the two layers are one template
+(mixed layers plan too, as groups: ``autopar/graph/layer_groups.py``; one kind keeps the
+rows comparable);
 no layer reads another's keys and values (Gemma 3n/4's ``num_kv_shared_layers``: its
 default counts layers of the full-size model).
 """

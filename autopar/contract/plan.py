@@ -249,7 +249,12 @@ class Plan:
         (:meth:`autopar.contract.support.RuntimeSupport.attention_for`: torchtitan runs flash in
         bf16); None: the cluster's (``cluster["attention"]``). :attr:`attention_kernel`
         gives the one in force.
-    recompute: one mode per transformer layer (length L).
+    recompute: one mode per transformer layer (length L). A model whose layers differ
+        (mixture-of-experts layers beside dense ones) is planned as groups of identical
+        layers (:mod:`autopar.graph.layer_groups`); then "layer" here and in
+        ``stage_layers`` means a group, L the number of groups, and the leading (trailing)
+        layers outside any group run on the first (last) chunk with the embedding (head).
+        The grouping is found again from the model's graph wherever the plan is applied.
     stage_layers: per model chunk, in chunk order, [first_layer, last_layer_exclusive);
         pp·v contiguous chunks covering the L layers, placed by the schedule's record
         (``chunk_rank``): chunk c on pipeline rank c % pp (Megatron-LM's round-robin), so

@@ -88,6 +88,9 @@ def outside_target(plan, target: str) -> str | None:
     runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
+    grouped = _grouped_layers(plan, target)
+    if grouped:
+        return grouped
     if plan.dtype == "bf16" and support.dtype_for("bf16", plan.tp, plan.pp, plan.dp) != "bf16":
         return (f"{target} trains bf16 with tp or pp > 1 only under FSDP (dp > 1): this "
                 f"plan would run in fp32{fix}")
@@ -132,6 +135,19 @@ def torchrun_line(plan) -> str:
     per_node = min(per_node, plan.num_gpus)
     return (f"torchrun --nnodes {-(-plan.num_gpus // per_node)} --nproc-per-node {per_node} "
             "--node-rank <this node> --master-addr <node 0> --master-port 29500")
+
+
+def _grouped_layers(plan, target: str) -> str | None:
+    """Why ``target`` cannot run a plan whose layers are groups of the model's transformer
+    layers (:mod:`autopar.graph.layer_groups`: its layers differ), or None."""
+    c = plan.model_config
+    layers = c.get("num_hidden_layers", c.get("n_layer", c.get("num_layers")))
+    if not isinstance(layers, int) or layers == len(plan.recompute):
+        return None
+    return (f"the plan's {len(plan.recompute)} layers are groups of the model's {layers} "
+            f"transformer layers, which are not all alike (autopar.graph.layer_groups); "
+            f"{target}'s flags count transformer layers of one kind, so autopar does not "
+            "translate this plan; run it with autopar (autopar verify, autopar.parallelize)")
 
 
 def _kv_heads(model_config: dict) -> int | None:

@@ -20,6 +20,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
 from autopar.graph.export import export_logits, user_frame
+from autopar.graph.layer_groups import group_layers
 from autopar.graph.moe import check_router_losses
 from autopar.graph.shared_reads import hoist_shared_reads
 
@@ -222,6 +223,7 @@ def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: s
         if info.shape is not None and two is not None and len(two) == len(info.shape):
             info.extra["batch_dims"] = tuple(d for d, (a, b) in enumerate(zip(info.shape, two))
                                              if a != b)
+    traced = group_layers(traced)  # layers that differ: planned as groups of identical ones
     check_causal_lm(traced, type(model).__name__)
     check_parameters_read(traced, model)
     return traced

@@ -150,6 +150,10 @@ def test_megatron_flags_carry_the_model_shape(base_plan):
         "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256,
         "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 688,
         "vocab_size": 1024, "max_position_embeddings": 512, "tie_word_embeddings": False})
+    chunks = plan.pp * plan.virtual_stages  # a plan of the 4 layers the config names
+    plan = dataclasses.replace(plan, recompute=plan.recompute[:1] * 4,
+                               stage_layers=[[4 * c // chunks, 4 * (c + 1) // chunks]
+                                             for c in range(chunks)])
     run = read(emit(plan, "megatron"), "megatron", plan.num_gpus)
     assert run.model == {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
                          "ffn_hidden_size": 688, "num_query_groups": 2, "seq_length": 512,

@@ -18,6 +18,7 @@ import autopar
 import autopar.graph.capture as capture
 import autopar.planner.strategies.nodes as strategies
 from autopar.graph.capture import trace_model
+from autopar.graph.layer_groups import module_layers
 
 MODELS = [("gpt-small-test", 64), ("hf:gpt2", 64), ("hf:llama", 64)]
 
@@ -101,5 +102,5 @@ class WidthsLM(nn.Module):
 
 def test_a_layer_of_other_widths_is_propagated_not_copied():
     traced = trace_model(WidthsLM(), 8)
-    ups = [traced.nodes[n].shape for layer in traced.layers for n in layer if n.endswith("_up")]
+    ups = [traced.nodes[n].shape for layer in module_layers(traced) for n in layer if n.endswith("_up")]
     assert ups == [(1, 8, 64), (1, 8, 128), (1, 8, 128)]

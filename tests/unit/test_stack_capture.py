@@ -50,8 +50,24 @@ class _Uneven(nn.Module):
         return self.head(x)
 
 
-def test_layers_that_differ_are_refused_naming_the_op_and_its_line():
+def test_layers_that_differ_plan_as_one_group_or_are_refused_naming_the_op_and_its_line():
+    """Two layers with no repeat are planned as one group of two (issue 34,
+    autopar.graph.layer_groups); the same layers left ungrouped are refused by the template
+    map, naming the first op that differs."""
+    from dataclasses import fields
+
+    from autopar.graph.annotate import TracedModel
+    from autopar.graph.layer_groups import grouping_of, module_layers
+    from autopar.planner.cpsat.terms import template_map
+
+    traced = trace_model(_Uneven(), 8)
+    g = grouping_of(traced)
+    assert (g.prefix, g.period, g.suffix, traced.num_layers) == (0, 2, 0, 1)
+    plan = autopar.plan(_Uneven(), autopar.Cluster.local_cpu(processes=1), global_batch_size=2,
+                        seq_len=8)
+    assert plan.stage_layers == [[0, 1]] and len(plan.recompute) == 1
+    ungrouped = TracedModel(**{f.name: getattr(traced, f.name) for f in fields(TracedModel)}
+                            | {"layers": module_layers(traced)})
     with pytest.raises(NotImplementedError, match=r"layer 0 op 1 is add \(add\), layer 1 "
                                                   r"op 1 is tanh \(elementwise\)"):
-        autopar.plan(_Uneven(), autopar.Cluster.local_cpu(processes=1), global_batch_size=2,
-                     seq_len=8)
+        template_map(ungrouped)

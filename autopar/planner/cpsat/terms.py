@@ -64,7 +64,11 @@ class SectionTerms:
 def template_map(traced: TracedModel) -> dict[str, str]:
     """Map every node name to the node of the layer template (layer 0) it mirrors.
 
-    Raises NotImplementedError when transformer layers are not identical op sequences.
+    Captured models arrive with layers that differ already grouped
+    (:func:`autopar.graph.layer_groups.group_layers`: leading and trailing odd layers in
+    pre and post, groups of identical layers as the layers), so this holds for them.
+    Raises NotImplementedError when the layers are still not identical op sequences (a
+    TracedModel built without :func:`~autopar.graph.capture.trace_model`).
     """
     tmpl = traced.layers[0]
     mapping = {n: n for n in traced.pre + traced.post + tmpl}
@@ -74,7 +78,8 @@ def template_map(traced: TracedModel) -> dict[str, str]:
             raise NotImplementedError(
                 f"layers of {traced.layer_prefix} are not identical op sequences "
                 f"({_first_difference(traced, tmpl, layer, i)}); autopar solves one template "
-                "layer and needs every layer to match it")
+                "layer and needs every layer to match it (group them: "
+                "autopar.graph.layer_groups.group_layers)")
         mapping.update(zip(layer, tmpl))
     return mapping
 

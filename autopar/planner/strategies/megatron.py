@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from autopar.graph.annotate import TracedModel
+from autopar.graph.layer_groups import module_layers
 from autopar.contract.placement import REPLICATE, Shard
 from autopar.planner.strategies.nodes import (SEQUENCE_DIM, NodeStrategies, node_strategies,
                                         reshard_kinds, tensor_inputs, tied_groups)
@@ -88,7 +89,7 @@ def moe_routers(traced: TracedModel) -> set[str]:
     by the pass-through rule."""
     by_name = {n.name: n for n in traced.gm.graph.nodes}
     found = set()
-    for names in traced.layers:
+    for names in module_layers(traced):  # one transformer layer at a time, grouped or not
         members, width = set(names), traced.nodes[names[-1]].shape
         for name in names:
             if traced.nodes[name].kind != "linear":
@@ -118,7 +119,7 @@ def linear_roles(traced: TracedModel) -> dict[str, str]:
     roles: dict[str, str] = {}
     nodes = traced.nodes
     by_name = {n.name: n for n in traced.gm.graph.nodes}
-    for names in traced.layers:
+    for names in module_layers(traced):  # one transformer layer at a time, grouped or not
         members, width = set(names), nodes[names[-1]].shape
         for name in names:
             if nodes[name].kind != "linear":
