@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autopar.graph.annotate import TracedModel
+from autopar.graph.layer_groups import module_layers
 from autopar.graph.ops import is_grouped_mm, is_parameter_read, qualified_name
 
 __all__ = ["MoEBlock", "moe_blocks", "check_router_losses", "ROUTER_LOSS_COEFFICIENTS"]
@@ -37,7 +38,8 @@ __all__ = ["MoEBlock", "moe_blocks", "check_router_losses", "ROUTER_LOSS_COEFFIC
 class MoEBlock:
     """One mixture-of-experts layer of a :class:`~autopar.graph.annotate.TracedModel`.
 
-    layer: transformer layer index; module: the block's module path ("model.layers.0.mlp");
+    layer: transformer layer index (of the model's layers, not of the groups a planner
+    solves when layers differ, :mod:`autopar.graph.layer_groups`); module: the block's module path ("model.layers.0.mlp");
     router: node name of the router's projection, (tokens, h) -> (tokens, E);
     score_function: "softmax" or "sigmoid", the first of them after the router ("" when
     the router's scores reach the top-k through neither, e.g. Phi-MoE's sparse mixer);
@@ -205,12 +207,13 @@ def _block(traced: TracedModel, layer: int, names: list[str], experts: list, by_
 
 
 def moe_blocks(traced: TracedModel) -> list[MoEBlock]:
-    """The MoE blocks of ``traced``'s layers in layer order, one per experts module (a dense
+    """The MoE blocks of ``traced``'s transformer layers in layer order (the leading and
+    trailing layers a grouping puts in pre and post included), one per experts module (a dense
     layer has none; JetMoE's layers have two: its mixture of attention heads and of MLPs). A layer whose expert GEMMs have no router with E outputs in their
     block is not reported (its experts are priced as the ops they are, replicated)."""
     by_name = {n.name: n for n in traced.gm.graph.nodes}
     found = []
-    for layer, names in enumerate(traced.layers):
+    for layer, names in enumerate(module_layers(traced)):
         groups: dict[str, list] = {}  # expert GEMMs by their block
         for name in names:
             if (weight := _expert_weight(by_name[name], traced)) is not None:

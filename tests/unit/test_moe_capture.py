@@ -23,6 +23,7 @@ from cost_models.hardware import Cluster
 
 pytest.importorskip("transformers")
 families = load_script("benchmarks/hf_families.py")
+zoo = load_script("benchmarks/model_zoo.py")
 
 SEQ = 16
 # family: (shared experts, score function, how the experts run)
@@ -108,3 +109,10 @@ def test_a_router_loss_the_program_would_drop_is_refused_by_name():
         trace_model(model, SEQ)
     model.config.output_router_logits = False  # the fix the message names
     assert moe_blocks(trace_model(model, SEQ))
+
+
+def test_blocks_are_found_in_every_layer_when_dense_and_moe_layers_alternate(monkeypatch):
+    monkeypatch.setitem(families.MOE_EVERY_LAYER, "decoder_sparse_step", 2)
+    model = families.build_family("qwen2_moe", device="meta", d=dict(zoo.TINY, layers=5))
+    traced = trace_model(model, SEQ)
+    assert [b.layer for b in moe_blocks(traced)] == [1, 3]  # MoE every 2nd layer, 1-based
