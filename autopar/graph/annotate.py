@@ -83,6 +83,14 @@ class NodeInfo:
     no_grad: bool = False
     extra: dict = field(default_factory=dict)
 
+    @property
+    def model_matmul(self) -> bool:
+        """Do this node's FLOPs count as the model's (MFU; Narayanan et al. 2021, eq. 3: the
+        GEMMs of linears and attention)? Also a router's ``F.linear`` and a MoE layer's
+        grouped expert matmuls (kind "other" with GEMMs: the k active experts' work)."""
+        return self.kind in ("linear", "sdpa") or (self.kind == "other" and
+                                                   bool(self.extra.get("gemms")))
+
     def saved_bytes_at(self, activation_bytes: int = ACTIVATION_BYTES) -> float:
         """Bytes saved for backward (attention core excluded) at ``activation_bytes`` per element."""
         return activation_bytes * self.saved_elems + MASK_BYTES * self.mask_elems

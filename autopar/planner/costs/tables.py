@@ -357,8 +357,8 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
                                      cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
     matmul = sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values()
-                 if i.kind in ("linear", "sdpa"))  # forward + backward; no_grad: forward
-    layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].kind in ("linear", "sdpa"))
+                 if i.model_matmul)  # forward + backward; no_grad: forward
+    layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].model_matmul)
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,
         p2p_s=0.0, p2p_bytes=p2p_bytes, vocab_loss_bytes=vocab_loss_bytes,
