@@ -16,6 +16,9 @@ Reads only the plan's per-node placements. For every node, in graph order:
    the producer through one shared ``CopyToTPRegion`` (Megatron's f), or, when the
    producer is sharded, through ``GatherToTPRegionWithPartialGrad`` (f̄: all-gather
    forward, reduce-scatter backward, f and the gather in one);
+   each runs right after the producer, or, for a tensor written in place later (MLA's
+   key buffer filled by ``copy_``), after the last write before its consumer
+   (:mod:`autopar.graph.aliases`): a slice taken earlier would hold the unwritten buffer;
 3. shape-only and element-wise ops are left unchanged: they run on shards as they are
    (reshapes infer the head count with -1, which the strategies checked); ``x.size(d)`` of
    a tensor sharded along d is multiplied by t;
@@ -36,6 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.graph.aliases import in_place_writes, last_write_before
 from autopar.graph.normalize import resolve
 from autopar.graph.ops import is_conv1d, packet
 from autopar.contract.placement import ShardSpec  # re-exported: the rewrite makes them
@@ -96,6 +100,10 @@ class _Rewriter:
                       for n, p in self.gm.named_parameters(remove_duplicate=False)}
         self.count = 0
         self.replaced: list[str] = []  # paths of the modules replaced by their shards
+        # tensors written in place after they are made (MLA's key buffer): a collective
+        # reading one runs after the writes its consumer sees (autopar.graph.aliases)
+        self.writes = in_place_writes(self.gm.graph)
+        self.order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
 
     def _add_module(self, prefix: str, module: nn.Module) -> str:
         self.count += 1
@@ -120,14 +128,15 @@ class _Rewriter:
         have = self.placement[src]
         if have == dst:
             return src
-        key = (src, dst, _owner_key(consumer), fused)
+        at = last_write_before(src, consumer, self.writes, self.order)  # src's value is final
+        key = (src, dst, _owner_key(consumer), fused, at)
         blocks = self._blocks(src, have if have.is_sharded else dst)
         if key not in self.resharded:
             if have.is_partial:
-                self.resharded[key] = self._complete_partial(src, dst, consumer)
+                self.resharded[key] = self._complete_partial(src, dst, consumer, at)
             elif dst.is_replicated and have.is_sharded:
                 cls = GatherToTPRegionWithPartialGrad if fused else GatherFromTPRegion
-                out = self._insert_after(src, cls(self.group, have.dim), src, consumer)
+                out = self._insert_after(at, cls(self.group, have.dim), src, consumer)
                 if blocks:  # the gathered chunks are rank-major: back to q|k|v order
                     out = self._insert_after(out, BlockOrder(blocks, self.tp, have.dim, False),
                                              out, consumer, "block_order")
@@ -135,10 +144,11 @@ class _Rewriter:
             elif have.is_replicated and dst.is_sharded:
                 arg = src
                 if blocks:  # rank r's chunk must hold the r-th part of every block
-                    arg = self._insert_after(src, BlockOrder(blocks, self.tp, dst.dim, True),
+                    arg = self._insert_after(at, BlockOrder(blocks, self.tp, dst.dim, True),
                                              src, consumer, "block_order")
                 mod = ScatterToTPRegion(self.group, dst.dim)
-                self.resharded[key] = self._insert_after(arg, mod, arg, consumer)
+                self.resharded[key] = self._insert_after(at if arg is src else arg, mod, arg,
+                                                         consumer)
             else:
                 raise ValueError(f"cannot reshard {src.name} from {have} to {dst}")
         return self.resharded[key]
@@ -150,12 +160,13 @@ class _Rewriter:
             return ()
         return tuple(info.extra.get("out_blocks", ()))
 
-    def _complete_partial(self, src: fx.Node, dst: Placement, consumer: fx.Node) -> fx.Node:
+    def _complete_partial(self, src: fx.Node, dst: Placement, consumer: fx.Node,
+                          at: fx.Node) -> fx.Node:
         """P -> R (all-reduce, Megatron's g) or P -> S<d> (reduce-scatter, sequence-parallel
-        ḡ), then the row Linear's bias if it has one."""
+        ḡ), run after ``at``, then the row Linear's bias if it has one."""
         mod: TPOperator = (ReduceFromTPRegion(self.group) if dst.is_replicated
                            else ReduceScatterToTPRegion(self.group, dst.dim))
-        out = self._insert_after(src, mod, src, consumer)
+        out = self._insert_after(at, mod, src, consumer)
         bias = self.partial_bias.get(src)
         if bias is None:
             return out
@@ -177,9 +188,10 @@ class _Rewriter:
         return self._insert_after(out, BiasAdd(bias, start, size), out, consumer, "row_bias")
 
     def _copy_to_tp(self, src: fx.Node, consumer: fx.Node) -> fx.Node:
-        key = (src, _owner_key(consumer))
+        at = last_write_before(src, consumer, self.writes, self.order)
+        key = (src, _owner_key(consumer), at)
         if key not in self.f_nodes:
-            self.f_nodes[key] = self._insert_after(src, CopyToTPRegion(self.group), src, consumer)
+            self.f_nodes[key] = self._insert_after(at, CopyToTPRegion(self.group), src, consumer)
         return self.f_nodes[key]
 
     def run(self) -> TPRewrite:

@@ -98,3 +98,42 @@ def test_llama_saved_activations_match_the_prediction_under_the_solvers_placemen
     assert any(plan.placements[n] != megatron[n] for n in traced.layers[0]), "not Megatron's"
     for measured, predicted in run_distributed(_llama_saved, 2, plan, timeout_s=300):
         assert abs(measured / predicted - 1) < 0.05, (measured, predicted)
+
+
+def _solvers_deepseek_v3_plan():
+    """The tiny DeepSeek-V3 at tp = 2 under the solver's placements for the model zoo's
+    wide instance (``hf_families.solver_pattern``: h = 1024 on one DGX-A100 node), carried
+    node by node onto a tp = 2 plan of the tiny one and re-priced (``evaluate_plan``)."""
+    from dataclasses import replace
+
+    import autopar
+    from benchmarks.hf_families import build_family, tiny_cluster
+    from cost_models.hardware import Cluster
+
+    wide = autopar.plan(build_family("deepseek_v3", device="meta", d=zoo.WIDE),
+                        Cluster.dgx_a100(1), global_batch_size=zoo.BATCH, seq_len=zoo.WIDE_SEQ,
+                        layout=autopar.Layout(tp=2, pp=1, dp=4, micro_batch_size=1),
+                        model_name="deepseek_v3")
+    tiny = build_family("deepseek_v3", device="meta")
+    base = autopar.evaluate(tiny, tiny_cluster(2), autopar.Layout(
+        tp=2, pp=1, dp=1, micro_batch_size=zoo.BATCH, dtype="fp32"),
+        global_batch_size=zoo.BATCH, seq_len=zoo.TINY_SEQ, model_name="deepseek_v3")
+    placements = {name: wide.placements.get(name, key) for name, key in base.placements.items()}
+    return autopar.evaluate_plan(tiny, tiny_cluster(2), replace(base, placements=placements))
+
+
+def test_deepseek_v3_verifies_under_the_solvers_placements():
+    """Multi-head latent attention fills its keys into a ``new_empty`` buffer by two
+    ``copy_`` into slices of it. The solver runs attention on head shards with q_b_proj and
+    kv_b_proj whole, so the buffer is sliced for it: that slice used to be taken right after
+    ``new_empty``, before the copies (uninitialised keys: gradient norm inf, q_b_proj's
+    gradient 1e20 relative off); it now runs after the writes (``autopar.graph.aliases``)."""
+    pytest.importorskip("transformers")
+    from autopar.runtime.launch import launch
+    from benchmarks.hf_families import _verify_rank  # importable by the ranks
+
+    plan = _solvers_deepseek_v3_plan()
+    assert plan.placements["scaled_dot_product_attention"] == "heads:S1"
+    assert plan.placements["new_empty"] == "replicate:R"
+    report = launch(_verify_rank, 2, "deepseek_v3", plan, timeout_s=300, pg_timeout_s=60)[0]
+    assert report["ok"] and report["max_grad_diff"] < 1e-5, report

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from autopar.graph.aliases import written_later
 from autopar.graph.annotate import NodeInfo, TracedModel
 from autopar.graph.ops import linear_features, packet
 from autopar.contract.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
@@ -230,11 +231,17 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
     the solver enforces that with :func:`tied_groups`.
     """
     gm, twins = traced.gm, _layer_twins(traced)
+    # written in place, or viewing a storage a later node writes (MLA's key buffer, a
+    # router's div_): a reshard would hand the write, or a later reader, a stale copy
+    # (autopar.graph.aliases), so they stay whole; readers reshard after the writes
+    written = written_later(gm.graph) if tp > 1 else set()
     out: NodeStrategies = {}
     for node in gm.graph.nodes:  # a twin's layer comes first in graph order
         twin = twins.get(node.name)
         out[node.name] = out[twin] if twin is not None else _strategies_for(
             node, traced.nodes[node.name], traced.nodes, gm, tp, sequence_parallel)
+        if node.name in written:
+            out[node.name] = [s for s in out[node.name] if s.name == "replicate"]
         if traced.nodes[node.name].no_grad:  # no gradient: none is partial, no f
             out[node.name] = [replace(s, partial_grad_inputs=(False,) * len(s.partial_grad_inputs))
                               for s in out[node.name]]
