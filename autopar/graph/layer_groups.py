@@ -36,7 +36,8 @@ runs. Llama 4's default 4-layer pattern (MoE on layers 1 and 3, no RoPE on layer
 (0, 1, 0), the model unchanged; DeepSeek-V3 (61 layers, 3 dense) gives (3, 1, 0), 58
 groups; a model with no repeat at all gives (0, L, 0), one group (no pipeline cut); a loop
 that applies an op after each layer call (``x = f(layer(x))``) puts the last layer's ``f``
-after the stack, so its layers read [A f] ... [A f] [A]: (0, 1, 1), the last in post.
+after the stack; it is moved back into the last layer, so the layers read [A f] ... [A f]
+again (:func:`_complete_last_layer`), (0, 1, 0).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def group_layers(traced: TracedModel) -> TracedModel:
     runs = list(traced.pre) + [n for names in traced.layers for n in names] + list(traced.post)
     if isinstance(traced, GroupedTracedModel) or not traced.layers or runs != order:
         return traced  # layers that are not back-to-back runs (a looped layer): as captured
+    traced = _complete_last_layer(traced)
     grouping = find_grouping([tuple(_signature(traced.nodes[n]) for n in names)
                               for names in traced.layers])
     if grouping.trivial:
@@ -153,6 +155,29 @@ def group_layers(traced: TracedModel) -> TracedModel:
     fields = {f.name: getattr(traced, f.name) for f in dataclasses.fields(TracedModel)}
     fields.update(layers=groups, pre=list(traced.pre) + head, post=tail + list(traced.post))
     return GroupedTracedModel(**fields, grouping=grouping, module_layer_nodes=modules)
+
+
+def _complete_last_layer(traced: TracedModel) -> TracedModel:
+    """``traced`` with the ops that follow the last layer's module and repeat what every
+    other layer ends with moved from ``post`` into the last layer: a loop
+    ``x = f(layer(x))`` runs ``f`` outside the layer's module, so capture puts each ``f``
+    in the layer before it, the last one in ``post``; the layers are then alike again
+    ([A f] ... [A f]) instead of [A f] ... [A] (one group too coarse to cut into pipeline
+    stages). ``f`` stays on the last pipeline stage either way. Unchanged otherwise."""
+    layers = traced.layers
+    signs = [[_signature(traced.nodes[n]) for n in names] for names in layers]
+    first, last = signs[0], signs[-1]
+    missing = len(first) - len(last)
+    if len(layers) < 2 or missing <= 0 or first[:len(last)] != last \
+            or any(sign != first for sign in signs[:-1]):
+        return traced
+    moved = list(traced.post[:missing])
+    if [_signature(traced.nodes[n]) for n in moved] != first[len(last):]:
+        return traced
+    for name in moved:
+        traced.nodes[name].section, traced.nodes[name].layer = "layer", len(layers) - 1
+    return dataclasses.replace(traced, layers=layers[:-1] + [list(layers[-1]) + moved],
+                               post=list(traced.post[missing:]))
 
 
 def _signature(info) -> tuple:

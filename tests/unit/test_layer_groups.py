@@ -107,7 +107,7 @@ def test_plans_and_cuts_on_group_boundaries(monkeypatch, case):
         megatron_args(plan)  # Megatron-LM's flags count transformer layers: refused by name
     mfu_flops = plan.predicted.mfu * plan.predicted.step_time_s * plan.num_gpus * \
         cluster.device.peak_flops
-    matmul = sum(i.flops for i in traced.nodes.values() if i.kind in ("linear", "sdpa"))
+    matmul = sum(i.flops for i in traced.nodes.values() if i.model_matmul)  # experts too
     assert mfu_flops == pytest.approx(3 * BATCH * matmul, rel=1e-9)
     # the pipeline rewrite: module layer i sits in the chunk of its group (leading layers: 0)
     annotate_chunks(traced, plan.stage_layers)
