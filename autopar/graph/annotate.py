@@ -23,7 +23,7 @@ from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
                                is_parameter_read, node_flops, packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index",
-           "layer_of_nodes"]
+           "layer_of_nodes", "module_paths"]
 
 ACTIVATION_BYTES = 2  # 16-bit activations
 MASK_BYTES = 1        # dropout masks
@@ -218,12 +218,16 @@ def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
     return "other"
 
 
-def _layer_of(node: fx.Node, prefix: str) -> int | None:
+def module_paths(node: fx.Node) -> list[str]:
+    """The module paths export recorded for ``node`` (``nn_module_stack``), outermost first,
+    ending with the module a ``call_module`` node calls."""
     stack = node.meta.get("nn_module_stack") or {}
     paths = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
-    if node.op == "call_module":
-        paths.append(node.target)
-    for path in reversed(paths):
+    return paths + [str(node.target)] if node.op == "call_module" else paths
+
+
+def _layer_of(node: fx.Node, prefix: str) -> int | None:
+    for path in reversed(module_paths(node)):
         if path.startswith(prefix + "."):
             return int(path[len(prefix) + 1:].split(".")[0])
     return None
@@ -347,7 +351,7 @@ def _add_saved_bytes(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         info = nodes[node.name]
         if info.shape is None:
             continue
-        if any(saves_inputs(nodes[u.name]) for u in node.users) and not is_parameter_read(node):
+        if any(saves_inputs(nodes[u.name]) for u in node.users) and not info.extra["param_read"]:
             info.saved_elems += info.numel  # a parameter (or a view of one) is model state
         if info.kind == "dropout" and gm.get_submodule(node.target).p > 0:
             info.mask_elems += info.numel

@@ -75,6 +75,16 @@ def _jetmoe_parallel_experts(self: nn.Module, inputs: torch.Tensor,
     return _grouped_linear(inputs, self.weight, offs)
 
 
+def _sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
+    """The (token, slot) pairs of ``top_k_index`` (T, k) sorted by expert, stably (ties keep
+    token order): (expert of each pair (S,), the pairs' flat indices (S,), their tokens (S,),
+    ``offs`` int32 (E,): cumulative rows per expert, for :func:`_grouped_linear`); S = T·k."""
+    expert_sorted, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    counts = F.one_hot(expert_sorted, num_experts).sum(0)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return expert_sorted, perm, perm // top_k_index.shape[-1], offs
+
+
 def _longcat_experts(self: nn.Module, hidden_states: torch.Tensor,
                      top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """``LongcatFlashExperts.forward``: ``hidden_states`` (T, h), ``top_k_index`` and
@@ -83,12 +93,8 @@ def _longcat_experts(self: nn.Module, hidden_states: torch.Tensor,
     ("zero-computation experts"); each pair's output is weighted and summed per token in
     expert order, as the family's loop adds them."""
     k, total = top_k_index.shape[-1], self.total_experts
-    expert_ids = top_k_index.reshape(-1)
-    expert_sorted, perm = torch.sort(expert_ids, stable=True)
-    token = perm // k
+    expert_sorted, perm, token, offs = _sort_by_expert(top_k_index, total)
     x = hidden_states[token]  # (S, h), sorted by expert
-    counts = F.one_hot(expert_sorted, total).sum(0)
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     routed = self.num_routed_experts
     if self.gate_up_proj is not None and routed > 0:
         gate_up = _grouped_linear(x, self.gate_up_proj, offs)
@@ -113,11 +119,8 @@ def _dbrx_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     batch, k = hidden_states.shape[0], top_k_index.shape[-1]
     x = hidden_states.reshape(-1, self.hidden_size)
     experts = (self.num_experts, self.ffn_hidden_size, self.hidden_size)
-    expert_sorted, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    token = perm // k
+    _, perm, token, offs = _sort_by_expert(top_k_index, self.num_experts)
     rows = x[token]  # (S, h), sorted by expert
-    offs = torch.cumsum(F.one_hot(expert_sorted, self.num_experts).sum(0), dim=0,
-                        dtype=torch.int32)
     gate = _grouped_linear(rows, self.mlp.w1.view(experts), offs)
     up = _grouped_linear(rows, self.mlp.v1.view(experts), offs)
     down = self.mlp.w2.view(experts).transpose(-2, -1)  # x @ w2[e]: (E, out=h, in=F)

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autopar.graph.annotate import TracedModel
+from cost_models.moe import moe_expert_flops
+
+from autopar.graph.annotate import TracedModel, module_paths
 from autopar.graph.layer_groups import module_layers
 from autopar.graph.ops import is_grouped_mm, is_parameter_read, qualified_name
 
@@ -68,16 +70,12 @@ class MoEBlock:
     gated: bool
 
     def routed_flops(self) -> float:
-        """Forward FLOPs of the routed experts per sequence as the layer computes them:
-        2·rows·h·F per expert GEMM over the rows it runs (a gated MLP has three GEMMs,
-        6·s·k·h·F; Llama 4's all-expert form s·E rows instead of s·k)."""
-        rows = self.tokens * (self.top_k if self.form == "grouped_mm" else self.num_experts)
-        return 2.0 * rows * self.hidden_size * self.expert_ffn * self.gemms_per_expert
-
-    @property
-    def gemms_per_expert(self) -> int:
-        """3 for a gated MLP (gate, up, down; gate|up fused counts 2), 2 otherwise."""
-        return 3 if self.gated else 2
+        """Forward FLOPs of the routed experts per sequence as the layer computes them
+        (:func:`cost_models.moe.moe_expert_flops`: 6·s·k·h·F for a gated MLP; Llama 4's
+        all-expert form runs s·E rows instead of s·k)."""
+        copies = self.top_k if self.form == "grouped_mm" else self.num_experts
+        return moe_expert_flops(self.tokens, copies, self.hidden_size, self.expert_ffn,
+                                self.gated)
 
 
 ROUTER_LOSS_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef", "moe_aux_loss_coef",
@@ -108,16 +106,9 @@ def check_router_losses(model) -> None:
         "config.output_router_logits=False to train without it")
 
 
-def _module_paths(node: fx.Node) -> list[str]:
-    """The module paths export recorded for ``node``, outermost first."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
-    return paths + [str(node.target)] if node.op == "call_module" else paths
-
-
 def _module_path(node: fx.Node) -> str:
     """The innermost module path export recorded for ``node`` ("" if none)."""
-    paths = _module_paths(node)
+    paths = module_paths(node)
     return paths[-1] if paths else ""
 
 
@@ -125,7 +116,7 @@ def _block_path(node: fx.Node) -> str:
     """The MoE block of an expert GEMM: the module that calls the experts module the GEMM
     runs in (Mixtral's ``mlp`` around ``mlp.experts``; JetMoE's ``mlp`` around
     ``mlp.input_linear`` and ``mlp.output_linear``)."""
-    paths = _module_paths(node)
+    paths = module_paths(node)
     return paths[-2] if len(paths) >= 2 else paths[-1].rsplit(".", 1)[0] if paths else ""
 
 
