@@ -77,6 +77,8 @@ class Layout:
     dtype: "bf16" (mixed precision) or "fp32"; None: the cluster's ``dtype``.
     grad_dtype: the gradients' dtype under bf16 (:data:`GRAD_DTYPES`); None: bf16 (the
         autopar runtime's), fp32 under fp32 training.
+    ep: expert-parallel size: each MoE layer's experts split over ep of the d data-parallel
+        ranks (:mod:`autopar.techniques.expert_parallel`); 1 for a dense model.
     """
 
     tp: int | None = None
@@ -90,9 +92,10 @@ class Layout:
     sequence_parallel: bool | None = None
     dtype: str | None = None
     grad_dtype: str | None = None
+    ep: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "ep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -134,7 +137,7 @@ class Layout:
             key = aliases.get(key.strip(), key.strip())
             if not sep or key not in {f.name for f in fields(cls)}:
                 raise ValueError(f"cannot parse layout item {item!r} in {text!r}; "
-                                 "expected key=value with keys tp, pp, dp, mbs, zero_stage, "
+                                 "expected key=value with keys tp, pp, dp, ep, mbs, zero_stage, "
                                  "recompute, schedule, virtual_stages, sequence_parallel, dtype, "
                                  "grad_dtype")
             value = value.strip()
@@ -241,8 +244,9 @@ class Plan:
     cluster: the cluster as ``Cluster.to_dict()``.
     global_batch_size, seq_len: B and s of one step.
     tp, pp, dp, micro_batch_size, num_micro_batches, schedule, zero_stage,
-    virtual_stages, sequence_parallel, dtype, grad_dtype: the layout (grad_dtype None in a
-    plan saved before autopar priced it: the dtype's own);
+    virtual_stages, sequence_parallel, dtype, grad_dtype, ep: the layout (grad_dtype None in a
+    plan saved before autopar priced it: the dtype's own; ep 1, left out of the JSON, for a
+    plan without expert parallelism);
     B = dp · micro_batch_size · num_micro_batches.
     attention: the attention kernel the plan is priced with, "math" or "flash"
         (:data:`ATTENTION_KERNELS`), when its target fixes one other than the cluster's
@@ -296,6 +300,7 @@ class Plan:
     dtype: str = "bf16"
     grad_dtype: str | None = None
     attention: str | None = None
+    ep: int = 1
     alternatives: list[Alternative] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
@@ -315,7 +320,7 @@ class Plan:
                       recompute=modes.pop() if len(modes) == 1 else None,
                       schedule=self.schedule, virtual_stages=self.virtual_stages,
                       sequence_parallel=self.sequence_parallel, dtype=self.dtype,
-                      grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype))
+                      grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype), ep=self.ep)
 
     @property
     def attention_kernel(self) -> str:
@@ -333,6 +338,8 @@ class Plan:
         data["alternatives"] = [a.to_dict() for a in self.alternatives]
         if data["attention"] is None:
             del data["attention"]
+        if data["ep"] == 1:
+            del data["ep"]
         return data
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -363,6 +370,8 @@ class Plan:
         data = {k: getattr(self, k) for k in keys}
         if grad_dtype_of(self.dtype, self.grad_dtype) != grad_dtype_of(self.dtype, None):
             data["grad_dtype"] = self.grad_dtype  # digests of plans before it unchanged
+        if self.ep != 1:
+            data["ep"] = self.ep
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> str:
@@ -379,7 +388,8 @@ class Plan:
         """One line: the layout and its predicted speed."""
         p = self.predicted
         rec = ",".join(sorted(set(self.recompute)))
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} mbs={self.micro_batch_size} "
                 f"m={self.num_micro_batches} {self.schedule} zero={self.zero_stage} "
                 f"recompute={rec}: step {p.step_time_s:.3f} s, {p.tflops_per_gpu:.1f} TFLOP/s/GPU, "
                 f"MFU {p.mfu:.1%}, peak memory {p.peak_memory_bytes / 2**30:.1f} GiB")

@@ -196,7 +196,7 @@ def _check_replicated(src: str, data) -> ReplicatedOps:
 def _check_fields(src: str, data: dict) -> None:
     """Types of the top-level fields (before any arithmetic on them)."""
     for name in ("global_batch_size", "seq_len", "tp", "pp", "dp", "micro_batch_size",
-                 "num_micro_batches", "virtual_stages"):
+                 "num_micro_batches", "virtual_stages", "ep"):
         if name in data:
             _expect(src, name, data[name], _is_int(data[name]) and data[name] >= 1,
                     "a positive int")
@@ -324,6 +324,9 @@ def check_plan(plan: Plan, *, source: str = "plan", world_size: int | None = Non
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError(src, "sequence_parallel", "is true with tp=1 (sequence parallelism "
                         "splits over the TP group)", "set it to false, or re-plan with --tp")
+    if plan.dp % plan.ep:
+        raise PlanError(src, "ep", f"is {plan.ep}, which does not divide dp={plan.dp} (expert "
+                        "parallelism folds over the data-parallel ranks)", "re-plan with --ep")
     _check_placements(plan, src)
     if world_size is not None and plan.num_gpus != world_size:
         raise PlanError(src, "tp/pp/dp", f"need tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = "

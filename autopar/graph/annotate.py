@@ -290,15 +290,18 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
             and hasattr(meta, "shape") else None
         numel = math.prod(shape) if shape is not None else 0
         params = _params(node, gm, canon)
-        gemms = gemm_shapes(node, kind, gm, numel)
+        experts = node.meta.get("experts")  # one call of an experts module: its ops' price
+        gemms = {k: v for k, v in experts.items() if k != "flops"} if experts else \
+            gemm_shapes(node, kind, gm, numel)
         nodes[node.name] = NodeInfo(
             name=node.name, kind=kind, shape=shape, numel=numel,
-            flops=node_flops(node, kind, gm, numel, gemms), params=tuple(params),
+            flops=experts["flops"] if experts else node_flops(node, kind, gm, numel, gemms),
+            params=tuple(params),
             param_numel=sum(params.values()), layer=_layer_of(node, prefix) if prefix else None,
             no_grad=bool(node.meta.get("no_grad")),
             extra={"param_sizes": params,
                    "saves_inputs": (packet(node.target) in SAVES_INPUTS and kind != "other")
-                   or "gemm_weights" in gemms, "param_read": is_parameter_read(node),
+                   or ("gemm_weights" in gemms and not experts), "param_read": is_parameter_read(node),
                    **gemms},
         )
     _add_saved_bytes(gm, nodes)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.graph.annotate import TracedModel, annotate, layer_of_nodes
+from autopar.graph.experts import collapse_experts
 from autopar.graph.export import export_logits, user_frame
 from autopar.graph.layer_groups import group_layers
 from autopar.graph.moe import check_router_losses
@@ -199,8 +200,7 @@ def meta_buffers(model: torch.nn.Module) -> torch.nn.Module:
 
 def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: str) -> TracedModel:
     """Shape-propagate ``gm`` for idx (1, seq_len) on the meta device, annotate, check
-    (reads of a parameter or buffer that several layers share moved to the prelude first:
-    :func:`~autopar.graph.shared_reads.hoist_shared_reads`)."""
+    (shared reads hoisted first: :func:`~autopar.graph.shared_reads.hoist_shared_reads`)."""
     hoist_shared_reads(gm)
     meta_gm = gm if _all_meta(gm) else _meta_copy(gm)
     pair = _shapes_at(meta_gm, 2, seq_len)  # which dims grow with the batch (below)
@@ -218,6 +218,10 @@ def _annotated(model: torch.nn.Module, gm: fx.GraphModule, seq_len: int, name: s
         if "tensor_meta" in meta_node.meta:
             node.meta["tensor_meta"] = meta_node.meta["tensor_meta"]
     traced = annotate(gm, seq_len=seq_len, name=name, model=model)
+    collapsed = collapse_experts(gm, model, traced.nodes)  # each experts module: one call
+    if collapsed:
+        traced = annotate(gm, seq_len=seq_len, name=name, model=model)
+        pair.update({new: pair.get(old) for new, old in collapsed.items()})
     for info in traced.nodes.values():
         two = pair.get(info.name)
         if info.shape is not None and two is not None and len(two) == len(info.shape):
@@ -377,9 +381,7 @@ class RepeatedLayerShapeProp(ShapeProp):
 
 def _plain(value) -> object:
     """``value`` where equality means the same value (an int, a size, a tuple of them), its
-    identity otherwise: a non-tensor argument of a repeated layer's op (Gemma 4's global
-    layers read sizes 512 where its sliding ones read 256) takes the twin's output only when
-    equal."""
+    identity otherwise (Gemma 4's global layers read sizes 512, its sliding ones 256)."""
     if isinstance(value, (int, float, bool, str, type(None), torch.SymInt, torch.Size)):
         return ("value", value)
     if isinstance(value, (tuple, list)) and all(isinstance(v, (int, bool, type(None))) for v in value):

@@ -30,6 +30,7 @@ import torch.fx as fx
 from cost_models.moe import moe_expert_flops
 
 from autopar.graph.annotate import TracedModel, module_paths
+from autopar.graph.experts import experts_shape
 from autopar.graph.layer_groups import module_layers
 from autopar.graph.ops import is_grouped_mm, is_parameter_read, qualified_name
 
@@ -52,7 +53,10 @@ class MoEBlock:
     every expert); shared: the shared experts' Linear nodes (with a shared expert's gate),
     the block's Linears that the routed experts do not read;
     tokens: router rows for one sequence (s); gated: the expert MLP is gated (SwiGLU: its
-    first GEMM is 2F wide, gate and up fused, or three GEMMs, DBRX's w1, v1 and w2).
+    first GEMM is 2F wide, gate and up fused, or three GEMMs, DBRX's w1, v1 and w2);
+    experts_module: the module path when the routed experts are one call of a transformers
+    experts module (:mod:`autopar.graph.experts`; ``experts`` is then that call's node),
+    which expert parallelism can shard; "" when they are ops of the graph.
     """
 
     layer: int
@@ -68,6 +72,7 @@ class MoEBlock:
     shared: tuple[str, ...]
     tokens: int
     gated: bool
+    experts_module: str = ""
 
     def routed_flops(self) -> float:
         """Forward FLOPs of the routed experts per sequence as the layer computes them
@@ -116,6 +121,8 @@ def _block_path(node: fx.Node) -> str:
     """The MoE block of an expert GEMM: the module that calls the experts module the GEMM
     runs in (Mixtral's ``mlp`` around ``mlp.experts``; JetMoE's ``mlp`` around
     ``mlp.input_linear`` and ``mlp.output_linear``)."""
+    if node.op == "call_module":  # the experts module itself: its caller is the block
+        return str(node.target).rpartition(".")[0]
     paths = module_paths(node)
     return paths[-2] if len(paths) >= 2 else paths[-1].rsplit(".", 1)[0] if paths else ""
 
@@ -127,6 +134,10 @@ def _shape(node) -> tuple[int, ...]:
 
 def _expert_weight(node: fx.Node, traced: TracedModel) -> tuple[int, ...] | None:
     """The (E, in, out) shape of an expert GEMM's stacked weight operand, else None."""
+    if node.op == "call_module" and "experts" in node.meta:  # one experts module call
+        shape = experts_shape(traced.gm.get_submodule(node.target))
+        E, h, F = shape["num_experts"], shape["hidden_size"], shape["expert_ffn"]
+        return [(E, h, 2 * F if shape["gated"] else F), (E, F, h)]
     if len(node.args) < 2 or not hasattr(node.args[1], "op"):
         return None
     grouped = is_grouped_mm(node)
@@ -182,9 +193,12 @@ def _block(traced: TracedModel, layer: int, names: list[str], experts: list, by_
     topks = [n for n in after if qualified_name(n.target) == "aten::topk"
              and _shape(n.args[0])[-1:] == (num_experts,)]
     first, last = experts[0], experts[-1]
-    form = "grouped_mm" if is_grouped_mm(first[0]) else "bmm"
+    call = first[0].op == "call_module"  # an experts module (autopar.graph.experts)
+    form = "grouped_mm" if is_grouped_mm(first[0]) or call else "bmm"
     if topks:
         top_k = int(topks[-1].args[1])
+    elif call:  # top_k_index (T, k)
+        top_k = _shape(first[0].args[1])[-1]
     else:  # no top-k op (a sparse mixer's max): the grouped matmul has k rows per token
         top_k = _shape(first[0].args[0])[0] // tokens
     feeding = _upstream([n for n, _ in experts], members)  # the router, q/k/v of MoA ...
@@ -192,9 +206,10 @@ def _block(traced: TracedModel, layer: int, names: list[str], experts: list, by_
                    and n.name not in feeding)
     return MoEBlock(layer=layer, module=module, router=router.name, score_function=scores,
                     num_experts=num_experts, top_k=top_k, hidden_size=_shape(router.args[0])[-1],
-                    expert_ffn=last[1][1], experts=tuple(n.name for n, _ in experts), form=form,
-                    shared=shared, tokens=tokens,
-                    gated=len(experts) == 3 or first[1][2] == 2 * last[1][1])
+                    expert_ffn=last[1][1], form=form, shared=shared, tokens=tokens,
+                    experts=tuple(dict.fromkeys(n.name for n, _ in experts)),
+                    gated=len(experts) == 3 or first[1][2] == 2 * last[1][1],
+                    experts_module=str(first[0].target) if call else "")
 
 
 def moe_blocks(traced: TracedModel) -> list[MoEBlock]:
@@ -207,8 +222,9 @@ def moe_blocks(traced: TracedModel) -> list[MoEBlock]:
     for layer, names in enumerate(module_layers(traced)):
         groups: dict[str, list] = {}  # expert GEMMs by their block
         for name in names:
-            if (weight := _expert_weight(by_name[name], traced)) is not None:
-                groups.setdefault(_block_path(by_name[name]), []).append((by_name[name], weight))
+            weight = _expert_weight(by_name[name], traced)
+            for w in weight if isinstance(weight, list) else [weight] * (weight is not None):
+                groups.setdefault(_block_path(by_name[name]), []).append((by_name[name], w))
         for experts in groups.values():
             block = _block(traced, layer, names, experts, by_name)
             if block is not None:

@@ -116,5 +116,8 @@ def test_eager_experts_are_captured_in_their_grouped_form_and_switched_back():
     model.set_experts_implementation("eager")
     traced = trace_model(model, 8)
     assert model.config._experts_implementation == "eager"
-    grouped = [n for n in traced.gm.graph.nodes if "grouped_mm" in str(n.target)]
-    assert len(grouped) == 2  # gate|up and down of the one MoE layer
+    # captured in the grouped form, whose ops then become one call of the experts module
+    # priced as their two grouped GEMMs (gate|up and down of the one MoE layer)
+    calls = [n for n in traced.gm.graph.nodes if n.op == "call_module"
+             and n.target == "model.layers.0.mlp.experts"]
+    assert len(calls) == 1 and len(traced.nodes[calls[0].name].extra["gemms"]) == 2

@@ -84,15 +84,31 @@ def test_a_grouped_matmul_is_priced_as_gemms_with_a_weight_gradient(captured):
         assert [traced.nodes[n].extra["gemms"][0][0] for n in block.experts] == [
             block.num_experts] * 2
         return
-    assert all(is_grouped_mm(by_name[n]) for n in block.experts)
-    info = traced.nodes[block.experts[0]]
-    batch, m, _, _ = info.extra["gemms"][0]
-    assert (batch, m) == (block.num_experts, -(-SEQ * block.top_k // block.num_experts))
+    # transformers' experts module: one call (autopar.graph.experts), its two grouped GEMMs
+    call, = (by_name[n] for n in block.experts)
+    assert call.op == "call_module" and call.target == block.experts_module
+    info = traced.nodes[call.name]
+    m = -(-SEQ * block.top_k // block.num_experts)
+    E, h, F = block.num_experts, block.hidden_size, block.expert_ffn
+    assert info.extra["gemms"] == ((E, m, 2 * F, h), (E, m, h, F))
     strategy = node_strategies(traced, 1)[info.name][0]  # tp = 1: the one, replicated
     cost = node_cost(info, strategy, 1, Cluster.dgx_a100(1), 1, info.numel)
     # forward, backward = dX and dW GEMMs, dW deferred by a zero-bubble schedule
     assert 0 < cost.wgrad_s < cost.bwd_s and cost.fwd_s > 0
-    assert info.extra["saves_inputs"]
+    # what the replaced ops kept for backward: at least the k rows of h per token gathered
+    # for the first GEMM and their 2F-wide output
+    saved, moved, ops = info.extra["inner"]
+    assert saved >= SEQ * block.top_k * (h + 2 * F) and moved > 0 and ops > 5
+    assert cost.saved_bytes >= 2 * saved
+
+
+def test_the_static_form_of_a_family_without_an_experts_module_stays_grouped_matmuls():
+    traced = trace_model(families.build_family("dbrx", device="meta"), SEQ)
+    block = moe_blocks(traced)[0]
+    by_name = {n.name: n for n in traced.gm.graph.nodes}
+    assert not block.experts_module and len(block.experts) == 3
+    assert all(is_grouped_mm(by_name[n]) for n in block.experts)
+    assert all(traced.nodes[n].extra["saves_inputs"] for n in block.experts)
 
 
 def test_bf16_capture_prices_torch_grouped_mm_the_same_way():

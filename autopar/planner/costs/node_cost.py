@@ -103,15 +103,23 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     :func:`cost_models.compute.dispatched_time_s`); backward = 2 × forward for non-matmul ops
     (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
     device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
-    saved bytes divided by t when the output is sharded; a node of a ``torch.no_grad()``
+    saved bytes divided by t when the output is sharded; one call of a MoE layer's experts
+    module (:mod:`autopar.graph.experts`, ``extra["inner"]``) adds its ops' saved
+    activations, the memory traffic of its ops that are not GEMMs and one dispatch per op;
+    a node of a ``torch.no_grad()``
     region (``info.no_grad``) has no backward. ``b``: micro-batch size (per-sequence nodes
     scale by it)."""
     dev = cluster.device
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
     wgrad_share = 0.0  # of the backward
+    inner = info.extra.get("inner")  # (saved, moved elements, ops) of an experts call
+    ops = inner[2] if inner else 1
     if info.kind in ("linear", "sdpa", "matmul") or info.extra.get("gemms"):
         fwd, bwd, wgrad = gemm_times_s(info, strat, b, dev, attention)
+        if inner:  # an experts module's other ops (sort, gathers, gate): memory-bound
+            memory = compute.elementwise_time_s(act_bytes * inner[1] * b, 0.0, dev)
+            fwd, bwd = fwd + memory, bwd + 2.0 * memory
         wgrad_share = wgrad / bwd if bwd else 0.0
         if info.kind == "sdpa" and attention == "math":  # softmax & co. on the s×s scores
             passes = info.extra.get("score_passes_elems", 0)
@@ -131,14 +139,15 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     if info.no_grad:  # a torch.no_grad() region: no backward
         bwd = wgrad_share = 0.0
     if dispatches(info):  # the host's dispatch of the node: forward once, backward twice
-        fwd = compute.dispatched_time_s(fwd, 1, dev)
-        bwd = compute.dispatched_time_s(bwd, 0 if info.no_grad else 2, dev)
+        fwd = compute.dispatched_time_s(fwd, ops, dev)
+        bwd = compute.dispatched_time_s(bwd, 0 if info.no_grad else 2 * ops, dev)
         rec = fwd + dev.recompute_overhead_s
     sharded = strat.output.is_sharded
     # the attention core's bytes are part of what the layer saves (selective drops them);
     # the output itself, when a consumer keeps it, is priced on the edge (EdgeCost.saved_bytes)
     core = info.core_bytes_at(act_bytes, attention, tp) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
+    saved += act_bytes * inner[0] * b if inner else 0.0
     return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec,

@@ -271,6 +271,7 @@ def _node_key(info) -> tuple:
             info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
             extra.get("score_passes_elems", 0),
             extra.get("gemms"), extra.get("gemm_folded"), extra.get("gemm_weights", False),
+            extra.get("inner"),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
 
 
