@@ -14,7 +14,8 @@ class Alternative:
     """One config the search visited, and what became of it.
 
     layout: the config's fields as saved (tp, pp, dp, micro_batch_size, num_micro_batches,
-        schedule, virtual_stages, dtype, attention, sequence_parallel, grad_dtype).
+        schedule, virtual_stages, dtype, attention, sequence_parallel, grad_dtype; ep when
+        above 1).
     feasible: True when priced (it fits), False when proven not to fit (by CP-SAT or a
         memory lower bound), None when not priced (a step-time lower bound no better than
         the best, or cut off by it).
@@ -33,6 +34,10 @@ class Alternative:
     tflops_per_gpu: float | None = None
     peak_memory_bytes: float | None = None
     min_memory_bytes: float | None = None
+
+    def __post_init__(self) -> None:  # ep = 1 (no expert parallelism) is left out, as in plans
+        if self.layout.get("ep") == 1:
+            object.__setattr__(self, "layout", {k: v for k, v in self.layout.items() if k != "ep"})
 
     @property
     def priced(self) -> bool:

@@ -164,6 +164,8 @@ class RuntimeSupport:
         priced as given (a free schedule is 1F1B, a free v is 2 under interleaving), every
         ZeRO stage is priced with any pipeline degree, and no runner's rule applies
         (``autopar.evaluate`` of a published layout, the hand layouts of the report).
+    expert_parallel: the runner splits MoE experts over ep > 1 ranks folded over DP
+        (:mod:`autopar.techniques.expert_parallel`); a search then tries every ep it allows.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -183,6 +185,7 @@ class RuntimeSupport:
     pipeline_zero_stages: tuple[int, ...] | None = None
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     as_written: bool = False
+    expert_parallel: bool = False
 
     @property
     def default_grad_dtype(self) -> str | None:
@@ -238,7 +241,7 @@ RUNTIME_SUPPORT = RuntimeSupport()
 
 FULL_SPACE = RuntimeSupport(
     name="cost model", zero_stages=tuple(ZERO_STAGE_RECORDS), recompute=RECOMPUTE_MODES,
-    virtual_stages=(), grad_dtypes=(), as_written=True)
+    virtual_stages=(), grad_dtypes=(), as_written=True, expert_parallel=True)
 """Everything the cost model prices, each layout as written (:attr:`RuntimeSupport.as_written`):
 what ``autopar.evaluate`` and the report's hand layouts price, whether or not a runner
 executes it."""

@@ -162,7 +162,8 @@ def last_saver_index(nodes: dict[str, NodeInfo], names: list[str]) -> int:
     backward. Non-reentrant ``torch.utils.checkpoint`` stops recomputing there ("early
     stop"), so under full recompute only ``names[: index + 1]`` and the collectives placed
     before that op run again in backward."""
-    savers = [i for i, n in enumerate(names) if saves_inputs(nodes[n]) or nodes[n].mask_elems]
+    savers = [i for i, n in enumerate(names) if saves_inputs(nodes[n]) or nodes[n].mask_elems
+              or nodes[n].extra.get("inner", (0,))[0]]  # an experts call keeps its own
     return max(savers, default=len(names) - 1)
 
 

@@ -16,7 +16,9 @@ puts back one call of the module in their place, so that
 
 The node keeps the price of the ops it replaces (:func:`experts_price`, read by
 :func:`autopar.graph.annotate.annotate` from ``node.meta["experts"]``): their GEMMs, FLOPs,
-the activations they keep for backward and the memory traffic of the rest.
+the activations they keep for backward and the memory traffic of the rest; and, in
+``extra["experts"]``, E, h, F, gated (:func:`experts_shape`), k and the T·k routed rows
+per sequence, what expert parallelism prices.
 
 A region is collapsed only when it is a clean call: its ops read exactly three tensors from
 outside (one integer tensor, the routing, and the two floating ones, told apart by shape)
@@ -25,6 +27,8 @@ no expert parallelism for that block).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch.fx as fx
 import torch.nn as nn
@@ -143,7 +147,9 @@ def collapse_experts(gm: fx.GraphModule, model: nn.Module, nodes: dict[str, Node
         if args is None or len(results) != 1:
             continue
         result = results[0]
-        price = experts_price(region, nodes)
+        index = args[1].meta["tensor_meta"].shape  # (T, k)
+        price = {**experts_price(region, nodes), "experts": {
+            **experts_shape(resolve(model, path)), "top_k": index[-1], "rows": math.prod(index)}}
         _set_module(gm, path, resolve(model, path))
         with graph.inserting_before(result):
             call = graph.create_node("call_module", path, args, {},

@@ -19,8 +19,8 @@ __all__ = ["GIB", "recompute_counts", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_N
 
 GIB = 2**30  # bytes per GiB
 # Display order of Prediction.time_s_by_kind; kinds a cost model adds later come after.
-TIME_KINDS = ("compute", "recompute", "tp_comm", "pp_p2p", "dp_comm", "bubble", "optimizer",
-              "step_end")
+TIME_KINDS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "dp_comm", "bubble",
+              "optimizer", "step_end")
 # Display order of Prediction.memory_bytes_by_stage's kinds (bytes per GPU).
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations")
 TIME_KIND_NOTES = {
@@ -31,6 +31,7 @@ TIME_KIND_NOTES = {
     "dp_comm": "data-parallel gradient reduction not hidden behind backward",
     "bubble": "pipeline fill and drain: idle time",
     "optimizer": "optimizer step",
+    "ep_comm": "expert parallelism's all-to-alls: tokens to their experts and back",
     "step_end": "all-reduces closing the step: tied embedding gradient, loss and gradient norm",
 }
 
@@ -71,8 +72,8 @@ def format_layout(layout: Layout | dict) -> str:
     data = layout if isinstance(layout, dict) else vars(layout)
     short = {"micro_batch_size": "mbs", "zero_stage": "zero", "virtual_stages": "v",
              "sequence_parallel": "sp", "num_micro_batches": "m"}
-    defaults = {"virtual_stages": 1, "sequence_parallel": False}  # omitted: noise in tables
-    order = ("tp", "pp", "dp", "micro_batch_size", "num_micro_batches", "zero_stage",
+    defaults = {"virtual_stages": 1, "sequence_parallel": False, "ep": 1}  # omitted: noise
+    order = ("tp", "pp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero_stage",
              "recompute", "schedule", "virtual_stages", "sequence_parallel")
     keys = [k for k in order if k in data] + sorted(k for k in data if k not in order)
     items = [(k, data[k]) for k in keys if data[k] is not None and defaults.get(k) != data[k]]

@@ -191,7 +191,9 @@ def memory_section(plan: Plan, chart: str | None) -> list[str]:
 
 def comm_section(plan: Plan) -> list[str]:
     """Bytes per GPU per step by kind of communication."""
-    by_kind = plan.predicted.comm_bytes_by_kind
+    by_kind = dict(plan.predicted.comm_bytes_by_kind)
+    if plan.ep == 1:  # no expert parallelism: no all-to-all to show
+        by_kind.pop("ep_all_to_all", None)
     rows = [[k, format_bytes(by_kind[k])] for k in ordered(by_kind, ())]
     if len(rows) > 1:
         rows.append(["**total**", format_bytes(sum(by_kind.values()))])

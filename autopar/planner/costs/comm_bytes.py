@@ -39,8 +39,10 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
     comm["tp_all_reduce"] = m * (total["tp_all_reduce"] + total["fwd_tp_all_reduce"])
     comm["tp_all_gather"] = m * (total["tp_all_gather"] + total["fwd_tp_all_gather"])
     comm["tp_reduce_scatter"] = m * (total["tp_reduce_scatter"] + total["fwd_tp_reduce_scatter"])
+    # expert parallelism: dispatch, combine and the counts in forward, both reversed in backward
+    comm["ep_all_to_all"] = m * (total["ep_all_to_all"] + total["fwd_ep_all_to_all"])
     for layer in full_layers:  # full recompute: forward comm again
-        for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"):
+        for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "ep_all_to_all"):
             comm[kind] += m * layer[f"rec_fwd_{kind}"]
     # activations forward, their gradients backward, at every chunk cut of this rank whose
     # other side runs on another rank (a V placement's middle cut stays on rank p - 1); a
@@ -65,7 +67,9 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
             comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
         else:  # before the gradients leave: each micro-batch under ZeRO-2
             comm["tp_all_reduce"] += zero.gradient_reductions(m) * grad_b * sum(sizes)
-    comm.update(dp_comm_bytes(total["params"], decision.zero_stage, cfg, param_b, grad_b,
+    # expert gradients are all-reduced over the d/ep ranks holding the same experts: none at d = ep
+    alone = total["expert_params"] if cfg.dp == cfg.ep else 0.0
+    comm.update(dp_comm_bytes(total["params"] - alone, decision.zero_stage, cfg, param_b, grad_b,
                                fsdp_units(traced, strategies, decision, cfg)))
     if head_rank(cfg) != 0 and i in (0, head_rank(cfg)):  # the tied pair on two ranks
         comm["other"] += grad_b * tied_param_numel(traced, tables, decision.strategy)

@@ -125,7 +125,7 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                 zero_stage=decision.zero_stage, recompute=decision.recompute,
                 stage_layers=decision.stage_layers, placements=placements, predicted=pred,
                 virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel,
-                dtype=cfg.dtype, grad_dtype=cfg.grads,
+                dtype=cfg.dtype, grad_dtype=cfg.grads, ep=cfg.ep,
                 attention=cfg.attention if cfg.attention != cluster.attention else None,
                 alternatives=others,
                 binding=[peak_memory_line(pred, cluster)],
@@ -142,7 +142,7 @@ def decision_from_plan(traced: TracedModel, cluster, plan: Plan
     cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
                  plan.schedule, plan.virtual_stages, plan.dtype,
                  plan.attention or cluster.attention,
-                 plan.sequence_parallel, plan.grad_dtype)
+                 plan.sequence_parallel, plan.grad_dtype, plan.ep)
     strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
     decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)
     choice = {name: k for name, (k, _) in decoded.items()}

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
+from cost_models.moe import MOE_FORWARD_ALL_TO_ALLS
 from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES
+from autopar.planner.costs.expert_cost import expert_parallel_price
 from autopar.planner.costs.matmul_cost import gemm_times_s
 from autopar.planner.strategies import Strategy
 
@@ -42,7 +44,11 @@ class StrategyCost:
     ``bwd_s`` that computes weight gradients (W of Qi et al. 2024, which a zero-bubble
     schedule defers; the rest, B, is the input gradient): the weight-gradient GEMMs' share
     of the backward GEMMs (:func:`~autopar.planner.costs.matmul_cost.gemm_times_s`), 0 for a node
-    without weights or without GEMMs.
+    without weights or without GEMMs. Under expert parallelism (an experts node,
+    :mod:`autopar.planner.costs.expert_cost`): a2a_s, the all-to-alls' seconds (part of
+    fwd_s and bwd_s, two in each); a2a_fwd_bytes / a2a_bwd_bytes, the bytes they send in
+    forward and backward; expert_param_numel, the part of param_numel whose gradients are
+    reduced over the expert-data-parallel group.
     """
 
     fwd_s: float
@@ -54,6 +60,10 @@ class StrategyCost:
     temp_bytes: float = 0.0
     rec_s: float = 0.0
     wgrad_s: float = 0.0
+    a2a_s: float = 0.0
+    a2a_fwd_bytes: float = 0.0
+    a2a_bwd_bytes: float = 0.0
+    expert_param_numel: float = 0.0
 
 
 def _param_numel(info, strat: Strategy) -> float:
@@ -89,7 +99,8 @@ def loss_cost(strat: Strategy, logits: float, tokens: float, tp: int, cluster: C
 
 
 def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel: int,
-              act_bytes: int = ACTIVATION_BYTES, attention: str = "math") -> StrategyCost:
+              act_bytes: int = ACTIVATION_BYTES, attention: str = "math",
+              ep: int = 1) -> StrategyCost:
     """One micro-batch's cost of node ``info`` under ``strat`` on one GPU: matmuls
     (linear, attention, batched matmul, and those of kind "other": a router's ``F.linear``,
     a MoE layer's grouped matmuls, ``extra["gemms"]``) at their GEMM shapes (:func:`gemm_times_s`: the
@@ -108,12 +119,16 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     activations, the memory traffic of its ops that are not GEMMs and one dispatch per op;
     a node of a ``torch.no_grad()``
     region (``info.no_grad``) has no backward. ``b``: micro-batch size (per-sequence nodes
-    scale by it)."""
+    scale by it). ``ep``: the expert-parallel degree, which prices an experts node
+    (:func:`~autopar.planner.costs.expert_cost.expert_parallel_price`)."""
     dev = cluster.device
+    inner = info.extra.get("inner")  # (saved, moved elements, ops) of an experts call
+    expert = expert_parallel_price(info, b, cluster, tp, ep, act_bytes) \
+        if inner and ep > 1 else None
+    info = expert.info if expert else info
     div = strat.compute_divisor
     b = b if info.per_sequence else 1
     wgrad_share = 0.0  # of the backward
-    inner = info.extra.get("inner")  # (saved, moved elements, ops) of an experts call
     ops = inner[2] if inner else 1
     if info.kind in ("linear", "sdpa", "matmul") or info.extra.get("gemms"):
         fwd, bwd, wgrad = gemm_times_s(info, strat, b, dev, attention)
@@ -135,6 +150,8 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
         erf = info.numel * b / div if info.kind == "gelu" else 0.0
         fwd = compute.elementwise_time_s(act_bytes * (in_numel + info.numel) * b / div, erf, dev)
         bwd = 2.0 * fwd
+    a2a = MOE_FORWARD_ALL_TO_ALLS * expert.all_to_all_s if expert else 0.0
+    fwd, bwd = fwd + a2a, bwd + a2a  # dispatch and combine, then both reversed
     rec = fwd
     if info.no_grad:  # a torch.no_grad() region: no backward
         bwd = wgrad_share = 0.0
@@ -148,10 +165,14 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     core = info.core_bytes_at(act_bytes, attention, tp) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     saved += act_bytes * inner[0] * b if inner else 0.0
-    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
+    params = _param_numel(info, strat) / (ep if expert else 1)
+    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=params,
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec,
-                        wgrad_s=wgrad_share * bwd)
+                        wgrad_s=wgrad_share * (bwd - a2a), a2a_s=2.0 * a2a,
+                        a2a_fwd_bytes=expert.fwd_bytes if expert else 0.0,
+                        a2a_bwd_bytes=expert.bwd_bytes if expert else 0.0,
+                        expert_param_numel=params if expert else 0.0)
 
 
 def dispatches(info) -> bool:

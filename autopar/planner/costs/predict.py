@@ -63,8 +63,12 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
         c = tables.node[node.name][k]
         if position[node.name] <= last:  # full recompute re-runs this node's forward
             out["rec_fwd_s"] += c.rec_s
+            out["rec_fwd_ep_all_to_all"] += c.a2a_fwd_bytes
         for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("wgrad_s", c.wgrad_s),
-                         ("core_fwd_s", c.core_fwd_s),
+                         ("core_fwd_s", c.core_fwd_s), ("a2a_s", c.a2a_s),
+                         ("fwd_ep_all_to_all", c.a2a_fwd_bytes),
+                         ("ep_all_to_all", c.a2a_bwd_bytes),
+                         ("expert_params", c.expert_param_numel),
                          ("act_bytes", c.saved_bytes), ("core_act_bytes", c.core_saved_bytes),
                          ("params", c.param_numel), ("temp_bytes", c.temp_bytes)):
             out[key] += val
@@ -229,7 +233,8 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     step, pipe, dp_s, opt_s = step_time_s(
         stage_t, [pt[2] for pt in parts], [(pt[0]["bwd_s"], pt[0]["tp_bwd_s"]) for pt in parts],
         tables, cluster, cfg, decision.zero_stage, wgrad_s=[pt[0]["wgrad_s"] for pt in parts],
-        forward_s=[ph["forward"] for ph in phases])
+        forward_s=[ph["forward"] for ph in phases],
+        expert_params=[pt[0]["expert_params"] for pt in parts])
     for st in stats:
         st["step_time_s"] = step
     reserve = [rank_reserve(tables.p2p_bytes, cluster, cfg, i, sum(mem[i].values()),
@@ -245,6 +250,9 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         "dp_comm": dp_s, "optimizer": opt_s, "step_end": tables.step_end_s,
         "bubble": max(0.0, pipe - m * (stage_t[slow] + hops)),
     }
+    if cfg.ep > 1:  # the experts' all-to-alls, priced inside their nodes' compute
+        breakdown["compute"] -= m * total["a2a_s"]
+        breakdown["ep_comm"] = m * total["a2a_s"]
     n = cfg.tp * p * cfg.dp
     model_flops = tables.model_flops_per_seq * global_batch_size
     core_flops = _sdpa_flops(traced)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 
 from autopar.planner.costs.tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
+                                         expert_data_parallel,
                                          optimizer_s_per_param, state_bytes)
 from autopar.planner.strategies import tied_groups
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
-__all__ = ["KIB", "PARAM_UNIT", "head_rank", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
+__all__ = ["KIB", "PARAM_UNIT", "expert_dp_saving_s_per_param", "head_rank", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
            "optimizer_s", "step_time_s", "model_state_bytes_by_kind", "state_kib_times_d",
            "in_flight_times_v", "scaled_memory", "scaled_memory_limit"]
 
@@ -66,16 +67,32 @@ def tied_param_numel(traced, tables: CostTables, choice: dict[str, int]) -> floa
 
 
 def exposed_dp_s(zero_stage: int, cluster, cfg: Config, params: list[float],
-                 bwd_s: list[float | tuple[float, ...]]) -> float:
+                 bwd_s: list[float | tuple[float, ...]],
+                 expert_params: list[float] | None = None) -> float:
     """Seconds of DP communication not hidden behind the backward of the last micro-batch,
     max over pipeline ranks: :math:`\\max_i \\max((1 - f)\\delta_z P_i, \\delta_z P_i - B_i)`
     with f the device's ``comm_overlap``. ``params``: :math:`P_i` (elements); ``bwd_s``:
     :math:`B_i`, backward compute + TP communication of one micro-batch on rank i
-    (seconds), or its parts, subtracted one after the other."""
+    (seconds), or its parts, subtracted one after the other. ``expert_params``: per rank,
+    the part of :math:`P_i` that expert parallelism holds (:math:`X_i`, reduced over the
+    expert-data-parallel group at its own rate :math:`\\delta_e`: :math:`\\delta_z (P_i -
+    X_i) + \\delta_e X_i` in place of :math:`\\delta_z P_i`)."""
     per_param = dp_comm_s_per_param(zero_stage, cluster, cfg)
     serial = 1.0 - cluster.device.comm_overlap
-    return max(max(serial * per_param * pa, _minus(per_param * pa, bw))
-               for pa, bw in zip(params, bwd_s))
+    saving = expert_dp_saving_s_per_param(cluster, cfg)  # EP runs with ZeRO-0 only
+    work = [per_param * pa - saving * x
+            for pa, x in zip(params, expert_params or [0.0] * len(params))]
+    return max(max(serial * w, _minus(w, bw)) for w, bw in zip(work, bwd_s))
+
+
+def expert_dp_saving_s_per_param(cluster, cfg: Config) -> float:
+    """Seconds per step that one expert parameter's gradient reduction saves under expert
+    parallelism (ZeRO-0): the DP group's rate less the expert-data-parallel group's
+    (d/ep ranks, :func:`~autopar.planner.costs.tables.expert_data_parallel`); 0 at ep = 1."""
+    if cfg.ep == 1:
+        return 0.0
+    return (dp_comm_s_per_param(0, cluster, cfg)
+            - dp_comm_s_per_param(0, cluster, expert_data_parallel(cfg)))
 
 
 def _minus(x: float, parts: float | tuple[float, ...]) -> float:
@@ -93,19 +110,21 @@ def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float]) -> f
 def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
                 tables: CostTables, cluster, cfg: Config, zero_stage: int, *,
                 wgrad_s: list[float] | None = None,
-                forward_s: list[float] | None = None) -> tuple[float, float, float, float]:
+                forward_s: list[float] | None = None,
+                expert_params: list[float] | None = None) -> tuple[float, float, float, float]:
     """(step, pipeline, exposed DP, optimizer) seconds of one optimizer step from per-rank
     forward+backward seconds of one micro-batch ``stage_s``, parameters and backward
     seconds (:func:`exposed_dp_s`). The pipeline time is ``cost_models.pipeline``'s for
     ``cfg``'s schedule, m micro-batches, v chunks, the stage-to-stage send ``p2p_s`` and,
     for a schedule that splits the backward, the per-rank weight-gradient seconds
     ``wgrad_s`` (part of ``stage_s``) and, for one priced by its order (a V placement),
-    the per-rank forward seconds ``forward_s``; the DP time adds ``tables.dp_latency_s``, the step
+    the per-rank forward seconds ``forward_s``; ``expert_params``: :func:`exposed_dp_s`'s; the DP time adds ``tables.dp_latency_s``, the step
     the closing ``tables.step_end_s``."""
     pipe = pipeline_schedule(cfg.schedule).step_time_s(stage_s, cfg.num_micro_batches,
                                                        cfg.virtual_stages, tables.p2p_s,
                                                        wgrad_s, forward_s)
-    dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s) + tables.dp_latency_s[zero_stage]
+    dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s, expert_params) \
+        + tables.dp_latency_s[zero_stage]
     opt_s = optimizer_s(zero_stage, cluster, cfg, params)
     return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s
 

@@ -43,14 +43,15 @@ from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
 __all__ = ["Config", "StrategyCost", "EdgeCost", "CostTables", "cost_tables", "node_cost", "f_cost",
            "StateBytes", "state_bytes", "bytes_per_param", "dp_comm_s_per_param", "optimizer_s_per_param", "LOSS_BYTES_PER_LOGIT",
-           "dispatches"]
+           "dispatches", "expert_data_parallel"]
 
 DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_cap_mb default)
 
 
 @dataclass(frozen=True)
 class Config:
-    """A mesh shape and micro-batching: the part of a plan fixed before CP-SAT runs."""
+    """A mesh shape and micro-batching: the part of a plan fixed before CP-SAT runs (ep:
+    the expert-parallel degree, folded over the dp ranks: :mod:`autopar.techniques.expert_parallel`)."""
 
     tp: int
     pp: int
@@ -63,6 +64,7 @@ class Config:
     attention: str = "math"
     sequence_parallel: bool = False
     grad_dtype: str | None = None
+    ep: int = 1
 
     @property
     def activation_bytes(self) -> int:
@@ -160,6 +162,13 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
     return per_param
 
 
+def expert_data_parallel(cfg: Config) -> Config:
+    """``cfg`` as seen by the expert gradients' reduction under expert parallelism: over the
+    expert-data-parallel group, d/ep ranks of stride t·ep (:func:`cost_models.comm.group_link`
+    reads the link from size and stride), so :func:`dp_comm_s_per_param` of it is their rate."""
+    return replace(cfg, dp=cfg.dp // cfg.ep, tp=cfg.tp * cfg.ep, ep=1)
+
+
 def _bucketed_s_per_param(collective, cluster: Cluster, cfg: Config, elem_bytes: int) -> float:
     """Seconds per parameter of ``collective`` over the DP group on ``elem_bytes``-byte
     elements, in buckets: gradients are reduced in 25 MB buckets (PyTorch DDP's
@@ -203,7 +212,7 @@ def cost_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluste
     """
     cache = SearchCache() if cache is None else cache
     key = (cfg.tp, cfg.micro_batch_size, cfg.activation_bytes, cfg.attention,
-           cfg.sequence_parallel, template_only)
+           cfg.sequence_parallel, template_only, cfg.ep)
     base = cache.tp_tables(key, lambda: _tp_tables(
         traced, strategies, cluster, cfg, cache,
         set(traced.pre + traced.layers[0] + traced.post) if template_only else None))
@@ -271,7 +280,7 @@ def _node_key(info) -> tuple:
             info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
             extra.get("score_passes_elems", 0),
             extra.get("gemms"), extra.get("gemm_folded"), extra.get("gemm_weights", False),
-            extra.get("inner"),
+            extra.get("inner"), tuple(sorted(extra.get("experts", {}).items())),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))
 
 
@@ -331,8 +340,8 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, cache,
                                                           names):
         node_tab[name] = cache.node_costs(
-            (tp, sp, scope, sig, b, act, attn),
-            lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn)
+            (tp, sp, scope, sig, b, act, attn, cfg.ep),
+            lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn, cfg.ep)
                      for st in strategies[name]])
         for src, j, esig, numel, per_sequence, saves, grad in edges:
             edge_tab[(src, name, j)] = cache.edge_costs(

@@ -31,21 +31,19 @@ closing all-reduces (``CostTables.step_end_s``, a constant of the config) and
 subject to per-GPU memory (:meth:`~ConfigModel.add_memory`) :math:`\text{states}_i +
 \text{inflight}_i \cdot \text{act}_i + \text{working}_i \le M_i` for every rank (:math:`M_i`:
 device memory less the rank's reserve, :mod:`autopar.planner.costs.reserve`); products of two
-decision variables are exact CP-SAT multiplication constraints. Each constraint family has one ``add_*`` method and every constraint a name; without the
-cutoff (:meth:`~ConfigModel.add_cutoff`) only the memory rows ``memory[stage i]`` can be
-unsatisfiable (replicating every node with an even split, no recompute and any ZeRO stage
-satisfies all other families), so an INFEASIBLE model means no plan of the Config fits.
-Times are integers in a unit of about 1e-4 of one layer's forward+backward
-(``units_per_second``), memory integer KiB, parameters units of 1024 (``PARAM_UNIT``).
+decision variables are exact CP-SAT multiplication constraints. Each constraint family has
+one ``add_*`` method, every constraint a name; without the cutoff only ``memory[stage i]``
+can be unsatisfiable, so an INFEASIBLE model means no plan of the Config fits. Times are
+integers of about 1e-4 of a layer's forward+backward (``units_per_second``), memory KiB,
+parameters units of 1024 (``PARAM_UNIT``). Under expert parallelism (ZeRO-0) the DP rows
+charge the experts' parameter units ("expert_param") the expert-data-parallel group's rate.
 
-v > 1 chunks per rank: p·v equal chunks of L/(p·v), as Megatron-LM requires, placed by the
-schedule's record (round-robin, or ZB-V's V, the head on rank 0: ``Plan.stage_layers``), so
-:math:`n_i = L/p`; the solver still chooses TP strategies, ZeRO stage and per-rank recompute
-counts (a rank's memory sums its v chunks, in-flight micro-batches from the record's
-``in_flight``). The objective is :math:`v \times` the interleaved step time,
+v > 1 chunks per rank: p·v equal chunks of L/(p·v) placed by the schedule's record
+(``Plan.stage_layers``), so :math:`n_i = L/p` (memory sums a rank's v chunks); the objective
+is :math:`v \times` the interleaved step time,
 :math:`(v m - 1)\,T_{max} + \sum_i T_i + v (p-1)\,c_{p2p} + v (T_{dp} + T_{opt} + T_{end})`,
-:math:`T_{max} \ge T_i + v\,c_{p2p}` (v = 1: the formula above); a schedule priced by its
-order (a V) has the makespan of ``cpsat_terms.OrderedMakespan`` for its pipeline term.
+:math:`T_{max} \ge T_i + v\,c_{p2p}`; a schedule priced by its order (a V) has the makespan
+of ``cpsat_terms.OrderedMakespan`` for its pipeline term.
 Ties are broken toward the lower ZeRO stage (1 unit per stage: simpler runtime, equal cost).
 """
 
@@ -66,7 +64,8 @@ from autopar.planner.cpsat.terms import (
 from autopar.planner.costs.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.costs.reserve import usable_bytes
-from autopar.planner.costs.step import (KIB, PARAM_UNIT, counts_tied_weight_once, head_rank, scaled_memory,
+from autopar.planner.costs.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
+                                        expert_dp_saving_s_per_param, head_rank, scaled_memory,
                                   scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.contract.support import pipeline_problem
@@ -151,6 +150,7 @@ class ConfigModel:
                 self.terms.add(section, "act", cost.saved_bytes / KIB, xs[k])
                 self.terms.add(section, "core_act", cost.core_saved_bytes / KIB, xs[k])
                 self.terms.add(section, "param", cost.param_numel / PARAM_UNIT, xs[k])
+                self.terms.add(section, "expert_param", cost.expert_param_numel / PARAM_UNIT, xs[k])
                 self.terms.add(section, "temp", cost.temp_bytes / KIB, xs[k])
                 if self.traced.nodes[name].kind == "output":  # the loss's saved softmax
                     self.terms.add(section, "loss_act", cost.saved_bytes / KIB, xs[k])
@@ -219,24 +219,23 @@ class ConfigModel:
         self.model.AddExactlyOne(self.zero.values()).WithName("one_zero_stage")
 
     # -- memory ---------------------------------------------------------------------------
-    def _rank_params(self, i: int):
-        r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=h] P_{post}`
-        (h: :func:`~autopar.planner.costs.step.head_rank`), less the tied weight once when both
-        ends share a rank; returns (variable, upper bound)."""
+    def _rank_params(self, i: int, key: str = "param"):
+        r"""Parameter units of rank i, :math:`n_i P_L + [i=0] P_{pre} + [i=h] P_{post}` (h: the
+        head's rank), less the tied weight once when both ends share a rank (``key``
+        "expert_param": the experts' under expert parallelism, :math:`X_i`); (var, bound)."""
         terms, L, model = self.terms, self.traced.num_layers, self.model
-        layer_ub = terms.upper_bound("layer", "param")
-        pl = int_var(model, "params_layer", terms.expr("layer", "param"), layer_ub)
-        prod = product_var(model, f"params_layers[{i}]", self.layers_on_rank[i], pl, L * layer_ub)
+        layer_ub = terms.upper_bound("layer", key)
+        pl = int_var(model, f"{key}s_layer", terms.expr("layer", key), layer_ub)
+        prod = product_var(model, f"{key}s_layers[{i}]", self.layers_on_rank[i], pl, L * layer_ub)
         extra = 0
         if i == 0:
-            extra += terms.expr("pre", "param")
+            extra += terms.expr("pre", key)
         if i == head_rank(self.cfg):
-            extra += terms.expr("post", "param")
-            if counts_tied_weight_once(self.cfg):  # a tied weight counted in pre and post is one tensor
+            extra += terms.expr("post", key)
+            if counts_tied_weight_once(self.cfg) and key == "param":  # one tensor, counted twice
                 extra -= tied_param_units(self.traced, self.tables, self.choice)
-        total_ub = L * terms.upper_bound("layer", "param") + terms.upper_bound("pre", "param") \
-            + terms.upper_bound("post", "param")
-        return int_var(model, f"params[{i}]", prod + extra, total_ub), total_ub
+        total_ub = L * layer_ub + terms.upper_bound("pre", key) + terms.upper_bound("post", key)
+        return int_var(model, f"{key}s[{i}]", prod + extra, total_ub), total_ub
 
     def add_memory(self) -> None:
         r"""``memory[stage i]`` for every pipeline rank i, in KiB times d·v
@@ -354,10 +353,11 @@ class ConfigModel:
         limit = 10**17 // k  # keep tdp·k far from int64 overflow (CP-SAT rejects such models)
         tdp = self.model.NewIntVar(0, limit, "t_dp")
         topt = self.model.NewIntVar(0, limit, "t_optimizer")
-        for i, s_iz in enumerate(self.params_if_zero):
-            # DP reduction overlaps the last micro-batch's backward (bucketed DDP)
+        cheaper = expert_dp_saving_s_per_param(cluster, cfg) * PARAM_UNIT * ups  # EP, ZeRO-0
+        for i, s_iz in enumerate(self.params_if_zero):  # DP overlaps the last backward (DDP)
+            experts = (cheaper, self._rank_params(i, "expert_param")[0]) if cheaper else None
             add_exposed_dp(self.model, tdp, k, dp_coef, s_iz, self.rank_bwd[i],
-                           cluster.device.comm_overlap, i)
+                           cluster.device.comm_overlap, i, experts)
             self.model.Add(topt * k >= sum(round(opt_coef[z] * k) * s for z, s in s_iz.items())
                            ).WithName(f"t_optimizer[{i}]")
         return tdp, topt

@@ -36,8 +36,9 @@ TIME_KEYS = ("fwd", "bwd", "wgrad", "core", "rec")
 recompute (forward up to the last saved tensor); the other keys are memory and parameters:
 "act" (saved activation KiB), "core_act" (the part selective recompute drops), "loss_act"
 (the part the loss keeps: its fp32 softmax), "param", "temp" (KiB allocated and freed
-within the step: the loss's fp32 logits)."""
-_KEYS = TIME_KEYS + ("act", "core_act", "loss_act", "param", "temp")
+within the step: the loss's fp32 logits), "expert_param" (the part of "param" that expert
+parallelism holds, reduced over the expert-data-parallel group)."""
+_KEYS = TIME_KEYS + ("act", "core_act", "loss_act", "param", "temp", "expert_param")
 
 
 class SectionTerms:
@@ -159,18 +160,23 @@ def hint_strategies(cm, strategy: dict[str, int]) -> None:
 
 
 def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: dict, bwd,
-                   overlap: float, i: int) -> None:
+                   overlap: float, i: int, cheaper: tuple | None = None) -> None:
     r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.costs.step.
     exposed_dp_s`), scaled by k: ``t_dp[i]`` :math:`K T_{dp} \ge \sum_z K\delta_z P_{i,z} - K B_i`
     (the reduction hides behind the last backward ``bwd``) and, when the device overlaps
     only a fraction f = ``overlap`` < 1 of it, ``t_dp_serial[i]``
     :math:`K T_{dp} \ge \sum_z K(1 - f)\delta_z P_{i,z}`. ``dp_coef[z]``: δ_z in time units per
-    parameter unit; ``s_iz[z]``: rank i's parameter units if ZeRO stage z is chosen, else 0."""
+    parameter unit; ``s_iz[z]``: rank i's parameter units if ZeRO stage z is chosen, else 0;
+    ``cheaper``: (δ_0 − δ_e, X_i): what the expert parameters' reduction over the
+    expert-data-parallel group saves per unit, and rank i's expert parameter units
+    (expert parallelism, ZeRO-0 only; None without)."""
+    c, x = cheaper or (0.0, 0)
     model.Add(tdp * k >= sum(round(dp_coef[z] * k) * s for z, s in s_iz.items())
-              - k * bwd).WithName(f"t_dp[{i}]")
+              - round(c * k) * x - k * bwd).WithName(f"t_dp[{i}]")
     if overlap < 1:
         model.Add(tdp * k >= sum(round((1.0 - overlap) * dp_coef[z] * k) * s
-                                 for z, s in s_iz.items())).WithName(f"t_dp_serial[{i}]")
+                                 for z, s in s_iz.items()) - round((1.0 - overlap) * c * k) * x
+                  ).WithName(f"t_dp_serial[{i}]")
 
 
 def rank_weight_grads(model: cp_model.CpModel, terms: SectionTerms, layers_on_rank: list,

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from autopar.graph.annotate import TracedModel, last_saver_index
 from autopar.planner.costs.tables import (Config, CostTables, bytes_per_param, dp_comm_s_per_param,
-                                         node_cost, optimizer_s_per_param)
+                                         expert_data_parallel, node_cost,
+                                         optimizer_s_per_param)
 from autopar.planner.costs.decision import stage_size_range
 from autopar.planner.costs.reserve import usable_bytes
 from autopar.planner.strategies import NodeStrategies, tensor_inputs
@@ -61,7 +62,7 @@ def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster
         in_numel = sum(traced.nodes[n.name].numel for n in tensor_inputs(node, traced.nodes))
         total += min(c.fwd_s + c.bwd_s for c in (
             node_cost(info, st, cfg.micro_batch_size, cluster, cfg.tp, in_numel,
-                      cfg.activation_bytes, cfg.attention)
+                      cfg.activation_bytes, cfg.attention, cfg.ep)
             for st in strategies[node.name]))
     return total
 
@@ -73,6 +74,9 @@ def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages,
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints.
     ``total_params``: ``traced.total_params()`` when already known (a walk of every node)."""
     total = traced.total_params() if total_params is None else total_params
+    if cfg.ep > 1:  # the experts' parameters are split over ep ranks (replicated over TP)
+        total -= (1 - 1 / cfg.ep) * sum(i.param_numel for i in traced.nodes.values()
+                                        if i.extra.get("inner"))
     states = total / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
@@ -232,6 +236,8 @@ def step_bound_s(traced: TracedModel, tables: CostTables, cfg: Config, layer_s: 
     for z in zero_stages:
         per_param = bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype)
         dp_s, opt_s = dp_comm_s_per_param(z, cluster, cfg), optimizer_s_per_param(z, cluster, cfg)
+        if cfg.ep > 1:  # expert gradients reduce over d/ep ranks: the cheaper rate bounds both
+            dp_s = min(dp_s, dp_comm_s_per_param(z, cluster, expert_data_parallel(cfg)))
         for n in range(lo, hi + 1):
             params = n * pc.layer_params + pc.pre_params
             used = params * per_param + inflight * (n * pc.act + pc.pre_act) + pc.act

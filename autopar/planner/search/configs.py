@@ -10,11 +10,13 @@ from dataclasses import asdict
 
 from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
+from autopar.graph.moe import moe_blocks
 from autopar.contract.plan import Layout
 from autopar.planner.costs.tables import Config
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport, divisors, pipeline_problem
 from autopar.techniques.pipeline_schedules import (PIPELINE_SCHEDULES, default_schedule,
                                                    pipeline_schedule)
+from autopar.techniques.expert_parallel import ep_problem
 from autopar.techniques.zero_stages import zero_stage
 
 __all__ = ["candidate_configs", "validate_layout", "no_config_message", "MAX_MICRO_BATCH_SIZE"]
@@ -85,6 +87,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     reason each rule rejected a config for (the error when none is left).
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
+    blocks = moe_blocks(traced)
     # Megatron's pattern splits whole key/value heads (megatron-core: num_query_groups % tp)
     kv = _kv_heads(traced) if support.placements == "megatron" else None
     why = {} if why is None else why
@@ -121,14 +124,38 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
                                      f"by dp={dp}")
                 continue
-            out += _micro_configs(traced, cluster, layout, support, schedules, why,
-                                  tp, pp, dp, global_batch_size // dp)
+            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why):
+                out += _micro_configs(traced, cluster, layout, support, schedules, why,
+                                      tp, pp, dp, global_batch_size // dp, ep)
+    return out
+
+
+def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, ...],
+                    why: dict) -> list[int]:
+    """The EP degrees to try at data-parallel size ``dp``: the layout's, else 1 and, where
+    ``support`` runs expert parallelism, every ep > 1 that :func:`~autopar.techniques.
+    expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``."""
+    experts = [b.num_experts for b in blocks]
+    shardable = all(b.experts_module for b in blocks)
+    wanted = [layout.ep] if layout.ep is not None else \
+        [1] + [e for e in divisors(dp) if e > 1 and support.expert_parallel and blocks]
+    out = []
+    for ep in wanted:
+        zero = layout.zero_stage if layout.zero_stage is not None or 0 not in zeros else 0
+        problem = ep_problem(ep, dp, zero, experts, shardable)
+        if ep > 1 and not support.expert_parallel:
+            problem = f"the {support.name} runtime does not run expert parallelism; use ep=1"
+        if problem:
+            why.setdefault("ep", problem)
+            continue
+        out.append(ep)
     return out
 
 
 def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dict,
-                   tp: int, pp: int, dp: int, per_replica: int) -> list[Config]:
-    """The configs of one mesh shape (tp, pp, dp): micro-batch sizes, schedules and v."""
+                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1) -> list[Config]:
+    """The configs of one mesh shape (tp, pp, dp) and EP degree: micro-batch sizes,
+    schedules and v."""
     out, L = [], traced.num_layers
     # sequence parallelism: the layout's; free (without, then with) when it is unset, the
     # search and tp > 1; a hand layout (the full space) is priced as written
@@ -171,7 +198,7 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                     why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
                     continue
                 out += [Config(tp, pp, dp, mbs, m, sched, v, dtype, attention, sp,
-                               grad_dtype) for sp in sequence_parallel]
+                               grad_dtype, ep) for sp in sequence_parallel]
     if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
         why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "
                               f"the {per_replica} sequences of a replica at dp={dp} (choose "

@@ -41,7 +41,8 @@ def zero_choices(layout: Layout, support: RuntimeSupport, cfg: Config) -> tuple[
     prices, for evaluation)."""
     if layout.zero_stage is not None:
         return (layout.zero_stage,)
-    return support.zero_stages_for(cfg.pp, cfg.tp, cfg.dp)
+    stages = support.zero_stages_for(cfg.pp, cfg.tp, cfg.dp)
+    return tuple(z for z in stages if z == 0) if cfg.ep > 1 else stages  # EP: ZeRO-0 only
 
 
 def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchCache,
@@ -57,7 +58,8 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
     bound is below ``best_s``. Pieces per (tp, micro-batch size, dtype, attention, SP) are
     shared in ``cache``."""
     strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache)
-    key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel)
+    key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel,
+           cfg.ep)
     compute_s = cache.layer_compute_s(
         key, lambda: min_layer_compute_s(traced, strategies, cluster, cfg))
     bound = compute_bound_s(traced, cfg, compute_s)
