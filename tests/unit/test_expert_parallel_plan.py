@@ -1,0 +1,113 @@
+"""Expert parallelism as the planner prices it (tiny Mixtral, h=64, E=4, k=2, F=128, 2 layers,
+s=16): ep folds over the data-parallel ranks, each MoE layer's experts call holds E/ep experts,
+sends its routed rows to the other EP ranks and back in four all-to-alls per micro-batch,
+and reduces its experts' gradients over the d/ep ranks holding the same experts.
+
+Balanced routing is the planning assumption (cost_models.moe.BALANCED_ROUTING): each rank
+sends (ep-1)/ep of its b·s·k routed rows of h values in each all-to-all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_script
+
+import autopar
+from autopar.contract.plan import Layout, Plan
+from autopar.graph.capture import trace_model
+from autopar.graph.moe import moe_blocks
+from autopar.techniques.expert_parallel import ep_problem, expert_ranks
+from cost_models.hardware import Cluster
+
+pytest.importorskip("transformers")
+families = load_script("benchmarks/hf_families.py")
+
+SEQ, BATCH = 16, 16
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return families.build_family("mixtral", device="meta")
+
+
+def _evaluate(model, layout: str) -> Plan:
+    return autopar.evaluate(model, Cluster.dgx_a100(1), Layout.parse(layout + ",mbs=1"),
+                            global_batch_size=BATCH, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def by_ep(mixtral):
+    return {ep: _evaluate(mixtral, f"tp=1,pp=1,dp=8,ep={ep},zero_stage=0") for ep in (1, 2, 4)}
+
+
+def test_all_to_all_bytes_are_four_per_layer_and_micro_batch(mixtral, by_ep):
+    block = moe_blocks(trace_model(mixtral, SEQ))[0]
+    h, k, E, layers = block.hidden_size, block.top_k, block.num_experts, 2
+    for ep, plan in by_ep.items():
+        m = plan.num_micro_batches
+        sent = SEQ * k * h * 2 * (ep - 1) / ep  # one all-to-all, bf16, balanced routing
+        counts = (E - E // ep) * 8              # rows per expert, int64, before each dispatch
+        expected = m * layers * (4 * sent + counts) if ep > 1 else 0.0
+        assert plan.predicted.comm_bytes_by_kind["ep_all_to_all"] == expected
+        assert plan.predicted.stage_stats[0]["comm_bytes"]["ep_all_to_all"] == expected
+        assert ("ep_comm" in plan.predicted.time_s_by_kind) == (ep > 1)
+    assert by_ep[2].predicted.time_s_by_kind["ep_comm"] < by_ep[4].predicted.time_s_by_kind["ep_comm"]
+
+
+def test_expert_states_are_split_over_ep_and_their_gradients_reduced_over_d_over_ep(mixtral, by_ep):
+    traced = trace_model(mixtral, SEQ)
+    experts = sum(traced.nodes[b.experts[0]].param_numel for b in moe_blocks(traced))
+    dense = traced.total_params() - experts
+    assert experts > dense  # the experts hold most of a MoE model
+    for ep, plan in by_ep.items():
+        memory = plan.predicted.memory_bytes_by_stage[0]
+        # ZeRO-0, bf16 parameters and gradients (2 + 2 bytes), fp32 Adam with master (12)
+        assert memory["parameters"] == 2 * (dense + experts / ep)
+        assert memory["optimizer_states"] == 12 * (dense + experts / ep)
+        # all-reduce of every gradient this rank holds: d/ep = 8/ep ranks share its experts
+        assert plan.predicted.comm_bytes_by_kind["dp_all_reduce"] == 2 * (dense + experts / ep)
+    # d = ep: no other rank holds these experts, so only the rest is all-reduced
+    alone = _evaluate(mixtral, "tp=2,pp=2,dp=2,ep=2,zero_stage=0")
+    held = alone.predicted.memory_bytes_by_stage[0]["parameters"] / 2  # layer 0 on stage 0
+    assert alone.predicted.stage_stats[0]["comm_bytes"]["dp_all_reduce"] == 2 * (
+        held - experts / 2 / 2)
+
+
+def test_plan_json_keeps_ep_and_leaves_it_out_when_one(by_ep):
+    assert "ep" not in by_ep[1].to_dict()
+    assert all("ep" not in a.layout for a in by_ep[1].alternatives)
+    plan = by_ep[2]
+    assert plan.to_dict()["ep"] == 2 and "ep=2" in plan.headline()
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.decision_digest() != by_ep[1].decision_digest()
+
+
+def test_the_search_tries_ep_where_the_target_runs_it_and_pins_are_kept(mixtral):
+    cluster = Cluster.dgx_a100(1)
+    pinned = autopar.plan(mixtral, cluster, global_batch_size=32, seq_len=SEQ,
+                          layout=Layout.parse("dp=4,ep=4"))
+    assert (pinned.dp, pinned.ep, pinned.zero_stage) == (4, 4, 0)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("tp=1,pp=1,dp=8,ep=3,zero_stage=0", "ep=3 does not divide dp=8"),
+    ("tp=1,pp=1,dp=8,ep=8,zero_stage=0", "ep=8 does not divide the 4 experts"),
+    ("tp=1,pp=1,dp=8,ep=2,zero_stage=1", "ep=2 with zero_stage=1"),
+])
+def test_layouts_expert_parallelism_cannot_run_are_refused_by_name(mixtral, layout, message):
+    with pytest.raises(ValueError, match=message):
+        _evaluate(mixtral, layout)
+
+
+def test_a_dense_model_refuses_expert_parallelism():
+    assert "no mixture-of-experts layer" in ep_problem(2, 4, 0, [])
+    assert ep_problem(1, 4, 3, []) is None  # ep = 1: nothing to check
+
+
+def test_expert_groups_fold_over_the_data_parallel_ranks():
+    # dp = 8, ep = 4: EP groups {0..3}, {4..7}; EDP groups hold the same experts: {r, r+4}
+    assert expert_ranks(5, 8, 4) == (1, [4, 5, 6, 7], [1, 5])
+    assert expert_ranks(0, 4, 4) == (0, [0, 1, 2, 3], [0])
+    with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
+        expert_ranks(0, 8, 3)
