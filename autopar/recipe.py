@@ -79,6 +79,16 @@ class ParallelizedModel(ParallelModule):
         self.model_keys = model_keys  # the whole model's state-dict names (load_full_state_dict)
         self.pending_save = None  # the Future of an asynchronous checkpoint save still writing
 
+    def close(self) -> None:
+        """Wait for a pending asynchronous save, then destroy this program's process groups
+        (:meth:`~autopar.runtime.mesh.ParallelGroups.destroy`; FSDP2's mesh groups stay,
+        DTensor's caches hold them); call on every rank when done training in a process
+        that goes on (the program cannot run afterwards)."""
+        future, self.pending_save = self.pending_save, None
+        if future is not None:
+            future.result()
+        self.groups.destroy(mesh_groups=not self._swaps_parameters)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the original model's keys, on every rank (CPU).
 

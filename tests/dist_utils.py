@@ -58,7 +58,7 @@ def _survivor_child(rank: int, world_size: int, port: int, fn: Callable[..., Any
 
 def run_survivors(fn: Callable[..., Any], world_size: int, *args: Any, expected: int,
                   timeout_s: float = 300) -> dict[int, Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes of which
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes (forkserver) of which
     some are meant to die or hang (a fault-injection test): returns {rank: return value} of
     the ranks that returned, once ``expected`` of them have (or ``timeout_s`` passed); then
     every process still alive (a stopped one included) is killed. The world group's
@@ -70,9 +70,13 @@ def run_survivors(fn: Callable[..., Any], world_size: int, *args: Any, expected:
     import queue
     import time
 
-    from autopar.runtime.launch import free_port
+    from autopar.runtime.launch import PRELOAD, free_port
 
-    ctx = mp.get_context("spawn")
+    # forked from launch's server, which imported torch and autopar once (a spawned rank
+    # imports them anew: ~15 s for 4 ranks on 2 cores); a stopped or killed child is the
+    # server's, killed here as under spawn
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_survivor_child, args=(r, world_size, port, fn, args, out),
                          daemon=True) for r in range(world_size)]

@@ -87,6 +87,9 @@ class _Rank:
     heads: int
     head_inputs: int
     state_kib_d: int
+    last: bool = False  # rank i holds the post section (head_rank)
+    tied_once: bool = False  # counts_tied_weight_once(cfg)
+    limit_kib_dv: int = 0  # scaled_memory_limit(usable, cfg)
 
 
 def _rank(tables, cfg: Config, i: int, zero: int, cluster) -> _Rank:
@@ -95,8 +98,10 @@ def _rank(tables, cfg: Config, i: int, zero: int, cluster) -> _Rank:
     head = i == head_rank(cfg)
     heads = record.head_in_flight(cfg.pp, m, v) if head else 0  # GPipe: m
     inputs = record.head_weight_inputs_in_flight(cfg.pp, m, v) if head else 0
-    return _Rank(usable_bytes(tables.p2p_bytes, cluster, cfg, i), record.in_flight(
-        cfg.pp, i, m, v), in_flight_times_v(cfg, i), heads, inputs, state_kib_times_d(zero, cfg))
+    usable = usable_bytes(tables.p2p_bytes, cluster, cfg, i)
+    return _Rank(usable, record.in_flight(cfg.pp, i, m, v), in_flight_times_v(cfg, i), heads,
+                 inputs, state_kib_times_d(zero, cfg), head, counts_tied_weight_once(cfg),
+                 scaled_memory_limit(usable, cfg))
 
 
 def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, rounding: str,
@@ -106,15 +111,14 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     with the loss temporaries) of rank ``i``; solver rounding: the CP-SAT row
     (:func:`~autopar.planner.costs.step.scaled_memory`). ``rank``: :func:`_rank`'s, if known."""
     k = rank or _rank(tables, cfg, i, zero, cluster)
-    pre, lay, post = sections
+    pre, lay, post = sections[0].fields, sections[1].fields, sections[2].fields
     n = sp.layers
-    first, last = i == 0, i == head_rank(cfg)
+    first, last = i == 0, k.last
     keep = n - sp.full - sp.selective
     t = n * lay["time_s"] + sp.full * lay["rec_s"] + sp.selective * lay["core_s"]
     t += first * pre["time_s"] + last * post["time_s"]
     bwd = n * lay["bwd_s"] + first * pre["bwd_s"] + last * post["bwd_s"]
-    once = counts_tied_weight_once(cfg)
-    pkey, ukey = ("params_p1", "param_units_p1") if once else ("params", "param_units")
+    pkey, ukey = ("params_p1", "param_units_p1") if k.tied_once else ("params", "param_units")
     params = n * lay["params"] + first * pre["params"] + last * post[pkey]
     if rounding == "predict":  # interleaved: fractional in-flight micro-batches
         act = (keep * lay["act_bytes"] + sp.selective * lay["sel_act_bytes"]
@@ -132,7 +136,7 @@ def _stage(sections, tables, cfg: Config, i: int, sp: StagePlan, zero: int, roun
     v, d = cfg.virtual_stages, cfg.dp
     mem_dv = v * k.state_kib_d * units + d * (k.inflight_v * act + v * working)  # scaled_memory
     return (t, params, bwd, mem_dv / (d * v) * KIB,
-            mem_dv + d * v * last * post["temp_kib"] <= scaled_memory_limit(k.usable, cfg))
+            mem_dv + d * v * last * post["temp_kib"] <= k.limit_kib_dv)
 
 
 def _wgrad(sections, cfg: Config, i: int, n: int) -> float:

@@ -6,6 +6,7 @@ module's docstring says why the reduction is exact).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ class SectionOption:
     def __getitem__(self, field: str) -> float:
         return self.vec[_I[field]]
 
+    @functools.cached_property
+    def fields(self) -> dict[str, float]:
+        """Field name -> value (``option[f]`` as a dict: the exhaustive search reads
+        about twenty per priced stage, millions of times)."""
+        return dict(zip(FIELDS, self.vec))
+
 
 def _key(vec: tuple) -> tuple:
     """Coordinates in which the step time and memory are non-decreasing: time_s is split
@@ -64,7 +71,8 @@ def _pareto(entries: list) -> list:
     keyed = sorted(((_key(e[0]), e) for e in entries), key=lambda k: k[0])
     kept: list = []
     for key, e in keyed:
-        if not any(all(x <= y + 1e-12 * abs(y) for x, y in zip(k, key)) for k, _ in kept):
+        bound = tuple(y + 1e-12 * abs(y) for y in key)  # once per entry, not per kept one
+        if not any(all(x <= b for x, b in zip(k, bound)) for k, _ in kept):
             kept.append((key, e))
     return [e for _, e in kept]
 

@@ -104,6 +104,7 @@ def _matrix_worker(rank: int, world: int, runs: list[tuple[str, str]]):
         measured = pm.last_step_stats()
         state = pm.full_state_dict()  # collective: every rank calls it
         predicted = plan.predicted.stage_stats[pm.groups.pp_rank]
+        pm.close()  # its process groups' threads would slow every later training
         priced = set(plan.recompute) == {"none"}
         results.append({
             "layout": str(plan.layout()),
@@ -195,6 +196,7 @@ def _dropout_worker(rank: int, world: int, plans: list[str]):
             pm = autopar.parallelize(_dropout_model(), plan=plan, optimizer=_optimizer("sgd"),
                                      seed=seed)
             runs.append([pm.train_step(idx, tgt) for idx, tgt in _batches(2)])
+            pm.close()  # 55 programs per process: their groups' threads would pile up
         results.append((str(plan.layout()), runs))
     return results
 

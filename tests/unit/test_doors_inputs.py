@@ -128,6 +128,13 @@ def tiny():
     return model
 
 
+@pytest.fixture(scope="module")
+def tiny_traces() -> dict:
+    """gpt-tiny's traces by (seq_len, dtype), as check_plan_fits_model returns them: one
+    trace per key instead of one per accepted plan (as test_doors_plans' plan door)."""
+    return {}
+
+
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     """``autopar`` in this process: (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
@@ -150,7 +157,8 @@ def assert_typed_failure(code: int, err: str, verb: str) -> None:
        .flatmap(lambda d: st.fixed_dictionaries({k: FLAGS[k] for k in d})),
        batch=st.sampled_from(["8", "4", "6", "16", "1", "0", "-8", "x"]),
        sp=st.sampled_from([[], ["--sequence-parallel"], ["--no-sequence-parallel"]]))
-def test_plan_cli_door(door_counts, memo_plan, tiny, tmp_path_factory, flags, batch, sp):
+def test_plan_cli_door(door_counts, memo_plan, tiny, tiny_traces, tmp_path_factory, flags, batch,
+                      sp):
     """``autopar plan`` with generated flags: exit 0 with a plan file the validator accepts
     as executable for gpt-tiny, or a documented exit code, one line, no file written."""
     out = tmp_path_factory.mktemp("cli") / "plan.json"
@@ -166,7 +174,8 @@ def test_plan_cli_door(door_counts, memo_plan, tiny, tmp_path_factory, flags, ba
         return
     plan = autopar.Plan.from_json(out.read_text(), str(out))
     check_plan(plan, executable=True)
-    check_plan_fits_model(plan, tiny)
+    key = (plan.seq_len, plan.dtype)
+    tiny_traces[key] = check_plan_fits_model(plan, tiny, tiny_traces.get(key))
     door_counts("autopar plan (CLI flags)", True)
 
 
