@@ -57,7 +57,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages the cost model prices (Rajbhandari et al. 2020): 0 is plain DP."""
 # payload kinds of ``last_step_stats()["comm_bytes"]`` and ``Prediction.stage_stats``
 COMM_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_p2p", "dp_all_reduce",
-              "dp_reduce_scatter", "dp_all_gather", "other")
+              "dp_reduce_scatter", "dp_all_gather", "other", "ep_all_to_all")
 
 
 @dataclass(frozen=True)
