@@ -11,8 +11,14 @@ summed over the expert-data-parallel group and divided by d, everything else is 
   program and of the single-process model on the same batches and compares the loss,
   every gradient (the experts gathered over EP) and every parameter after each step, plus
   every rank's local experts against the reference's slice of them: fp32 at dp4·ep2,
-  tp2·dp2·ep2 (sequence parallel) and pp2·dp2·ep2; bf16 at dp4·ep2 against a bf16 single
-  process (verify's bf16 tolerances).
+  tp2·dp2·ep2 (sequence parallel) and pp2·dp2·ep2, within verify's fp32 tolerances.
+* ``test_bf16_layout_matches_one_bf16_process``: dp4·ep2 in bf16 against a bf16 single
+  process, verify's bf16 tolerances, on the losses and parameters of both steps and the
+  gradients of the first. The second step's gradients are not judged: after one bf16
+  update the two sides' weights differ by bf16 rounding, enough to flip a few tokens'
+  top-2 experts, which moves an expert's gradient by far more than rounding (measured:
+  0.15 relative at ep = 2, and 0.40 for plain dp = 4 at ep = 1, which has no expert
+  parallelism at all; both within tolerance at the first step).
 * ``test_measured_all_to_all_bytes_equal_the_routing_s``: the ``ep_all_to_all`` bytes
   CommMeter measured in one step equal :func:`~autopar.runtime.expert_parallel.dispatch_bytes`
   of the routing that step had (each call's ``top_k_index`` captured by a forward pre-hook
@@ -62,25 +68,38 @@ def ep_plan(layout: str, dtype: str = "fp32"):
     return dataclasses.replace(plan, ep=EP)
 
 
-def _verify_rank(rank: int, world: int, plan) -> dict:
+def _verify_rank(rank: int, world: int, plan, strict: bool) -> dict:
     from autopar.verify.check import verify
     from benchmarks.hf_families import build_family
 
-    return verify(build_family("mixtral"), plan, steps=2).to_dict()
+    return verify(build_family("mixtral"), plan, steps=2, raise_on_failure=strict).to_dict()
 
 
-@pytest.mark.parametrize("layout,dtype", [(name, "fp32") for name in LAYOUTS]
-                         + [("dp4·ep2", "bf16")])
-def test_layout_verifies_against_one_process(layout, dtype):
-    reports = run_distributed(_verify_rank, 4, ep_plan(layout, dtype), timeout_s=600)
+def _reports(layout: str, dtype: str, strict: bool = True) -> dict:
+    """Every rank's verify report (checked identical); rank 0's."""
+    reports = run_distributed(_verify_rank, 4, ep_plan(layout, dtype), strict, timeout_s=600)
     report = reports[0]
     print(layout, dtype, "max grad diff", report["max_grad_diff"], "losses",
           [(s["parallel"], s["reference"]) for s in report["losses"]])
-    assert report["ok"], report
-    assert len(report["losses"]) == 2
+    assert all(r == report for r in reports[1:])
+    assert len(report["losses"]) == 2 and not report["nonfinite"] and not report["claims"]
     experts = [p for p in report["params"] if ".experts." in p["key"]]
     assert len(experts) == 4  # gate_up_proj and down_proj of 2 layers, compared
-    assert all(r == report for r in reports[1:])  # identical on every rank
+    return report
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_verifies_against_one_process(layout):
+    assert _reports(layout, "fp32")["ok"]
+
+
+def test_bf16_layout_matches_one_bf16_process():
+    report = _reports("dp4·ep2", "bf16", strict=False)
+    tol = report["tolerances"]
+    assert all(s["diff"] <= tol["loss"] for s in report["losses"]), report["losses"]
+    for p in report["params"]:
+        assert max(p["param"]) <= tol["param"], p
+        assert p["grad"][0] <= tol["grad"], p
 
 
 def _bytes_rank(rank: int, world: int, plan) -> dict:
