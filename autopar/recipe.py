@@ -215,6 +215,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         check_seq_len(model, plan.seq_len)
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)
+        _check_ep(plan, traced.traced)
     # an accelerator backend without an accelerator fails here, before any collective
     device = rank_device() if dist.is_initialized() else torch.device("cpu")
     init = None
@@ -222,8 +223,9 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         init = Initializer.of(copy.deepcopy(model), seed, device=device, init_fn=init_fn)
     _check_process_group()
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
-    traced = traced or _local_trace(model, plan)
-    _check_ep(plan, traced.traced)  # every rank holds this plan and model: all raise alike
+    if traced is None:  # solved on rank 0: every rank holds it now, all raise alike
+        traced = _local_trace(model, plan)
+        _check_ep(plan, traced.traced)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
                                   head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
                                       plan.pp, plan.virtual_stages), ep=plan.ep)

@@ -28,7 +28,9 @@ summed over the expert-data-parallel group and divided by d, everything else is 
   which is why the runtime's bytes are compared with the step's own routing here, not with
   the plan's balanced prediction. The same step's ``dp_all_reduce`` holds the dense
   gradient over DP plus the local experts' over EDP (none when EDP has one rank), and the
-  step's gradient norm equals the norm of the gathered gradient (each expert once).
+  step's gradient norm equals the norm of the gathered gradient (each expert once). The
+  same launch checks the refusals (ep = 3 over dp = 4; a checkpoint save at ep = 2) and
+  that ``load_full_state_dict`` of ``full_state_dict`` gives each rank its experts back.
 """
 
 from __future__ import annotations
@@ -144,7 +146,35 @@ def _bytes_rank(rank: int, world: int, plan) -> dict:
     return {"a2a": stats["comm_bytes"]["ep_all_to_all"], "a2a_predicted": predicted,
             "dp": stats["comm_bytes"]["dp_all_reduce"], "dp_predicted": dp_predicted,
             "calls": len(calls), "norm": stats["grad_norm"], "norm_gathered": norm,
-            "experts": sorted(expert_names), "rank": g.rank}
+            "experts": sorted(expert_names), "rank": g.rank, **_refusals_and_reload(pm)}
+
+
+def _refusals_and_reload(pm) -> dict:
+    """ep = 3 over dp = 4 and a checkpoint save at ep = 2, refused before any collective
+    (every rank alike); the gathered experts cut back into this rank's by
+    load_full_state_dict."""
+    import torch
+
+    from autopar.runtime.mesh import ParallelGroups
+
+    out = {}
+    try:
+        ParallelGroups.build(1, 1, 4, ep=3)
+    except ValueError as exc:
+        out["ep3"] = str(exc)
+    try:
+        pm.save_checkpoint("/nonexistent/ep-checkpoint")
+    except NotImplementedError as exc:
+        out["checkpoint"] = str(exc)
+    full = pm.full_state_dict()
+    params = dict(pm.stage_module.named_parameters())
+    with torch.no_grad():
+        for name in pm.expert_slices:
+            params[name].zero_()
+    pm.load_full_state_dict(full)
+    out["reloaded"] = all(torch.equal(params[n], full[pm.shards[n].key][s])
+                          for n, s in pm.expert_slices.items())
+    return out
 
 
 @pytest.mark.parametrize("layout", ["dp4·ep2", "tp2·dp2·ep2"])
@@ -158,3 +188,6 @@ def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
         assert math.isclose(res["norm"], res["norm_gathered"], rel_tol=1e-6), res
         assert res["experts"] == [f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1)
                                   for n in ("down_proj", "gate_up_proj")]
+        assert "ep=3 must be a positive divisor of dp=4" in res["ep3"]
+        assert "save_checkpoint at ep=2" in res["checkpoint"]
+        assert res["reloaded"]
