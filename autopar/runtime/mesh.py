@@ -1,4 +1,4 @@
-"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, and expert parallelism (ep) folded over DP.
+"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, with ep folded over DP.
 
 TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
 

@@ -151,8 +151,8 @@ class DistributedOptimizer:
                                    first_bucket_bytes=first_bucket_bytes,
                                    tail=sum(p.numel() for p in self.params if id(p) in expert),
                                    tail_group=expert_group)
-        # the norm counts each element once: ZeRO-0 on DP rank 0, experts on EDP rank 0
-        lead = (self.dp_rank == 0 or self.sharded, dist.get_rank(expert_group) == 0 if expert else 1)
+        lead = (self.dp_rank == 0 or self.sharded,  # who counts the norm: ZeRO-0 DP rank 0,
+                not expert or dist.get_rank(expert_group) == 0)  # experts EDP rank 0
         self._norm_owned = {id(p) for p in self.params if lead[id(p) in expert]}
         self.shards = ([b.shard(self.d, self.dp_rank) for b in self.buckets] if self.sharded
                        else [(0, self.padded_numel)])
