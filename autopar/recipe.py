@@ -14,7 +14,10 @@ only the plan:
    time, by :mod:`autopar.runtime.materialize`'s rule, and sliced), before the optimizer
    copies them into its flat buffer (ZeRO-0/1/2); under ZeRO-3 after FSDP2 has sharded
    the meta stage, so that a rank allocates only its DP shard (FSDP2's meta-device recipe). The buffers and the init rule are checked
-   before step 1's first collective;
+   before step 1's first collective; then, under expert parallelism (ep > 1), every
+   experts module the rank's graphs call becomes its E/ep-expert shard
+   (:func:`~autopar.runtime.expert_parallel.shard_experts`, same parameter names), before
+   the optimizer's flat buffer is made (it holds the local experts only);
 5. wrap them in the runtime (:class:`ParallelizedModel`, a
    :class:`~autopar.runtime.engine.ParallelModule`): micro-batches, GPipe / 1F1B /
    interleaved 1F1B, DP averaging or ZeRO, tied-embedding gradient sync, optimizer.
@@ -38,6 +41,7 @@ import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import COMPUTE_DTYPES, cast_floating, meta_buffers, trace_model
+from autopar.graph.experts import experts_shape, is_experts_module
 from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.contract.placement import parse_strategy_key
@@ -45,6 +49,7 @@ from autopar.contract.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
 from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
+from autopar.runtime.expert_parallel import shard_experts
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
 from autopar.techniques.zero_stages import zero_stage
@@ -55,6 +60,7 @@ from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_sha
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
+from autopar.techniques.expert_parallel import ep_problem
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
@@ -78,6 +84,7 @@ class ParallelizedModel(ParallelModule):
         self.rng_tracker = rng_tracker  # the dropout streams (saved in checkpoints)
         self.model_keys = model_keys  # the whole model's state-dict names (load_full_state_dict)
         self.pending_save = None  # the Future of an asynchronous checkpoint save still writing
+        self.expert_slices: dict[str, slice] = {}  # local expert parameter -> its experts (ep > 1)
 
     def close(self) -> None:
         """Wait for a pending asynchronous save, then destroy this program's process groups
@@ -218,6 +225,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         check_seq_len(model, plan.seq_len)
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)
+        _check_ep(plan, traced.traced)
     # an accelerator backend without an accelerator fails here, before any collective
     device = rank_device() if dist.is_initialized() else torch.device("cpu")
     init = None
@@ -225,10 +233,12 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         init = Initializer.of(copy.deepcopy(model), seed, device=device, init_fn=init_fn)
     _check_process_group()
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
-    traced = traced or _local_trace(model, plan)
+    if traced is None:  # solved on rank 0: every rank holds it now, all raise alike
+        traced = _local_trace(model, plan)
+        _check_ep(plan, traced.traced)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
                                   head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
-                                      plan.pp, plan.virtual_stages))
+                                      plan.pp, plan.virtual_stages), ep=plan.ep)
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
     program = apply_plan(traced.traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng)
@@ -325,6 +335,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         _agreed(lambda: materialize_shards(module, shards, init, **where), groups)
     elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
         place_program_devices(module, init.device)
+    experts = shard_experts(chunks, groups.ep_group, is_experts_module) if plan.ep > 1 else {}
     pm = ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params), rng, model_keys=local.keys,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
@@ -333,13 +344,29 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         tied_parameter_names=tied_names if groups.embedding_group is not None else (),
         activation_dtype=PARAM_DTYPES[plan.dtype], zero_stage=plan.zero_stage,
         master_dtype=torch.float32, partial_grad_parameter_names=partial_names,
-        tp_sharded_parameter_names=tp_sharded, **step_options,
+        tp_sharded_parameter_names=tp_sharded, expert_parameter_names=list(experts),
+        **step_options,
         loss_fn=_loss_fn(traced, plan, groups), logits_width=_logits(traced, plan)[1],
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
+    pm.expert_slices = experts
     if init is not None and zero3:
         _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
                                                 dp=plan.dp, **where), groups)
     return pm
+
+
+def _check_ep(plan: Plan, traced: TracedModel) -> None:
+    """Raise ValueError when the plan's ep does not run on this model
+    (:func:`~autopar.techniques.expert_parallel.ep_problem`: ep | dp, ep | E of every
+    experts module the graph calls, ZeRO-0); local, no collective."""
+    if plan.ep == 1:
+        return
+    gm = traced.gm
+    calls = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    experts = [experts_shape(m)["num_experts"] for m in calls if is_experts_module(m)]
+    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts)
+    if problem:
+        raise ValueError(f"{problem} (the plan's ep={plan.ep})")
 
 
 def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:

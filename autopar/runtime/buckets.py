@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["Bucket", "BucketReadiness", "cut_buckets", "BUCKET_BYTES", "FIRST_BUCKET_BYTES"]
+__all__ = ["Bucket", "BucketReadiness", "cut_buckets", "BUCKET_BYTES", "FIRST_BUCKET_BYTES",
+           "DONE"]
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 FIRST_BUCKET_BYTES = 2**20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -50,6 +51,7 @@ class Bucket:
     count: int = 0  # accumulations seen this round
     work: object = field(default=None, repr=False)  # the collective's handle once started
     in_backward: bool = False  # started by the hook (overlapped), not by flush()
+    group: object = None  # the process group reducing it (None: the owner's DP group)
 
     def shard(self, d: int, rank: int) -> tuple[int, int]:
         """[lo, hi) of the buffer that DP rank ``rank`` of ``d`` owns in this bucket."""
@@ -57,19 +59,44 @@ class Bucket:
         return self.start + rank * k, self.start + (rank + 1) * k
 
 
+class _Done:
+    """The handle of a collective that had nothing to do (a group of one rank)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
 def cut_buckets(params: Sequence[nn.Parameter], offsets: Sequence[int], total: int, *,
                 element_size: int, align: int = 1, deferred_end: int = 0,
                 bucket_bytes: int = BUCKET_BYTES,
-                first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+                first_bucket_bytes: int = FIRST_BUCKET_BYTES, tail: int = 0,
+                tail_group: object = None) -> list[Bucket]:
     """Buckets of a flat buffer of ``total`` elements (a multiple of ``align``) holding
     ``params`` at ``offsets``, in the order backward fills them (from the buffer's end).
 
     Every bucket boundary is a multiple of ``align``; the elements [0, deferred_end) (the
     deferred parameters) end a bucket at ``deferred_end`` rounded up to ``align``, and
-    buckets holding any of them are ``deferred``.
+    buckets holding any of them are ``deferred``. ``tail``: the last ``tail`` elements
+    (expert parameters, which must start exactly there; align 1) form buckets of their
+    own, reduced over ``tail_group``.
 
     Raises ValueError when ``total`` is not a multiple of ``align``.
     """
+    if tail:
+        split = total - tail
+        head = [i for i, o in enumerate(offsets) if o < split]
+        rest = [i for i, o in enumerate(offsets) if o >= split]
+        sizes = dict(element_size=element_size, bucket_bytes=bucket_bytes,
+                     first_bucket_bytes=first_bucket_bytes)
+        own = cut_buckets([params[i] for i in rest], [offsets[i] - split for i in rest], tail,
+                          **sizes)
+        return (cut_buckets([params[i] for i in head], [offsets[i] for i in head], split,
+                            align=align, deferred_end=deferred_end, **sizes)
+                + [Bucket(b.start + split, b.end + split, b.params, group=tail_group)
+                   for b in own])
     if total % align:
         raise ValueError(f"a buffer of {total} elements does not split into {align} equal shards")
     def up(x: int) -> int:

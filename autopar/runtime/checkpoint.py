@@ -163,6 +163,19 @@ def _meta(pm, extra: dict | None) -> bytes:
         "tied_aliases": dict(pm.tied_aliases), "extra": dict(extra or {})})
 
 
+def _refuse_expert_parallel(pm, what: str) -> None:
+    """Expert-parallel programs (ep > 1) are not checkpointed yet: raise before any
+    collective, on every rank alike (every rank holds the plan's ep)."""
+    if pm.groups.ep > 1:
+        raise NotImplementedError(
+            f"{what} at ep={pm.groups.ep}: each EP rank holds E/ep experts under the original "
+            "names, and autopar checkpoints store a key as one tensor split over TP only, so "
+            "the experts would be saved as one rank's slice; save from an ep=1 run of the "
+            "plan, or use pm.full_state_dict() (gathers the experts) and "
+            "pm.load_full_state_dict(...) (cuts this rank's experts) until checkpoints "
+            "store experts as dim-0 slices of their global tensors")
+
+
 def save_checkpoint(pm, path: str | os.PathLike, *, extra: dict | None = None,
                     async_save: bool = False) -> Future | None:
     """Save ``pm``'s training state to the checkpoint directory ``path`` (see the module
@@ -184,11 +197,13 @@ def save_checkpoint(pm, path: str | os.PathLike, *, extra: dict | None = None,
 
     Raises:
         ValueError: a parameter whose key starts with ``optim.`` or ``autopar.``.
-        NotImplementedError: an optimizer state that is not a tensor.
+        NotImplementedError: an optimizer state that is not a tensor, or an expert-parallel
+            program (ep > 1; before any collective).
         CollectiveError: a peer died or did not reach a collective within the timeout
             (naming the path, the step, the rank and the collective).
         CheckpointError: a file could not be written (naming it).
     """
+    _refuse_expert_parallel(pm, "save_checkpoint")
     _wait_for_pending_save(pm)
     target, step, group = Path(path), pm.steps_done, pm.groups.checkpoint_group
     with _named_failures(pm, "saving checkpoint", target, step):
@@ -262,8 +277,10 @@ def load_checkpoint(pm, path: str | os.PathLike) -> dict:
             file missing, truncated or changed (naming the file).
         ValueError: another model (missing or extra parameters, other shapes, another
             optimizer class).
+        NotImplementedError: an expert-parallel program (ep > 1; before any collective).
         CollectiveError: a peer died or did not reach a collective within the timeout.
     """
+    _refuse_expert_parallel(pm, "load_checkpoint")
     _wait_for_pending_save(pm)
     group = pm.groups.checkpoint_group
     with _named_failures(pm, "loading checkpoint", path, pm.steps_done):
@@ -341,6 +358,7 @@ def load_latest_checkpoint(pm, directory: str | os.PathLike) -> LoadedCheckpoint
     Raises what :func:`load_checkpoint` raises but CheckpointError (that checkpoint is
     skipped and the next older one tried): ValueError for another model stops the search.
     """
+    _refuse_expert_parallel(pm, "load_latest_checkpoint")
     directory = Path(directory)
     group = pm.groups.checkpoint_group
     listed = on_rank0(lambda: [str(p) for p in latest_checkpoint(directory).candidates]

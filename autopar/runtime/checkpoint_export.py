@@ -67,7 +67,8 @@ def _unexpected(pm, state_dict: dict) -> list[str]:
 
 def load_full_state_dict(pm, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load whole, single-device weights (e.g. a Hugging Face model's ``state_dict()``)
-    into ``pm``: each rank cuts its TP shard with ``ShardSpec.local`` and writes it into the
+    into ``pm``: each rank cuts its TP shard with ``ShardSpec.local`` (and its experts'
+    dim-0 slice under expert parallelism, ``pm.expert_slices``) and writes it into the
     parameters (ZeRO buffers and fp32 masters, or its FSDP2 shards). Local: no collective.
     Optimizer states and steps_done are left as they are. A tied parameter may come under
     any of its names. Keys naming the model's buffers (persistent or not: rotary
@@ -97,6 +98,8 @@ def load_full_state_dict(pm, state_dict: dict[str, torch.Tensor], *, strict: boo
             raise ValueError(f"the state dict has no {key!r} (nor its tied aliases "
                              f"{aliases.get(key, [])}); pass the whole model's state_dict()")
         want = full_shape(spec, params[names[0]].shape, g.tp)
+        if names[0] in pm.expert_slices:  # E/ep local experts of E
+            want = torch.Size([want[0] * g.ep, *want[1:]])
         if tuple(state_dict[found].shape) != tuple(want):
             raise ValueError(f"{found!r} has shape {tuple(state_dict[found].shape)} but the "
                              f"model's is {tuple(want)}; pass a state dict of this model")
@@ -105,4 +108,5 @@ def load_full_state_dict(pm, state_dict: dict[str, torch.Tensor], *, strict: boo
     for spec, names, full in plan:
         value = spec.local(full.detach(), g.tp_rank, g.tp)
         for name in names:
-            adapter.write_param(params[name], value)
+            experts = pm.expert_slices.get(name)  # this EP rank's experts, dim 0
+            adapter.write_param(params[name], value if experts is None else value[experts])

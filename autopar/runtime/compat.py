@@ -9,6 +9,8 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
   (``func._schema``).
 * :func:`unbox_process_group`: the ``ProcessGroup`` behind the script object a ``c10d``
   op receives (``ProcessGroup.unbox``).
+* :func:`resolve_group_name`: the ``ProcessGroup`` of a functional collective's
+  ``group_name`` argument (``distributed_c10d._resolve_process_group``).
 * :func:`group_timeout`: the timeout a process group was created with
   (``ProcessGroup._get_backend(device).options._timeout``).
 * :func:`group_options`: backend options carrying a timeout, for the process groups a
@@ -50,7 +52,7 @@ from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
-           "group_options", "cpu_memory_events", "all_gather_single", "reduce_scatter_single",
+           "group_options", "cpu_memory_events", "resolve_group_name", "all_gather_single", "reduce_scatter_single",
            "PipelineStage", "all_to_all_single_autograd", "grouped_mm"]
 
 # (out, in, group=...): the whole tensor gathered / this rank's reduced slice, one call
@@ -85,6 +87,14 @@ def op_schema(func) -> tuple[str, list[str]]:
 def unbox_process_group(value) -> dist.ProcessGroup:
     """The ``dist.ProcessGroup`` of the ``process_group`` argument of a ``c10d`` op."""
     return dist.ProcessGroup.unbox(value)
+
+
+def resolve_group_name(name: str) -> dist.ProcessGroup:
+    """The ``dist.ProcessGroup`` registered under ``name`` (the ``group_name`` argument of a
+    ``_c10d_functional`` op such as ``all_to_all_single``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:

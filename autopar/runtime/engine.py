@@ -127,6 +127,9 @@ class ParallelModule(nn.Module):
         tp_sharded_parameter_names: parameters split over the TP group (each TP rank holds
             another part); the others are replicated over TP and counted once in the
             gradient norm.
+        expert_parameter_names: this rank's experts under expert parallelism (ZeRO-0):
+            summed over ``groups.edp_group`` and divided by d instead of the DP average,
+            counted in the norm once per EP rank (:class:`DistributedOptimizer`).
         max_norm: clip the gradient to this global L2 norm (None: no clipping).
         on_nonfinite: "raise" (NonFiniteError on every rank, before the update) or "skip"
             (no update on any rank) when the loss or the gradient norm is not finite.
@@ -161,6 +164,7 @@ class ParallelModule(nn.Module):
         boundary_shard_dims: Sequence[tuple[int | None, int | None]] = ((None, None),),
         logits_width: int | None = None,
         tp_sharded_parameter_names: Sequence[str] = (),
+        expert_parameter_names: Sequence[str] = (),
         max_norm: float | None = None,
         on_nonfinite: str = "raise",
         measure_every: int = 100,
@@ -204,7 +208,8 @@ class ParallelModule(nn.Module):
             self.dp_optimizer = DistributedOptimizer(
                 stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
                 zero_stage=zero_stage, master_dtype=master_dtype,
-                accumulations=num_micro_batches, deferred=deferred)
+                accumulations=num_micro_batches, deferred=deferred,
+                experts=[named[n] for n in expert_parameter_names], expert_group=groups.edp_group)
         params = dict(stage_module.named_parameters())  # after FSDP2 swapped them in
         self.partial_grad_parameters = [params[n] for n in partial_grad_parameter_names]
         self._norm_counted = self._counted_in_norm(params, set(tp_sharded_parameter_names))

@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from autopar.runtime.compat import all_to_all_single_autograd, grouped_mm
 
-__all__ = ["ExpertParallelExperts", "dispatch_bytes"]
+__all__ = ["ExpertParallelExperts", "dispatch_bytes", "shard_experts"]
 
 # attributes ``transformers.integrations.moe.use_experts_implementation`` gives its classes
 _INTERFACE = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
@@ -268,3 +268,25 @@ def dispatch_bytes(top_k_indices: Sequence[torch.Tensor], num_experts: int, ep: 
     return {"dispatch_sent": sent, "dispatch_received": received, "combine_sent": received,
             "combine_received": sent, "count_exchange": (num_experts - local) * 8}
 
+
+
+def shard_experts(chunks: Sequence[nn.Module], ep_group: dist.ProcessGroup,
+                  is_experts: Callable[[nn.Module], bool]) -> dict[str, slice]:
+    """Replace every experts module the graphs of ``chunks`` (this rank's fx GraphModules)
+    call (``is_experts``: :func:`autopar.graph.experts.is_experts_module`) by its
+    :class:`ExpertParallelExperts` over ``ep_group``, at the same path, so parameter names
+    stay the original ones. Returns local parameter name (prefixed ``"j."`` by the chunk
+    index when there are several chunks, as an ``nn.ModuleList`` of them names it) -> the
+    slice of the original's dim 0 (experts) it holds. No collective; raises the
+    constructor's errors (an unsupported experts class, E not divisible by ep)."""
+    slices: dict[str, slice] = {}
+    for j, chunk in enumerate(chunks):
+        prefix = f"{j}." if len(chunks) > 1 else ""
+        for node in chunk.graph.nodes:
+            if node.op != "call_module" or not is_experts(chunk.get_submodule(node.target)):
+                continue
+            sharded = ExpertParallelExperts(chunk.get_submodule(node.target), ep_group)
+            chunk.set_submodule(node.target, sharded)
+            for name, _ in sharded.named_parameters():
+                slices[f"{prefix}{node.target}.{name}"] = sharded.global_expert_slice()
+    return slices

@@ -1,10 +1,15 @@
-"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style.
+"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, with ep folded over DP.
 
 TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-which is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
+Expert parallelism of degree ep (ep | d) folds over the DP ranks of one (tp, pp)
+coordinate (:func:`autopar.techniques.expert_parallel.expert_ranks`): DP rank j is EP rank
+``j % ep`` of EP group ``j // ep``, and its expert-data-parallel (EDP) group is the d/ep
+DP ranks with its EP rank (they hold the same experts).
+
+The (tp, pp, dp) part is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
 ("pp", "dp", "tp"), built on the rank's device type (:mod:`autopar.runtime.device`). The
 degrees are validated before any collective runs, so a wrong launch is a clear error on
 every rank instead of a hang, and every group gets one timeout (by default the world
@@ -24,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.contract import support
 from autopar.runtime.compat import group_options, group_timeout
 from autopar.runtime.device import rank_device
+from autopar.techniques.expert_parallel import expert_ranks
 
 
 def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
@@ -64,6 +70,12 @@ class ParallelGroups:
             on the CPU whatever the training backend (DCP exchanges pickled plans).
         head_pp_rank: the pipeline rank holding the last model chunk (head and loss): p - 1,
             or 0 under a V placement (the schedule record's ``head_rank``).
+        ep: the expert-parallel degree (ep | d; 1: no expert parallelism).
+        ep_rank: this rank's index in its EP group (DP rank mod ep).
+        ep_group: the ep DP ranks exchanging tokens for their experts (with ``timeout``);
+            None when ep == 1.
+        edp_group: the d/ep DP ranks holding this rank's experts, over which expert
+            gradients are summed; ``dp_group`` when ep == 1 (it is then the same set).
     """
 
     mesh_shape: tuple[int, int, int]
@@ -81,22 +93,27 @@ class ParallelGroups:
     world_group: dist.ProcessGroup | None = None
     checkpoint_group: dist.ProcessGroup | None = None
     head_pp_rank: int = -1  # -1: p - 1
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, *, device: torch.device | None = None,
               timeout: timedelta | float | None = None,
-              head_pp_rank: int | None = None) -> ParallelGroups:
+              head_pp_rank: int | None = None, ep: int = 1) -> ParallelGroups:
         """Create the groups; call on every rank, in the same order, after init_process_group.
 
         device: this rank's device (default :func:`~autopar.runtime.device.rank_device`).
         timeout: seconds or a timedelta for every group (default: the world group's).
         head_pp_rank: the pipeline rank of the last model chunk (default p - 1; 0 for a V
             placement, where no embedding group is made).
+        ep: the expert-parallel degree, folded over DP (module docstring).
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
-            ValueError: see :func:`validate_degrees`, or a timeout that is not positive
-                (raised before any collective).
+            ValueError: see :func:`validate_degrees`, a timeout that is not positive, or ep
+                not a positive divisor of dp (raised before any collective).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -105,6 +122,7 @@ class ParallelGroups:
             )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         validate_degrees(tp, pp, dp, world_size)
+        _validate_ep(ep, dp)
         head = pp - 1 if head_pp_rank is None else head_pp_rank
         if not 0 <= head < pp:
             raise ValueError(f"head_pp_rank {head_pp_rank} is outside [0, pp={pp})")
@@ -117,6 +135,7 @@ class ParallelGroups:
                                 backend_override={n: (None, options) for n in names}
                                 if options is not None else None)
         tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        ep_group, edp_group = _expert_groups(tp, pp, dp, ep, rank, timeout)
         return cls(
             mesh_shape=(pp, dp, tp), rank=rank,
             tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
@@ -128,6 +147,8 @@ class ParallelGroups:
             world_group=dist.new_group(list(range(world_size)), timeout=timeout),
             checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
                                             backend="gloo"),
+            ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group,
+            edp_group=edp_group if edp_group is not None else mesh.get_group("dp"),
         )
 
     def destroy(self, *, mesh_groups: bool = True) -> None:
@@ -181,9 +202,15 @@ class ParallelGroups:
         return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
 
     def axis_names(self) -> dict[str, str]:
-        """Process-group name -> axis ("tp", "pp", "dp", "embedding"), for :class:`CommMeter`."""
+        """Process-group name -> axis ("tp", "pp", "dp", "ep", "embedding"), for
+        :class:`CommMeter`: the EDP group counts as "dp" (expert gradients are the DP
+        reduction of the experts)."""
         names = {self.tp_group.group_name: "tp", self.pp_group.group_name: "pp",
                  self.dp_group.group_name: "dp"}
+        if self.ep_group is not None:
+            names[self.ep_group.group_name] = "ep"
+        if self.edp_group is not None and self.edp_group.group_name not in names:
+            names[self.edp_group.group_name] = "dp"
         if self.embedding_group is not None:
             names[self.embedding_group.group_name] = "embedding"
         return names
@@ -230,3 +257,37 @@ def _embedding_group(tp: int, pp: int, dp: int, rank: int, timeout: timedelta | 
             if rank in (first, last):
                 mine = group
     return mine
+
+
+def _validate_ep(ep: int, dp: int) -> None:
+    """ep must be a positive int dividing dp (before any collective)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
+        options = [e for e in range(1, dp + 1) if dp % e == 0]
+        raise ValueError(f"ep={ep!r} must be a positive divisor of dp={dp}: expert parallelism "
+                         f"folds over the data-parallel ranks; choose ep in {options}")
+
+
+def _expert_groups(tp: int, pp: int, dp: int, ep: int, rank: int, timeout: timedelta | None
+                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this rank's EP group, its EDP group), creating every EP and EDP group of every
+    (tp, pp) coordinate in the same order on all ranks (new_group is collective); (None,
+    None) when ep == 1. DP index j at (tp_rank, pp_rank) is global rank
+    ``tp_rank + tp·(j + dp·pp_rank)``."""
+    if ep == 1:
+        return None, None
+    ep_mine = edp_mine = None
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            def global_rank(j: int) -> int:
+                return tp_rank + tp * (j + dp * pp_rank)
+            # EP group g: DP ranks [g·ep, (g+1)·ep); EDP group of EP rank e: DP ranks e + ep·i
+            members = [expert_ranks(g * ep, dp, ep)[1] for g in range(dp // ep)]
+            members += [expert_ranks(e, dp, ep)[2] for e in range(ep)]
+            for n, dp_ranks in enumerate(members):
+                ranks = [global_rank(j) for j in dp_ranks]
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks and n < dp // ep:
+                    ep_mine = group
+                elif rank in ranks:
+                    edp_mine = group
+    return ep_mine, edp_mine

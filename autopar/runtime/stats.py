@@ -13,7 +13,10 @@ training the program adds to the process at its highest).
 ``CommMeter`` is a ``TorchDispatchMode`` that sees every ``c10d`` collective and p2p send
 the step issues (``dist.all_reduce`` and friends go through the dispatcher as
 ``c10d.allreduce_`` etc., including those issued by libraries such as
-``torch.distributed.pipelining``), and sums their payload bytes by kind.
+``torch.distributed.pipelining``), and sums their payload bytes by kind; and expert
+parallelism's all-to-alls (the functional ``_c10d_functional::all_to_all_single`` of the
+dispatch and combine, forward and backward, and the ``c10d::alltoall_base_`` of the counts)
+as "ep_all_to_all".
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.contract.plan import COMM_KINDS
 from autopar.runtime.compat import (TorchDispatchMode, cpu_memory_events, op_schema,
-                                    unbox_process_group)
+                                    resolve_group_name, unbox_process_group)
 
 __all__ = ["SavedActivationTracker", "CommMeter", "PeakAllocation"]
 
@@ -150,6 +153,23 @@ _C10D_OPS = {
 }
 
 
+# all-to-all ops -> the argument naming their group (a ProcessGroup, or a registered name)
+_ALL_TO_ALL_OPS = {"c10d::alltoall_base_": "process_group",
+                   "_c10d_functional::all_to_all_single": "group_name"}
+
+
+def _all_to_all_sent(values: dict, group: dist.ProcessGroup) -> int:
+    """Bytes an all-to-all sends from this rank to the other ranks of ``group``: the rows
+    of its ``input_split_sizes`` for every peer but itself (even splits when empty: numel
+    / group size to each), times the bytes of a row of ``input`` (input (S, ...))."""
+    t, n, me = values["input"], group.size(), group.rank()
+    splits = list(values.get("input_split_sizes") or [])
+    if not splits:
+        return (n - 1) * (t.numel() // n) * t.element_size()
+    row = (t.numel() // t.size(0) if t.dim() and t.size(0) else 0) * t.element_size()
+    return sum(rows for peer, rows in enumerate(splits) if peer != me) * row
+
+
 def _nbytes(value) -> int:
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
@@ -166,6 +186,10 @@ class CommMeter(TorchDispatchMode):
     of COMM_KINDS (tp_all_reduce, dp_reduce_scatter, pp_p2p, ...), else "other".
     Payload: all-reduce and broadcast the tensor; all-gather this rank's input shard;
     reduce-scatter the full input; p2p what this rank sends (receives are not counted).
+    Every all-to-all (expert parallelism's, whatever its group) is "ep_all_to_all": the
+    bytes this rank sends to the other ranks (rows it keeps are not counted). Expert
+    gradients all-reduced over the expert-data-parallel group count as "dp_all_reduce"
+    when ``axes`` names that group "dp" (:meth:`ParallelGroups.axis_names`).
     Attributes: ``bytes`` (kind -> int); ``last`` (the last ``c10d`` op issued, e.g.
     "c10d::allreduce_ over the dp group", or None), to name the collective a failure
     happened in (a synchronous collective fails in its ``wait``, after it was issued).
@@ -180,7 +204,14 @@ class CommMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name, arg_names = op_schema(func)
-        if name.startswith("c10d::"):
+        if name in _ALL_TO_ALL_OPS:
+            values = dict(zip(arg_names, args)) | kwargs
+            group = values[_ALL_TO_ALL_OPS[name]]
+            group = (resolve_group_name(group) if isinstance(group, str)
+                     else unbox_process_group(group))
+            self.last = f"{name} over the {self.axes.get(group.group_name, 'other')} group"
+            self.bytes["ep_all_to_all"] += _all_to_all_sent(values, group)
+        elif name.startswith("c10d::"):
             values = dict(zip(arg_names, args)) | kwargs
             axis = None
             if "process_group" in values:

@@ -37,6 +37,11 @@ stage:
 The optimizer runs on one flat tensor per owned shard, so it must be element-wise (SGD,
 Adam, AdamW, ...), as for Megatron's distributed optimizer; per-tensor methods (LAMB,
 Adafactor) would see flat pieces instead of the model's tensors.
+
+Expert parallelism (ZeRO-0): the ``experts`` (this rank's E/ep experts) end the buffer in
+buckets of their own, summed over the expert-data-parallel group (the d/ep DP ranks with
+the same experts), then divided by d: each rank's expert gradient already holds its whole
+EP group's tokens (the all-to-all's backward), so the EDP sum covers all d replicas.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, BucketReadiness,
-                                     cut_buckets)
+from autopar.runtime.buckets import (BUCKET_BYTES, DONE, FIRST_BUCKET_BYTES, Bucket,
+                                     BucketReadiness, cut_buckets)
 from autopar.runtime.compat import all_gather_single, reduce_scatter_single
 from autopar.runtime.health import square_sum
 from autopar.contract.support import EXECUTED_ZERO_STAGES
@@ -83,6 +88,7 @@ class DistributedOptimizer:
         bucket_bytes, first_bucket_bytes: bucket sizes, bytes of gradient.
         piece_numel: the most elements of one tensor the optimizer steps (see
             :data:`OPTIMIZER_PIECE_NUMEL`).
+        experts, expert_group: expert parameters, their EDP group (module docstring).
 
     Attributes:
         params: the parameters in buffer order; ``offsets[i]`` is ``params[i]``'s start.
@@ -94,7 +100,8 @@ class DistributedOptimizer:
         buckets: the buffer's buckets (:func:`~autopar.runtime.buckets.cut_buckets`).
 
     Raises:
-        ValueError: zero_stage not in (0, 1, 2), parameters of mixed dtypes or devices.
+        ValueError: zero_stage not in (0, 1, 2), parameters of mixed dtypes or devices,
+            expert parameters with zero_stage > 0.
     """
 
     def __init__(self, params: Iterable[nn.Parameter],
@@ -103,7 +110,8 @@ class DistributedOptimizer:
                  accumulations: int = 1, deferred: Iterable[nn.Parameter] = (),
                  bucket_bytes: int = BUCKET_BYTES,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-                 piece_numel: int = OPTIMIZER_PIECE_NUMEL) -> None:
+                 piece_numel: int = OPTIMIZER_PIECE_NUMEL,
+                 experts: Iterable[nn.Parameter] = (), expert_group=None) -> None:
         if zero_stage not in EXECUTED_ZERO_STAGES:
             raise ValueError(f"zero_stage={zero_stage!r} is not executed (supported: "
                              f"{EXECUTED_ZERO_STAGES}); ZeRO-3 shards parameters: use "
@@ -118,7 +126,12 @@ class DistributedOptimizer:
         self.d, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.sharded = zero_stage >= 1 and self.d > 1
         late = {id(p) for p in deferred} if self.sharded else set()
-        self.params = [p for p in params if id(p) in late] + [p for p in params if id(p) not in late]
+        expert = {id(p) for p in experts}
+        if expert and zero_stage:
+            raise ValueError(f"expert-parallel parameters with zero_stage={zero_stage}: ZeRO over"
+                             " the expert-data-parallel group is not built; use zero_stage=0")
+        self.params = ([p for p in params if id(p) in late] + [p for p in params if id(p)
+                       not in late | expert] + [p for p in params if id(p) in expert])
         self.offsets, offset = [], 0
         for p in self.params:
             self.offsets.append(offset)
@@ -135,7 +148,12 @@ class DistributedOptimizer:
         self.buckets = cut_buckets(self.params, self.offsets, self.padded_numel,
                                    element_size=self.buffer.element_size(), align=align,
                                    deferred_end=deferred_end, bucket_bytes=bucket_bytes,
-                                   first_bucket_bytes=first_bucket_bytes)
+                                   first_bucket_bytes=first_bucket_bytes,
+                                   tail=sum(p.numel() for p in self.params if id(p) in expert),
+                                   tail_group=expert_group)
+        lead = (self.dp_rank == 0 or self.sharded,  # who counts the norm: ZeRO-0 DP rank 0,
+                not expert or dist.get_rank(expert_group) == 0)  # experts EDP rank 0
+        self._norm_owned = {id(p) for p in self.params if lead[id(p) in expert]}
         self.shards = ([b.shard(self.d, self.dp_rank) for b in self.buckets] if self.sharded
                        else [(0, self.padded_numel)])
         master_dtype = master_dtype or dtype
@@ -198,7 +216,10 @@ class DistributedOptimizer:
         shard of the persistent gradient receives the sum)."""
         whole = self._grads[bucket.start:bucket.end]
         if not self.sharded:
-            return dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            group = self.group if bucket.group is None else bucket.group
+            if dist.get_world_size(group) == 1:  # experts of ep = d: no EDP replica
+                return DONE
+            return dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group, async_op=True)
         lo, hi = bucket.shard(self.d, self.dp_rank)
         return reduce_scatter_single(self._grads[lo:hi], whole, op=dist.ReduceOp.SUM,
                                      group=self.group, async_op=True)
@@ -280,7 +301,7 @@ class DistributedOptimizer:
             for j, (lo, hi) in enumerate(self.shards):
                 for p, o in zip(self.params, self.offsets):
                     a, b = max(o, lo), min(o + p.numel(), hi)
-                    if id(p) not in counted or a >= b:
+                    if id(p) not in counted or id(p) not in self._norm_owned or a >= b:
                         continue
                     if ranges and ranges[-1][0] == j and ranges[-1][2] == a - lo:
                         ranges[-1] = (j, ranges[-1][1], b - lo)  # adjacent: one range
@@ -294,10 +315,9 @@ class DistributedOptimizer:
         gradient elements this rank owns among the parameters in ``counted`` (ids): its
         ZeRO shards, or under ZeRO-0 (every DP rank holds the whole gradient) the whole
         gradient on DP rank 0 and nothing on the others, so that the sum over the DP group
-        counts each element once. Call after :meth:`reduce_gradients`."""
+        counts each element once (expert parameters: on EDP rank 0, each EP rank's own
+        experts). Call after :meth:`reduce_gradients`."""
         total = self.buffer.new_zeros((), dtype=torch.float64)
-        if not self.sharded and self.dp_rank != 0:
-            return total
         for j, a, b in self._counted_ranges(counted):
             total += square_sum(self._owned[j][a:b])
         return total

@@ -19,7 +19,8 @@ On every rank of an initialised process group (world size tp·pp·dp), :func:`ve
    parameter's value after the step (``full_state_dict``);
 5. also compares every rank's *local* shard with the matching slice of the reference, so
    a replica that drifted on one TP or DP rank is caught even though the gathered
-   tensors come from TP rank 0 / DP rank 0;
+   tensors come from TP rank 0 / DP rank 0 (an expert-parallel rank's experts with the
+   reference's slice of them, ``pm.expert_slices``; gathered over EP for the whole);
 6. fails on any NaN/inf: a loss, gradient or parameter that is not finite on either side
    is recorded (:class:`~autopar.verify.result.NonFinite`, the first one named in the
    message) and never counts as a zero difference; a step the runtime refuses for a
@@ -159,6 +160,8 @@ def _local_drift(pm, reference: dict[str, torch.Tensor],
         key = spec.key if spec.key in reference else pm.tied_aliases.get(spec.key, spec.key)
         ref = reference[key]
         ref = spec.local(ref, g.tp_rank, g.tp)
+        if name in pm.expert_slices:  # this EP rank's experts (dim 0)
+            ref = ref[pm.expert_slices[name]]
         local = full_tensor(pick(params[name]).detach())  # ZeRO-3: whole over DP
         diff = (local.cpu().float() - ref.float()).abs().max().item() if ref.numel() else 0.0
         mine[key] = max(mine.get(key, 0.0), finite_or_inf(diff))
@@ -270,7 +273,8 @@ def verify(model: nn.Module, plan: Plan, *, steps: int = 3,
     initial = copy.deepcopy(base) if plan.dtype == "fp32" else None  # for fp32_noise
     ref_optim = optimizer(base.parameters())
     stages = _stages_of(pm)
-    layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp} {plan.dtype}"
+    ep = f" ep={plan.ep}" if plan.ep > 1 else ""
+    layout = f"tp={plan.tp} pp={plan.pp} dp={plan.dp}{ep} {plan.dtype}"
     report = VerifyReport(layout=layout, optimizer=type(ref_optim).__name__, steps=steps,
                           tolerances=tolerances)
     for key, _ in base.named_parameters():

@@ -85,3 +85,4 @@ def test_unknown_parameters_and_parameterised_sub_modules_are_refused():
 
 def test_the_private_torch_names_resolve_on_this_torch():
     assert callable(compat.all_to_all_single_autograd) and callable(compat.grouped_mm)
+    assert callable(compat.resolve_group_name)

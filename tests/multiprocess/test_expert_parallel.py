@@ -1,0 +1,193 @@
+"""Expert parallelism run by the autopar runtime on gloo, at world size 4, against one process.
+
+The tiny Mixtral of the model zoo (2 layers, h = 64, 4 experts, top-2, s = 16, fp32) under
+a plan priced for ep = 1 (``autopar.evaluate`` of the layout, zero_stage 0) with ep set to
+2 by ``dataclasses.replace``: the planner does not price ep yet, the runtime reads only the
+plan. Each rank's experts module becomes its 2-expert shard
+(:class:`~autopar.runtime.expert_parallel.ExpertParallelExperts`), expert gradients are
+summed over the expert-data-parallel group and divided by d, everything else is as at ep = 1.
+
+* ``test_layout_verifies_against_one_process``: ``autopar.verify`` trains 2 SGD steps of the
+  program and of the single-process model on the same batches and compares the loss,
+  every gradient (the experts gathered over EP) and every parameter after each step, plus
+  every rank's local experts against the reference's slice of them: fp32 at dp4·ep2,
+  tp2·dp2·ep2 (sequence parallel) and pp2·dp2·ep2, within verify's fp32 tolerances.
+* ``test_bf16_layout_matches_one_bf16_process``: dp4·ep2 in bf16 against a bf16 single
+  process, verify's bf16 tolerances, on the losses and parameters of both steps and the
+  gradients of the first. The second step's gradients are not judged: after one bf16
+  update the two sides' weights differ by bf16 rounding, enough to flip a few tokens'
+  top-2 experts, which moves an expert's gradient by far more than rounding (measured:
+  0.15 relative at ep = 2, and 0.40 for plain dp = 4 at ep = 1, which has no expert
+  parallelism at all; both within tolerance at the first step).
+* ``test_measured_all_to_all_bytes_equal_the_routing_s``: the ``ep_all_to_all`` bytes
+  CommMeter measured in one step equal :func:`~autopar.runtime.expert_parallel.dispatch_bytes`
+  of the routing that step had (each call's ``top_k_index`` captured by a forward pre-hook
+  on every rank and all-gathered over the EP group): per call the int64 counts exchange,
+  forward dispatch and combine, and backward's two. The planner's price of EP assumes
+  balanced routing (n_{r→d} = T·k/ep rows to each rank); a trained router is not balanced,
+  which is why the runtime's bytes are compared with the step's own routing here, not with
+  the plan's balanced prediction. The same step's ``dp_all_reduce`` holds the dense
+  gradient over DP plus the local experts' over EDP (none when EDP has one rank), and the
+  step's gradient norm equals the norm of the gathered gradient (each expert once). The
+  same launch checks the refusals (ep = 3 over dp = 4; a checkpoint save at ep = 2) and
+  that ``load_full_state_dict`` of ``full_state_dict`` gives each rank its experts back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+
+from dist_utils import run_distributed
+from helpers import load_script
+
+pytest.importorskip("transformers")
+zoo = load_script("benchmarks/model_zoo.py")
+
+LAYOUTS = {  # name -> Layout fields (world 4), ep = 2 each
+    "dp4·ep2": dict(tp=1, pp=1, dp=4),
+    "tp2·dp2·ep2": dict(tp=2, pp=1, dp=2, sequence_parallel=True),
+    "pp2·dp2·ep2": dict(tp=1, pp=2, dp=2),
+}
+EP = 2
+BATCH = 8  # global batch: micro-batches of 2 sequences
+
+
+@functools.lru_cache(maxsize=None)
+def ep_plan(layout: str, dtype: str = "fp32"):
+    """The tiny Mixtral's plan of ``layout`` priced at ep = 1, with ep = 2."""
+    import autopar
+    from benchmarks.hf_families import build_family, tiny_cluster
+
+    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype)
+    plan = autopar.evaluate(build_family("mixtral", device="meta"), tiny_cluster(4),
+                            autopar.Layout(**fields), global_batch_size=BATCH,
+                            seq_len=zoo.TINY_SEQ, model_name="mixtral")
+    assert plan.zero_stage == 0 and plan.ep == 1
+    return dataclasses.replace(plan, ep=EP)
+
+
+def _verify_rank(rank: int, world: int, plan, strict: bool) -> dict:
+    from autopar.verify.check import verify
+    from benchmarks.hf_families import build_family
+
+    return verify(build_family("mixtral"), plan, steps=2, raise_on_failure=strict).to_dict()
+
+
+def _reports(layout: str, dtype: str, strict: bool = True) -> dict:
+    """Every rank's verify report (checked identical); rank 0's."""
+    reports = run_distributed(_verify_rank, 4, ep_plan(layout, dtype), strict, timeout_s=600)
+    report = reports[0]
+    print(layout, dtype, "max grad diff", report["max_grad_diff"], "losses",
+          [(s["parallel"], s["reference"]) for s in report["losses"]])
+    assert all(r == report for r in reports[1:])
+    assert len(report["losses"]) == 2 and not report["nonfinite"] and not report["claims"]
+    experts = [p for p in report["params"] if ".experts." in p["key"]]
+    assert len(experts) == 4  # gate_up_proj and down_proj of 2 layers, compared
+    return report
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_verifies_against_one_process(layout):
+    assert _reports(layout, "fp32")["ok"]
+
+
+def test_bf16_layout_matches_one_bf16_process():
+    report = _reports("dp4·ep2", "bf16", strict=False)
+    tol = report["tolerances"]
+    assert all(s["diff"] <= tol["loss"] for s in report["losses"]), report["losses"]
+    for p in report["params"]:
+        assert max(p["param"]) <= tol["param"], p
+        assert p["grad"][0] <= tol["grad"], p
+
+
+def _bytes_rank(rank: int, world: int, plan) -> dict:
+    """One measured AdamW step of ``plan``: the ep_all_to_all and dp_all_reduce bytes
+    CommMeter saw, those dispatch_bytes predicts for the routing each experts call had,
+    and the step's gradient norm against the gathered gradient's."""
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.runtime.expert_parallel import ExpertParallelExperts, dispatch_bytes
+    from autopar.verify.check import full_gradients
+    from benchmarks.hf_families import build_family
+
+    torch.manual_seed(0)
+    pm = autopar.parallelize(build_family("mixtral"), plan=plan, measure_every=1,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    g, calls = pm.groups, []
+    modules = [m for m in pm.stage_module.modules() if isinstance(m, ExpertParallelExperts)]
+    for m in modules:
+        m.register_forward_pre_hook(lambda mod, args: calls.append(
+            (args[1].detach().clone(), args[0].element_size())))
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 128, (plan.global_batch_size, plan.seq_len), generator=gen)
+    pm.train_step(idx, torch.roll(idx, -1, dims=1))
+    stats = pm.last_step_stats()
+    predicted = 0
+    for index, itemsize in calls:  # the same calls in the same order on every EP rank
+        routings = [None] * g.ep
+        dist.all_gather_object(routings, index, group=g.ep_group)
+        p = dispatch_bytes(routings, modules[0].num_experts, g.ep, g.ep_rank,
+                           modules[0].down_proj.shape[1], itemsize)
+        predicted += p["count_exchange"] + 2 * (p["dispatch_sent"] + p["combine_sent"])
+    expert_names = set(pm.expert_slices)
+    local = {n: p.numel() * p.element_size() for n, p in pm.stage_module.named_parameters()}
+    edp = dist.get_world_size(g.edp_group)
+    dp_predicted = sum(b for n, b in local.items() if n not in expert_names) + (
+        sum(local[n] for n in expert_names) if edp > 1 else 0)
+    grads = full_gradients(pm)
+    norm = math.sqrt(sum(float(v.double().square().sum()) for k, v in grads.items()
+                         if k not in pm.tied_aliases))
+    return {"a2a": stats["comm_bytes"]["ep_all_to_all"], "a2a_predicted": predicted,
+            "dp": stats["comm_bytes"]["dp_all_reduce"], "dp_predicted": dp_predicted,
+            "calls": len(calls), "norm": stats["grad_norm"], "norm_gathered": norm,
+            "experts": sorted(expert_names), "rank": g.rank, **_refusals_and_reload(pm)}
+
+
+def _refusals_and_reload(pm) -> dict:
+    """ep = 3 over dp = 4 and a checkpoint save at ep = 2, refused before any collective
+    (every rank alike); the gathered experts cut back into this rank's by
+    load_full_state_dict."""
+    import torch
+
+    from autopar.runtime.mesh import ParallelGroups
+
+    out = {}
+    try:
+        ParallelGroups.build(1, 1, 4, ep=3)
+    except ValueError as exc:
+        out["ep3"] = str(exc)
+    try:
+        pm.save_checkpoint("/nonexistent/ep-checkpoint")
+    except NotImplementedError as exc:
+        out["checkpoint"] = str(exc)
+    full = pm.full_state_dict()
+    params = dict(pm.stage_module.named_parameters())
+    with torch.no_grad():
+        for name in pm.expert_slices:
+            params[name].zero_()
+    pm.load_full_state_dict(full)
+    out["reloaded"] = all(torch.equal(params[n], full[pm.shards[n].key][s])
+                          for n, s in pm.expert_slices.items())
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp4·ep2", "tp2·dp2·ep2"])
+def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
+    plan = ep_plan(layout)
+    for res in run_distributed(_bytes_rank, 4, plan, timeout_s=600):
+        print(layout, res)
+        assert res["calls"] == 2 * plan.num_micro_batches  # 2 MoE layers per micro-batch
+        assert res["a2a"] == res["a2a_predicted"] > 0, res
+        assert res["dp"] == res["dp_predicted"], res
+        assert math.isclose(res["norm"], res["norm_gathered"], rel_tol=1e-6), res
+        assert res["experts"] == [f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1)
+                                  for n in ("down_proj", "gate_up_proj")]
+        assert "ep=3 must be a positive divisor of dp=4" in res["ep3"]
+        assert "save_checkpoint at ep=2" in res["checkpoint"]
+        assert res["reloaded"]
