@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
 from autopar.graph.capture import COMPUTE_DTYPES, cast_floating, meta_buffers, trace_model
-from autopar.graph.experts import experts_shape, is_experts_module
+from autopar.graph.experts import is_experts_module
 from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.contract.placement import parse_strategy_key
@@ -49,7 +49,7 @@ from autopar.contract.plan import Plan
 from autopar.rewrite import RankProgram, apply_plan
 from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
-from autopar.runtime.expert_parallel import shard_experts
+from autopar.runtime.expert_parallel import check_expert_parallel, shard_experts
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
 from autopar.techniques.zero_stages import zero_stage
@@ -60,7 +60,6 @@ from autopar.runtime.shard_init import (materialize_fsdp_shards, materialize_sha
 from autopar.runtime.mesh import ParallelGroups, as_timeout, validate_degrees
 from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
-from autopar.techniques.expert_parallel import ep_problem
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
 __all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
@@ -225,7 +224,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         check_seq_len(model, plan.seq_len)
         traced = _local_trace(model, plan)
         check_plan_matches(model, plan, traced.traced)
-        _check_ep(plan, traced.traced)
+        check_expert_parallel(plan, traced.traced)
     # an accelerator backend without an accelerator fails here, before any collective
     device = rank_device() if dist.is_initialized() else torch.device("cpu")
     init = None
@@ -235,7 +234,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     if traced is None:  # solved on rank 0: every rank holds it now, all raise alike
         traced = _local_trace(model, plan)
-        _check_ep(plan, traced.traced)
+        check_expert_parallel(plan, traced.traced)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
                                   head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
                                       plan.pp, plan.virtual_stages), ep=plan.ep)
@@ -353,20 +352,6 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
                                                 dp=plan.dp, **where), groups)
     return pm
-
-
-def _check_ep(plan: Plan, traced: TracedModel) -> None:
-    """Raise ValueError when the plan's ep does not run on this model
-    (:func:`~autopar.techniques.expert_parallel.ep_problem`: ep | dp, ep | E of every
-    experts module the graph calls, ZeRO-0); local, no collective."""
-    if plan.ep == 1:
-        return
-    gm = traced.gm
-    calls = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
-    experts = [experts_shape(m)["num_experts"] for m in calls if is_experts_module(m)]
-    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts)
-    if problem:
-        raise ValueError(f"{problem} (the plan's ep={plan.ep})")
 
 
 def _boundary_shard_dims(traced, plan: Plan, rank: int) -> list[tuple[int | None, int | None]]:

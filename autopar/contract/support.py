@@ -185,7 +185,7 @@ class RuntimeSupport:
     pipeline_zero_stages: tuple[int, ...] | None = None
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     as_written: bool = False
-    expert_parallel: bool = False
+    expert_parallel: bool = True
 
     @property
     def default_grad_dtype(self) -> str | None:

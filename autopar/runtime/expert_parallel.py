@@ -48,9 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.graph.experts import experts_shape, is_experts_module
 from autopar.runtime.compat import all_to_all_single_autograd, grouped_mm
+from autopar.techniques.expert_parallel import ep_problem
 
-__all__ = ["ExpertParallelExperts", "dispatch_bytes", "shard_experts"]
+__all__ = ["ExpertParallelExperts", "dispatch_bytes", "shard_experts", "check_expert_parallel"]
 
 # attributes ``transformers.integrations.moe.use_experts_implementation`` gives its classes
 _INTERFACE = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
@@ -290,3 +292,17 @@ def shard_experts(chunks: Sequence[nn.Module], ep_group: dist.ProcessGroup,
             for name, _ in sharded.named_parameters():
                 slices[f"{prefix}{node.target}.{name}"] = sharded.global_expert_slice()
     return slices
+
+
+def check_expert_parallel(plan, traced) -> None:
+    """Raise ValueError when ``plan``'s ep does not run on ``traced`` (its captured model)
+    (:func:`~autopar.techniques.expert_parallel.ep_problem`: ep | dp, ep | E of every
+    experts module the graph calls, ZeRO-0); local, no collective."""
+    if plan.ep == 1:
+        return
+    gm = traced.gm
+    calls = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    experts = [experts_shape(m)["num_experts"] for m in calls if is_experts_module(m)]
+    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts)
+    if problem:
+        raise ValueError(f"{problem} (the plan's ep={plan.ep})")

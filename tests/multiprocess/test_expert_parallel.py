@@ -1,9 +1,8 @@
 """Expert parallelism run by the autopar runtime on gloo, at world size 4, against one process.
 
 The tiny Mixtral of the model zoo (2 layers, h = 64, 4 experts, top-2, s = 16, fp32) under
-a plan priced for ep = 1 (``autopar.evaluate`` of the layout, zero_stage 0) with ep set to
-2 by ``dataclasses.replace``: the planner does not price ep yet, the runtime reads only the
-plan. Each rank's experts module becomes its 2-expert shard
+a plan of the layout with ep = 2 priced by the cost model (``autopar.evaluate``, zero_stage
+0). Each rank's experts module becomes its 2-expert shard
 (:class:`~autopar.runtime.expert_parallel.ExpertParallelExperts`), expert gradients are
 summed over the expert-data-parallel group and divided by d, everything else is as at ep = 1.
 
@@ -35,7 +34,6 @@ summed over the expert-data-parallel group and divided by d, everything else is 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -58,16 +56,16 @@ BATCH = 8  # global batch: micro-batches of 2 sequences
 
 @functools.lru_cache(maxsize=None)
 def ep_plan(layout: str, dtype: str = "fp32"):
-    """The tiny Mixtral's plan of ``layout`` priced at ep = 1, with ep = 2."""
+    """The tiny Mixtral's plan of ``layout`` with ep = 2, as the cost model prices it."""
     import autopar
     from benchmarks.hf_families import build_family, tiny_cluster
 
-    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype)
+    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype, ep=EP)
     plan = autopar.evaluate(build_family("mixtral", device="meta"), tiny_cluster(4),
                             autopar.Layout(**fields), global_batch_size=BATCH,
                             seq_len=zoo.TINY_SEQ, model_name="mixtral")
-    assert plan.zero_stage == 0 and plan.ep == 1
-    return dataclasses.replace(plan, ep=EP)
+    assert plan.zero_stage == 0 and plan.ep == EP
+    return plan
 
 
 def _verify_rank(rank: int, world: int, plan, strict: bool) -> dict:
