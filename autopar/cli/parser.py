@@ -226,6 +226,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None
                    help="pipeline-parallel size p (number of stages)")
     g.add_argument("--dp", type=_positive_int, required=required, metavar="D",
                    help="data-parallel size d; t · p · d must equal the number of GPUs")
+    g.add_argument("--ep", type=_positive_int, default=None, metavar="E",
+                   help="expert-parallel size: each MoE layer's experts over ep of the d "
+                        "data-parallel ranks (ep divides d and the expert count)")
     g.add_argument("--micro-batch-size", "--mbs", dest="micro_batch_size", type=_positive_int,
                    required=required, metavar="b", help="sequences per micro-batch b")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,

@@ -141,13 +141,13 @@ def export_logits(model: nn.Module, seq_len: int, trace_error: type[Exception], 
     """
     stack = layer_stack(model) if repeat_layers else None
     if stack is not None:
-        path, layers = stack
+        path, layers, lead = stack
         try:
-            with cut_stack(model, path, EXPORTED_LAYERS):
+            with cut_stack(model, path, lead + EXPORTED_LAYERS):
                 ep = _export(model, seq_len)
         except Exception:  # the cut model does not export: the whole one decides below
             ep = None
-        gm = _to_module_graph(model, ep, (path, len(layers))) if ep is not None else None
+        gm = _to_module_graph(model, ep, (path, len(layers), lead)) if ep is not None else None
         if gm is not None:
             return gm
     try:
@@ -191,11 +191,11 @@ def _export(model: nn.Module, seq_len: int):
             config.use_cache = cache
 
 
-def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int] | None = None
+def _to_module_graph(model: nn.Module, ep, repeat: tuple[str, int, int] | None = None
                      ) -> fx.GraphModule | None:
     """The module-level graph of export ``ep`` (the module docstring's normalisations).
-    ``repeat`` (stack path, layer count): ``ep`` is of the cut stack, whose last layer is
-    repeated up to the count (:func:`~autopar.graph.repeat.repeat_last_layer`); None when
+    ``repeat`` (stack path, layer count, leading layers that differ): ``ep`` is of the cut
+    stack, whose last layer is repeated up to the count (:func:`~autopar.graph.repeat.repeat_last_layer`); None when
     its checks fail."""
     _check_static_shapes(ep)
     sig = ep.graph_signature

@@ -10,8 +10,10 @@ layer with the layer index in module paths and parameter names moved on, reading
 before them where the copied layer read its own predecessor. The result is the graph a full
 export gives, node for node (``tests/unit/test_export_capture.py`` compares the two).
 
-It is used only where layers are interchangeable; each check below failing means a full
-export instead, never a different graph:
+Leading layers that differ from the rest (DeepSeek-V3's 3 dense layers before 58 MoE ones)
+are exported as they are, before the three (:data:`MAX_LEADING_LAYERS`): its 61 layers take
+6 layers' export, not 61. It is used only where the layers after them are interchangeable;
+each check below failing means a full export instead, never a different graph:
 
 1. every layer module has the same structure (:func:`layer_stack`): the classes of its
    submodules, the names, shapes and dtypes of its parameters and buffers, and the plain
@@ -38,7 +40,8 @@ import torch.nn as nn
 
 from autopar.graph.normalize import resolve
 
-__all__ = ["EXPORTED_LAYERS", "layer_stack", "cut_stack", "repeat_last_layer"]
+__all__ = ["EXPORTED_LAYERS", "MAX_LEADING_LAYERS", "layer_stack", "cut_stack",
+           "repeat_last_layer"]
 
 EXPORTED_LAYERS = 3
 """Layers exported when the rest are repeated: layer 0 (which reads the embedding), and
@@ -47,11 +50,18 @@ layers 1 and 2, compared to each other (check 2) before layer 2 is repeated."""
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
 
+MAX_LEADING_LAYERS = 8
+"""Most leading layers that may differ from the rest (DeepSeek-V3's 3 dense layers before
+its MoE ones, ``first_k_dense_replace``): exported as they are, before the repeated ones."""
+
+
 # ------------------------------------------------------------------ check 1: the modules
-def layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """(path, list) of ``model``'s stack of interchangeable layers, or None: the largest
-    ``nn.ModuleList`` not inside another one's layers, with more than
-    :data:`EXPORTED_LAYERS` children that pass check 1 of the module docstring."""
+def layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList, int] | None:
+    """(path, list, lead) of ``model``'s stack of layers whose layers ``lead`` onwards are
+    interchangeable, or None: the largest ``nn.ModuleList`` not inside another one's layers,
+    with more than lead + :data:`EXPORTED_LAYERS` children of which all but the first
+    ``lead`` (the fewest, at most :data:`MAX_LEADING_LAYERS`) pass check 1 of the module
+    docstring."""
     best: tuple[str, nn.ModuleList] | None = None
     for path, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) <= EXPORTED_LAYERS:
@@ -59,9 +69,13 @@ def layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         nested = best is not None and path.startswith(best[0] + ".")
         if not nested and (best is None or len(mod) > len(best[1])):
             best = (path, mod)
-    if best is None or not _interchangeable(list(best[1])):
+    if best is None:
         return None
-    return best
+    layers = list(best[1])
+    for lead in range(min(MAX_LEADING_LAYERS, len(layers) - EXPORTED_LAYERS - 1) + 1):
+        if _interchangeable(layers[lead:], lead):
+            return best[0], best[1], lead
+    return None
 
 
 def _same(x, y) -> bool:
@@ -91,7 +105,8 @@ def _attributes(layer: nn.Module) -> dict[tuple[str, str], object]:
     return out
 
 
-def _interchangeable(layers: list[nn.Module]) -> bool:
+def _interchangeable(layers: list[nn.Module], first: int = 0) -> bool:
+    """Do ``layers`` (layers ``first``, ``first`` + 1, ... of a stack) pass check 1?"""
     attrs = [_attributes(layer) for layer in layers]
     if any(a.keys() != attrs[0].keys() for a in attrs):
         return False
@@ -99,7 +114,7 @@ def _interchangeable(layers: list[nn.Module]) -> bool:
         values = [a[key] for a in attrs]
         if all(_same(v, values[0]) for v in values):
             continue
-        if not all(type(v) is int and v == i for i, v in enumerate(values)):
+        if not all(type(v) is int and v == first + i for i, v in enumerate(values)):
             return False  # differs, and is not the layer's own index (e.g. layer_idx)
     return True
 
@@ -232,15 +247,17 @@ def _repeats(blocks: list[list[fx.Node]], prefix: str) -> bool:
 
 
 def repeat_last_layer(graph: fx.Graph, root: dict, model: nn.Module, prefix: str,
-                      total: int) -> fx.Graph | None:
+                      total: int, lead: int = 0) -> fx.Graph | None:
     """The graph of ``total`` layers from ``graph``, an export of the stack at ``prefix``
-    cut to :data:`EXPORTED_LAYERS` layers: layers EXPORTED_LAYERS..total-1 are copies of
-    the last exported one, named by their own index; their parameters and buffers
-    (``get_attr`` targets) are added to ``root`` from ``model``. None when a check of the
-    module docstring fails (``graph`` and ``root`` are then unchanged)."""
+    cut to ``lead`` + :data:`EXPORTED_LAYERS` layers (``lead`` leading layers that differ,
+    :func:`layer_stack`): the layers after them are copies of the last exported one, named
+    by their own index; their parameters and buffers (``get_attr`` targets) are added to
+    ``root`` from ``model``. None when a check of the module docstring fails (``graph`` and
+    ``root`` are then unchanged)."""
     nodes = list(graph.nodes)
-    k = EXPORTED_LAYERS - 1
-    blocks = _blocks(nodes, prefix, EXPORTED_LAYERS)
+    exported = lead + EXPORTED_LAYERS
+    k = exported - 1
+    blocks = _blocks(nodes, prefix, exported)
     if blocks is None or not _repeats(blocks, prefix):
         return None
     end = nodes.index(blocks[-1][-1])
@@ -255,7 +272,7 @@ def repeat_last_layer(graph: fx.Graph, root: dict, model: nn.Module, prefix: str
         env[node] = new.node_copy(node, env.__getitem__)
     latest = {n: env[n] for n in template}  # template node -> its copy in the newest layer
     added: dict[str, object] = {}
-    for layer in range(EXPORTED_LAYERS, total):
+    for layer in range(exported, total):
         copies: dict[fx.Node, fx.Node] = {}
 
         def arg(x: fx.Node) -> fx.Node:

@@ -156,6 +156,24 @@ def test_repeated_layers_capture_the_same_graph_as_a_full_export(family):
     assert torch.equal(cut(idx), causal_lm_logits(model, idx))
 
 
+def test_leading_layers_that_differ_are_exported_before_the_repeated_ones(monkeypatch):
+    """DeepSeek-V3's first dense layers before its MoE ones (``first_k_dense_replace``): the
+    stack is exported cut to the 2 leading layers and 3 MoE layers, the last repeated, and
+    gives the graph of a full export node for node."""
+    pytest.importorskip("transformers")
+    from autopar.graph import export, repeat
+
+    families = load_script("benchmarks/hf_families.py")
+    monkeypatch.setitem(families.MOE_EVERY_LAYER, "first_k_dense_replace", 2)
+    model = families.build_family("deepseek_v3", d=dict(zoo.TINY, layers=7)).eval()
+    assert repeat.layer_stack(model)[2] == 2
+    cut = export.export_logits(model, SEQ, ValueError)
+    full = export.export_logits(model, SEQ, ValueError, repeat_layers=False)
+    assert _graph_record(cut) == _graph_record(full)
+    idx = torch.randint(0, 128, (2, SEQ))
+    assert torch.equal(cut(idx), causal_lm_logits(model, idx))
+
+
 def test_layers_that_differ_are_exported_whole():
     """A layer with its own attribute value (not its index) is not repeated."""
     pytest.importorskip("transformers")
@@ -165,6 +183,9 @@ def test_layers_that_differ_are_exported_whole():
     assert repeat.layer_stack(model)[0] == "model.layers"
     model.model.layers[4].self_attn.scaling = 0.5
     assert repeat.layer_stack(model) is None
+    model.model.layers[4].self_attn.scaling = model.model.layers[3].self_attn.scaling
+    model.model.layers[0].self_attn.scaling = 0.5  # a leading layer that differs: exported
+    assert repeat.layer_stack(model)[2] == 1
 
 
 def test_falcon_linears_written_as_matmul_are_lifted_and_devices_agree():
