@@ -194,6 +194,14 @@ def layout_flag_parser() -> argparse.ArgumentParser:
     # MoE
     p.add_argument("--num-experts", type=int, default=None)  # L2691
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    p.add_argument("--moe-layer-freq", type=str, default=1)  # L2693 (moe_freq_type: not read here)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                   choices=["allgather", "alltoall", "flex"])
+    store_true("--moe-grouped-gemm")
+    store_true("--moe-router-pre-softmax")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    store_true("--moe-shared-expert-gate")
     store_true("--moe-use-legacy-grouped-gemm")
     store_true("--moe-pad-experts-for-cuda-graph-inference")  # L2717
 

@@ -166,6 +166,9 @@ class RuntimeSupport:
         (``autopar.evaluate`` of a published layout, the hand layouts of the report).
     expert_parallel: the runner splits MoE experts over ep > 1 ranks folded over DP
         (:mod:`autopar.techniques.expert_parallel`); a search then tries every ep it allows.
+    expert_parallel_tp: ep > 1 also runs with tp > 1 (False: Megatron-LM, whose expert mesh
+        folds EP over the tp x dp ranks, so an EP group would span TP ranks:
+        :mod:`autopar.frameworks.megatron_moe`).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -186,6 +189,7 @@ class RuntimeSupport:
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     as_written: bool = False
     expert_parallel: bool = False
+    expert_parallel_tp: bool = True
 
     @property
     def default_grad_dtype(self) -> str | None:

@@ -83,7 +83,8 @@ def outside_target(plan, target: str) -> str | None:
     """Why ``plan`` (a :class:`~autopar.contract.plan.Plan`) is outside what ``target`` executes, or
     None: the precision and attention kernel it would run in, then the fields of
     :func:`autopar.contract.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
-    dtype, recompute modes, tp), then the key/value heads, recompute layout and stage split
+    dtype, recompute modes, tp), ep > 1 where the target runs no expert parallelism
+    (:attr:`~autopar.contract.support.RuntimeSupport.expert_parallel`), then the key/value heads, recompute layout and stage split
     against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
     runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
@@ -106,6 +107,14 @@ def outside_target(plan, target: str) -> str | None:
     problem = unsupported(plan, support)  # the runtime's own check, worded for the target
     if problem is not None:
         return problem.message(target) + fix
+    ep = getattr(plan, "ep", 1)
+    if ep > 1 and not support.expert_parallel:
+        return (f"{target} cannot run ep={ep}: autopar does not emit expert parallelism "
+                f"for it (autopar.techniques.expert_parallel.FRAMEWORK_FLAGS){fix}")
+    if ep > 1 and plan.tp > 1 and not support.expert_parallel_tp:
+        return (f"{target} runs expert parallelism at tp=1 only (its EP group would span TP "
+                f"ranks; autopar prices EP over the data-parallel ranks), ep={ep} tp={plan.tp}"
+                f"{fix}")
     kv = _kv_heads(plan.model_config)
     if support.placements == "megatron" and kv and kv % plan.tp:
         return (f"{target} splits whole key/value heads over TP (megatron-core: "

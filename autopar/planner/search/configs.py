@@ -124,17 +124,18 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
                                      f"by dp={dp}")
                 continue
-            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why):
+            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why, tp):
                 out += _micro_configs(traced, cluster, layout, support, schedules, why,
                                       tp, pp, dp, global_batch_size // dp, ep)
     return out
 
 
 def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, ...],
-                    why: dict) -> list[int]:
+                    why: dict, tp: int = 1) -> list[int]:
     """The EP degrees to try at data-parallel size ``dp``: the layout's, else 1 and, where
     ``support`` runs expert parallelism, every ep > 1 that :func:`~autopar.techniques.
-    expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``."""
+    expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``
+    (and, at ``tp`` > 1, where :attr:`RuntimeSupport.expert_parallel_tp` allows it)."""
     experts = [b.num_experts for b in blocks]
     shardable = all(b.experts_module for b in blocks)
     wanted = [layout.ep] if layout.ep is not None else \
@@ -145,6 +146,9 @@ def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, 
         problem = ep_problem(ep, dp, zero, experts, shardable)
         if ep > 1 and not support.expert_parallel:
             problem = f"the {support.name} runtime does not run expert parallelism; use ep=1"
+        elif ep > 1 and tp > 1 and not support.expert_parallel_tp:
+            problem = (f"{support.name} runs expert parallelism with tp=1 only (its EP groups "
+                       "would span TP ranks); use tp=1 or ep=1")
         if problem:
             why.setdefault("ep", problem)
             continue
