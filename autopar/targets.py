@@ -72,7 +72,7 @@ TARGETS: dict[str, RuntimeSupport] = {
         sequence_parallel=framework_sequence_parallel("megatron"),
         virtual_stages=(1, 2, 3, 4), dtypes=DTYPES, grad_dtypes=("bf16", "fp32"),
         placements="megatron", recompute_layout="block", expert_parallel=True,
-        expert_parallel_tp=False,
+        expert_parallel_tp=False, moe_sequence_parallel=True,
         attention_kernels=(("bf16", ("flash", "math")), ("fp32", ("math",)))),
     "torchtitan": RuntimeSupport(
         name="torchtitan", schedules=framework_schedules("torchtitan"),

@@ -169,6 +169,9 @@ class RuntimeSupport:
     expert_parallel_tp: ep > 1 also runs with tp > 1 (False: Megatron-LM, whose expert mesh
         folds EP over the tp x dp ranks, so an EP group would span TP ranks:
         :mod:`autopar.frameworks.megatron_moe`).
+    moe_sequence_parallel: a mixture-of-experts model runs with tp > 1 only under sequence
+        parallelism (Megatron-LM: megatron-core's ``MoELayer.forward`` raises without it in
+        training); a search then tries sequence parallelism alone there.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -190,6 +193,7 @@ class RuntimeSupport:
     as_written: bool = False
     expert_parallel: bool = False
     expert_parallel_tp: bool = True
+    moe_sequence_parallel: bool = False
 
     @property
     def default_grad_dtype(self) -> str | None:

@@ -183,3 +183,46 @@ def test_megatron_target_refuses_ep_with_tp(ep_plan):
     no_sp = dataclasses.replace(ep_plan, tp=2, dp=2, ep=1, sequence_parallel=False)
     with pytest.raises(ValueError, match="sequence"):
         emit(no_sp, "megatron")
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    pytest.importorskip("transformers")
+    from benchmarks.hf_families import build_family
+
+    return build_family("mixtral")
+
+
+def test_searched_megatron_plan_uses_ep_and_starts(mixtral):
+    """autopar.plan(..., target="megatron") of the tiny Mixtral on 8 ranks searches ep (the
+    target's expert_parallel) and megatron-core starts what it emits; a tp = 2 pin gets
+    sequence parallelism (MoELayer.forward refuses MoE with TP without it), tp = 2 with
+    ep = 2 is refused by name (EP groups would span TP ranks)."""
+    pytest.importorskip("megatron.core")
+    cluster = autopar.Cluster.local_cpu(processes=8)
+    plan = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron")
+    assert plan.ep > 1 and plan.tp == 1
+    run = fs.megatron_startup(_args(plan), plan.num_gpus)
+    assert run.transformer_config.expert_model_parallel_size == plan.ep
+    tp2 = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
+                       layout=autopar.Layout(tp=2))
+    assert tp2.sequence_parallel and tp2.ep == 1
+    fs.megatron_startup(_args(tp2), tp2.num_gpus)
+    with pytest.raises(ValueError, match="expert parallelism with tp=1 only"):
+        autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
+                     layout=autopar.Layout(tp=2, ep=2))
+
+
+def test_read_back_flags_price_as_the_plan(ep_plan, mixtral):
+    """price_run of the emitted flags, read back, on the same model: the plan's step time;
+    flags stating other experts than the model's are refused."""
+    from autopar.frameworks import price_run, read
+
+    cluster = autopar.Cluster.local_cpu(processes=4)
+    run = read(emit(ep_plan, "megatron"), "megatron", ep_plan.num_gpus)
+    priced = price_run(run, cluster, model=mixtral)
+    assert priced.ep == 2
+    assert priced.predicted.step_time_s == pytest.approx(ep_plan.predicted.step_time_s)
+    other = dataclasses.replace(run, model={**run.model, "moe_router_topk": 1})
+    with pytest.raises(ValueError, match="top-2"):
+        price_run(other, cluster, model=mixtral)

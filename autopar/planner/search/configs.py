@@ -126,7 +126,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 continue
             for ep in _expert_degrees(blocks, layout, support, dp, zeros, why, tp):
                 out += _micro_configs(traced, cluster, layout, support, schedules, why,
-                                      tp, pp, dp, global_batch_size // dp, ep)
+                                      tp, pp, dp, global_batch_size // dp, ep, bool(blocks))
     return out
 
 
@@ -157,15 +157,23 @@ def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, 
 
 
 def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dict,
-                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1) -> list[Config]:
+                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1,
+                   moe: bool = False) -> list[Config]:
     """The configs of one mesh shape (tp, pp, dp) and EP degree: micro-batch sizes,
-    schedules and v."""
+    schedules and v (``moe``: the model has MoE layers, which a target with
+    :attr:`RuntimeSupport.moe_sequence_parallel` runs at tp > 1 only with sequence
+    parallelism)."""
     out, L = [], traced.num_layers
     # sequence parallelism: the layout's; free (without, then with) when it is unset, the
     # search and tp > 1; a hand layout (the full space) is priced as written
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
                          if layout.sequence_parallel is not None or support.as_written
                          else tuple(sp for sp in (False, True) if sp in support.sequence_parallel))
+    if moe and tp > 1 and support.moe_sequence_parallel and not support.as_written:
+        if False in sequence_parallel:
+            why.setdefault("sp", f"{support.name} trains a mixture-of-experts model with tp > 1 "
+                                 "only under sequence parallelism")
+        sequence_parallel = tuple(sp for sp in sequence_parallel if sp)
     dtype = layout.dtype or cluster.dtype
     if support.dtype_for(dtype, tp, pp, dp) != dtype:
         if layout.dtype is not None:  # pinned bf16 the target would run in fp32
