@@ -23,6 +23,10 @@ pipelining) and activation checkpointing every n layers; a plan for them comes f
   configures ``deepspeed.checkpointing``): with full recompute the model's layers call
   ``deepspeed.checkpointing.checkpoint``, which ``autopar.recompute`` states and
   ``autopar.model_side`` shows.
+
+Expert parallelism (ep > 1) is refused by name: DeepSpeed's MoE is its own layer
+(``deepspeed.moe.layer.MoE(ep_size=...)``) that the model code calls, another layer and API
+than a Hugging Face experts module.
 """
 
 from __future__ import annotations

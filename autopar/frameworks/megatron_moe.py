@@ -23,12 +23,14 @@ Megatron-LM's rules at core_v0.16.1: arguments.py ``validate_args`` L1024-1027 (
 ``--num-experts`` and E % ep == 0) and L410-411 (expert-TP defaults to tp); megatron-core's
 ``MoELayer.forward`` (``transformer/moe/moe_layer.py``) raises in training when tp > 1
 without ``--sequence-parallel``; ``TransformerConfig.__post_init__``: a biased linear under
-MoE needs expert-TP 1. The expert mesh folds EP x expert-TP over the tp x cp x dp ranks
-(``parallel_state.initialize_model_parallel``; "MoE Parallel Folding", Liu et al. 2025):
-with expert-TP 1 and tp > 1 an EP group spans tensor-parallel ranks, which autopar does
-not price (its ep folds over the data-parallel ranks of one TP coordinate), so a plan with
-tp > 1 and ep > 1 is refused (:func:`moe_plan_problem`; the megatron target's
-``expert_parallel_tp`` is False, so the planner does not propose one).
+MoE needs expert-TP 1. Under TP Megatron-LM's experts run split over the TP ranks
+(expert-TP = tp: tokens all-gathered over TP, F/tp each) or whole on each rank's sequence
+shard (expert-TP 1, the expert mesh folding EP x expert-TP over the tp x cp x dp ranks:
+``parallel_state.initialize_model_parallel``, "MoE Parallel Folding", Liu et al. 2025),
+while autopar's Megatron pattern prices the routed experts whole on every TP rank for all
+tokens (``planner/strategies/megatron.py``: the experts module replicated), so a MoE plan
+at tp > 1 is refused (:func:`moe_plan_problem`; the megatron target's ``moe_tp`` is False,
+so the planner does not propose one) and so are such flags (:func:`read_moe_flags`).
 
 Families: Mixtral (``num_local_experts``) maps; DeepSeek-V2/V3 (multi-latent attention,
 sigmoid group-limited routing), Qwen2-MoE (q/k/v biases), Qwen3-MoE (q/k RMSNorm) and
@@ -91,6 +93,9 @@ def moe_model_problem(c: dict) -> str | None:
     if "num_local_experts" not in c:
         return (f"a mixture-of-experts model of family {family or '?'}: autopar maps Mixtral's "
                 "MoE layer to Megatron-LM's flags, not this one's")
+    if c.get("sliding_window"):
+        return (f"sliding-window attention (sliding_window={c['sliding_window']}): Megatron-"
+                "LM's flags as autopar writes them build full causal attention")
     if c.get("router_jitter_noise") or c.get("output_router_logits"):
         return ("router jitter noise or a router loss (output_router_logits): autopar prices "
                 "neither; set router_jitter_noise=0 and output_router_logits=False")
@@ -99,19 +104,13 @@ def moe_model_problem(c: dict) -> str | None:
 
 def moe_plan_problem(plan) -> str | None:
     """Why Megatron-LM would not run ``plan`` of a MoE model as autopar prices it, or None:
-    tp > 1 without sequence parallelism (megatron-core ``MoELayer.forward`` raises in
-    training), ep > 1 with tp > 1 (module docstring: the EP group would span TP ranks)."""
-    if moe_config(plan.model_config) is None:
+    tp > 1 (module docstring: Megatron-LM's experts under TP run split or on sequence
+    shards, not whole for all tokens on every TP rank as priced)."""
+    if moe_config(plan.model_config) is None or plan.tp == 1:
         return None
-    if plan.tp > 1 and not plan.sequence_parallel:
-        return ("Megatron-LM trains a MoE model with tp > 1 only under --sequence-parallel "
-                "(megatron-core MoELayer.forward raises without it); plan with "
-                "sequence_parallel=True")
-    if plan.ep > 1 and plan.tp > 1:
-        return (f"ep={plan.ep} with tp={plan.tp}: Megatron-LM folds EP over the tp x dp ranks "
-                "(an EP group spans TP ranks), autopar prices EP over the data-parallel ranks "
-                "of one TP coordinate; plan with tp=1 or ep=1")
-    return None
+    return (f"a mixture-of-experts model at tp={plan.tp}: Megatron-LM runs its experts split "
+            "over the TP ranks or on sequence shards, autopar prices them whole on every TP "
+            "rank; plan it with tp=1 (--target megatron does)")
 
 
 def _freq(freq: list[int]) -> str:
@@ -158,7 +157,7 @@ def read_moe_flags(flags: dict, t: int, d: int | None, ignored: list[str]) -> tu
     d: the data-parallel size when known). Raises ValueError naming the flag: EP without
     ``--num-experts``; E not divisible by ep; ep not dividing d; a dispatcher other than
     alltoall under EP (allgather and flex run other communication, not priced); an
-    expert-TP size other than 1 (megatron-core's default is t); EP with tp > 1; shared
+    expert-TP size other than 1 (megatron-core's default is t); MoE with tp > 1; shared
     experts, dense layers or pre-softmax routing, which autopar's priced model (a Mixtral)
     does not have."""
     ep, E = flags.get("expert-model-parallel-size", 1), flags.get("num-experts")
@@ -179,9 +178,10 @@ def read_moe_flags(flags: dict, t: int, d: int | None, ignored: list[str]) -> tu
                          + ("" if "expert-tensor-parallel-size" in flags else " (the tp size, "
                             "megatron-core's default)") + ": autopar prices experts whole on "
                          "each rank (expert-TP 1); give --expert-tensor-parallel-size 1")
-    if ep > 1 and t > 1:
-        raise ValueError(f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size "
-                         f"{t}: the EP group spans TP ranks, which autopar does not price")
+    if t > 1:
+        raise ValueError(f"--num-experts {E} with --tensor-model-parallel-size {t}: Megatron-"
+                         "LM runs the experts on sequence shards (expert-TP 1), which autopar "
+                         "does not price (it prices them whole on every TP rank)")
     dispatcher = flags.get("moe-token-dispatcher-type", "allgather")
     if ep > 1 and dispatcher != "alltoall":
         raise ValueError(f"--moe-token-dispatcher-type {dispatcher}: autopar prices the "

@@ -132,7 +132,7 @@ BASE = ("--num-layers 2 --micro-batch-size 1 --num-experts 4 --expert-model-para
     (BASE.replace("--expert-tensor-parallel-size 1", "--expert-tensor-parallel-size 2"),
      "expert-tensor-parallel-size 2"),
     (BASE + " --tensor-model-parallel-size 2 --sequence-parallel",
-     "expert-model-parallel-size 2 with --tensor-model-parallel-size 2"),
+     "--num-experts 4 with --tensor-model-parallel-size 2"),
     (BASE.replace("--num-experts 4", "--num-experts 3"), "not divisible"),
     (BASE.replace("--num-experts 4 ", ""), "without --num-experts"),
     (BASE + " --moe-shared-expert-intermediate-size 64", "moe-shared-expert"),
@@ -175,14 +175,15 @@ def test_torchtitan_and_deepspeed_refuse_ep(ep_plan):
                              "expert_parallel_degree = 2\n")
 
 
-def test_megatron_target_refuses_ep_with_tp(ep_plan):
-    """ep > 1 with tp > 1 is outside the megatron target (EP groups would span TP ranks);
-    a MoE plan with tp > 1 and no sequence parallelism is refused by the emitter."""
-    tp2 = dataclasses.replace(ep_plan, tp=2, dp=2, sequence_parallel=True)
-    assert "tp=1 only" in outside_target(tp2, "megatron")
-    no_sp = dataclasses.replace(ep_plan, tp=2, dp=2, ep=1, sequence_parallel=False)
-    with pytest.raises(ValueError, match="sequence"):
-        emit(no_sp, "megatron")
+def test_megatron_target_refuses_moe_with_tp(ep_plan):
+    """A MoE plan at tp > 1 is outside the megatron target and refused by the emitter, with
+    or without EP (Megatron-LM's experts under TP run split or on sequence shards, autopar
+    prices them whole on every TP rank)."""
+    for ep in (2, 1):
+        tp2 = dataclasses.replace(ep_plan, tp=2, dp=2, ep=ep, sequence_parallel=True)
+        assert "mixture-of-experts model at tp=1 only" in outside_target(tp2, "megatron")
+        with pytest.raises(ValueError, match="mixture-of-experts model at tp=1 only"):
+            emit(tp2, "megatron")
 
 
 @pytest.fixture(scope="module")
@@ -195,22 +196,17 @@ def mixtral():
 
 def test_searched_megatron_plan_uses_ep_and_starts(mixtral):
     """autopar.plan(..., target="megatron") of the tiny Mixtral on 8 ranks searches ep (the
-    target's expert_parallel) and megatron-core starts what it emits; a tp = 2 pin gets
-    sequence parallelism (MoELayer.forward refuses MoE with TP without it), tp = 2 with
-    ep = 2 is refused by name (EP groups would span TP ranks)."""
+    target's expert_parallel) at tp = 1 (its moe_tp) and megatron-core starts what it
+    emits; a tp = 2 pin is refused by name."""
     pytest.importorskip("megatron.core")
     cluster = autopar.Cluster.local_cpu(processes=8)
     plan = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron")
     assert plan.ep > 1 and plan.tp == 1
     run = fs.megatron_startup(_args(plan), plan.num_gpus)
     assert run.transformer_config.expert_model_parallel_size == plan.ep
-    tp2 = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
-                       layout=autopar.Layout(tp=2))
-    assert tp2.sequence_parallel and tp2.ep == 1
-    fs.megatron_startup(_args(tp2), tp2.num_gpus)
-    with pytest.raises(ValueError, match="expert parallelism with tp=1 only"):
+    with pytest.raises(ValueError, match="mixture-of-experts model at tp=1 only"):
         autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
-                     layout=autopar.Layout(tp=2, ep=2))
+                     layout=autopar.Layout(tp=2))
 
 
 def test_read_back_flags_price_as_the_plan(ep_plan, mixtral):

@@ -102,6 +102,11 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
             continue
         if support.max_tp is not None and tp > support.max_tp:
             continue
+        if tp > 1 and blocks and not support.moe_tp and not support.as_written:
+            why.setdefault("moe_tp", f"{support.name} runs a mixture-of-experts model at tp=1 "
+                                     "only as autopar prices it (its experts under TP run "
+                                     "split or on sequence shards); use tp=1")
+            continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
@@ -124,18 +129,17 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
                                      f"by dp={dp}")
                 continue
-            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why, tp):
+            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why):
                 out += _micro_configs(traced, cluster, layout, support, schedules, why,
-                                      tp, pp, dp, global_batch_size // dp, ep, bool(blocks))
+                                      tp, pp, dp, global_batch_size // dp, ep)
     return out
 
 
 def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, ...],
-                    why: dict, tp: int = 1) -> list[int]:
+                    why: dict) -> list[int]:
     """The EP degrees to try at data-parallel size ``dp``: the layout's, else 1 and, where
     ``support`` runs expert parallelism, every ep > 1 that :func:`~autopar.techniques.
-    expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``
-    (and, at ``tp`` > 1, where :attr:`RuntimeSupport.expert_parallel_tp` allows it)."""
+    expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``."""
     experts = [b.num_experts for b in blocks]
     shardable = all(b.experts_module for b in blocks)
     wanted = [layout.ep] if layout.ep is not None else \
@@ -146,9 +150,6 @@ def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, 
         problem = ep_problem(ep, dp, zero, experts, shardable)
         if ep > 1 and not support.expert_parallel:
             problem = f"the {support.name} runtime does not run expert parallelism; use ep=1"
-        elif ep > 1 and tp > 1 and not support.expert_parallel_tp:
-            problem = (f"{support.name} runs expert parallelism with tp=1 only (its EP groups "
-                       "would span TP ranks); use tp=1 or ep=1")
         if problem:
             why.setdefault("ep", problem)
             continue
@@ -157,23 +158,15 @@ def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, 
 
 
 def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dict,
-                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1,
-                   moe: bool = False) -> list[Config]:
+                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1) -> list[Config]:
     """The configs of one mesh shape (tp, pp, dp) and EP degree: micro-batch sizes,
-    schedules and v (``moe``: the model has MoE layers, which a target with
-    :attr:`RuntimeSupport.moe_sequence_parallel` runs at tp > 1 only with sequence
-    parallelism)."""
+    schedules and v."""
     out, L = [], traced.num_layers
     # sequence parallelism: the layout's; free (without, then with) when it is unset, the
     # search and tp > 1; a hand layout (the full space) is priced as written
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)
                          if layout.sequence_parallel is not None or support.as_written
                          else tuple(sp for sp in (False, True) if sp in support.sequence_parallel))
-    if moe and tp > 1 and support.moe_sequence_parallel and not support.as_written:
-        if False in sequence_parallel:
-            why.setdefault("sp", f"{support.name} trains a mixture-of-experts model with tp > 1 "
-                                 "only under sequence parallelism")
-        sequence_parallel = tuple(sp for sp in sequence_parallel if sp)
     dtype = layout.dtype or cluster.dtype
     if support.dtype_for(dtype, tp, pp, dp) != dtype:
         if layout.dtype is not None:  # pinned bf16 the target would run in fp32
