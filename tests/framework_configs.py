@@ -98,7 +98,8 @@ def _megatron_flag_parser():
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length"):
         p.add_argument(flag, type=int)
-    for flag in ("--vocab-size", "--max-position-embeddings"):  # GPTModel's, not the config's
+    for flag in ("--vocab-size", "--max-position-embeddings",  # GPTModel's, not the config's
+                 "--rotary-base"):
         p.add_argument(flag, type=int)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         p.add_argument(flag, type=float)
@@ -145,6 +146,7 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
     Only the flags of :func:`_megatron_flag_parser` are known (another is an
     ``argparse.ArgumentError``); ``--use-distributed-optimizer``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--seq-length``, ``--vocab-size``, ``--max-position-embeddings``,
+    ``--rotary-base``,
     ``--grad-reduce-in-bf16``,
     ``--position-embedding-type`` and ``--untie-embeddings-and-output-weights`` are read but
     belong to other configs (``DistributedDataParallelConfig``/``OptimizerConfig``, the

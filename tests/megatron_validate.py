@@ -180,6 +180,7 @@ def layout_flag_parser() -> argparse.ArgumentParser:
     p.add_argument("--position-embedding-type", type=str, default="learned_absolute",  # L1645
                    choices=["learned_absolute", "rope", "mrope", "relative", "none"])
     p.add_argument("--mrope-section", type=int, nargs="+", default=None)
+    p.add_argument("--rotary-base", type=int, default=10000)  # L1655
     p.add_argument("--normalization", type=str, default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     store_true("--swiglu")  # L1687
     p.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")

@@ -327,7 +327,7 @@ def megatron_args(plan) -> list[str]:
         out += ["--group-query-attention", "--num-query-groups", str(shape["num_query_groups"])]
     if shape["swiglu"]:
         out += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--disable-bias-linear"]
+                "--disable-bias-linear"] + _rotary_base(shape.get("rope_theta"))
     out += ["--untie-embeddings-and-output-weights"] * shape["untied"]
     out += moe_model_args(plan.model_config)  # [] for a dense model
     out += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
@@ -362,6 +362,16 @@ def megatron_args(plan) -> list[str]:
                              if plan_grad_dtype(plan) == "bf16" else [])
     out += ["--attention-backend", "flash" if plan.attention_kernel == "flash" else "unfused"]
     return out
+
+
+def _rotary_base(theta) -> list[str]:
+    """``--rotary-base`` for a rope theta other than Megatron-LM's default 10000 (arguments.py
+    L1655 at core_v0.16.1: an int); ValueError for a theta no int states."""
+    if theta is None or theta == 10000:
+        return []
+    if theta != int(theta):
+        raise ValueError(f"rope_theta {theta}: Megatron-LM's --rotary-base is an integer")
+    return ["--rotary-base", str(int(theta))]
 
 
 def format_megatron_args(plan) -> str:

@@ -50,6 +50,7 @@ def test_emitted_ep_flags(ep_plan):
                                       "--moe-token-dispatcher-type")] == \
         ["4", "2", "128", "2", "1", "alltoall"]
     assert "--moe-grouped-gemm" in argv and "--moe-layer-freq" not in argv
+    assert _value(argv, "--rotary-base") == "1000000"  # Mixtral's rope_theta
     assert "ep=2" in emit(ep_plan, "megatron").splitlines()[0]
     dense = _args(dataclasses.replace(ep_plan, ep=1))
     assert "--num-experts" in dense and "--expert-model-parallel-size" not in dense
