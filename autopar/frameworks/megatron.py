@@ -43,8 +43,8 @@ Read as Megatron-LM reads them, or refused by name where autopar cannot price th
 yet (:func:`_refuse_unpriced`): ``--context-parallel-size`` above 1,
 ``--use-megatron-fsdp``, ``--use-torch-fsdp2``, any ``--fp8-*`` flag,
 ``--recompute-modules`` other than ``core_attn`` under selective recompute. ``--swiglu``
-without ``--ffn-hidden-size`` has int(8h/3/64)·64 (arguments.py); ``--num-query-groups`` counts only with
-``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
+without ``--ffn-hidden-size`` has int(8h/3/64)·64 (arguments.py); ``--num-query-groups``
+counts only with ``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
 (interleaved); block recompute needs ``--recompute-num-layers``. A launch script's plain
 variables (``NAME=value``, ``NAME=${X:-default}``) are substituted and a quoted array
 element holding a flag and its value is split, as bash would run the script without

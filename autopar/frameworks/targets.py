@@ -87,8 +87,8 @@ def outside_target(plan, target: str) -> str | None:
     :func:`autopar.contract.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
     dtype, recompute modes, tp), ep > 1 where the target runs no expert parallelism
     (:attr:`~autopar.contract.support.RuntimeSupport.expert_parallel`), a MoE model at tp > 1
-    where it does not run one (``moe_tp``), then the key/value heads, recompute layout and stage split
-    against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
+    where it does not run one (``moe_tp``), then the key/value heads, recompute layout and
+    stage split against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
     runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
