@@ -98,10 +98,19 @@ def _megatron_flag_parser():
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length"):
         p.add_argument(flag, type=int)
-    for flag in ("--vocab-size", "--max-position-embeddings"):  # GPTModel's, not the config's
+    for flag in ("--vocab-size", "--max-position-embeddings",  # GPTModel's, not the config's
+                 "--rotary-base"):
         p.add_argument(flag, type=int)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         p.add_argument(flag, type=float)
+    for flag in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                 "--moe-shared-expert-intermediate-size", "--expert-model-parallel-size",
+                 "--expert-tensor-parallel-size"):  # arguments.py _add_moe_args, parallel args
+        p.add_argument(flag, type=int)
+    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"])
+    p.add_argument("--moe-layer-freq", type=str)  # moe_freq_type: an int or a list expression
+    for flag in ("--moe-grouped-gemm", "--moe-router-pre-softmax", "--moe-shared-expert-gate"):
+        p.add_argument(flag, action="store_true")
     p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     p.add_argument("--pipeline-model-parallel-layout", type=str)
@@ -137,6 +146,7 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
     Only the flags of :func:`_megatron_flag_parser` are known (another is an
     ``argparse.ArgumentError``); ``--use-distributed-optimizer``, ``--micro-batch-size``,
     ``--global-batch-size``, ``--seq-length``, ``--vocab-size``, ``--max-position-embeddings``,
+    ``--rotary-base``,
     ``--grad-reduce-in-bf16``,
     ``--position-embedding-type`` and ``--untie-embeddings-and-output-weights`` are read but
     belong to other configs (``DistributedDataParallelConfig``/``OptimizerConfig``, the
@@ -207,9 +217,35 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
     }
     if args.swiglu:
         fields["activation_func"] = torch.nn.functional.silu
+    fields |= _megatron_moe_fields(args)
     for name in ("hidden_dropout", "attention_dropout"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
+    return fields
+
+
+def _megatron_moe_fields(args) -> dict[str, Any]:
+    """The MoE ``TransformerConfig`` fields of parsed flags ``args``, with Megatron-LM's
+    asserts (arguments.py ``validate_args`` at core_v0.16.1, L1024-1027 "Expert parallelism
+    check"); {} without ``--num-experts`` and EP."""
+    ep = args.expert_model_parallel_size or 1
+    if args.num_experts is None:
+        assert ep == 1, "num_experts must be non None to use expert model parallelism"
+        return {}
+    assert args.num_experts % ep == 0, \
+        "Number of experts should be a multiple of expert model parallel_size."
+    freq = args.moe_layer_freq or "1"  # moe_freq_type: a list expression, else an int
+    fields = {"num_moe_experts": args.num_experts, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+              "moe_router_topk": args.moe_router_topk or 2,
+              "moe_layer_freq": eval(freq) if "[" in freq else int(freq),  # noqa: S307
+              "moe_grouped_gemm": args.moe_grouped_gemm,
+              "moe_router_pre_softmax": args.moe_router_pre_softmax,
+              "moe_shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size,
+              "moe_shared_expert_gate": args.moe_shared_expert_gate,
+              "expert_model_parallel_size": ep,
+              "expert_tensor_parallel_size": args.expert_tensor_parallel_size}
+    if args.moe_token_dispatcher_type:
+        fields["moe_token_dispatcher_type"] = args.moe_token_dispatcher_type
     return fields
 
 

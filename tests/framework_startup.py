@@ -253,9 +253,11 @@ class MegatronStartup(NamedTuple):
     data_parallel_size: int  # parallel_state.get_data_parallel_world_size()
     transformer_config: Any  # megatron.core TransformerConfig
     ddp_config: Any  # megatron.core DistributedDataParallelConfig
+    expert_group: list[int]  # global ranks of rank's expert-model-parallel (EP) group
+    expert_data_group: list[int]  # ... of its expert-data-parallel group
 
 
-def megatron_startup(argv: Sequence[str], world_size: int) -> MegatronStartup:
+def megatron_startup(argv: Sequence[str], world_size: int, rank: int = 0) -> MegatronStartup:
     """Megatron-LM's start-up for the flags ``argv`` on ``world_size`` ranks, as far as
     megatron-core runs it on CPU.
 
@@ -275,6 +277,10 @@ def megatron_startup(argv: Sequence[str], world_size: int) -> MegatronStartup:
     ``grad_reduce_in_fp32`` as Megatron-LM sets it (``validate_args``: under ``--bf16``,
     ``accumulate_allreduce_grads_in_fp32`` is True unless ``--grad-reduce-in-bf16``; without
     ``--bf16`` it stays False; ``training.py`` passes it as ``grad_reduce_in_fp32``).
+
+    With MoE flags, ``expert_model_parallel_size`` and ``expert_tensor_parallel_size`` go to
+    ``initialize_model_parallel`` as Megatron-LM's ``_initialize_distributed`` passes them,
+    and the EP and expert-data-parallel groups of ``rank`` come back (global ranks).
 
     The process groups use the fake backend: megatron-core creates its groups with
     ``backend=None`` (the default group's, so fake) except its gloo side groups, which gloo
@@ -304,13 +310,19 @@ def megatron_startup(argv: Sequence[str], world_size: int) -> MegatronStartup:
         destroy_num_microbatches_calculator()
         torch.distributed.destroy_process_group()
 
-    with fake_process_group(world_size, destroy=destroy):
+    with fake_process_group(world_size, rank=rank, destroy=destroy):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=fields["tensor_model_parallel_size"],
             pipeline_model_parallel_size=fields["pipeline_model_parallel_size"],
             virtual_pipeline_model_parallel_size=fields["virtual_pipeline_model_parallel_size"],
-            context_parallel_size=1, create_gloo_process_groups=False)
+            context_parallel_size=1, create_gloo_process_groups=False,
+            expert_model_parallel_size=fields.get("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=fields.get("expert_tensor_parallel_size"))
         dp = parallel_state.get_data_parallel_world_size()
+        ep_group = torch.distributed.get_process_group_ranks(
+            parallel_state.get_expert_model_parallel_group())
+        edp_group = torch.distributed.get_process_group_ranks(
+            parallel_state.get_expert_data_parallel_group())
         if flags.global_batch_size is not None and flags.micro_batch_size is not None:
             init_num_microbatches_calculator(0, None, flags.global_batch_size,
                                              flags.micro_batch_size, dp,
@@ -320,7 +332,7 @@ def megatron_startup(argv: Sequence[str], world_size: int) -> MegatronStartup:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=bool(flags.bf16 and not flags.grad_reduce_in_bf16),
             use_distributed_optimizer=flags.use_distributed_optimizer)
-    return MegatronStartup(dp, config, ddp_config)
+    return MegatronStartup(dp, config, ddp_config, ep_group, edp_group)
 
 
 # --------------------------------------------------------------------------------------

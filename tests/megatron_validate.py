@@ -180,6 +180,7 @@ def layout_flag_parser() -> argparse.ArgumentParser:
     p.add_argument("--position-embedding-type", type=str, default="learned_absolute",  # L1645
                    choices=["learned_absolute", "rope", "mrope", "relative", "none"])
     p.add_argument("--mrope-section", type=int, nargs="+", default=None)
+    p.add_argument("--rotary-base", type=int, default=10000)  # L1655
     p.add_argument("--normalization", type=str, default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     store_true("--swiglu")  # L1687
     p.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
@@ -194,6 +195,14 @@ def layout_flag_parser() -> argparse.ArgumentParser:
     # MoE
     p.add_argument("--num-experts", type=int, default=None)  # L2691
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    p.add_argument("--moe-layer-freq", type=str, default=1)  # L2693 (moe_freq_type: not read here)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                   choices=["allgather", "alltoall", "flex"])
+    store_true("--moe-grouped-gemm")
+    store_true("--moe-router-pre-softmax")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    store_true("--moe-shared-expert-gate")
     store_true("--moe-use-legacy-grouped-gemm")
     store_true("--moe-pad-experts-for-cuda-graph-inference")  # L2717
 

@@ -166,6 +166,11 @@ class RuntimeSupport:
         (``autopar.evaluate`` of a published layout, the hand layouts of the report).
     expert_parallel: the runner splits MoE experts over ep > 1 ranks folded over DP
         (:mod:`autopar.techniques.expert_parallel`); a search then tries every ep it allows.
+    moe_tp: a mixture-of-experts model runs with tp > 1. False: Megatron-LM, whose experts
+        under TP run either split over the TP ranks (expert-TP = tp, its default) or whole on
+        each rank's sequence shard (expert-TP 1), while the cost model prices them whole on
+        every TP rank for all tokens (:mod:`autopar.frameworks.megatron_moe`); a search
+        then tries tp = 1 alone for a MoE model.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -186,6 +191,7 @@ class RuntimeSupport:
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     as_written: bool = False
     expert_parallel: bool = True
+    moe_tp: bool = True
 
     @property
     def default_grad_dtype(self) -> str | None:

@@ -4,7 +4,8 @@ DeepSpeed configurations out, and plans searched inside what each of them execut
 * :mod:`~autopar.frameworks.targets`: each runner's executable space (``TARGETS``, used by
   ``autopar.plan(..., target=)``) and :class:`FrameworkRun`, a framework's run in autopar's
   terms;
-* :mod:`~autopar.frameworks.megatron`: Megatron-LM's pretraining flags, read and written;
+* :mod:`~autopar.frameworks.megatron`: Megatron-LM's pretraining flags, read and written
+  (its MoE and expert-parallel flags: :mod:`~autopar.frameworks.megatron_moe`);
 * :mod:`~autopar.frameworks.torchtitan`: a torchtitan job TOML, written and read;
 * :mod:`~autopar.frameworks.deepspeed`: a DeepSpeed config JSON, written and read;
 * :func:`emit`, :func:`read` and :func:`price_run` tie them to the plan and the cost model.

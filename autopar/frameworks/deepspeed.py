@@ -23,6 +23,10 @@ pipelining) and activation checkpointing every n layers; a plan for them comes f
   configures ``deepspeed.checkpointing``): with full recompute the model's layers call
   ``deepspeed.checkpointing.checkpoint``, which ``autopar.recompute`` states and
   ``autopar.model_side`` shows.
+
+Expert parallelism (ep > 1) is refused by name: DeepSpeed's MoE is its own layer
+(``deepspeed.moe.layer.MoE(ep_size=...)``) that the model code calls, another layer and API
+than a Hugging Face experts module.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def deepspeed_config(plan) -> dict:
     """The DeepSpeed config (a JSON-able dict) that runs ``plan`` (module docstring);
     ValueError when the plan is outside DeepSpeed's space
     (:func:`~autopar.frameworks.targets.outside_target`)."""
+    if getattr(plan, "ep", 1) > 1:
+        raise ValueError(f"ep={plan.ep}: DeepSpeed's expert parallelism is its own MoE layer "
+                         "(deepspeed.moe.layer.MoE(ep_size=...)) that the model code calls, a "
+                         "different layer and API from this model's experts; autopar does not "
+                         "emit it; plan with --target deepspeed (ep=1) or emit for Megatron-LM")
     problem = outside_target(plan, "deepspeed")
     if problem:
         raise ValueError(problem)
@@ -138,7 +147,7 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
     layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b, zero_stage=zero,
                     recompute=recompute_mode_for("deepspeed", str(interval)).name,
                     schedule=schedule_for("deepspeed", "TrainSchedule").name,
-                    virtual_stages=1, sequence_parallel=False,
+                    virtual_stages=1, sequence_parallel=False, ep=1,
                     dtype=dtype, grad_dtype=dtype)
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization", "bf16", "pipeline", "autopar", "data_types",

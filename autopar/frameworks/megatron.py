@@ -34,13 +34,17 @@ name with underscores):
   ``--untie-embeddings-and-output-weights``, ``--hidden-dropout`` (Megatron-LM's default
   0.1; ``--attention-dropout`` is read with it).
 
+* mixture of experts and expert parallelism (``--num-experts``, ``--moe-router-topk``,
+  ``--moe-ffn-hidden-size``, ``--expert-model-parallel-size`` ep, ``--expert-tensor-parallel-size``,
+  ``--moe-token-dispatcher-type``, ``--moe-grouped-gemm``): :mod:`~autopar.frameworks.megatron_moe`
+  (ep read into ``Layout.ep``; alltoall dispatch and expert-TP 1 priced, the rest refused).
+
 Read as Megatron-LM reads them, or refused by name where autopar cannot price the run
-yet (:func:`_refuse_unpriced`): ``--context-parallel-size`` and
-``--expert-model-parallel-size`` above 1, ``--num-experts``, ``--use-megatron-fsdp``,
-``--use-torch-fsdp2``, any ``--fp8-*`` flag, ``--recompute-modules`` other than
-``core_attn`` under selective recompute. ``--swiglu`` without ``--ffn-hidden-size`` has
-int(8h/3/64)·64 (arguments.py); ``--num-query-groups`` counts only with
-``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
+yet (:func:`_refuse_unpriced`): ``--context-parallel-size`` above 1,
+``--use-megatron-fsdp``, ``--use-torch-fsdp2``, any ``--fp8-*`` flag,
+``--recompute-modules`` other than ``core_attn`` under selective recompute. ``--swiglu``
+without ``--ffn-hidden-size`` has int(8h/3/64)·64 (arguments.py); ``--num-query-groups``
+counts only with ``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
 (interleaved); block recompute needs ``--recompute-num-layers``. A launch script's plain
 variables (``NAME=value``, ``NAME=${X:-default}``) are substituted and a quoted array
 element holding a flag and its value is split, as bash would run the script without
@@ -54,7 +58,11 @@ from __future__ import annotations
 import shlex
 
 from autopar.frameworks.launch_script import script_words
+from autopar.frameworks.megatron_attention import ATTENTION_BACKENDS
+from autopar.frameworks.megatron_attention import attention_kernel as _attention
 from autopar.frameworks.megatron_layout import parse_pp_layout, pp_layout
+from autopar.frameworks.megatron_moe import (MOE_BOOL, MOE_INT, MOE_TEXT, moe_model_args,
+                                             moe_parallel_args, moe_plan_problem, read_moe_flags)
 from autopar.frameworks.model_shape import model_shape
 from autopar.frameworks.targets import (FrameworkRun, megatron_block_layers, outside_target,
                                         torchrun_line)
@@ -79,19 +87,17 @@ _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-bat
         "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
         "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
         "max-position-embeddings", "make-vocab-size-divisible-by", "context-parallel-size",
-        "expert-model-parallel-size", "num-experts")
+        *MOE_INT)
 _TEXT = ("recompute-granularity", "recompute-method", "activations-checkpoint-method",
-         "pipeline-model-parallel-layout", "main-grads-dtype", "attention-backend")
+         "pipeline-model-parallel-layout", "main-grads-dtype", "attention-backend", *MOE_TEXT)
 _FLOAT = ("hidden-dropout", "attention-dropout")
 _BOOL = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "swiglu",
          "group-query-attention", "untie-embeddings-and-output-weights",
          "recompute-activations", "checkpoint-activations", "grad-reduce-in-bf16",
-         "accumulate-allreduce-grads-in-fp32", "use-megatron-fsdp", "use-torch-fsdp2")
+         "accumulate-allreduce-grads-in-fp32", "use-megatron-fsdp", "use-torch-fsdp2", *MOE_BOOL)
 _LIST = ("recompute-modules",)  # nargs="+"
 _REFUSED = {  # read but not priced yet: refused by name, never priced as something else
     "context-parallel-size": lambda v: v > 1 and "context parallelism",
-    "expert-model-parallel-size": lambda v: v > 1 and "expert parallelism",
-    "num-experts": lambda v: "a mixture-of-experts model",
     "use-megatron-fsdp": lambda v: "Megatron-FSDP (sharded data parallelism)",
     "use-torch-fsdp2": lambda v: "PyTorch FSDP2 under Megatron-LM",
 }
@@ -194,9 +200,10 @@ def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | 
 
 
 def _refuse_unpriced(flags: dict, unknown: list[str]) -> None:
-    """ValueError naming the first flag whose run autopar cannot price yet (context or
-    expert parallelism, a mixture-of-experts model, FSDP under Megatron-LM, FP8, selective
-    recompute of modules other than core attention) rather than price another run."""
+    """ValueError naming the first flag whose run autopar cannot price yet (context
+    parallelism, FSDP under Megatron-LM, FP8, selective recompute of modules other than
+    core attention; MoE flags: :func:`~autopar.frameworks.megatron_moe.read_moe_flags`)
+    rather than price another run."""
     for name, rule in _REFUSED.items():
         what = name in flags and rule(flags[name])
         if what:
@@ -233,6 +240,7 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
         raise ValueError(f"{num_gpus} GPUs are not divisible by tp*pp = {t}*{p}; give the "
                          "cluster the flags were written for")
     d = num_gpus // (t * p) if num_gpus is not None else None
+    ep, moe = read_moe_flags(flags, t, d, ignored)
     v = flags.get("num-virtual-stages-per-pipeline-rank") or 1
     if "num-layers-per-virtual-pipeline-stage" in flags:
         per = flags["num-layers-per-virtual-pipeline-stage"]
@@ -269,7 +277,8 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b,
                     zero_stage=1 if flags.get("use-distributed-optimizer") else 0,
                     recompute=recompute, schedule=default_schedule(v).name,
-                    virtual_stages=v, sequence_parallel=sp, dtype=dtype, grad_dtype=grad_dtype)
+                    virtual_stages=v, sequence_parallel=sp, dtype=dtype, grad_dtype=grad_dtype,
+                    ep=ep)
     h = flags.get("hidden-size")
     shape = {"num_layers": L, "hidden_size": h,
              "num_attention_heads": flags.get("num-attention-heads"),
@@ -284,7 +293,7 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
              "vocab_size": flags.get("padded-vocab-size") or flags.get("vocab-size"),
              "swiglu": bool(flags.get("swiglu")),
              "dropout": flags.get("hidden-dropout", 0.1),  # Megatron-LM's default
-             "untied": bool(flags.get("untie-embeddings-and-output-weights"))}
+             "untied": bool(flags.get("untie-embeddings-and-output-weights")), **moe}
     if "num-query-groups" in flags and not flags.get("group-query-attention"):
         ignored.append(f"--num-query-groups {flags['num-query-groups']}: without "
                        "--group-query-attention Megatron-LM keeps a key/value head per query "
@@ -300,41 +309,14 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
                         flags.get("seq-length"), ignored, attention)
 
 
-ATTENTION_BACKENDS = {"flash": "flash", "fused": "flash", "auto": "flash", "unfused": "math",
-                      "local": "math"}
-"""Megatron-LM's ``--attention-backend`` (megatron-core ``AttnBackend``,
-``transformer/enums.py`` at core_v0.16.1; default ``auto``) -> the kernel priced:
-Transformer Engine's FlashAttention and cuDNN fused attention keep output and log-sum-exp
-("flash"; ``auto`` picks one of them for 16-bit inputs); its ``UnfusedDotProductAttention``
-and megatron-core's ``local`` ``DotProductAttention`` keep the softmax ("math").
-``LanguageModule._set_attention_backend`` turns the choice into TE's ``NVTE_FLASH_ATTN``,
-``NVTE_FUSED_ATTN`` and ``NVTE_UNFUSED_ATTN``."""
-
-
-def _attention(backend: str, dtype: str) -> str:
-    """The kernel ``--attention-backend backend`` runs in ``dtype`` (:data:`ATTENTION_
-    BACKENDS`); fp32 runs unfused under ``auto``. Raises ValueError for an unknown backend
-    or a fused one in fp32 (TE's flash and cuDNN kernels take fp16/bf16 inputs only:
-    ``get_attention_backend`` disables both for other dtypes)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend {backend}: Megatron-LM knows "
-                         f"{', '.join(ATTENTION_BACKENDS)}")
-    if dtype == "fp32":
-        if backend in ("flash", "fused"):
-            raise ValueError(f"--attention-backend {backend} without --bf16 or --fp16: "
-                             "Transformer Engine's fused kernels take 16-bit inputs only; "
-                             "use --attention-backend unfused or train in bf16")
-        return "math"
-    return ATTENTION_BACKENDS[backend]
-
-
 def megatron_args(plan) -> list[str]:
     """The Megatron-LM flags that run ``plan`` (a :class:`~autopar.contract.plan.Plan`): model shape,
+    its MoE layers and expert parallelism (:mod:`~autopar.frameworks.megatron_moe`),
     parallel sizes, batch, pipeline split, recompute, optimizer sharding, precision and the
     attention kernel priced (``--attention-backend flash`` or ``unfused``:
     :data:`ATTENTION_BACKENDS`), in that order. Raises ValueError when the plan is outside Megatron-LM's space
     (:func:`~autopar.frameworks.targets.outside_target`)."""
-    problem = outside_target(plan, "megatron")
+    problem = outside_target(plan, "megatron") or moe_plan_problem(plan)
     if problem:
         raise ValueError(problem)
     shape = model_shape(plan.model_config)
@@ -345,14 +327,15 @@ def megatron_args(plan) -> list[str]:
         out += ["--group-query-attention", "--num-query-groups", str(shape["num_query_groups"])]
     if shape["swiglu"]:
         out += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-                "--disable-bias-linear"]
+                "--disable-bias-linear"] + _rotary_base(shape.get("rope_theta"))
     out += ["--untie-embeddings-and-output-weights"] * shape["untied"]
+    out += moe_model_args(plan.model_config)  # [] for a dense model
     out += ["--seq-length", str(plan.seq_len), "--max-position-embeddings",
             str(shape.get("seq_length") or plan.seq_len), "--vocab-size", str(shape["vocab_size"]),
             "--hidden-dropout", f"{shape.get('dropout', 0.0):g}",
             "--attention-dropout", f"{shape.get('dropout', 0.0):g}",
             "--tensor-model-parallel-size", str(plan.tp),
-            "--pipeline-model-parallel-size", str(plan.pp)]
+            "--pipeline-model-parallel-size", str(plan.pp)] + moe_parallel_args(plan)
     sp = tensor_parallel_mode(plan.sequence_parallel)  # its flag beside --tensor-model-...
     out += [sp.frameworks["megatron"]] * sp.shards_sequence + ["--micro-batch-size", str(
         plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
@@ -381,6 +364,16 @@ def megatron_args(plan) -> list[str]:
     return out
 
 
+def _rotary_base(theta) -> list[str]:
+    """``--rotary-base`` for a rope theta other than Megatron-LM's default 10000 (arguments.py
+    L1655 at core_v0.16.1: an int); ValueError for a theta no int states."""
+    if theta is None or theta == 10000:
+        return []
+    if theta != int(theta):
+        raise ValueError(f"rope_theta {theta}: Megatron-LM's --rotary-base is an integer")
+    return ["--rotary-base", str(int(theta))]
+
+
 def format_megatron_args(plan) -> str:
     """:func:`megatron_args` as a launch fragment: a comment naming the plan and the GPUs,
     the environment the launch needs (``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM's
@@ -393,7 +386,8 @@ def format_megatron_args(plan) -> str:
         lines.append(" ".join(shlex.quote(a) for a in args[i:i + 1 + takes]))
         i += 1 + takes
     head = (f"# autopar plan for {plan.model} on {plan.num_gpus} GPUs "
-            f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}): predicted step "
+            f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}"
+            + (f" ep={plan.ep}" if plan.ep > 1 else "") + "): predicted step "
             f"{plan.predicted.step_time_s:.3f} s\n"
             + ("# export CUDA_DEVICE_MAX_CONNECTIONS=1\n" if plan.tp > 1 else "")
             + f"# {torchrun_line(plan)} pretrain_gpt.py \\\n")

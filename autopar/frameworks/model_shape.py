@@ -60,17 +60,29 @@ def model_shape(model_config: dict) -> dict:
 
 def model_problem(model_config: dict, framework: str) -> str | None:
     """Why ``framework`` would train another model than ``model_config``, or None: a
-    mixture-of-experts model (:data:`MOE_KEYS`; autopar emits dense configurations only, so
-    any framework would train a dense model), or for torchtitan a model its Llama 3
-    definition (``torchtitan/models/llama3``: RMSNorm, SwiGLU, rotary positions, an untied
-    head, no biases) does not reproduce: a GPT-2/3 model, a tied head, biased projections."""
+    mixture-of-experts model (:data:`MOE_KEYS`) that the framework's configuration does not
+    express (Megatron-LM: :func:`~autopar.frameworks.megatron_moe.moe_model_problem`;
+    torchtitan: its MoE models are its own deepseek_v3, qwen3 and llama4 definitions, and
+    autopar emits its llama3; DeepSpeed: its MoE is its own layer,
+    ``deepspeed.moe.layer.MoE``, which the model code must call), or for torchtitan a
+    model its Llama 3 definition (``torchtitan/models/llama3``: RMSNorm, SwiGLU, rotary
+    positions, an untied head, no biases) does not reproduce: a GPT-2/3 model, a tied head,
+    biased projections."""
     c = model_config
     experts = {k: c[k] for k in MOE_KEYS if isinstance(c.get(k), int) and c[k] > 1}
+    if experts and framework == "megatron":
+        from autopar.frameworks.megatron_moe import moe_model_problem
+
+        return moe_model_problem(c)
     if experts:
         key, n = next(iter(experts.items()))
-        return (f"a mixture-of-experts model ({key}={n}): autopar plans and emits dense "
-                "models only (expert parallelism is not priced yet), so the configuration "
-                "would train a dense model")
+        why = ("torchtitan 0.2.2 runs mixture-of-experts layers only in its own deepseek_v3, "
+               "qwen3 and llama4 model definitions; autopar emits its llama3 model"
+               if framework == "torchtitan" else
+               "DeepSpeed's mixture of experts is its own layer (deepspeed.moe.layer.MoE) "
+               "that the model code calls, not this model's experts module")
+        return (f"a mixture-of-experts model ({key}={n}): {why}, so the configuration would "
+                "train another model; emit it for Megatron-LM or run it with autopar")
     if framework != "torchtitan":
         return None
     try:
@@ -120,10 +132,17 @@ def build_model(shape: dict) -> tuple[torch.nn.Module, str]:
     except ImportError:
         raise ImportError("a SwiGLU (Llama-family) shape is built with transformers; "
                           "pip install 'transformers>=5,<6' or give --model") from None
-    config = transformers.LlamaConfig(
-        hidden_size=h, intermediate_size=ffn, num_hidden_layers=L, num_attention_heads=a,
-        num_key_value_heads=groups, vocab_size=V, max_position_embeddings=s,
-        tie_word_embeddings=not shape.get("untied", True))
+    common = dict(hidden_size=h, num_hidden_layers=L, num_attention_heads=a,
+                  num_key_value_heads=groups, vocab_size=V, max_position_embeddings=s,
+                  tie_word_embeddings=not shape.get("untied", True))
+    if shape.get("num_experts"):  # every layer MoE (megatron_moe.read_moe_flags): a Mixtral
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=shape.get("moe_ffn_hidden_size") or ffn,
+            num_local_experts=shape["num_experts"],
+            num_experts_per_tok=shape.get("moe_router_topk", 2))
+        name += f" moe E{shape['num_experts']} k{shape.get('moe_router_topk', 2)}"
+    else:
+        config = transformers.LlamaConfig(**common, intermediate_size=ffn)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, name + " swiglu"

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from autopar.frameworks.deepspeed import deepspeed_config, read_deepspeed_config
 from autopar.frameworks.megatron import format_megatron_args, read_megatron_args
+from autopar.frameworks.megatron_moe import moe_config
 from autopar.frameworks.model_shape import build_model, model_problem
 from autopar.frameworks.targets import FRAMEWORKS, FrameworkRun
 from autopar.frameworks.torchtitan import read_torchtitan_toml, torchtitan_toml
@@ -59,6 +60,7 @@ def price_run(run: FrameworkRun, cluster, *, model=None, model_name: str | None 
     per-layer recompute, on ``model`` (default: the model its shape states,
     :func:`~autopar.frameworks.model_shape.build_model`) with its batch and sequence length
     unless given, with the attention kernel it runs (``run.attention``, else the cluster's).
+    A run's experts (``--num-experts``, ``--moe-router-topk``) must be ``model``'s.
     d defaults to the cluster's GPUs / (t·p). Raises ValueError (a shape or
     batch the run does not state, degrees that do not fit) and InfeasibleError like
     ``evaluate``."""
@@ -66,6 +68,8 @@ def price_run(run: FrameworkRun, cluster, *, model=None, model_name: str | None 
 
     if model is None:
         model, model_name = build_model(run.model)
+    else:
+        _check_experts(run, getattr(getattr(model, "config", None), "to_dict", dict)())
     layout = run.layout
     if layout.dp is None:
         n = cluster.num_gpus
@@ -82,3 +86,17 @@ def price_run(run: FrameworkRun, cluster, *, model=None, model_name: str | None 
     return evaluate(model, cluster, layout, global_batch_size=batch, seq_len=seq,
                     model_name=model_name or "model", stage_layers=run.stage_layers,
                     recompute=run.recompute)
+
+
+def _check_experts(run: FrameworkRun, config: dict) -> None:
+    """ValueError when ``run`` states experts (E, top-k) that ``config``, the model being
+    priced, does not have: the run would train another model than the one priced."""
+    if "num_experts" not in run.model:
+        return
+    moe = moe_config(config) or {}
+    stated = (run.model["num_experts"], run.model.get("moe_router_topk", 2))
+    have = (moe.get("num_experts"), moe.get("moe_router_topk"))
+    if stated != have:
+        raise ValueError(f"--num-experts {stated[0]} --moe-router-topk {stated[1]}: the model "
+                         f"priced has {have[0]} experts, top-{have[1]}; give the model the "
+                         "flags were written for")

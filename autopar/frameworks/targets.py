@@ -26,7 +26,7 @@ class FrameworkRun:
 
     framework: "megatron" | "torchtitan" | "deepspeed".
     layout: the parallel layout (tp, pp, dp, micro_batch_size, zero_stage, schedule,
-        virtual_stages, sequence_parallel, dtype; ``recompute`` when one mode covers every
+        virtual_stages, sequence_parallel, dtype, ep; ``recompute`` when one mode covers every
         layer, else None and :attr:`recompute` lists them).
     stage_layers: per model chunk [first, last) layers (``Plan.stage_layers``), or None for
         the framework's even split.
@@ -34,7 +34,9 @@ class FrameworkRun:
     model: the model's shape, Megatron's names: num_layers, hidden_size,
         num_attention_heads, ffn_hidden_size, num_query_groups, seq_length (the longest
         sequence, Megatron-LM's --max-position-embeddings), vocab_size, swiglu (bool),
-        untied (bool), dropout; absent keys were not stated.
+        untied (bool), dropout; for a mixture of experts num_experts, moe_router_topk,
+        moe_ffn_hidden_size (:func:`~autopar.frameworks.megatron_moe.read_moe_flags`);
+        absent keys were not stated.
     global_batch_size: B sequences per step, or None.
     seq_len: s tokens per sequence, or None.
     ignored: the flags or keys read but not priced (data, optimiser, logging ...), and
@@ -83,8 +85,10 @@ def outside_target(plan, target: str) -> str | None:
     """Why ``plan`` (a :class:`~autopar.contract.plan.Plan`) is outside what ``target`` executes, or
     None: the precision and attention kernel it would run in, then the fields of
     :func:`autopar.contract.support.unsupported` (schedule, ZeRO stage, v, sequence parallelism,
-    dtype, recompute modes, tp), then the key/value heads, recompute layout and stage split
-    against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
+    dtype, recompute modes, tp), ep > 1 where the target runs no expert parallelism
+    (:attr:`~autopar.contract.support.RuntimeSupport.expert_parallel`), a MoE model at tp > 1
+    where it does not run one (``moe_tp``), then the key/value heads, recompute layout and
+    stage split against :data:`TARGETS` (placements are not checked: a framework with a fixed TP plan
     runs its own, Megatron's). The message says to re-plan with the target."""
     support = target_support(target)
     fix = f"; plan with --target {target} (autopar.plan(..., target={target!r}))"
@@ -106,6 +110,14 @@ def outside_target(plan, target: str) -> str | None:
     problem = unsupported(plan, support)  # the runtime's own check, worded for the target
     if problem is not None:
         return problem.message(target) + fix
+    ep = getattr(plan, "ep", 1)
+    if ep > 1 and not support.expert_parallel:
+        return (f"{target} cannot run ep={ep}: autopar does not emit expert parallelism "
+                f"for it (autopar.techniques.expert_parallel.FRAMEWORK_FLAGS){fix}")
+    if plan.tp > 1 and not support.moe_tp and _experts(plan.model_config):
+        return (f"{target} runs a mixture-of-experts model at tp=1 only as autopar prices it "
+                f"(its experts under TP run split or on sequence shards, autopar prices them "
+                f"whole on every TP rank), the plan has tp={plan.tp}{fix}")
     kv = _kv_heads(plan.model_config)
     if support.placements == "megatron" and kv and kv % plan.tp:
         return (f"{target} splits whole key/value heads over TP (megatron-core: "
@@ -148,6 +160,14 @@ def _grouped_layers(plan, target: str) -> str | None:
             f"transformer layers, which are not all alike (autopar.graph.layer_groups); "
             f"{target}'s flags count transformer layers of one kind, so autopar does not "
             "translate this plan; run it with autopar (autopar verify, autopar.parallelize)")
+
+
+def _experts(model_config: dict) -> bool:
+    """``model_config`` states a mixture of experts (a key of :data:`~autopar.frameworks.
+    model_shape.MOE_KEYS` above 1)."""
+    from autopar.frameworks.model_shape import MOE_KEYS
+
+    return any(isinstance(model_config.get(k), int) and model_config[k] > 1 for k in MOE_KEYS)
 
 
 def _kv_heads(model_config: dict) -> int | None:

@@ -23,6 +23,14 @@ The fields (``torchtitan/config/job_config.py``):
   (:func:`torchtitan_model_args`); a model torchtitan does not define is refused.
 
 The header's first lines are the ``torchrun`` launch of the plan's nodes.
+
+Expert parallelism (``parallelism.expert_parallel_degree``) is neither emitted nor read:
+torchtitan 0.2.2 runs MoE layers only in its own deepseek_v3, qwen3 and llama4 models
+(autopar emits llama3), and its EP borrows ranks from the FSDP dimension
+(``distributed/parallel_dims.py:ParallelDims``: efsdp = dp_shard·cp·tp / (etp·ep), etp 1 or
+tp; dp_replicate is not borrowed), while autopar prices EP over data-parallel ranks without
+ZeRO (:func:`autopar.techniques.expert_parallel.ep_problem`); a TOML with
+``expert_parallel_degree`` > 1 is refused by name.
 """
 
 from __future__ import annotations
@@ -203,6 +211,11 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
                          f"degree={shard}: autopar reads DDP or FSDP with explicit degrees, "
                          "not HSDP or an inferred -1")
     t, p = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1)
+    if par.get("expert_parallel_degree", 1) > 1:
+        raise ValueError(f"expert_parallel_degree={par['expert_parallel_degree']}: torchtitan "
+                         "folds EP over its FSDP ranks (ParallelDims: efsdp = dp_shard*cp*tp/"
+                         "(etp*ep)), autopar prices EP over data-parallel ranks without ZeRO; "
+                         "not priced")
     if replicate > 1 and (t > 1 or p > 1):
         raise ValueError(f"data_parallel_replicate_degree={replicate} with tensor/pipeline "
                          f"parallel degrees {t}/{p}: torchtitan stops at start-up (\"DDP has "
@@ -236,7 +249,8 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
     d = replicate * shard
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
                     recompute=recompute, schedule=schedule.name, virtual_stages=v,
-                    sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32")
+                    sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32",
+                    ep=1)  # expert_parallel_degree > 1 is refused above
     batch = train.get("global_batch_size", -1)
     known = {"parallelism", "training", "activation_checkpoint"}
     ignored = [f"[{s}]" for s in data if s not in known] + notes

@@ -39,7 +39,10 @@ FRAMEWORK_FLAGS = {
     "torchtitan": "parallelism.expert_parallel_degree",
 }
 """Per target framework, its setting of the EP degree (Megatron-LM's arguments.py;
-torchtitan's ``Parallelism`` job config)."""
+torchtitan's ``Parallelism`` job config). autopar emits Megatron-LM's
+(:mod:`autopar.frameworks.megatron_moe`, at tp = 1, with ``--expert-tensor-parallel-size 1
+--moe-token-dispatcher-type alltoall``); torchtitan's is not emitted (its EP borrows FSDP
+ranks and its MoE layers are its own models': :mod:`autopar.frameworks.torchtitan`)."""
 
 
 def ep_problem(ep: int, dp: int, zero_stage: int | None,

@@ -234,7 +234,7 @@ def test_megatron_starts_the_plan(base_plan, name):
 
     config, layout = MEGATRON[name]
     plan = _plan(base_plan, "megatron", config, **layout)
-    dp, tc, ddp = fs.megatron_startup(fs.megatron_argv(emit(plan, "megatron")), plan.num_gpus)
+    dp, tc, ddp, *_ = fs.megatron_startup(fs.megatron_argv(emit(plan, "megatron")), plan.num_gpus)
     assert dp == plan.dp
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
             tc.virtual_pipeline_model_parallel_size or 1, tc.sequence_parallel) == (
@@ -258,7 +258,7 @@ def test_megatron_starts_a_searched_plan():
     plan = autopar.plan(model, autopar.Cluster.local_cpu(processes=4), global_batch_size=16,
                         seq_len=64, model_name="gpt-small", target="megatron",
                         layout=autopar.Layout(tp=2))
-    dp, tc, ddp = fs.megatron_startup(fs.megatron_argv(emit(plan, "megatron")), plan.num_gpus)
+    dp, tc, ddp, *_ = fs.megatron_startup(fs.megatron_argv(emit(plan, "megatron")), plan.num_gpus)
     assert (dp, tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size) == (
         plan.dp, 2, plan.pp)
     assert ddp.use_distributed_optimizer == (plan.zero_stage == 1)

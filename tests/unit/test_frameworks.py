@@ -218,7 +218,7 @@ def test_sc21_table_1_flags_read_as_the_papers_layouts(size):
     assert run.layout == autopar.Layout(
         tp=t, pp=p, dp=8 * values["NNODES"] // (t * p), micro_batch_size=values["MBS"],
         zero_stage=0, recompute="full", schedule="interleaved_1f1b" if v > 1 else "1f1b",
-        virtual_stages=v, sequence_parallel=False, dtype="bf16", grad_dtype="bf16")
+        virtual_stages=v, sequence_parallel=False, dtype="bf16", grad_dtype="bf16", ep=1)
     assert run.global_batch_size == values["GBS"] and run.seq_len == 2048
     assert run.model["num_layers"] == values["NLS"] and run.model["hidden_size"] == values["HS"]
     assert run.model["vocab_size"] == pad_vocab_size(50257, 128 * t)  # as Megatron-LM pads
@@ -449,7 +449,7 @@ def test_megatron_gpt3_175b_example_script_reads_as_written():
     assert run.layout == autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1, zero_stage=0,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
                                         sequence_parallel=False, dtype="bf16",
-                                        grad_dtype="bf16")  # --fp16: fp16 grads
+                                        grad_dtype="bf16", ep=1)  # --fp16: fp16 grads
     assert (run.global_batch_size, run.seq_len) == (1536, 2048)
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "num_attention_heads")} == \
         {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96}
@@ -493,7 +493,7 @@ def test_megatron_llama3_8b_example_script_reads_in_bf16():
     assert run.layout == autopar.Layout(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=1,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
                                         sequence_parallel=False, dtype="bf16",
-                                        grad_dtype="bf16")
+                                        grad_dtype="bf16", ep=1)
     assert (run.global_batch_size, run.seq_len) == (128, 8192)
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size",
                                       "num_query_groups", "vocab_size", "swiglu", "untied")} == {
@@ -508,8 +508,9 @@ def test_megatron_llama3_8b_example_script_reads_in_bf16():
     (("CP_SIZE=1", "CP_SIZE=2"), "--context-parallel-size 2: context parallelism"),
     (("    --use-distributed-optimizer\n", "    --use-megatron-fsdp\n"), "Megatron-FSDP"),
     (("    --use-distributed-optimizer\n", "    --use-torch-fsdp2\n"), "FSDP2"),
-    (("    --disable-bias-linear \n", "    --disable-bias-linear\n    --num-experts 8\n"),
-     "mixture-of-experts"),
+    (("    --disable-bias-linear \n", "    --disable-bias-linear\n    --num-experts 8\n"
+      "    --expert-model-parallel-size 2\n    --expert-tensor-parallel-size 1\n"),
+     "--moe-token-dispatcher-type allgather: autopar prices the alltoall dispatcher only"),
     (("    --bf16\n", "    --bf16\n    --recompute-granularity selective\n"
                      "    --recompute-modules core_attn mlp\n"), "core_attn mlp"),
     (("    --bf16\n", "    --bf16\n    --recompute-granularity full\n"
@@ -543,8 +544,8 @@ def test_megatron_flags_read_as_megatron_reads_them():
     assert [hi - lo for lo, hi in run.stage_layers] == [3, 4, 4, 4, 4, 4, 4, 5]
 
 
-def test_megatron_mixtral_example_script_refused_as_a_mixture_of_experts():
-    """examples/mixtral/train_mixtral_8x7b_distributed.sh as it stands: expert parallelism
-    and 8 experts, which autopar does not price yet: refused by name."""
-    with pytest.raises(ValueError, match="expert parallelism|mixture-of-experts"):
-        read_megatron_args(str(DATA / "megatron_train_mixtral_8x7b_distributed.sh"), 32)
+def test_megatron_mixtral_example_script_read_with_its_expert_parallelism():
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh as it stands, on 32 GPUs: ep 8
+    over d 8 (the figures: tests/unit/test_megatron_ep.py)."""
+    run = read_megatron_args(str(DATA / "megatron_train_mixtral_8x7b_distributed.sh"), 32)
+    assert (run.layout.dp, run.layout.ep, run.model["num_experts"]) == (8, 8, 8)

@@ -102,6 +102,11 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
             continue
         if support.max_tp is not None and tp > support.max_tp:
             continue
+        if tp > 1 and blocks and not support.moe_tp and not support.as_written:
+            why.setdefault("moe_tp", f"{support.name} runs a mixture-of-experts model at tp=1 "
+                                     "only as autopar prices it (its experts under TP run "
+                                     "split or on sequence shards); use tp=1")
+            continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
