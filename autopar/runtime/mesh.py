@@ -163,6 +163,8 @@ class ParallelGroups:
             by ranks and names, not groups), whose groups a later equal mesh would reuse.
         """
         groups = (self.embedding_group, self.world_group, self.checkpoint_group)
+        if self.ep > 1:  # expert parallelism's own groups (at ep = 1 the EDP group is dp's)
+            groups += (self.ep_group, self.edp_group)
         if mesh_groups:
             groups += (self.tp_group, self.pp_group, self.dp_group)
         done: set[int] = set()

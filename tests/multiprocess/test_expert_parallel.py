@@ -172,6 +172,12 @@ def _refusals_and_reload(pm) -> dict:
     pm.load_full_state_dict(full)
     out["reloaded"] = all(torch.equal(params[n], full[pm.shards[n].key][s])
                           for n, s in pm.expert_slices.items())
+    ep_group = pm.groups.ep_group
+    pm.close()  # every group the program made is released, the experts' ones included
+    try:  # a destroyed group is no longer registered
+        torch.distributed.get_rank(ep_group)
+    except ValueError as exc:
+        out["closed"] = str(exc)
     return out
 
 
@@ -188,4 +194,4 @@ def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
                                   for n in ("down_proj", "gate_up_proj")]
         assert "ep=3 must be a positive divisor of dp=4" in res["ep3"]
         assert "save_checkpoint at ep=2" in res["checkpoint"]
-        assert res["reloaded"]
+        assert res["reloaded"] and res.get("closed"), res

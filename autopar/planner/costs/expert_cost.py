@@ -46,6 +46,18 @@ class ExpertParallelPrice:
     fwd_bytes: float
     bwd_bytes: float
 
+    def applied(self, cost, ep: int):
+        """``cost`` (the node's :class:`~autopar.planner.costs.node_cost.StrategyCost` at
+        this rank's GEMMs) with the all-to-alls: dispatch and combine in forward (again in
+        full recompute), both reversed in backward; 1/ep of the experts' parameters, all
+        of them reduced over the expert-data-parallel group."""
+        a2a = MOE_FORWARD_ALL_TO_ALLS * self.all_to_all_s
+        params = cost.param_numel / ep
+        return replace(cost, fwd_s=cost.fwd_s + a2a, bwd_s=cost.bwd_s + a2a,
+                       rec_s=cost.rec_s + a2a, param_numel=params, a2a_s=2.0 * a2a,
+                       a2a_fwd_bytes=self.fwd_bytes, a2a_bwd_bytes=self.bwd_bytes,
+                       expert_param_numel=params)
+
 
 def ranks_per_node_in_group(cluster: Cluster, size: int, stride: int) -> int:
     """Ranks of a group of ``size`` ranks ``stride`` apart (Megatron's rank order) that share

@@ -9,6 +9,10 @@ memory-bound, backward twice the forward), plus the host's per-node dispatch and
 checkpointing overheads of the device (``DeviceSpec.op_overhead_s``,
 ``DeviceSpec.recompute_overhead_s``), added to a CPU rank's compute and the longer of the
 two on a GPU (``DeviceSpec.async_dispatch``: :func:`cost_models.compute.dispatched_time_s`).
+One call of a MoE layer's experts module (:mod:`autopar.graph.experts`, ``extra["inner"]``)
+adds its ops' saved activations, the memory traffic of its ops that are not GEMMs and one
+dispatch per op; under expert parallelism (``ep`` > 1) its GEMMs, all-to-alls and
+parameters are :func:`~autopar.planner.costs.expert_cost.expert_parallel_price`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from dataclasses import dataclass
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
-from cost_models.moe import MOE_FORWARD_ALL_TO_ALLS
 from cost_models.reserve import loss_temporary_bytes
 
 from autopar.graph.annotate import ACTIVATION_BYTES, MASK_BYTES
@@ -114,19 +117,15 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     :func:`cost_models.compute.dispatched_time_s`); backward = 2 × forward for non-matmul ops
     (Narayanan et al. 2021, section 5.1); full recompute repeats the forward plus the
     device's ``recompute_overhead_s`` (``rec_s``, and selective recompute's ``core_fwd_s``);
-    saved bytes divided by t when the output is sharded; one call of a MoE layer's experts
-    module (:mod:`autopar.graph.experts`, ``extra["inner"]``) adds its ops' saved
-    activations, the memory traffic of its ops that are not GEMMs and one dispatch per op;
-    a node of a ``torch.no_grad()``
-    region (``info.no_grad``) has no backward. ``b``: micro-batch size (per-sequence nodes
-    scale by it). ``ep``: the expert-parallel degree, which prices an experts node
-    (:func:`~autopar.planner.costs.expert_cost.expert_parallel_price`)."""
-    dev = cluster.device
+    saved bytes divided by t when the output is sharded; an experts call as the module
+    docstring says; a ``torch.no_grad()`` node (``info.no_grad``) has no backward. ``b``:
+    micro-batch size (per-sequence nodes scale by it); ``ep``: expert-parallel degree."""
     inner = info.extra.get("inner")  # (saved, moved elements, ops) of an experts call
-    expert = expert_parallel_price(info, b, cluster, tp, ep, act_bytes) \
-        if inner and ep > 1 else None
-    info = expert.info if expert else info
-    div = strat.compute_divisor
+    if inner and ep > 1:
+        expert = expert_parallel_price(info, b, cluster, tp, ep, act_bytes)
+        return expert.applied(node_cost(expert.info, strat, b, cluster, tp, in_numel,
+                                        act_bytes, attention), ep)
+    dev, div = cluster.device, strat.compute_divisor
     b = b if info.per_sequence else 1
     wgrad_share = 0.0  # of the backward
     ops = inner[2] if inner else 1
@@ -150,8 +149,6 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
         erf = info.numel * b / div if info.kind == "gelu" else 0.0
         fwd = compute.elementwise_time_s(act_bytes * (in_numel + info.numel) * b / div, erf, dev)
         bwd = 2.0 * fwd
-    a2a = MOE_FORWARD_ALL_TO_ALLS * expert.all_to_all_s if expert else 0.0
-    fwd, bwd = fwd + a2a, bwd + a2a  # dispatch and combine, then both reversed
     rec = fwd
     if info.no_grad:  # a torch.no_grad() region: no backward
         bwd = wgrad_share = 0.0
@@ -165,14 +162,10 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     core = info.core_bytes_at(act_bytes, attention, tp) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     saved += act_bytes * inner[0] * b if inner else 0.0
-    params = _param_numel(info, strat) / (ep if expert else 1)
-    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=params,
+    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec,
-                        wgrad_s=wgrad_share * (bwd - a2a), a2a_s=2.0 * a2a,
-                        a2a_fwd_bytes=expert.fwd_bytes if expert else 0.0,
-                        a2a_bwd_bytes=expert.bwd_bytes if expert else 0.0,
-                        expert_param_numel=params if expert else 0.0)
+                        wgrad_s=wgrad_share * bwd)
 
 
 def dispatches(info) -> bool:
