@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.graph.annotate import NodeInfo, module_paths, saves_inputs
-from autopar.graph.normalize import _set_module, resolve
+from autopar.graph.normalize import set_module, resolve
 
 __all__ = ["EXPERTS_INTERFACE", "is_experts_module", "collapse_experts", "experts_price",
            "experts_shape"]
@@ -150,7 +150,7 @@ def collapse_experts(gm: fx.GraphModule, model: nn.Module, nodes: dict[str, Node
         index = args[1].meta["tensor_meta"].shape  # (T, k)
         price = {**experts_price(region, nodes), "experts": {
             **experts_shape(resolve(model, path)), "top_k": index[-1], "rows": math.prod(index)}}
-        _set_module(gm, path, resolve(model, path))
+        set_module(gm, path, resolve(model, path))
         with graph.inserting_before(result):
             call = graph.create_node("call_module", path, args, {},
                                      name=path.replace(".", "_"))

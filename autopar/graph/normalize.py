@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from autopar.graph.ops import is_conv1d as _is_conv1d
 from autopar.graph.ops import SDPA_ARGS, packet
 
-__all__ = ["lift_modules", "split_to_slices", "renamed", "resolve"]
+__all__ = ["lift_modules", "split_to_slices", "renamed", "resolve", "set_module"]
 
 aten = torch.ops.aten
 
@@ -145,7 +145,7 @@ def lift_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if call is not None:  # every call: a module run twice (a looped layer) is two nodes
             if path not in used:
                 used.add(path)
-                _set_module(gm, path, _as_leaf(mod))
+                set_module(gm, path, _as_leaf(mod))
             users = list(node.users)
             if (_is_conv1d(mod) and call[0] is not node.args[1] and len(users) == 1
                     and packet(users[0].target) in (aten.view, aten.reshape)):
@@ -208,7 +208,7 @@ def _as_leaf(mod: nn.Module) -> nn.Module:
     return view
 
 
-def _set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
+def set_module(gm: fx.GraphModule, path: str, mod: nn.Module) -> None:
     """Put the user's module at ``path``, replacing the holder GraphModule made for its
     parameters' ``get_attr`` (the same tensor objects)."""
     parent_path, _, name = path.rpartition(".")
