@@ -48,14 +48,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.graph.experts import experts_shape, is_experts_module
+from autopar.graph.experts import EXPERTS_INTERFACE, experts_shape, is_experts_module
 from autopar.runtime.compat import all_to_all_single_autograd, grouped_mm
 from autopar.techniques.expert_parallel import ep_problem
 
 __all__ = ["ExpertParallelExperts", "dispatch_bytes", "shard_experts", "check_expert_parallel"]
 
-# attributes ``transformers.integrations.moe.use_experts_implementation`` gives its classes
-_INTERFACE = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)  # grouped_mm's CPU kernel (torch 2.13)
 
 
@@ -68,7 +66,7 @@ def _param_names(experts: nn.Module) -> list[str]:
 def _refuse_unsupported(experts: nn.Module) -> None:
     """Raise when ``experts`` is not a stacked-experts module whose math this module repeats."""
     cls = type(experts).__name__
-    missing = [a for a in _INTERFACE if not hasattr(experts, a)]
+    missing = [a for a in EXPERTS_INTERFACE if not hasattr(experts, a)]
     if missing:
         raise TypeError(f"{cls} is not built by transformers' use_experts_implementation "
                         f"(missing {', '.join(missing)}): ExpertParallelExperts only repeats "

@@ -111,3 +111,14 @@ def test_expert_groups_fold_over_the_data_parallel_ranks():
     assert expert_ranks(0, 4, 4) == (0, [0, 1, 2, 3], [0])
     with pytest.raises(ValueError, match="ep=3 must divide dp=8"):
         expert_ranks(0, 8, 3)
+
+
+def test_an_ep_group_straddling_nodes_unevenly_is_priced_with_fewer_ranks_per_node():
+    from autopar.planner.costs.expert_cost import ranks_per_node_in_group
+
+    nodes = Cluster.dgx_a100(4)  # 8 GPUs per node
+    # aligned groups: all their ranks in a node up to the node's size
+    assert [ranks_per_node_in_group(nodes, ep, tp) for ep, tp in
+            [(2, 1), (8, 2), (64, 1), (4, 16)]] == [2, 4, 8, 1]
+    # 6 ranks of stride 2 (0, 2, 4, 6 | 8, 10): an equal count per node that divides 6
+    assert ranks_per_node_in_group(nodes, 6, 2) == 2

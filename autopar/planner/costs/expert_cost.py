@@ -60,9 +60,15 @@ class ExpertParallelPrice:
 
 
 def ranks_per_node_in_group(cluster: Cluster, size: int, stride: int) -> int:
-    """Ranks of a group of ``size`` ranks ``stride`` apart (Megatron's rank order) that share
-    a node: all when the group spans at most one node, else those within one node."""
-    return max(1, min(size, cluster.gpus_per_node // stride)) if stride <= cluster.gpus_per_node else 1
+    """Ranks of a group of ``size`` ranks ``stride`` apart (Megatron's rank order) that
+    share a node, as :func:`cost_models.comm.all_to_all_time_s` needs it (the same count on
+    every node, dividing ``size``): gcd(size, gpus_per_node // stride), all of them when the
+    group fits in a node's aligned block, fewer (so more traffic priced between nodes) when
+    the group straddles nodes unevenly (6 ranks of stride 2 over 8-GPU nodes: 2); 1 when
+    the stride exceeds a node."""
+    if stride > cluster.gpus_per_node:
+        return 1
+    return math.gcd(size, cluster.gpus_per_node // stride)
 
 
 def expert_parallel_price(info, b: int, cluster: Cluster, tp: int, ep: int,
