@@ -113,7 +113,7 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
              seq_len: int, model_name: str = "model",
              time_limit_s: float = DEFAULT_TIME_LIMIT_S,
              stage_layers: list[list[int]] | None = None,
-             recompute: list[str] | None = None) -> Plan:
+             recompute: list[str] | None = None, check_memory: bool = True) -> Plan:
     """Price a hand-written layout (tp, pp, dp, micro_batch_size fixed) as Megatron-LM runs
     it, with the same cost model as :func:`plan` and no search: Megatron's TP placements
     (column-parallel QKV and MLP-in, row-parallel attention-out and MLP-out,
@@ -127,9 +127,13 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     ``recompute`` (one mode per layer) replace the even split and the uniform mode, e.g.
     for Megatron-LM's ``--pipeline-model-parallel-layout`` and ``--recompute-method block``
     (:func:`autopar.frameworks.read_megatron_args`).
+    ``check_memory=False`` returns the plan of a layout that does not fit the device under
+    the memory model (its ``predicted.memory_margin_bytes`` then negative), to compare the
+    time of a run published on hardware where the memory model disagrees with it.
     Raises TypeError / ValueError (:func:`check_problem`; an incomplete layout, degrees that
     do not fit the model, cluster or batch, stages or modes that do not fit the layout) and
-    InfeasibleError naming the pipeline stage that does not fit in memory and its bytes.
+    InfeasibleError naming the pipeline stage that does not fit in memory and its bytes
+    (unless ``check_memory`` is False).
     """
     cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
                                     seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
@@ -141,7 +145,8 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
     out = plan_from_decision(traced, model, cluster, decision, tables, strategies,
                              global_batch_size=global_batch_size, seq_len=seq_len,
                              model_name=model_name)
-    check_fits_memory(out.predicted, cluster, layout)
+    if check_memory:
+        check_fits_memory(out.predicted, cluster, layout)
     return replace(out, solver=SolverStatus("EVALUATED", 0.0, 0.0, 1, 0),
                    solve_wall_s=time.perf_counter() - start)
 

@@ -50,6 +50,7 @@ from autopar.rewrite import RankProgram, apply_plan
 from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
 from autopar.runtime.expert_parallel import check_expert_parallel, shard_experts
+from autopar.techniques.expert_parallel import experts_token_parallel
 from autopar.runtime.health import check_step_options
 from autopar.runtime.device import rank_device
 from autopar.techniques.zero_stages import zero_stage
@@ -335,6 +336,10 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
         place_program_devices(module, init.device)
     experts = shard_experts(chunks, groups.ep_group, is_experts_module) if plan.ep > 1 else {}
+    if experts_token_parallel(plan.tp, plan.ep):  # the EP group spans TP: each TP rank holds
+        # other experts, whose gradients are summed over the EDP group, not over TP
+        partial_names = [n for n in partial_names if n not in experts]
+        tp_sharded += [n for n in experts if n not in tp_sharded]
     pm = ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params), rng, model_keys=local.keys,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,

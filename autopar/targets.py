@@ -17,9 +17,9 @@ priced by the same cost model:
   optimizer (``--use-distributed-optimizer``), no ZeRO-2/3; sequence parallelism free;
   bf16 gradients (``--grad-reduce-in-bf16``, planned) or its default fp32 main gradients
   reduced in fp32 (``accumulate_allreduce_grads_in_fp32``, read from a script without it);
-  a Mixtral-family MoE model at tp = 1 only, expert parallelism folded over DP
-  (``--expert-model-parallel-size``, expert-TP 1, alltoall dispatch:
-  :mod:`autopar.frameworks.megatron_moe`);
+  a Mixtral-family MoE model at tp = 1, or at tp > 1 with ep > 1 and sequence
+  parallelism, expert parallelism folded over TP×DP (``--expert-model-parallel-size``,
+  expert-TP 1, alltoall dispatch: :mod:`autopar.frameworks.megatron_moe`);
   attention as the cluster says in bf16, emitted as ``--attention-backend flash`` or
   ``unfused`` (Transformer Engine's kernel that keeps the softmax), unfused in fp32 (TE's
   flash and cuDNN kernels take 16-bit inputs only; its default ``auto`` picks one of them

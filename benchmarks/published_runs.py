@@ -3,6 +3,9 @@
     python benchmarks/published_runs.py            # print the table, write the report
     python benchmarks/published_runs.py --fit      # re-fit the calibration rows' efficiency
 
+The mixture-of-experts rows are ``benchmarks/published_moe_runs.py``'s (their section of the
+report is kept here as that script last wrote it).
+
 Every row is a training run whose per-GPU throughput a paper reports. autopar builds the
 same GPT (``GPTConfig(dropout=0.1)`` on the meta device, as Megatron trains it), prices the
 published layout with ``autopar.evaluate`` on the cluster preset, and compares its
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,7 +376,12 @@ def main(argv: list[str] | None = None) -> int:
                 autos.append(auto_vs_published(run))
                 print(f"{auto_line(autos[-1])}  ({autos[-1]['seconds']:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows) + auto_markdown(autos), encoding="utf-8")
+    sys.path.insert(0, str(Path(__file__).parent))  # the sibling script of the MoE rows
+    from published_moe_runs import existing_section  # kept as its own script wrote it
+
+    moe = existing_section(args.out)
+    args.out.write_text(markdown(rows) + auto_markdown(autos) + ("\n" + moe if moe else ""),
+                        encoding="utf-8")
     print(f"report written to {args.out}")
     return 0
 

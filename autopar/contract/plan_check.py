@@ -324,9 +324,10 @@ def check_plan(plan: Plan, *, source: str = "plan", world_size: int | None = Non
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError(src, "sequence_parallel", "is true with tp=1 (sequence parallelism "
                         "splits over the TP group)", "set it to false, or re-plan with --tp")
-    if plan.dp % plan.ep:
-        raise PlanError(src, "ep", f"is {plan.ep}, which does not divide dp={plan.dp} (expert "
-                        "parallelism folds over the data-parallel ranks)", "re-plan with --ep")
+    if (plan.tp * plan.dp) % plan.ep:
+        raise PlanError(src, "ep", f"is {plan.ep}, which does not divide tp·dp="
+                        f"{plan.tp * plan.dp} (expert parallelism folds over the tensor- and "
+                        "data-parallel ranks of a stage)", "re-plan with --ep")
     _check_placements(plan, src)
     if world_size is not None and plan.num_gpus != world_size:
         raise PlanError(src, "tp/pp/dp", f"need tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = "

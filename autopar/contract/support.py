@@ -164,13 +164,18 @@ class RuntimeSupport:
         priced as given (a free schedule is 1F1B, a free v is 2 under interleaving), every
         ZeRO stage is priced with any pipeline degree, and no runner's rule applies
         (``autopar.evaluate`` of a published layout, the hand layouts of the report).
-    expert_parallel: the runner splits MoE experts over ep > 1 ranks folded over DP
+    expert_parallel: the runner splits MoE experts over ep > 1 ranks folded over TP×DP
         (:mod:`autopar.techniques.expert_parallel`); a search then tries every ep it allows.
-    moe_tp: a mixture-of-experts model runs with tp > 1. False: Megatron-LM, whose experts
-        under TP run either split over the TP ranks (expert-TP = tp, its default) or whole on
-        each rank's sequence shard (expert-TP 1), while the cost model prices them whole on
-        every TP rank for all tokens (:mod:`autopar.frameworks.megatron_moe`); a search
-        then tries tp = 1 alone for a MoE model.
+    expert_zero_stages: the ZeRO stages it runs at ep > 1, the experts' states sharded over
+        their expert-data-parallel group (the autopar runtime: 0, expert gradients
+        all-reduced over that group; the cost model also prices 1 and 2, as Megatron-Core's
+        distributed optimizer shards expert states over it).
+    moe_tp: a mixture-of-experts model runs with tp > 1 in every way the cost model prices
+        it. False: Megatron-LM, whose experts under TP run split over the TP ranks
+        (expert-TP = tp, its default) or whole on each rank's sequence shard (expert-TP 1),
+        while the cost model prices them on the TP ranks' tokens only with ep > 1 and whole
+        for all tokens at ep = 1 (:mod:`autopar.frameworks.megatron_moe`); a search then
+        tries a MoE model at tp > 1 only with ep > 1 and sequence parallelism.
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -191,6 +196,7 @@ class RuntimeSupport:
     attention_kernels: tuple[tuple[str, tuple[str, ...]], ...] | None = None
     as_written: bool = False
     expert_parallel: bool = True
+    expert_zero_stages: tuple[int, ...] = (0,)
     moe_tp: bool = True
 
     @property
@@ -247,7 +253,8 @@ RUNTIME_SUPPORT = RuntimeSupport()
 
 FULL_SPACE = RuntimeSupport(
     name="cost model", zero_stages=tuple(ZERO_STAGE_RECORDS), recompute=RECOMPUTE_MODES,
-    virtual_stages=(), grad_dtypes=(), as_written=True, expert_parallel=True)
+    virtual_stages=(), grad_dtypes=(), as_written=True, expert_parallel=True,
+    expert_zero_stages=(0, 1, 2))
 """Everything the cost model prices, each layout as written (:attr:`RuntimeSupport.as_written`):
 what ``autopar.evaluate`` and the report's hand layouts price, whether or not a runner
 executes it."""

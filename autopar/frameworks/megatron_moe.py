@@ -27,10 +27,14 @@ MoE needs expert-TP 1. Under TP Megatron-LM's experts run split over the TP rank
 (expert-TP = tp: tokens all-gathered over TP, F/tp each) or whole on each rank's sequence
 shard (expert-TP 1, the expert mesh folding EP x expert-TP over the tp x cp x dp ranks:
 ``parallel_state.initialize_model_parallel``, "MoE Parallel Folding", Liu et al. 2025),
-while autopar's Megatron pattern prices the routed experts whole on every TP rank for all
-tokens (``planner/strategies/megatron.py``: the experts module replicated), so a MoE plan
-at tp > 1 is refused (:func:`moe_plan_problem`; the megatron target's ``moe_tp`` is False,
-so the planner does not propose one) and so are such flags (:func:`read_moe_flags`).
+while autopar prices the routed experts on each TP rank's tokens only under expert
+parallelism (ep > 1: the EP group spans TP, ``autopar.techniques.expert_parallel.
+experts_token_parallel``; the ranks of an EP group are consecutive, as in Megatron-Core's
+expert mesh with expert-TP 1) and whole on every TP rank for all tokens at ep = 1. So a
+MoE plan at tp > 1 runs in Megatron-LM as priced with ep > 1 and sequence parallelism
+(emitted with ``--expert-tensor-parallel-size 1``); others are refused
+(:func:`moe_plan_problem`; the megatron target's ``moe_tp`` is False, so the planner
+proposes only those) and so are such flags (:func:`read_moe_flags`).
 
 Families: Mixtral (``num_local_experts``) maps; DeepSeek-V2/V3 (multi-latent attention,
 sigmoid group-limited routing), Qwen2-MoE (q/k/v biases), Qwen3-MoE (q/k RMSNorm) and
@@ -104,13 +108,16 @@ def moe_model_problem(c: dict) -> str | None:
 
 def moe_plan_problem(plan) -> str | None:
     """Why Megatron-LM would not run ``plan`` of a MoE model as autopar prices it, or None:
-    tp > 1 (module docstring: Megatron-LM's experts under TP run split or on sequence
-    shards, not whole for all tokens on every TP rank as priced)."""
-    if moe_config(plan.model_config) is None or plan.tp == 1:
+    tp > 1 without expert parallelism or without sequence parallelism (module docstring:
+    under expert-TP 1 Megatron-LM's experts run on each TP rank's sequence shard, priced
+    so only when the EP group spans TP, ep > 1; megatron-core's MoE layer needs SP)."""
+    if moe_config(plan.model_config) is None or plan.tp == 1 or (
+            getattr(plan, "ep", 1) > 1 and plan.sequence_parallel):
         return None
-    return (f"a mixture-of-experts model at tp={plan.tp}: Megatron-LM runs its experts split "
-            "over the TP ranks or on sequence shards, autopar prices them whole on every TP "
-            "rank; plan it with tp=1 (--target megatron does)")
+    return (f"a mixture-of-experts model at tp={plan.tp} with ep={getattr(plan, 'ep', 1)}, "
+            f"sequence_parallel={plan.sequence_parallel}: Megatron-LM runs its experts on "
+            "sequence shards (expert-TP 1), which autopar prices only with ep > 1 and "
+            "sequence parallelism; plan it with tp=1 or ep > 1 (--target megatron does)")
 
 
 def _freq(freq: list[int]) -> str:
@@ -169,19 +176,22 @@ def read_moe_flags(flags: dict, t: int, d: int | None, ignored: list[str]) -> tu
     if E % ep:
         raise ValueError(f"--num-experts {E} is not divisible by --expert-model-parallel-size "
                          f"{ep} (arguments.py validate_args L1027)")
-    if d is not None and d % ep:
-        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {d} data-"
-                         "parallel ranks; autopar prices EP folded over them")
+    if d is not None and (t * d) % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the {t * d} "
+                         "tensor- and data-parallel ranks of a stage; autopar prices EP "
+                         "folded over them")
     etp = flags.get("expert-tensor-parallel-size", t)  # ModelParallelConfig: tp when unset
     if etp != 1:
         raise ValueError(f"--expert-tensor-parallel-size {etp}"
                          + ("" if "expert-tensor-parallel-size" in flags else " (the tp size, "
                             "megatron-core's default)") + ": autopar prices experts whole on "
                          "each rank (expert-TP 1); give --expert-tensor-parallel-size 1")
-    if t > 1:
-        raise ValueError(f"--num-experts {E} with --tensor-model-parallel-size {t}: Megatron-"
-                         "LM runs the experts on sequence shards (expert-TP 1), which autopar "
-                         "does not price (it prices them whole on every TP rank)")
+    if t > 1 and (ep == 1 or not flags.get("sequence-parallel")):
+        raise ValueError(f"--num-experts {E} with --tensor-model-parallel-size {t} and "
+                         f"--expert-model-parallel-size {ep}"
+                         + ("" if flags.get("sequence-parallel") else " without --sequence-parallel")
+                         + ": Megatron-LM runs the experts on sequence shards (expert-TP 1), "
+                         "which autopar prices with ep > 1 and sequence parallelism only")
     dispatcher = flags.get("moe-token-dispatcher-type", "allgather")
     if ep > 1 and dispatcher != "alltoall":
         raise ValueError(f"--moe-token-dispatcher-type {dispatcher}: autopar prices the "

@@ -114,10 +114,12 @@ def outside_target(plan, target: str) -> str | None:
     if ep > 1 and not support.expert_parallel:
         return (f"{target} cannot run ep={ep}: autopar does not emit expert parallelism "
                 f"for it (autopar.techniques.expert_parallel.FRAMEWORK_FLAGS){fix}")
-    if plan.tp > 1 and not support.moe_tp and _experts(plan.model_config):
-        return (f"{target} runs a mixture-of-experts model at tp=1 only as autopar prices it "
-                f"(its experts under TP run split or on sequence shards, autopar prices them "
-                f"whole on every TP rank), the plan has tp={plan.tp}{fix}")
+    if plan.tp > 1 and not support.moe_tp and _experts(plan.model_config) and not (
+            ep > 1 and plan.sequence_parallel):
+        return (f"{target} runs a mixture-of-experts model at tp > 1 as autopar prices it "
+                f"only with ep > 1 and sequence parallelism (its experts on sequence shards, "
+                f"the EP group spanning TP); the plan has tp={plan.tp}, ep={ep}, "
+                f"sequence_parallel={plan.sequence_parallel}{fix}")
     kv = _kv_heads(plan.model_config)
     if support.placements == "megatron" and kv and kv % plan.tp:
         return (f"{target} splits whole key/value heads over TP (megatron-core: "

@@ -260,9 +260,9 @@ def exhaustive_search(traced: TracedModel, cluster, global_batch_size: int,
         support.recompute
     cache, best, seen, priced = {}, None, [], 0
     for cfg in candidate_configs(traced, cluster, global_batch_size, layout, support):
-        strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
+        strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel, cfg.ep)
         tables = cost_tables(traced, strategies, cluster, cfg)
-        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel)  # costs' inputs
+        key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.sequence_parallel, cfg.ep)  # costs' inputs
         if key not in cache:
             cache[key] = config_options(traced, strategies, tables)
         zeros = zero_choices(layout, support, cfg)

@@ -62,13 +62,14 @@ def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_siz
     change)."""
     validate_layout(traced, cluster, layout, global_batch_size)
     why: dict[str, str] = {}
-    configs = candidate_configs(traced, cluster, global_batch_size, layout, FULL_SPACE, why)
+    configs = candidate_configs(traced, cluster, global_batch_size, layout, FULL_SPACE, why,
+                                chunks_given=stage_layers is not None)
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
     cfg = configs[0]  # every field pinned: the one config
-    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel)
-    placements = megatron_placements(traced, cfg.tp, cfg.sequence_parallel)
-    decoded = decode_placements(traced, placements, cfg.tp, cfg.sequence_parallel)
+    strategies = node_strategies(traced, cfg.tp, cfg.sequence_parallel, cfg.ep)
+    placements = megatron_placements(traced, cfg.tp, cfg.sequence_parallel, cfg.ep)
+    decoded = decode_placements(traced, placements, cfg.tp, cfg.sequence_parallel, cfg.ep)
     L = traced.num_layers
     stage_layers = stage_layers or even_stage_layers(L, cfg.pp, cfg.virtual_stages)
     recompute = recompute or [layout.recompute] * L

@@ -71,7 +71,7 @@ def check_plan_fits_model(plan: Plan, model: nn.Module, traced: TracedModel | No
         raise PlanError(src, "recompute", f"has {len(plan.recompute)} modes but the model has "
                         f"{traced.num_layers} layers (one mode per layer)", REPLAN_MODEL)
     try:
-        decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)
+        decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel, plan.ep)
     except ValueError as exc:
         raise PlanError(src, "placements", f"ask for a strategy this model's node does not "
                         f"have at tp={plan.tp}: {exc}", REPLAN_MODEL) from None

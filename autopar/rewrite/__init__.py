@@ -72,7 +72,7 @@ def apply_plan(traced, plan: Plan, *, tp_rank: int, pp_rank: int, tp_group: Grou
     annotate_chunks(traced, plan.stage_layers)                            # 0
     tp = apply_tensor_parallel(traced, plan.placements, tp=plan.tp,      # 1
                                tp_rank=tp_rank, group=tp_group,
-                               sequence_parallel=plan.sequence_parallel)
+                               sequence_parallel=plan.sequence_parallel, ep=plan.ep)
     gm = tp.gm
     apply_dropout_rng(gm, plan.placements, rng)                           # 2
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get(LAYER) == layer]

@@ -82,12 +82,12 @@ def _owner_key(node: fx.Node) -> tuple:
 
 class _Rewriter:
     def __init__(self, traced, placements: dict[str, str], tp: int, tp_rank: int, group,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, ep: int = 1):
         self.traced, self.gm = traced, traced.gm
         self.tp, self.rank, self.group = tp, tp_rank, group
         self.choice: dict[str, Strategy] = {
             name: strategy for name, (_, strategy)
-            in decode_placements(traced, placements, tp, sequence_parallel).items()}
+            in decode_placements(traced, placements, tp, sequence_parallel, ep).items()}
         self.placement: dict[fx.Node, Placement] = {}
         self.resharded: dict[tuple[fx.Node, str], fx.Node] = {}
         self.f_nodes: dict[fx.Node, fx.Node] = {}
@@ -342,10 +342,10 @@ class _Rewriter:
 
 
 def apply_tensor_parallel(traced, placements: dict[str, str], *, tp: int, tp_rank: int,
-                          group, sequence_parallel: bool = False) -> TPRewrite:
+                          group, sequence_parallel: bool = False, ep: int = 1) -> TPRewrite:
     """Rewrite ``traced.gm`` in place into TP rank ``tp_rank``'s program (see module doc).
 
     Raises ValueError when the placements do not belong to this graph or to this tp
-    (``sequence_parallel``: the strategies the plan was solved with).
+    (``sequence_parallel``, ``ep``: the strategies the plan was solved with).
     """
-    return _Rewriter(traced, placements, tp, tp_rank, group, sequence_parallel).run()
+    return _Rewriter(traced, placements, tp, tp_rank, group, sequence_parallel, ep).run()

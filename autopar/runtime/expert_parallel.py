@@ -294,13 +294,13 @@ def shard_experts(chunks: Sequence[nn.Module], ep_group: dist.ProcessGroup,
 
 def check_expert_parallel(plan, traced) -> None:
     """Raise ValueError when ``plan``'s ep does not run on ``traced`` (its captured model)
-    (:func:`~autopar.techniques.expert_parallel.ep_problem`: ep | dp, ep | E of every
+    (:func:`~autopar.techniques.expert_parallel.ep_problem`: ep | t·d, ep | E of every
     experts module the graph calls, ZeRO-0); local, no collective."""
     if plan.ep == 1:
         return
     gm = traced.gm
     calls = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     experts = [experts_shape(m)["num_experts"] for m in calls if is_experts_module(m)]
-    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts)
+    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts, tp=plan.tp)
     if problem:
         raise ValueError(f"{problem} (the plan's ep={plan.ep})")

@@ -1,13 +1,14 @@
-"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, with ep folded over DP.
+"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, with ep folded over TP×DP.
 
 TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-Expert parallelism of degree ep (ep | d) folds over the DP ranks of one (tp, pp)
-coordinate (:func:`autopar.techniques.expert_parallel.expert_ranks`): DP rank j is EP rank
-``j % ep`` of EP group ``j // ep``, and its expert-data-parallel (EDP) group is the d/ep
-DP ranks with its EP rank (they hold the same experts).
+Expert parallelism of degree ep (ep | t·d) folds over the t·d ranks of one pipeline stage
+(:func:`autopar.techniques.expert_parallel.expert_ranks`, Megatron-Core's expert mesh with
+expert-TP 1): stage rank j = tp_rank + t·dp_rank (consecutive global ranks) is EP rank
+``j % ep`` of EP group ``j // ep``, and its expert-data-parallel (EDP) group is the t·d/ep
+ranks of the stage with its EP rank (they hold the same experts).
 
 The (tp, pp, dp) part is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
 ("pp", "dp", "tp"), built on the rank's device type (:mod:`autopar.runtime.device`). The
@@ -70,12 +71,12 @@ class ParallelGroups:
             on the CPU whatever the training backend (DCP exchanges pickled plans).
         head_pp_rank: the pipeline rank holding the last model chunk (head and loss): p - 1,
             or 0 under a V placement (the schedule record's ``head_rank``).
-        ep: the expert-parallel degree (ep | d; 1: no expert parallelism).
-        ep_rank: this rank's index in its EP group (DP rank mod ep).
-        ep_group: the ep DP ranks exchanging tokens for their experts (with ``timeout``);
-            None when ep == 1.
-        edp_group: the d/ep DP ranks holding this rank's experts, over which expert
-            gradients are summed; ``dp_group`` when ep == 1 (it is then the same set).
+        ep: the expert-parallel degree (ep | t·d; 1: no expert parallelism).
+        ep_rank: this rank's index in its EP group ((tp_rank + t·dp_rank) mod ep).
+        ep_group: the ep ranks of the stage exchanging tokens for their experts (with
+            ``timeout``); None when ep == 1.
+        edp_group: the t·d/ep ranks of the stage holding this rank's experts, over which
+            expert gradients are summed; ``dp_group`` when ep == 1 (it is then the same set).
     """
 
     mesh_shape: tuple[int, int, int]
@@ -108,12 +109,12 @@ class ParallelGroups:
         timeout: seconds or a timedelta for every group (default: the world group's).
         head_pp_rank: the pipeline rank of the last model chunk (default p - 1; 0 for a V
             placement, where no embedding group is made).
-        ep: the expert-parallel degree, folded over DP (module docstring).
+        ep: the expert-parallel degree, folded over TP×DP (module docstring).
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
             ValueError: see :func:`validate_degrees`, a timeout that is not positive, or ep
-                not a positive divisor of dp (raised before any collective).
+                not a positive divisor of tp·dp (raised before any collective).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -122,7 +123,7 @@ class ParallelGroups:
             )
         world_size, rank = dist.get_world_size(), dist.get_rank()
         validate_degrees(tp, pp, dp, world_size)
-        _validate_ep(ep, dp)
+        _validate_ep(ep, tp * dp)
         head = pp - 1 if head_pp_rank is None else head_pp_rank
         if not 0 <= head < pp:
             raise ValueError(f"head_pp_rank {head_pp_rank} is outside [0, pp={pp})")
@@ -147,7 +148,7 @@ class ParallelGroups:
             world_group=dist.new_group(list(range(world_size)), timeout=timeout),
             checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
                                             backend="gloo"),
-            ep=ep, ep_rank=dp_rank % ep, ep_group=ep_group,
+            ep=ep, ep_rank=(tp_rank + tp * dp_rank) % ep, ep_group=ep_group,
             edp_group=edp_group if edp_group is not None else mesh.get_group("dp"),
         )
 
@@ -261,35 +262,34 @@ def _embedding_group(tp: int, pp: int, dp: int, rank: int, timeout: timedelta | 
     return mine
 
 
-def _validate_ep(ep: int, dp: int) -> None:
-    """ep must be a positive int dividing dp (before any collective)."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
-        options = [e for e in range(1, dp + 1) if dp % e == 0]
-        raise ValueError(f"ep={ep!r} must be a positive divisor of dp={dp}: expert parallelism "
-                         f"folds over the data-parallel ranks; choose ep in {options}")
+def _validate_ep(ep: int, ranks: int) -> None:
+    """ep must be a positive int dividing the t·d ``ranks`` of a stage (before any
+    collective)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or ranks % ep:
+        options = [e for e in range(1, ranks + 1) if ranks % e == 0]
+        raise ValueError(f"ep={ep!r} must be a positive divisor of tp·dp={ranks}: expert "
+                         "parallelism folds over the tensor- and data-parallel ranks of a "
+                         f"stage; choose ep in {options}")
 
 
 def _expert_groups(tp: int, pp: int, dp: int, ep: int, rank: int, timeout: timedelta | None
                    ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(this rank's EP group, its EDP group), creating every EP and EDP group of every
-    (tp, pp) coordinate in the same order on all ranks (new_group is collective); (None,
-    None) when ep == 1. DP index j at (tp_rank, pp_rank) is global rank
-    ``tp_rank + tp·(j + dp·pp_rank)``."""
+    pipeline stage in the same order on all ranks (new_group is collective); (None, None)
+    when ep == 1. Stage rank j of pipeline rank q is global rank ``j + t·d·q``."""
     if ep == 1:
         return None, None
     ep_mine = edp_mine = None
+    n = tp * dp
     for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            def global_rank(j: int) -> int:
-                return tp_rank + tp * (j + dp * pp_rank)
-            # EP group g: DP ranks [g·ep, (g+1)·ep); EDP group of EP rank e: DP ranks e + ep·i
-            members = [expert_ranks(g * ep, dp, ep)[1] for g in range(dp // ep)]
-            members += [expert_ranks(e, dp, ep)[2] for e in range(ep)]
-            for n, dp_ranks in enumerate(members):
-                ranks = [global_rank(j) for j in dp_ranks]
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks and n < dp // ep:
-                    ep_mine = group
-                elif rank in ranks:
-                    edp_mine = group
+        # EP group g: stage ranks [g·ep, (g+1)·ep); EDP group of EP rank e: e + ep·i
+        members = [expert_ranks(g * ep, n, ep)[1] for g in range(n // ep)]
+        members += [expert_ranks(e, n, ep)[2] for e in range(ep)]
+        for k, stage_ranks in enumerate(members):
+            ranks = [j + n * pp_rank for j in stage_ranks]
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks and k < n // ep:
+                ep_mine = group
+            elif rank in ranks:
+                edp_mine = group
     return ep_mine, edp_mine

@@ -39,9 +39,9 @@ Adam, AdamW, ...), as for Megatron's distributed optimizer; per-tensor methods (
 Adafactor) would see flat pieces instead of the model's tensors.
 
 Expert parallelism (ZeRO-0): the ``experts`` (this rank's E/ep experts) end the buffer in
-buckets of their own, summed over the expert-data-parallel group (the d/ep DP ranks with
-the same experts), then divided by d: each rank's expert gradient already holds its whole
-EP group's tokens (the all-to-all's backward), so the EDP sum covers all d replicas.
+buckets of their own, summed over the expert-data-parallel group (the t·d/ep ranks of the
+stage with the same experts: all d replicas, each TP rank's share of the tokens when the
+EP group spans TP) and divided by d; the all-to-all's backward brings the EP group's.
 """
 
 from __future__ import annotations

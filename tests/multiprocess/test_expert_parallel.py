@@ -1,19 +1,23 @@
 """Expert parallelism run by the autopar runtime on gloo, at world size 4, against one process.
 
 The tiny Mixtral of the model zoo (2 layers, h = 64, 4 experts, top-2, s = 16, fp32) under
-a plan of the layout with ep = 2 priced by the cost model (``autopar.evaluate``, zero_stage
-0). Each rank's experts module becomes its 2-expert shard
+a plan of the layout priced by the cost model (``autopar.evaluate``, zero_stage 0). Each
+rank's experts module becomes its E/ep-expert shard
 (:class:`~autopar.runtime.expert_parallel.ExpertParallelExperts`), expert gradients are
 summed over the expert-data-parallel group and divided by d, everything else is as at ep = 1.
+Under TP the EP group spans TP ranks (ep | t·d, Megatron-Core's expert-TP 1): each TP rank's
+experts call routes its share of the tokens (the plan's experts placement "sharded:S0"), at
+tp2·dp2·ep2 the EP group is the TP pair, at tp2·dp2·ep4 the whole stage (no EDP replica).
 
 * ``test_layout_verifies_against_one_process``: ``autopar.verify`` trains 2 SGD steps of the
   program and of the single-process model on the same batches and compares the loss,
   every gradient (the experts gathered over EP) and every parameter after each step, plus
   every rank's local experts against the reference's slice of them: fp32 at dp4·ep2,
   tp2·dp2·ep2 (sequence parallel) and pp2·dp2·ep2, within verify's fp32 tolerances.
-* ``test_bf16_layout_matches_one_bf16_process``: dp4·ep2 in bf16 against a bf16 single
-  process, verify's bf16 tolerances, on the losses and parameters of both steps and the
-  gradients of the first. The second step's gradients are not judged: after one bf16
+* ``test_bf16_layout_matches_one_bf16_process``: the same three layouts in bf16 against a
+  bf16 single process, verify's bf16 tolerances, on the losses and parameters of both steps and the
+  gradients of the first (the TP layout: but for the second MoE layer's, see
+  ``ROUTING_FLIPS``). The second step's gradients are not judged: after one bf16
   update the two sides' weights differ by bf16 rounding, enough to flip a few tokens'
   top-2 experts, which moves an expert's gradient by far more than rounding (measured:
   0.15 relative at ep = 2, and 0.40 for plain dp = 4 at ep = 1, which has no expert
@@ -45,26 +49,29 @@ from helpers import load_script
 pytest.importorskip("transformers")
 zoo = load_script("benchmarks/model_zoo.py")
 
-LAYOUTS = {  # name -> Layout fields (world 4), ep = 2 each
-    "dp4·ep2": dict(tp=1, pp=1, dp=4),
-    "tp2·dp2·ep2": dict(tp=2, pp=1, dp=2, sequence_parallel=True),
-    "pp2·dp2·ep2": dict(tp=1, pp=2, dp=2),
+LAYOUTS = {  # name -> Layout fields (world 4); under TP the EP group spans TP ranks
+    "dp4·ep2": dict(tp=1, pp=1, dp=4, ep=2),
+    "tp2·dp2·ep2": dict(tp=2, pp=1, dp=2, ep=2, sequence_parallel=True),  # EP = the TP pair
+    "pp2·dp2·ep2": dict(tp=1, pp=2, dp=2, ep=2),
+    "tp2·dp2·ep4": dict(tp=2, pp=1, dp=2, ep=4),  # EP over the whole stage, no EDP replica
 }
-EP = 2
 BATCH = 8  # global batch: micro-batches of 2 sequences
 
 
 @functools.lru_cache(maxsize=None)
 def ep_plan(layout: str, dtype: str = "fp32"):
-    """The tiny Mixtral's plan of ``layout`` with ep = 2, as the cost model prices it."""
+    """The tiny Mixtral's plan of ``layout``, as the cost model prices it."""
     import autopar
     from benchmarks.hf_families import build_family, tiny_cluster
 
-    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype, ep=EP)
+    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype)
     plan = autopar.evaluate(build_family("mixtral", device="meta"), tiny_cluster(4),
                             autopar.Layout(**fields), global_batch_size=BATCH,
                             seq_len=zoo.TINY_SEQ, model_name="mixtral")
-    assert plan.zero_stage == 0 and plan.ep == EP
+    assert plan.zero_stage == 0 and plan.ep == fields["ep"]
+    if plan.tp > 1:  # the experts calls run on the TP ranks' tokens (expert-TP 1)
+        assert {k for n, k in plan.placements.items() if n.endswith("mlp_experts")} == \
+            {"sharded:S0"}
     return plan
 
 
@@ -88,17 +95,32 @@ def _reports(layout: str, dtype: str, strict: bool = True) -> dict:
     return report
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "tp2·dp2·ep4"])
 def test_layout_verifies_against_one_process(layout):
     assert _reports(layout, "fp32")["ok"]
 
 
-def test_bf16_layout_matches_one_bf16_process():
-    report = _reports("dp4·ep2", "bf16", strict=False)
+ROUTING_FLIPS = {"tp2·dp2·ep2": ("model.layers.1.mlp.", "model.layers.1.post_attention")}
+"""Parameters whose first-step bf16 gradient the TP layout is not judged on: under TP the
+bf16 attention's row-parallel sums round differently from one process, enough to flip a few
+tokens' top-2 experts in the second MoE layer; that moves its routed experts', router's and
+input norm's gradients by up to 0.25 relative (measured), exactly as much at ep = 1
+(tp2·dp2, no expert parallelism: the same four parameters over tolerance with the same
+values, 0.2470 on ``model.layers.1.mlp.experts.down_proj``, 0.1111 on the norm), so expert
+parallelism adds nothing to it. The first layer's experts are judged (0.028)."""
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "tp2·dp2·ep4"])
+def test_bf16_layout_matches_one_bf16_process(layout):
+    report = _reports(layout, "bf16", strict=False)
     tol = report["tolerances"]
     assert all(s["diff"] <= tol["loss"] for s in report["losses"]), report["losses"]
+    flips = ROUTING_FLIPS.get(layout)
+    judged = [p for p in report["params"] if not (flips and p["key"].startswith(flips))]
+    assert len(judged) >= len(report["params"]) - 4
     for p in report["params"]:
         assert max(p["param"]) <= tol["param"], p
+    for p in judged:
         assert p["grad"][0] <= tol["grad"], p
 
 
@@ -181,7 +203,7 @@ def _refusals_and_reload(pm) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["dp4·ep2", "tp2·dp2·ep2"])
+@pytest.mark.parametrize("layout", ["dp4·ep2", "tp2·dp2·ep2", "tp2·dp2·ep4"])
 def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
     plan = ep_plan(layout)
     for res in run_distributed(_bytes_rank, 4, plan, timeout_s=600):
@@ -192,6 +214,6 @@ def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
         assert math.isclose(res["norm"], res["norm_gathered"], rel_tol=1e-6), res
         assert res["experts"] == [f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1)
                                   for n in ("down_proj", "gate_up_proj")]
-        assert "ep=3 must be a positive divisor of dp=4" in res["ep3"]
-        assert "save_checkpoint at ep=2" in res["checkpoint"]
+        assert "ep=3 must be a positive divisor of tp·dp=4" in res["ep3"]
+        assert f"save_checkpoint at ep={plan.ep}" in res["checkpoint"]
         assert res["reloaded"] and res.get("closed"), res

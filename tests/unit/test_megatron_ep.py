@@ -99,6 +99,38 @@ def test_megatron_startup_refuses_a_wrong_ep_configuration(ep_plan, flag, value,
         fs.megatron_startup(argv, ep_plan.num_gpus)
 
 
+@pytest.fixture(scope="module")
+def tp_ep_plan():
+    """The tiny Mixtral at tp2 pp1 dp2 ep2 with sequence parallelism: the EP group is the
+    TP pair (experts on each TP rank's sequence shard, Megatron-LM's expert-TP 1)."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_families import build_family
+
+    layout = autopar.Layout.parse("tp=2,pp=1,dp=2,ep=2,sp=1,mbs=1,zero_stage=0,dtype=bf16")
+    return autopar.evaluate(build_family("mixtral"), autopar.Cluster.local_cpu(processes=4),
+                            layout, global_batch_size=8, seq_len=16)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_megatron_starts_a_tp_ep_plan_with_autopars_groups(tp_ep_plan, rank):
+    """At tp 2 the emitted flags (SP, expert-TP 1) start megatron-core with the EP and
+    expert-data-parallel groups autopar prices and runs: consecutive ranks of the stage,
+    spanning TP (expert_ranks of the stage rank tp_rank + t·dp_rank); a plan at tp 2 without
+    SP or at ep 1 is outside the target."""
+    pytest.importorskip("megatron.core")
+    assert outside_target(tp_ep_plan, "megatron") is None
+    argv = _args(tp_ep_plan)
+    assert "--sequence-parallel" in argv and _value(argv, "--expert-tensor-parallel-size") == "1"
+    run = fs.megatron_startup(argv, tp_ep_plan.num_gpus, rank=rank)
+    assert (run.transformer_config.expert_model_parallel_size,
+            run.transformer_config.expert_tensor_parallel_size) == (2, 1)
+    _, ep_group, edp_group = expert_ranks(rank, 4, 2)
+    assert (run.expert_group, run.expert_data_group) == (ep_group, edp_group)
+    for changed in (dict(sequence_parallel=False), dict(ep=1)):
+        assert "sequence parallelism" in outside_target(
+            dataclasses.replace(tp_ep_plan, **changed), "megatron")
+
+
 def test_emitted_flags_read_back(ep_plan):
     """read_megatron_args of the emitted flags: ep 2 and the experts."""
     run = read_megatron_args(" ".join(_args(ep_plan)), num_gpus=4)
@@ -132,8 +164,11 @@ BASE = ("--num-layers 2 --micro-batch-size 1 --num-experts 4 --expert-model-para
     (BASE.replace("alltoall", "flex"), "alltoall dispatcher only"),
     (BASE.replace("--expert-tensor-parallel-size 1", "--expert-tensor-parallel-size 2"),
      "expert-tensor-parallel-size 2"),
-    (BASE + " --tensor-model-parallel-size 2 --sequence-parallel",
-     "--num-experts 4 with --tensor-model-parallel-size 2"),
+    (BASE + " --tensor-model-parallel-size 2",
+     "--num-experts 4 with --tensor-model-parallel-size 2 and --expert-model-parallel-size 2 "
+     "without --sequence-parallel"),
+    (BASE.replace("--expert-model-parallel-size 2", "--expert-model-parallel-size 1")
+     + " --tensor-model-parallel-size 2 --sequence-parallel", "ep > 1 and sequence parallelism"),
     (BASE.replace("--num-experts 4", "--num-experts 3"), "not divisible"),
     (BASE.replace("--num-experts 4 ", ""), "without --num-experts"),
     (BASE + " --moe-shared-expert-intermediate-size 64", "moe-shared-expert"),
@@ -176,14 +211,14 @@ def test_torchtitan_and_deepspeed_refuse_ep(ep_plan):
                              "expert_parallel_degree = 2\n")
 
 
-def test_megatron_target_refuses_moe_with_tp(ep_plan):
-    """A MoE plan at tp > 1 is outside the megatron target and refused by the emitter, with
-    or without EP (Megatron-LM's experts under TP run split or on sequence shards, autopar
-    prices them whole on every TP rank)."""
-    for ep in (2, 1):
-        tp2 = dataclasses.replace(ep_plan, tp=2, dp=2, ep=ep, sequence_parallel=True)
-        assert "mixture-of-experts model at tp=1 only" in outside_target(tp2, "megatron")
-        with pytest.raises(ValueError, match="mixture-of-experts model at tp=1 only"):
+def test_megatron_target_refuses_moe_with_tp_unless_ep_spans_it_under_sp(ep_plan):
+    """A MoE plan at tp > 1 without EP or without SP is outside the megatron target and
+    refused by the emitter (Megatron-LM's experts under TP run on sequence shards, which
+    autopar prices only with the EP group spanning TP)."""
+    for ep, sp in ((1, True), (2, False)):
+        tp2 = dataclasses.replace(ep_plan, tp=2, dp=2, ep=ep, sequence_parallel=sp)
+        assert "only with ep > 1 and sequence parallelism" in outside_target(tp2, "megatron")
+        with pytest.raises(ValueError, match="only with ep > 1 and sequence parallelism"):
             emit(tp2, "megatron")
 
 
@@ -197,17 +232,20 @@ def mixtral():
 
 def test_searched_megatron_plan_uses_ep_and_starts(mixtral):
     """autopar.plan(..., target="megatron") of the tiny Mixtral on 8 ranks searches ep (the
-    target's expert_parallel) at tp = 1 (its moe_tp) and megatron-core starts what it
-    emits; a tp = 2 pin is refused by name."""
+    target's expert_parallel) and megatron-core starts what it emits; a tp = 2 pin plans
+    only with ep > 1 and SP (its moe_tp), an ep = 1 pin with it is refused by name."""
     pytest.importorskip("megatron.core")
     cluster = autopar.Cluster.local_cpu(processes=8)
     plan = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron")
-    assert plan.ep > 1 and plan.tp == 1
+    assert plan.ep > 1
     run = fs.megatron_startup(_args(plan), plan.num_gpus)
     assert run.transformer_config.expert_model_parallel_size == plan.ep
-    with pytest.raises(ValueError, match="mixture-of-experts model at tp=1 only"):
+    tp2 = autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
+                       layout=autopar.Layout(tp=2))
+    assert tp2.tp == 2 and tp2.ep > 1 and tp2.sequence_parallel
+    with pytest.raises(ValueError, match="only with ep > 1 and sequence parallelism"):
         autopar.plan(mixtral, cluster, global_batch_size=16, seq_len=16, target="megatron",
-                     layout=autopar.Layout(tp=2))
+                     layout=autopar.Layout(tp=2, ep=1))
 
 
 def test_read_back_flags_price_as_the_plan(ep_plan, mixtral):

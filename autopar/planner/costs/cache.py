@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+from autopar.techniques.expert_parallel import experts_token_parallel
+
 __all__ = ["SearchCache"]
 
 T = TypeVar("T")
@@ -42,20 +44,25 @@ class SearchCache:
         """Kind -> number of stored answers (what the search shared)."""
         return {kind: len(table) for kind, table in self._kinds.items()}
 
-    def strategies(self, tp: int, sequence_parallel: bool, compute: Callable[[], T]) -> T:
-        """The node strategies at (tp, sequence parallelism)
+    def strategies(self, tp: int, sequence_parallel: bool, compute: Callable[[], T],
+                   ep: int = 1) -> T:
+        """The node strategies at (tp, sequence parallelism, experts on TP ranks' tokens)
         (:func:`~autopar.planner.strategies.node_strategies`)."""
-        return self._get("strategies", (tp, sequence_parallel), compute)
+        return self._get("strategies", (tp, sequence_parallel, experts_token_parallel(tp, ep)),
+                         compute)
 
-    def megatron_keys(self, tp: int, sequence_parallel: bool, compute: Callable[[], T]) -> T:
-        """The strategy keys Megatron-LM's pattern allows per node at (tp, SP)
-        (:func:`~autopar.planner.strategies.megatron.allowed_strategies`)."""
-        return self._get("megatron_keys", (tp, sequence_parallel), compute)
+    def megatron_keys(self, tp: int, sequence_parallel: bool, compute: Callable[[], T],
+                      ep: int = 1) -> T:
+        """The strategy keys Megatron-LM's pattern allows per node at (tp, SP, experts on
+        tokens) (:func:`~autopar.planner.strategies.megatron.allowed_strategies`)."""
+        return self._get("megatron_keys",
+                         (tp, sequence_parallel, experts_token_parallel(tp, ep)), compute)
 
     def pricing_rows(self, tp: int, sequence_parallel: bool, template_only: bool,
-                     compute: Callable[[], T]) -> T:
+                     compute: Callable[[], T], ep: int = 1) -> T:
         """Per node, its pricing signature and its edges' (the cost tables' rows)."""
-        return self._get("pricing_rows", (tp, sequence_parallel, template_only), compute)
+        return self._get("pricing_rows", (tp, sequence_parallel, template_only,
+                                          experts_token_parallel(tp, ep)), compute)
 
     def tp_tables(self, key: tuple, compute: Callable[[], T]) -> T:
         """The cost tables without the pipeline's point-to-point time, per (tp, micro-batch

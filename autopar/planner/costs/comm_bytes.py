@@ -13,6 +13,7 @@ import math
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import COMM_KINDS, rank_layers
+from autopar.techniques.expert_parallel import expert_data_parallel_size
 from autopar.planner.costs.tables import CostTables, state_bytes
 from autopar.planner.costs.step import head_rank, tied_param_numel
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -67,8 +68,10 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
             comm["tp_all_reduce"] += 4 * sum(-(-n // cfg.dp) for n in sizes)
         else:  # before the gradients leave: each micro-batch under ZeRO-2
             comm["tp_all_reduce"] += zero.gradient_reductions(m) * grad_b * sum(sizes)
-    # expert gradients are all-reduced over the d/ep ranks holding the same experts: none at d = ep
-    alone = total["expert_params"] if cfg.dp == cfg.ep else 0.0
+    # expert gradients are all-reduced over the t·d/ep ranks holding the same experts: none
+    # when that group is one rank
+    alone = total["expert_params"] if expert_data_parallel_size(cfg.tp, cfg.dp, cfg.ep) == 1 \
+        else 0.0
     comm.update(dp_comm_bytes(total["params"] - alone, decision.zero_stage, cfg, param_b, grad_b,
                                fsdp_units(traced, strategies, decision, cfg)))
     if head_rank(cfg) != 0 and i in (0, head_rank(cfg)):  # the tied pair on two ranks

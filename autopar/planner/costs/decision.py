@@ -143,8 +143,9 @@ def decision_from_plan(traced: TracedModel, cluster, plan: Plan
                  plan.schedule, plan.virtual_stages, plan.dtype,
                  plan.attention or cluster.attention,
                  plan.sequence_parallel, plan.grad_dtype, plan.ep)
-    strategies = node_strategies(traced, plan.tp, plan.sequence_parallel)
-    decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel)
+    strategies = node_strategies(traced, plan.tp, plan.sequence_parallel, plan.ep)
+    decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel,
+                                plan.ep)
     choice = {name: k for name, (k, _) in decoded.items()}
     decision = Decision(cfg, choice, plan.stage_layers, plan.recompute, plan.zero_stage, 0.0, 0.0)
     return decision, cost_tables(traced, strategies, cluster, cfg), strategies

@@ -6,16 +6,19 @@ under expert parallelism of degree ep (:mod:`autopar.techniques.expert_parallel`
 * its grouped GEMMs run E/ep experts on ep times the rows each (the tokens of the ep ranks
   of the EP group routed to this rank's experts; balanced routing, the planning
   assumption, :data:`cost_models.moe.BALANCED_ROUTING`): the same FLOPs per rank, larger
-  GEMMs;
+  GEMMs; when the EP group spans TP (:func:`autopar.techniques.expert_parallel.
+  experts_token_parallel`) a rank routes its TP rank's 1/t of the tokens, so its rows,
+  its all-to-alls, the activations it keeps and the memory traffic of its sorts and
+  gathers are 1/t of the layer's;
 * dispatch and combine all-to-alls in forward and the two again in backward
   (:func:`cost_models.moe.moe_all_to_alls_per_layer`), each sending
-  :func:`cost_models.moe.moe_dispatch_bytes` of the micro-batch's b·s·k routed rows of h
+  :func:`cost_models.moe.moe_dispatch_bytes` of the rank's b·s·k/t routed rows of h
   values, priced by :func:`cost_models.moe.moe_all_to_all_time_s` over the EP group (ep
-  ranks of stride t, ``ranks_per_node_in_group`` of them in a node); before the dispatch
+  consecutive ranks, ``ranks_per_node_in_group`` of them in a node); before the dispatch
   the runtime exchanges the rows per expert, (E − E/ep) int64 counts
   (:class:`autopar.runtime.expert_parallel.ExpertParallelExperts`), counted in the bytes;
 * it holds 1/ep of the experts' parameters, whose gradients the runtime all-reduces over
-  the expert-data-parallel group (d/ep ranks) instead of the DP group.
+  the expert-data-parallel group (t·d/ep ranks) instead of the DP group.
 """
 
 from __future__ import annotations
@@ -71,20 +74,25 @@ def ranks_per_node_in_group(cluster: Cluster, size: int, stride: int) -> int:
     return math.gcd(size, cluster.gpus_per_node // stride)
 
 
-def expert_parallel_price(info, b: int, cluster: Cluster, tp: int, ep: int,
-                          act_bytes: int) -> ExpertParallelPrice:
+def expert_parallel_price(info, b: int, cluster: Cluster, ep: int, act_bytes: int,
+                          token_share: int = 1) -> ExpertParallelPrice:
     """:class:`ExpertParallelPrice` of experts node ``info`` (``extra["experts"]``: E, k, h,
-    T·k rows per sequence) for ``b`` sequences per micro-batch, TP size ``tp`` (the EP group's
-    stride) and EP degree ``ep`` >= 2. Raises ValueError when ep does not divide E."""
+    T·k rows per sequence; ``extra["inner"]``: elements its other ops save and move) for
+    ``b`` sequences per micro-batch and EP degree ``ep`` >= 2 over consecutive ranks, the
+    rank holding 1/``token_share`` of the tokens (t when its experts call runs on its TP
+    rank's rows, 1 when whole). Raises ValueError when ep does not divide E."""
     shape = info.extra["experts"]
     E, k, h, rows = shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["rows"]
     if E % ep:
         raise ValueError(f"ep={ep} does not divide the {E} experts of {info.name}")
+    rows = rows / token_share
     per_expert = math.ceil(rows * ep / E)
     gemms = tuple((g // ep, per_expert, n, kk) for g, _, n, kk in info.extra["gemms"])
-    view = replace(info, extra={**info.extra, "gemms": gemms})
+    saved, moved, ops = info.extra["inner"]
+    view = replace(info, extra={**info.extra, "gemms": gemms,
+                                "inner": (saved / token_share, moved / token_share, ops)})
     tokens = b * rows / k
-    r = ranks_per_node_in_group(cluster, ep, tp)
+    r = ranks_per_node_in_group(cluster, ep, 1)
     a2a = moe_all_to_all_time_s(tokens, k, h, act_bytes, ep, r, cluster.intra_node,
                                 cluster.inter_node)
     sent = moe_dispatch_bytes(tokens, k, h, act_bytes, ep)

@@ -17,7 +17,7 @@ parameters are :func:`~autopar.planner.costs.expert_cost.expert_parallel_price`'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models import comm, compute
 from cost_models.hardware import Cluster
@@ -121,10 +121,10 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     docstring says; a ``torch.no_grad()`` node (``info.no_grad``) has no backward. ``b``:
     micro-batch size (per-sequence nodes scale by it); ``ep``: expert-parallel degree."""
     inner = info.extra.get("inner")  # (saved, moved elements, ops) of an experts call
-    if inner and ep > 1:
-        expert = expert_parallel_price(info, b, cluster, tp, ep, act_bytes)
-        return expert.applied(node_cost(expert.info, strat, b, cluster, tp, in_numel,
-                                        act_bytes, attention), ep)
+    if inner and ep > 1:  # the view holds this rank's share: no further division
+        expert = expert_parallel_price(info, b, cluster, ep, act_bytes, strat.compute_divisor)
+        return expert.applied(node_cost(expert.info, replace(strat, compute_divisor=1), b,
+                                        cluster, tp, in_numel, act_bytes, attention), ep)
     dev, div = cluster.device, strat.compute_divisor
     b = b if info.per_sequence else 1
     wgrad_share = 0.0  # of the backward

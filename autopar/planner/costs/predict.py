@@ -224,7 +224,8 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
         stage_t.append(total["fwd_s"] + total["bwd_s"] + total["tp_fwd_s"] + total["tp_bwd_s"] + rec_s)
         inflight = pipeline_schedule(cfg.schedule).in_flight(p, i, m, cfg.virtual_stages)
         saved = act * inflight + held  # interleaved: (chunk forwards in flight) / v
-        mem.append({**model_state_bytes_by_kind(total["params"], decision.zero_stage, cfg),
+        mem.append({**model_state_bytes_by_kind(total["params"], decision.zero_stage, cfg,
+                                                 total["expert_params"]),
                     "activations": saved + working})
         parts.append((total, rec_s, total["params"]))
         stats.append(stage_stats(traced, strategies, tables, decision, i, total, mem[-1], saved,

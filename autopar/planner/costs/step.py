@@ -31,9 +31,11 @@ from autopar.planner.costs.tables import (Config, CostTables, bytes_per_param, d
                                          expert_data_parallel,
                                          optimizer_s_per_param, state_bytes)
 from autopar.planner.strategies import tied_groups
+from autopar.techniques.expert_parallel import expert_data_parallel_size
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
-__all__ = ["KIB", "PARAM_UNIT", "expert_dp_saving_s_per_param", "head_rank", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
+__all__ = ["KIB", "PARAM_UNIT", "expert_dp_saving_s_per_param",
+           "expert_optimizer_extra_s_per_param", "expert_state_kib_times_d", "head_rank", "counts_tied_weight_once", "tied_param_numel", "exposed_dp_s",
            "optimizer_s", "step_time_s", "model_state_bytes_by_kind", "state_kib_times_d",
            "in_flight_times_v", "scaled_memory", "scaled_memory_limit"]
 
@@ -79,20 +81,33 @@ def exposed_dp_s(zero_stage: int, cluster, cfg: Config, params: list[float],
     X_i) + \\delta_e X_i` in place of :math:`\\delta_z P_i`)."""
     per_param = dp_comm_s_per_param(zero_stage, cluster, cfg)
     serial = 1.0 - cluster.device.comm_overlap
-    saving = expert_dp_saving_s_per_param(cluster, cfg)  # EP runs with ZeRO-0 only
+    saving = expert_dp_saving_s_per_param(cluster, cfg, zero_stage)
     work = [per_param * pa - saving * x
             for pa, x in zip(params, expert_params or [0.0] * len(params))]
     return max(max(serial * w, _minus(w, bw)) for w, bw in zip(work, bwd_s))
 
 
-def expert_dp_saving_s_per_param(cluster, cfg: Config) -> float:
-    """Seconds per step that one expert parameter's gradient reduction saves under expert
-    parallelism (ZeRO-0): the DP group's rate less the expert-data-parallel group's
-    (d/ep ranks, :func:`~autopar.planner.costs.tables.expert_data_parallel`); 0 at ep = 1."""
+def expert_dp_saving_s_per_param(cluster, cfg: Config, zero_stage: int = 0) -> float:
+    """Seconds per step that one expert parameter's gradient reduction (ZeRO stage
+    ``zero_stage``) saves under expert parallelism: the DP group's rate less the
+    expert-data-parallel group's (t·d/ep ranks,
+    :func:`~autopar.planner.costs.tables.expert_data_parallel`; negative when that group
+    is the slower); 0 at ep = 1."""
     if cfg.ep == 1:
         return 0.0
-    return (dp_comm_s_per_param(0, cluster, cfg)
-            - dp_comm_s_per_param(0, cluster, expert_data_parallel(cfg)))
+    return (dp_comm_s_per_param(zero_stage, cluster, cfg)
+            - dp_comm_s_per_param(zero_stage, cluster, expert_data_parallel(cfg)))
+
+
+def expert_optimizer_extra_s_per_param(cluster, cfg: Config, zero_stage: int) -> float:
+    """Seconds of the optimizer step that one expert parameter adds beyond a dense one's
+    under ZeRO stage ``zero_stage``: its states are sharded over the expert-data-parallel
+    group (t·d/ep ranks) instead of the d DP ranks (Megatron-Core's distributed optimizer
+    shards expert states over that group); 0 at ep = 1 or ZeRO-0."""
+    if cfg.ep == 1:
+        return 0.0
+    return (optimizer_s_per_param(zero_stage, cluster, expert_data_parallel(cfg))
+            - optimizer_s_per_param(zero_stage, cluster, cfg))
 
 
 def _minus(x: float, parts: float | tuple[float, ...]) -> float:
@@ -101,10 +116,15 @@ def _minus(x: float, parts: float | tuple[float, ...]) -> float:
     return x
 
 
-def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float]) -> float:
-    """Seconds of the optimizer step, max over ranks: :math:`\\max_i \\omega_z P_i`."""
+def optimizer_s(zero_stage: int, cluster, cfg: Config, params: list[float],
+                expert_params: list[float] | None = None) -> float:
+    """Seconds of the optimizer step, max over ranks: :math:`\\max_i \\omega_z P_i +
+    (\\omega_{z,e} - \\omega_z) X_i` (``expert_params``: :math:`X_i`, see
+    :func:`expert_optimizer_extra_s_per_param`)."""
     per_param = optimizer_s_per_param(zero_stage, cluster, cfg)
-    return max(per_param * pa for pa in params)
+    extra = expert_optimizer_extra_s_per_param(cluster, cfg, zero_stage)
+    return max(per_param * pa + extra * x
+               for pa, x in zip(params, expert_params or [0.0] * len(params)))
 
 
 def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
@@ -125,20 +145,25 @@ def step_time_s(stage_s: list[float], params: list[float], bwd_s: list,
                                                        wgrad_s, forward_s)
     dp_s = exposed_dp_s(zero_stage, cluster, cfg, params, bwd_s, expert_params) \
         + tables.dp_latency_s[zero_stage]
-    opt_s = optimizer_s(zero_stage, cluster, cfg, params)
+    opt_s = optimizer_s(zero_stage, cluster, cfg, params, expert_params)
     return pipe + dp_s + opt_s + tables.step_end_s, pipe, dp_s, opt_s
 
 
-def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config) -> dict[str, float]:
-    """Bytes per GPU of parameters, gradients and optimizer states for ``params`` elements:
-    ZeRO shards optimizer states (z >= 1), gradients (z >= 2) and parameters (z = 3) over
-    d (Rajbhandari et al. 2020, Fig. 1); bytes per parameter from
-    :func:`~autopar.planner.costs.tables.state_bytes`."""
+def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config,
+                              expert_params: float = 0.0) -> dict[str, float]:
+    """Bytes per GPU of parameters, gradients and optimizer states for ``params`` elements,
+    ``expert_params`` of them experts under expert parallelism: ZeRO shards optimizer
+    states (z >= 1), gradients (z >= 2) and parameters (z = 3) over d, the experts' over
+    the t·d/ep ranks of their expert-data-parallel group (Rajbhandari et al. 2020, Fig. 1);
+    bytes per parameter from :func:`~autopar.planner.costs.tables.state_bytes`."""
     b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
-    d = cfg.dp
-    return {"parameters": params * b.param / (d if zero_stage >= 3 else 1),
-            "gradients": params * b.grad / (d if zero_stage >= 2 else 1),
-            "optimizer_states": params * b.optimizer / (d if zero_stage >= 1 else 1)}
+    out = dict.fromkeys(("parameters", "gradients", "optimizer_states"), 0.0)
+    e = expert_data_parallel_size(cfg.tp, cfg.dp, cfg.ep)
+    for n, d in ((params - expert_params, cfg.dp), (expert_params, e)):
+        out["parameters"] += n * b.param / (d if zero_stage >= 3 else 1)
+        out["gradients"] += n * b.grad / (d if zero_stage >= 2 else 1)
+        out["optimizer_states"] += n * b.optimizer / (d if zero_stage >= 1 else 1)
+    return out
 
 
 def state_kib_times_d(zero_stage: int, cfg: Config) -> int:
@@ -146,6 +171,17 @@ def state_kib_times_d(zero_stage: int, cfg: Config) -> int:
     (bf16: 16d, 4d + 12, 2d + 14, 16 for ZeRO 0..3; fp32 gradients 18d, 6d + 12, 2d + 16,
     16)."""
     return round(bytes_per_param(zero_stage, cfg.dp, cfg.dtype, cfg.grad_dtype) * cfg.dp)
+
+
+def expert_state_kib_times_d(zero_stage: int, cfg: Config) -> int:
+    """What an expert parameter unit adds to :func:`state_kib_times_d` under expert
+    parallelism: its states sharded over the t·d/ep ranks of its expert-data-parallel group
+    instead of d (negative when that group is the larger); 0 at ep = 1 or ZeRO-0."""
+    if cfg.ep == 1:
+        return 0
+    e = expert_data_parallel_size(cfg.tp, cfg.dp, cfg.ep)
+    return round(bytes_per_param(zero_stage, e, cfg.dtype, cfg.grad_dtype) * cfg.dp) \
+        - state_kib_times_d(zero_stage, cfg)
 
 
 def in_flight_times_v(cfg: Config, rank: int) -> int:

@@ -38,6 +38,7 @@ from autopar.planner.costs.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost,
                                        node_cost)
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
+from autopar.techniques.expert_parallel import expert_data_parallel_size
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE
 from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
@@ -164,9 +165,10 @@ def dp_comm_s_per_param(zero_stage: int, cluster: Cluster, cfg: Config) -> float
 
 def expert_data_parallel(cfg: Config) -> Config:
     """``cfg`` as seen by the expert gradients' reduction under expert parallelism: over the
-    expert-data-parallel group, d/ep ranks of stride t·ep (:func:`cost_models.comm.group_link`
+    expert-data-parallel group, t·d/ep ranks of stride ep (the stage ranks with one EP rank:
+    :func:`autopar.techniques.expert_parallel.expert_ranks`; :func:`cost_models.comm.group_link`
     reads the link from size and stride), so :func:`dp_comm_s_per_param` of it is their rate."""
-    return replace(cfg, dp=cfg.dp // cfg.ep, tp=cfg.tp * cfg.ep, ep=1)
+    return replace(cfg, dp=expert_data_parallel_size(cfg.tp, cfg.dp, cfg.ep), tp=cfg.ep, ep=1)
 
 
 def _bucketed_s_per_param(collective, cluster: Cluster, cfg: Config, elem_bytes: int) -> float:
@@ -285,14 +287,14 @@ def _node_key(info) -> tuple:
 
 
 def _pricing_rows(traced: TracedModel, strategies: NodeStrategies, tp: int, sp: bool,
-                  cache: SearchCache, names: set[str] | None = None) -> list[tuple]:
+                  cache: SearchCache, names: set[str] | None = None, ep: int = 1) -> list[tuple]:
     """Per node, once per (tp, sequence parallelism): (name, info, node signature, input
     elements, [(source, j, edge signature, source elements, per sequence)]), where a
     signature is a small int naming one pricing problem (equal ones: the same op in every
     layer), so that :func:`_tp_tables` looks prices up instead of hashing them anew.
     ``names``: rows of these nodes only (signatures then number their own problems)."""
     return cache.pricing_rows(tp, sp, names is not None,
-                              lambda: _rows(traced, strategies, names))
+                              lambda: _rows(traced, strategies, names), ep)
 
 
 def _rows(traced: TracedModel, strategies: NodeStrategies,
@@ -338,14 +340,14 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     f_rs_s: dict[str, float] = {}
     scope = names is not None  # signatures of template rows number their own problems
     for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, cache,
-                                                          names):
+                                                          names, cfg.ep):
         node_tab[name] = cache.node_costs(
             (tp, sp, scope, sig, b, act, attn, cfg.ep),
             lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn, cfg.ep)
                      for st in strategies[name]])
         for src, j, esig, numel, per_sequence, saves, grad in edges:
             edge_tab[(src, name, j)] = cache.edge_costs(
-                (tp, sp, scope, esig, b, act),
+                (tp, sp, scope, esig, b, act, cfg.ep > 1),
                 lambda: _edge_table(tuple(su.output for su in strategies[src]),
                                     tuple(sv.inputs[j] for sv in strategies[name]),
                                     act * numel * (b if per_sequence else 1), tp, tp_link, sp,

@@ -35,8 +35,8 @@ decision variables are exact CP-SAT multiplication constraints. Each constraint 
 one ``add_*`` method, every constraint a name; without the cutoff only ``memory[stage i]``
 can be unsatisfiable, so an INFEASIBLE model means no plan of the Config fits. Times are
 integers of about 1e-4 of a layer's forward+backward (``units_per_second``), memory KiB,
-parameters units of 1024 (``PARAM_UNIT``). Under expert parallelism (ZeRO-0) the DP rows
-charge the experts' parameter units ("expert_param") the expert-data-parallel group's rate.
+parameters units of 1024 (``PARAM_UNIT``). Under expert parallelism the DP, optimizer and
+memory rows charge the experts' units ("expert_param") their expert-data-parallel group's.
 
 v > 1 chunks per rank: p·v equal chunks of L/(p·v) placed by the schedule's record
 (``Plan.stage_layers``), so :math:`n_i = L/p` (memory sums a rank's v chunks); the objective
@@ -59,14 +59,15 @@ from autopar.planner.costs.tables import CostTables, dp_comm_s_per_param, optimi
 from autopar.planner.cpsat.edges import add_edges
 from autopar.planner.cpsat.terms import (
     OrderedMakespan, SectionTerms, add_exposed_dp, add_recompute_rows, deferred_weight_grads,
-    head_working_kib, int_var, ordered_pipeline, precision_scale, product_var,
+    head_working_kib, if_chosen, int_var, ordered_pipeline, precision_scale, product_var,
     solve_deterministic, template_map, tied_param_units)
 from autopar.planner.costs.decision import (Decision, InfeasibleError, stage_bounds_and_recompute,
                                       stage_size_range)
 from autopar.planner.costs.reserve import usable_bytes
-from autopar.planner.costs.step import (KIB, PARAM_UNIT, counts_tied_weight_once,
-                                        expert_dp_saving_s_per_param, head_rank, scaled_memory,
-                                  scaled_memory_limit, state_kib_times_d)
+from autopar.planner.costs.step import (
+    KIB, PARAM_UNIT, counts_tied_weight_once, expert_dp_saving_s_per_param,
+    expert_optimizer_extra_s_per_param, expert_state_kib_times_d, head_rank, scaled_memory,
+    scaled_memory_limit, state_kib_times_d)
 from autopar.planner.strategies import NodeStrategies, param_split, tied_groups
 from autopar.contract.support import pipeline_problem
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -227,13 +228,10 @@ class ConfigModel:
         layer_ub = terms.upper_bound("layer", key)
         pl = int_var(model, f"{key}s_layer", terms.expr("layer", key), layer_ub)
         prod = product_var(model, f"{key}s_layers[{i}]", self.layers_on_rank[i], pl, L * layer_ub)
-        extra = 0
-        if i == 0:
-            extra += terms.expr("pre", key)
-        if i == head_rank(self.cfg):
-            extra += terms.expr("post", key)
-            if counts_tied_weight_once(self.cfg) and key == "param":  # one tensor, counted twice
-                extra -= tied_param_units(self.traced, self.tables, self.choice)
+        extra = (terms.expr("pre", key) if i == 0 else 0) + \
+            (terms.expr("post", key) if i == head_rank(self.cfg) else 0)
+        if i == head_rank(self.cfg) and counts_tied_weight_once(self.cfg) and key == "param":
+            extra -= tied_param_units(self.traced, self.tables, self.choice)  # counted twice
         total_ub = L * layer_ub + terms.upper_bound("pre", key) + terms.upper_bound("post", key)
         return int_var(model, f"{key}s[{i}]", prod + extra, total_ub), total_ub
 
@@ -259,17 +257,17 @@ class ConfigModel:
         a_sel = int_var(model, "act_layer_selective",
                           terms.expr("layer", "act") - terms.expr("layer", "core_act"), act_ub)
         ckpt = int(math.ceil(self.tables.full_ckpt_bytes / KIB))
-        self.params_if_zero = []
+        self.params_if_zero, self.experts_if_zero = [], []
         for i in range(p):
-            params, pub = self._rank_params(i)
-            s_iz = {}
-            for z, zb in self.zero.items():
-                s = model.NewIntVar(0, pub, f"params_if_zero[{i},{z}]")
-                model.Add(s == params).WithName(f"params_if_zero[{i},{z}]").OnlyEnforceIf(zb)
-                model.Add(s == 0).WithName(f"params_if_zero[{i},{z}]").OnlyEnforceIf(zb.Not())
-                s_iz[z] = s
+            s_iz = if_chosen(model, f"params_if_zero[{i}]", *self._rank_params(i), self.zero)
             self.params_if_zero.append(s_iz)
-            state_kib_d = sum(state_kib_times_d(z, cfg) * s for z, s in s_iz.items())
+            # expert parallelism: the experts' states sharded over their EDP group, not d
+            x_iz = if_chosen(model, f"experts_if_zero[{i}]",
+                             *self._rank_params(i, "expert_param"), self.zero) \
+                if cfg.ep > 1 else {}
+            self.experts_if_zero.append(x_iz)
+            state_kib_d = sum(state_kib_times_d(z, cfg) * s for z, s in s_iz.items()) + \
+                sum(expert_state_kib_times_d(z, cfg) * x for z, x in x_iz.items())
             rf, rs = self.recompute_full[i], self.recompute_selective[i]
             keep = int_var(model, f"layers_no_recompute[{i}]", self.layers_on_rank[i] - rf - rs, L)
             act = (product_var(model, f"act_kept[{i}]", keep, a_layer, L * act_ub)
@@ -353,12 +351,14 @@ class ConfigModel:
         limit = 10**17 // k  # keep tdp·k far from int64 overflow (CP-SAT rejects such models)
         tdp = self.model.NewIntVar(0, limit, "t_dp")
         topt = self.model.NewIntVar(0, limit, "t_optimizer")
-        cheaper = expert_dp_saving_s_per_param(cluster, cfg) * PARAM_UNIT * ups  # EP, ZeRO-0
-        for i, s_iz in enumerate(self.params_if_zero):  # DP overlaps the last backward (DDP)
-            experts = (cheaper, self._rank_params(i, "expert_param")[0]) if cheaper else None
-            add_exposed_dp(self.model, tdp, k, dp_coef, s_iz, self.rank_bwd[i],
-                           cluster.device.comm_overlap, i, experts)
+        cheaper = {z: expert_dp_saving_s_per_param(cluster, cfg, z) * PARAM_UNIT * ups
+                   for z in self.zero}  # expert parallelism: the EDP group's rates
+        extra = {z: expert_optimizer_extra_s_per_param(cluster, cfg, z) * PARAM_UNIT * ups for z in self.zero}
+        for i, (s_iz, x_iz) in enumerate(zip(self.params_if_zero, self.experts_if_zero)):
+            add_exposed_dp(self.model, tdp, k, dp_coef, s_iz, self.rank_bwd[i],  # DP overlaps
+                           cluster.device.comm_overlap, i, (cheaper, x_iz))  # the last backward
             self.model.Add(topt * k >= sum(round(opt_coef[z] * k) * s for z, s in s_iz.items())
+                           + sum(round(extra[z] * k) * x for z, x in x_iz.items())
                            ).WithName(f"t_optimizer[{i}]")
         return tdp, topt
 

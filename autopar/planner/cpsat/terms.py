@@ -159,6 +159,19 @@ def hint_strategies(cm, strategy: dict[str, int]) -> None:
                 cm.model.AddHint(x, k == strategy[name])
 
 
+def if_chosen(model: cp_model.CpModel, name: str, value, bound: int, literals: dict) -> dict:
+    """Per key of ``literals`` (Boolean variables, exactly one of them true), an IntVar in
+    [0, ``bound``] equal to ``value`` where that key's literal holds, else 0 (rows and
+    variables ``name[key]``)."""
+    out = {}
+    for key, literal in literals.items():
+        s = model.NewIntVar(0, bound, f"{name}[{key}]")
+        model.Add(s == value).WithName(f"{name}[{key}]").OnlyEnforceIf(literal)
+        model.Add(s == 0).WithName(f"{name}[{key}]").OnlyEnforceIf(literal.Not())
+        out[key] = s
+    return out
+
+
 def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: dict, bwd,
                    overlap: float, i: int, cheaper: tuple | None = None) -> None:
     r"""Pipeline rank i's rows of the exposed DP time ``tdp`` (:func:`autopar.planner.costs.step.
@@ -167,15 +180,17 @@ def add_exposed_dp(model: cp_model.CpModel, tdp, k: int, dp_coef: dict, s_iz: di
     only a fraction f = ``overlap`` < 1 of it, ``t_dp_serial[i]``
     :math:`K T_{dp} \ge \sum_z K(1 - f)\delta_z P_{i,z}`. ``dp_coef[z]``: δ_z in time units per
     parameter unit; ``s_iz[z]``: rank i's parameter units if ZeRO stage z is chosen, else 0;
-    ``cheaper``: (δ_0 − δ_e, X_i): what the expert parameters' reduction over the
-    expert-data-parallel group saves per unit, and rank i's expert parameter units
-    (expert parallelism, ZeRO-0 only; None without)."""
-    c, x = cheaper or (0.0, 0)
+    ``cheaper``: ({z: δ_z − δ_{z,e}}, {z: X_{i,z}}): what an expert parameter unit's
+    reduction over the expert-data-parallel group saves under each ZeRO stage, and rank i's
+    expert parameter units if that stage is chosen, else 0 (expert parallelism; None
+    without)."""
+    c, x = cheaper or ({}, {})
     model.Add(tdp * k >= sum(round(dp_coef[z] * k) * s for z, s in s_iz.items())
-              - round(c * k) * x - k * bwd).WithName(f"t_dp[{i}]")
+              - sum(round(c[z] * k) * x[z] for z in x) - k * bwd).WithName(f"t_dp[{i}]")
     if overlap < 1:
         model.Add(tdp * k >= sum(round((1.0 - overlap) * dp_coef[z] * k) * s
-                                 for z, s in s_iz.items()) - round((1.0 - overlap) * c * k) * x
+                                 for z, s in s_iz.items())
+                  - sum(round((1.0 - overlap) * c[z] * k) * x[z] for z in x)
                   ).WithName(f"t_dp_serial[{i}]")
 
 

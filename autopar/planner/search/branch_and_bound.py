@@ -119,13 +119,14 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
 
     traced, cluster, layout, support, cache = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
                                                ctx.cache)
-    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache)
+    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache, cfg.ep)
     tables = cost_tables(traced, strategies, cluster, cfg, cache)
     zero = zero_choices(layout, support, cfg)
     modes = pipeline_schedule(cfg.schedule).recompute_modes(support.recompute)
     model = ConfigModel(traced, strategies, tables, cluster, zero_stages=zero,
                         allowed=allowed_strategies(traced, strategies, cfg.tp,
-                                                   cfg.sequence_parallel, cache, support),
+                                                   cfg.sequence_parallel, cache, support,
+                                                   cfg.ep),
                         recompute_modes=modes, fixed_recompute=layout.recompute,
                         even_stages=ctx.even_stages or support.even_stages,
                         recompute_layout=support.recompute_layout,

@@ -71,7 +71,8 @@ def validate_layout(traced: TracedModel, cluster, layout: Layout, global_batch_s
 
 def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                       support: RuntimeSupport = RUNTIME_SUPPORT,
-                      why: dict[str, str] | None = None) -> list[Config]:
+                      why: dict[str, str] | None = None,
+                      chunks_given: bool = False) -> list[Config]:
     """All (tp, pp, dp, mbs, schedule, v, sequence_parallel) consistent with ``layout`` and
     the runtime. Sequence parallelism is the layout's, or both (without, then with) when
     the layout leaves it unset, a search (``support`` given) and tp > 1.
@@ -84,7 +85,9 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     sizes the runtime runs it with. ``support``
     :data:`~autopar.contract.support.FULL_SPACE` (evaluating a hand layout): the layout's
     schedule and v, checked by the same rule. ``why``: filled with the first
-    reason each rule rejected a config for (the error when none is left).
+    reason each rule rejected a config for (the error when none is left). ``chunks_given``:
+    the caller cuts the layers into chunks itself (a hand layout's ``stage_layers``, e.g.
+    Megatron's uneven first and last stages), so the rule's L % (pp·v) is not applied.
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
     blocks = moe_blocks(traced)
@@ -102,11 +105,9 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
             continue
         if support.max_tp is not None and tp > support.max_tp:
             continue
-        if tp > 1 and blocks and not support.moe_tp and not support.as_written:
-            why.setdefault("moe_tp", f"{support.name} runs a mixture-of-experts model at tp=1 "
-                                     "only as autopar prices it (its experts under TP run "
-                                     "split or on sequence shards); use tp=1")
-            continue
+        # a target whose experts under TP run on sequence shards (Megatron-LM's expert-TP
+        # 1) runs as priced only with the EP group spanning TP (ep > 1) under SP
+        tokens_only = tp > 1 and blocks and not support.moe_tp and not support.as_written
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
@@ -129,25 +130,35 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
                                      f"by dp={dp}")
                 continue
-            for ep in _expert_degrees(blocks, layout, support, dp, zeros, why):
-                out += _micro_configs(traced, cluster, layout, support, schedules, why,
-                                      tp, pp, dp, global_batch_size // dp, ep)
+            for ep in _expert_degrees(blocks, layout, support, tp, dp, zeros, why):
+                if tokens_only and ep == 1:
+                    why.setdefault("moe_tp", f"{support.name} runs a mixture-of-experts model "
+                                             "at tp > 1 as autopar prices it only with ep > 1 "
+                                             "and sequence parallelism (its experts on "
+                                             "sequence shards); use tp=1 or ep > 1")
+                    continue
+                out += [c for c in _micro_configs(traced, cluster, layout, support, schedules,
+                                                  why, tp, pp, dp, global_batch_size // dp, ep,
+                                                  None if chunks_given else L)
+                        if c.sequence_parallel or not tokens_only]
     return out
 
 
-def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, ...],
-                    why: dict) -> list[int]:
-    """The EP degrees to try at data-parallel size ``dp``: the layout's, else 1 and, where
+def _expert_degrees(blocks, layout: Layout, support, tp: int, dp: int,
+                    zeros: tuple[int, ...], why: dict) -> list[int]:
+    """The EP degrees to try at tensor- and data-parallel sizes ``tp``, ``dp`` (ep folds
+    over the tp·dp ranks of a stage): the layout's, else 1 and, where
     ``support`` runs expert parallelism, every ep > 1 that :func:`~autopar.techniques.
     expert_parallel.ep_problem` allows for the MoE ``blocks`` with a ZeRO stage in ``zeros``."""
     experts = [b.num_experts for b in blocks]
     shardable = all(b.experts_module for b in blocks)
     wanted = [layout.ep] if layout.ep is not None else \
-        [1] + [e for e in divisors(dp) if e > 1 and support.expert_parallel and blocks]
+        [1] + [e for e in divisors(tp * dp) if e > 1 and support.expert_parallel and blocks]
     out = []
     for ep in wanted:
-        zero = layout.zero_stage if layout.zero_stage is not None or 0 not in zeros else 0
-        problem = ep_problem(ep, dp, zero, experts, shardable)
+        zero = layout.zero_stage if layout.zero_stage is not None else next(
+            (z for z in zeros if z in support.expert_zero_stages), zeros[0] if zeros else None)
+        problem = ep_problem(ep, dp, zero, experts, shardable, tp, support.expert_zero_stages)
         if ep > 1 and not support.expert_parallel:
             problem = f"the {support.name} runtime does not run expert parallelism; use ep=1"
         if problem:
@@ -158,10 +169,12 @@ def _expert_degrees(blocks, layout: Layout, support, dp: int, zeros: tuple[int, 
 
 
 def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dict,
-                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1) -> list[Config]:
+                   tp: int, pp: int, dp: int, per_replica: int, ep: int = 1,
+                   num_layers: int | None = -1) -> list[Config]:
     """The configs of one mesh shape (tp, pp, dp) and EP degree: micro-batch sizes,
-    schedules and v."""
-    out, L = [], traced.num_layers
+    schedules and v; ``num_layers`` the L of the pipeline rule (None: chunks cut by the
+    caller, no L rule; -1: the model's)."""
+    out, L = [], traced.num_layers if num_layers == -1 else num_layers
     # sequence parallelism: the layout's; free (without, then with) when it is unset, the
     # search and tp > 1; a hand layout (the full space) is priced as written
     sequence_parallel = ((False,) if tp == 1 else (bool(layout.sequence_parallel),)

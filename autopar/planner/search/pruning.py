@@ -28,11 +28,13 @@ __all__ = ["strategies_for", "zero_choices", "step_lower_bound_s", "order_bound_
            "memory_bounds", "pruned_entry"]
 
 
-def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, cache: SearchCache):
+def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, cache: SearchCache,
+                   ep: int = 1):
     """:func:`~autopar.planner.strategies.node_strategies`, computed once per (tp,
-    sequence_parallel) in ``cache`` (one search: every config of a TP size shares them)."""
+    sequence_parallel, experts on the TP ranks' tokens) in ``cache`` (one search: every
+    config of a TP size shares them)."""
     return cache.strategies(tp, sequence_parallel,
-                            lambda: node_strategies(traced, tp, sequence_parallel))
+                            lambda: node_strategies(traced, tp, sequence_parallel, ep), ep)
 
 
 def zero_choices(layout: Layout, support: RuntimeSupport, cfg: Config) -> tuple[int, ...]:
@@ -42,7 +44,8 @@ def zero_choices(layout: Layout, support: RuntimeSupport, cfg: Config) -> tuple[
     if layout.zero_stage is not None:
         return (layout.zero_stage,)
     stages = support.zero_stages_for(cfg.pp, cfg.tp, cfg.dp)
-    return tuple(z for z in stages if z == 0) if cfg.ep > 1 else stages  # EP: ZeRO-0 only
+    return tuple(z for z in stages if z in support.expert_zero_stages) if cfg.ep > 1 \
+        else stages  # EP: the stages the runner shards expert states with
 
 
 def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchCache,
@@ -57,7 +60,7 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
     communication (a small CP-SAT solve; only when ``comm``), each computed only while the
     bound is below ``best_s``. Pieces per (tp, micro-batch size, dtype, attention, SP) are
     shared in ``cache``."""
-    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache)
+    strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache, cfg.ep)
     key = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention, cfg.sequence_parallel,
            cfg.ep)
     compute_s = cache.layer_compute_s(

@@ -20,7 +20,8 @@ aten = torch.ops.aten
 __all__ = ["megatron_placements", "linear_roles", "moe_routers", "allowed_strategies"]
 
 
-def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = False,
+                        ep: int = 1) -> dict[str, str]:
     """Megatron-LM's hand-written TP pattern (Shoeybi et al. 2019, Fig. 3) as plan
     placements: a Linear reading a hidden-dim shard is row-split; a Linear of a layer that
     reads the residual stream (:func:`linear_roles` "in": QKV, MLP-in, SwiGLU's gate and
@@ -30,9 +31,11 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
     (replicated when none fits), so rotary embeddings and SwiGLU's product run on shards.
     ``sequence_parallel`` (Korthikanti et al. 2022, Fig. 5): LayerNorm, dropout and residual
     adds of (b, s, h) activations run on sequence shards, so row-parallel outputs are
-    reduce-scattered and column-parallel inputs all-gathered.
+    reduce-scattered and column-parallel inputs all-gathered. Under expert parallelism
+    (``ep`` > 1) the experts calls run on the TP ranks' tokens (expert-TP 1: their one
+    strategy, :func:`~autopar.planner.strategies.nodes.node_strategies`).
     """
-    strategies = node_strategies(traced, tp, sequence_parallel)
+    strategies = node_strategies(traced, tp, sequence_parallel, ep)
     nodes, placement, out = traced.nodes, {}, {}
     tied = {n for group in tied_groups(traced) for n in group}
     roles = linear_roles(traced)
@@ -69,10 +72,10 @@ def megatron_placements(traced: TracedModel, tp: int, sequence_parallel: bool = 
                     if s.inputs == arriving and (s.name in ("replicate", "sharded", "heads",
                                                             "vocab_parallel")
                                                  or s.reads_size)]
-            chosen = same[-1] if same else options["replicate"]
+            chosen = same[-1] if same else options.get("replicate", options.get("sharded"))
         if not all(reshard_kinds(a, want, sequence_parallel) is not None
                    for a, want in zip(arriving, chosen.inputs)):
-            chosen = options["replicate"]  # e.g. a hyper-connection stream sharded on its own dim
+            chosen = options.get("replicate", chosen)  # e.g. a hyper-connection stream sharded on its own dim
         # where a partial sum is completed: sequence shards of the residual stream under SP;
         # an all-reduce elsewhere (an MoE block's (tokens, h) rows have no sequence dim)
         completed = seq if sequence_parallel and shape == residual else REPLICATE
@@ -142,7 +145,8 @@ def linear_roles(traced: TracedModel) -> dict[str, str]:
 
 
 def allowed_strategies(traced: TracedModel, strategies: NodeStrategies, tp: int,
-                       sequence_parallel: bool, cache, support) -> dict[str, set[str]] | None:
+                       sequence_parallel: bool, cache, support,
+                       ep: int = 1) -> dict[str, set[str]] | None:
     """The strategy keys each node may take under ``support`` (an
     :class:`autopar.contract.support.RuntimeSupport`): None (any) unless its placements are
     "megatron", then Megatron-LM's (:func:`megatron_placements`), and for the activations
@@ -155,9 +159,9 @@ def allowed_strategies(traced: TracedModel, strategies: NodeStrategies, tp: int,
     if support.placements != "megatron" or tp == 1:
         return None
     def compute() -> dict[str, set[str]]:
-        keys = megatron_placements(traced, tp, sequence_parallel)
+        keys = megatron_placements(traced, tp, sequence_parallel, ep)
         cut = {traced.pre[-1], traced.layers[0][-1]} if traced.layers else set()
         return {n: {s.key for s in options if s.key == keys[n]
                     or (n in cut and s.output.is_replicated)}
                 for n, options in strategies.items()}
-    return cache.megatron_keys(tp, sequence_parallel, compute)
+    return cache.megatron_keys(tp, sequence_parallel, compute, ep)

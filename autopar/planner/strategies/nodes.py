@@ -34,6 +34,7 @@ from autopar.graph.annotate import NodeInfo, TracedModel
 from autopar.graph.ops import linear_features, packet
 from autopar.contract.placement import (PARTIAL, REPLICATE, Placement, Shard, StrategyKey,
                                format_strategy_key, shape_strategy_name)
+from autopar.techniques.expert_parallel import experts_token_parallel
 from autopar.techniques.tensor_parallel import tensor_parallel_mode
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
@@ -223,9 +224,15 @@ def _view_strategies(node: fx.Node, source: NodeInfo, info: NodeInfo, tp: int
     return out
 
 
-def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = False) -> NodeStrategies:
+def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = False,
+                    ep: int = 1) -> NodeStrategies:
     """Every node's strategies at TP size ``tp`` (one "replicate" strategy when tp == 1);
-    ``sequence_parallel`` adds LayerNorm on sequence shards.
+    ``sequence_parallel`` adds LayerNorm on sequence shards. Under expert parallelism over
+    TP (``ep`` > 1 with tp > 1: :func:`~autopar.techniques.expert_parallel.
+    experts_token_parallel`) a MoE layer's experts call has one strategy, "sharded": its
+    (T, h) rows and (T, k) routing split over the TP ranks (S0), the experts whole, T/t
+    tokens' work (Megatron-Core's MoE layer under expert-TP 1); refused (no strategy, so
+    the plan cannot be made) when t does not divide T.
 
     Tied parameters (the lm_head sharing the token embedding) must be split the same way;
     the solver enforces that with :func:`tied_groups`.
@@ -235,17 +242,30 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
     # router's div_): a reshard would hand the write, or a later reader, a stale copy
     # (autopar.graph.aliases), so they stay whole; readers reshard after the writes
     written = written_later(gm.graph) if tp > 1 else set()
+    on_tokens = experts_token_parallel(tp, ep)
     out: NodeStrategies = {}
     for node in gm.graph.nodes:  # a twin's layer comes first in graph order
         twin = twins.get(node.name)
         out[node.name] = out[twin] if twin is not None else _strategies_for(
             node, traced.nodes[node.name], traced.nodes, gm, tp, sequence_parallel)
+        if on_tokens and "experts" in traced.nodes[node.name].extra:
+            out[node.name] = _experts_on_tokens(node, traced.nodes, tp)
         if node.name in written:
             out[node.name] = [s for s in out[node.name] if s.name == "replicate"]
         if traced.nodes[node.name].no_grad:  # no gradient: none is partial, no f
             out[node.name] = [replace(s, partial_grad_inputs=(False,) * len(s.partial_grad_inputs))
                               for s in out[node.name]]
     return out
+
+
+def _experts_on_tokens(node: fx.Node, nodes: dict[str, NodeInfo], tp: int) -> list[Strategy]:
+    """An experts call on this TP rank's rows: every tensor input and the output S0 (rows
+    are tokens, so any split of them is the same per-token work), FLOPs divided by t."""
+    ins = tensor_inputs(node, nodes)
+    if any(nodes[n.name].shape[0] % tp for n in ins):
+        return []
+    rows = Shard(0)
+    return [Strategy("sharded", (rows,) * len(ins), rows, tp, 1, (False,) * len(ins))]
 
 
 def _layer_twins(traced: TracedModel) -> dict[str, str]:
@@ -283,14 +303,15 @@ def strategies_by_key(options: list[Strategy], key: str, node: str, tp: int) -> 
 
 
 def decode_placements(traced: TracedModel, placements: dict[str, str], tp: int,
-                      sequence_parallel: bool = False) -> dict[str, tuple[int, Strategy]]:
+                      sequence_parallel: bool = False, ep: int = 1
+                      ) -> dict[str, tuple[int, Strategy]]:
     """Per node of ``traced``, (index into its :func:`node_strategies`, Strategy) for the
     plan's strategy keys ``placements``.
 
     Raises ValueError when a node has no placement (a plan made for another model) or a
     key is not valid at ``tp`` (see :func:`strategies_by_key`).
     """
-    strategies = node_strategies(traced, tp, sequence_parallel)
+    strategies = node_strategies(traced, tp, sequence_parallel, ep)
     missing = [name for name in strategies if name not in placements]
     if missing:
         raise ValueError(f"plan has no placement for nodes {missing[:5]}: it was made for a "
