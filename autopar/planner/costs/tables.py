@@ -339,8 +339,8 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     scope = names is not None  # signatures of template rows number their own problems
     for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, cache,
                                                           names):
-        node_tab[name] = cache.node_costs(
-            (tp, sp, scope, sig, b, act, attn, cfg.ep),
+        node_tab[name] = cache.node_costs(  # ep prices experts calls only (node_cost)
+            (tp, sp, scope, sig, b, act, attn, cfg.ep if info.extra.get("inner") else 1),
             lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn, cfg.ep)
                      for st in strategies[name]])
         for src, j, esig, numel, per_sequence, saves, grad in edges:

@@ -34,7 +34,7 @@ from autopar.planner.strategies import NodeStrategies, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.recompute_modes import recomputed_by
 
-__all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
+__all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes", "expert_params",
            "LayerPieces", "layer_pieces", "step_bound_s"]
 
 MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound allows for it
@@ -67,16 +67,23 @@ def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster
     return total
 
 
+def expert_params(traced: TracedModel) -> int:
+    """Parameter elements of the model's experts calls (nodes with ``extra["inner"]``), the
+    ones expert parallelism splits over ep ranks."""
+    return sum(i.param_numel for i in traced.nodes.values() if i.extra.get("inner"))
+
+
 def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages,
-                             total_params: int | None = None) -> float:
+                             total_params: int | None = None,
+                             experts: int | None = None) -> float:
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints.
-    ``total_params``: ``traced.total_params()`` when already known (a walk of every node)."""
+    ``total_params``: ``traced.total_params()`` when already known (a walk of every node);
+    ``experts``: :func:`expert_params` alike."""
     total = traced.total_params() if total_params is None else total_params
     if cfg.ep > 1:  # the experts' parameters are split over ep ranks (replicated over TP)
-        total -= (1 - 1 / cfg.ep) * sum(i.param_numel for i in traced.nodes.values()
-                                        if i.extra.get("inner"))
+        total -= (1 - 1 / cfg.ep) * (expert_params(traced) if experts is None else experts)
     states = total / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
