@@ -110,3 +110,12 @@ class SearchCache:
     def expert_params(self, compute: Callable[[], T]) -> T:
         """The parameter elements of the model's experts calls (once per search)."""
         return self._get("expert_params", (), compute)
+
+    def graph_totals(self, compute: Callable[[], T]) -> T:
+        """The graph's output node and the model's matmul FLOPs per sequence (forward and
+        backward), which every cost table reads (once per search)."""
+        return self._get("graph_totals", (), compute)
+
+    def graph_index(self, compute: Callable[[], T]) -> T:
+        """Node name -> fx node of the traced graph (once per search)."""
+        return self._get("graph_index", (), compute)

@@ -358,7 +358,9 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
                                      comm.reduce_scatter_time_s(nbytes, tp, tp_link)))
     boundary = traced.boundary_numel() * b
     p2p_bytes = act * boundary
-    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    out, matmul = cache.graph_totals(lambda: (  # forward + backward; no_grad: forward
+        next(n for n in traced.gm.graph.nodes if n.op == "output"),
+        sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values() if i.model_matmul)))
     logits_node = nodes[out.args[0].name]
     logits = logits_node.numel * b  # (b, s, V) fed to the loss
     tokens = logits / logits_node.shape[-1]
@@ -366,8 +368,6 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     node_tab[out.name] = [loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
                                      cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
-    matmul = sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values()
-                 if i.model_matmul)  # forward + backward; no_grad: forward
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].model_matmul)
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,

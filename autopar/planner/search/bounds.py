@@ -97,12 +97,12 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
 
 
 def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
-                boundary: str | None) -> float:
+                boundary: str | None, graph: dict | None = None) -> float:
     """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
     its input ``boundary``'s; :attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`):
     per tensor, the smallest version any of them could keep."""
     members, least = set(names), {}
-    graph = {n.name: n for n in traced.gm.graph.nodes}
+    graph = {n.name: n for n in traced.gm.graph.nodes} if graph is None else graph
     for v in names:
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             if u.name not in members and u.name != boundary:
@@ -159,13 +159,15 @@ class LayerPieces:
 
 
 def layer_pieces(traced: TracedModel, tables: CostTables,
-                 layer_kept: tuple[float, float] | None = None) -> LayerPieces:
+                 layer_kept: tuple[float, float] | None = None,
+                 graph: dict | None = None) -> LayerPieces:
     """The :class:`LayerPieces` of ``tables``; ``layer_kept``: lower bounds on a layer's
     kept bytes without and with selective recompute over whole strategy choices
     (:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes`), tighter than each node's
-    least (the default)."""
+    least (the default); ``graph``: node name -> fx node of ``traced`` when already known."""
     layer, pre = traced.layers[0], traced.pre
-    kept = _least_kept(traced, tables, layer, pre[-1])
+    graph = {n.name: n for n in traced.gm.graph.nodes} if graph is None else graph
+    kept = _least_kept(traced, tables, layer, pre[-1], graph)
     act = _least(tables, layer, "saved_bytes") + kept
     sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
     if layer_kept is not None:
@@ -175,7 +177,8 @@ def layer_pieces(traced: TracedModel, tables: CostTables,
         act=act, sel=sel,
         full=((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "rec_s")),
         selective=((act - sel), _least(tables, layer, "core_fwd_s")),
-        pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None),
+        pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None,
+                                                                 graph),
         layer_params=_least(tables, layer, "param_numel"),
         pre_params=_least(tables, pre, "param_numel"),
         pre_s=_least_time(tables, pre), post_s=_least_time(tables, traced.post))

@@ -69,7 +69,8 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
         return bound
     tables = cost_tables(traced, strategies, cluster, cfg, cache, template_only=True)
     pieces = cache.layer_pieces(key, lambda: layer_pieces(
-        traced, tables, _layer_kept_bytes(traced, strategies, tables, cluster, cache)))
+        traced, tables, _layer_kept_bytes(traced, strategies, tables, cluster, cache),
+        cache.graph_index(lambda: {n.name: n for n in traced.gm.graph.nodes})))
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
     modes = tuple(m for m in modes if m in support.recompute)
     zero = zero_choices(layout, support, cfg)
