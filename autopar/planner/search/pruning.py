@@ -85,24 +85,27 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
     return max(bound, compute_bound_s(traced, cfg, layer_s), step_bound(layer_s))
 
 
-def _kept_key(traced: TracedModel, tables) -> tuple:
+def _kept_key(traced: TracedModel, strategies, tables) -> tuple:
     """What :func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes` of ``tables``
-    reads: (tp, SP, micro-batch size, activation bytes, attention), which price the edges,
-    and the saved bytes of the template layer's nodes (:meth:`SearchCache.layer_kept_bytes`),
-    so a shared answer is the one a fresh solve gives."""
+    reads (:meth:`SearchCache.layer_kept_bytes`): the strategies and the edge tables, by
+    identity (the search's cache holds one object per answer and keeps it alive, so the
+    same object is the same answer), and the saved bytes of the template layer's nodes,
+    so a shared answer is the one a fresh solve gives. Configs that differ in ep alone
+    share the strategies and edges, and their nodes keep the same bytes."""
     cfg = tables.config
     saved = tuple((c.saved_bytes, c.core_saved_bytes)
                   for n in traced.layers[0] for c in tables.node[n])
     return (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.activation_bytes,
-            cfg.attention, saved)
+            cfg.attention, id(strategies), tuple(map(id, tables.edge.values())), saved)
 
 
 def _layer_kept_bytes(traced: TracedModel, strategies, tables, cluster,
                       cache: SearchCache) -> tuple[float, float]:
     """:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes` of ``tables``, once
     per :func:`_kept_key`."""
-    return cache.layer_kept_bytes(_kept_key(traced, tables), lambda: min_layer_kept_bytes(
-        traced, strategies, tables, cluster))
+    return cache.layer_kept_bytes(_kept_key(traced, strategies, tables),
+                                  lambda: min_layer_kept_bytes(traced, strategies, tables,
+                                                               cluster))
 
 
 def prefetch_order_bounds(traced, cluster, configs: list[Config], cache: SearchCache,
@@ -113,13 +116,17 @@ def prefetch_order_bounds(traced, cluster, configs: list[Config], cache: SearchC
     model is built while another solves. The answers are those :func:`order_bound_s`
     would compute itself (each solve is deterministic and independent of the others)."""
     jobs: dict[tuple, Future] = {}
+    priced: set[tuple] = set()  # the tables' keys (tp, micro-batch size, dtype, ...) seen
     for cfg in configs:
         mem_lb, usable = memory_bounds(traced, cluster, cfg, cache, layout, support)
-        if mem_lb > usable:
+        pricing = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention,
+                   cfg.sequence_parallel, cfg.ep)
+        if mem_lb > usable or pricing in priced:
             continue
+        priced.add(pricing)
         strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache)
         tables = cost_tables(traced, strategies, cluster, cfg, cache, template_only=True)
-        key = _kept_key(traced, tables)
+        key = _kept_key(traced, strategies, tables)
         if key not in jobs:
             jobs[key] = pool.submit(min_layer_kept_bytes, traced, strategies, tables, cluster)
     for key, job in jobs.items():
