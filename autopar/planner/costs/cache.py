@@ -71,7 +71,8 @@ class SearchCache:
 
     def node_costs(self, key: tuple, compute: Callable[[], T]) -> T:
         """One pricing problem's strategy costs, per (tp, SP, template only, node
-        signature, micro-batch size, activation bytes, attention)."""
+        signature, micro-batch size, activation bytes, attention, ep: that of the config
+        for an experts call, 1 for every other node, whose price ep does not change)."""
         return self._get("node_costs", key, compute)
 
     def edge_costs(self, key: tuple, compute: Callable[[], T]) -> T:
@@ -92,6 +93,15 @@ class SearchCache:
         """A layer's least kept bytes and time pieces of the step bound, per the same key."""
         return self._get("layer_pieces", key, compute)
 
+    def layer_kept_bytes(self, key: tuple, compute: Callable[[], T]) -> T:
+        """A layer's least kept bytes without and with selective recompute
+        (:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes`), per (tp, SP,
+        micro-batch size, activation bytes, attention, the template nodes' saved bytes):
+        its CP-SAT model reads only the edges (priced per the first four) and those bytes,
+        so configs whose nodes keep the same bytes (the EP degrees of a MoE model, which
+        move times and parameters only) share one solve of the same model."""
+        return self._get("layer_kept_bytes", key, compute)
+
     def layer_time_s(self, key: tuple, compute: Callable[[], T]) -> T:
         """The least seconds of a layer with its TP communication, per the same key."""
         return self._get("layer_time_s", key, compute)
@@ -103,3 +113,16 @@ class SearchCache:
     def total_params(self, compute: Callable[[], T]) -> T:
         """The model's parameter count (once per search)."""
         return self._get("total_params", (), compute)
+
+    def expert_params(self, compute: Callable[[], T]) -> T:
+        """The parameter elements of the model's experts calls (once per search)."""
+        return self._get("expert_params", (), compute)
+
+    def graph_totals(self, compute: Callable[[], T]) -> T:
+        """The graph's output node and the model's matmul FLOPs per sequence (forward and
+        backward), which every cost table reads (once per search)."""
+        return self._get("graph_totals", (), compute)
+
+    def graph_index(self, compute: Callable[[], T]) -> T:
+        """Node name -> fx node of the traced graph (once per search)."""
+        return self._get("graph_index", (), compute)

@@ -38,7 +38,7 @@ from autopar.planner.costs.node_cost import (LOSS_BYTES_PER_LOGIT, StrategyCost,
                                        node_cost)
 from autopar.planner.strategies import (NodeStrategies, f_kind, reshard_kinds, tensor_inputs,
                                         tied_groups)
-from autopar.techniques.expert_parallel import expert_data_parallel_size
+from autopar.techniques.expert_parallel import expert_data_parallel_size, experts_token_parallel
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE
 from autopar.techniques.zero_stages import zero_stage as zero_stage_record
 
@@ -333,6 +333,7 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     b, tp, nodes = cfg.micro_batch_size, cfg.tp, traced.nodes
     tp_link = comm.group_link(cluster, tp, 1)
     sp, act, attn = cfg.sequence_parallel, cfg.activation_bytes, cfg.attention
+    on_tokens = experts_token_parallel(tp, cfg.ep)  # the strategies (and row set) in use
     node_tab: dict[str, list[StrategyCost]] = {}
     edge_tab: dict = {}
     f_s: dict[str, float] = {}
@@ -341,13 +342,13 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     scope = names is not None  # signatures of template rows number their own problems
     for name, info, sig, in_numel, edges in _pricing_rows(traced, strategies, tp, sp, cache,
                                                           names, cfg.ep):
-        node_tab[name] = cache.node_costs(
-            (tp, sp, scope, sig, b, act, attn, cfg.ep),
+        node_tab[name] = cache.node_costs(  # ep prices experts calls only (node_cost)
+            (tp, sp, scope, sig, b, act, attn, cfg.ep if info.extra.get("inner") else 1, on_tokens),
             lambda: [node_cost(info, st, b, cluster, tp, in_numel, act, attn, cfg.ep)
                      for st in strategies[name]])
         for src, j, esig, numel, per_sequence, saves, grad in edges:
             edge_tab[(src, name, j)] = cache.edge_costs(
-                (tp, sp, scope, esig, b, act, cfg.ep > 1),
+                (tp, sp, scope, esig, b, act, on_tokens),
                 lambda: _edge_table(tuple(su.output for su in strategies[src]),
                                     tuple(sv.inputs[j] for sv in strategies[name]),
                                     act * numel * (b if per_sequence else 1), tp, tp_link, sp,
@@ -360,7 +361,9 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
                                      comm.reduce_scatter_time_s(nbytes, tp, tp_link)))
     boundary = traced.boundary_numel() * b
     p2p_bytes = act * boundary
-    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    out, matmul = cache.graph_totals(lambda: (  # forward + backward; no_grad: forward
+        next(n for n in traced.gm.graph.nodes if n.op == "output"),
+        sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values() if i.model_matmul)))
     logits_node = nodes[out.args[0].name]
     logits = logits_node.numel * b  # (b, s, V) fed to the loss
     tokens = logits / logits_node.shape[-1]
@@ -368,8 +371,6 @@ def _tp_tables(traced: TracedModel, strategies: NodeStrategies, cluster: Cluster
     node_tab[out.name] = [loss_cost(s, logits, tokens, tp, cluster, tp_link, act,
                                      cluster.memory_reserve.step_temporaries)
                           for s in strategies[out.name]]
-    matmul = sum(i.flops / (3.0 if i.no_grad else 1.0) for i in nodes.values()
-                 if i.model_matmul)  # forward + backward; no_grad: forward
     layer_matmul = sum(nodes[n].flops for n in traced.layers[0] if nodes[n].model_matmul)
     return CostTables(
         config=cfg, node=node_tab, edge=edge_tab, f_s=f_s, f_bytes=f_bytes, f_rs_s=f_rs_s,

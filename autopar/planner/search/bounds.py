@@ -34,7 +34,7 @@ from autopar.planner.strategies import NodeStrategies, tensor_inputs
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.recompute_modes import recomputed_by
 
-__all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes",
+__all__ = ["compute_bound_s", "min_layer_compute_s", "memory_lower_bound_bytes", "expert_params",
            "LayerPieces", "layer_pieces", "step_bound_s"]
 
 MEMORY_ROUNDING = 1.001  # the solver rounds memory up to KiB per term: a bound allows for it
@@ -67,16 +67,23 @@ def min_layer_compute_s(traced: TracedModel, strategies: NodeStrategies, cluster
     return total
 
 
+def expert_params(traced: TracedModel) -> int:
+    """Parameter elements of the model's experts calls (nodes with ``extra["inner"]``), the
+    ones expert parallelism splits over ep ranks."""
+    return sum(i.param_numel for i in traced.nodes.values() if i.extra.get("inner"))
+
+
 def memory_lower_bound_bytes(traced: TracedModel, cfg: Config, zero_stages,
-                             total_params: int | None = None) -> float:
+                             total_params: int | None = None,
+                             experts: int | None = None) -> float:
     """Per-GPU memory no plan of ``cfg`` can go below: the largest stage holds at least the
     average model states (with the most sharding ZeRO allowed), and the stage with the most
     layers (>= ceil(L/p)) keeps at least their full-recompute checkpoints.
-    ``total_params``: ``traced.total_params()`` when already known (a walk of every node)."""
+    ``total_params``: ``traced.total_params()`` when already known (a walk of every node);
+    ``experts``: :func:`expert_params` alike."""
     total = traced.total_params() if total_params is None else total_params
     if cfg.ep > 1:  # the experts' parameters are split over ep ranks (replicated over TP)
-        total -= (1 - 1 / cfg.ep) * sum(i.param_numel for i in traced.nodes.values()
-                                        if i.extra.get("inner"))
+        total -= (1 - 1 / cfg.ep) * (expert_params(traced) if experts is None else experts)
     states = total / (cfg.tp * cfg.pp) * min(
         bytes_per_param(z, cfg.dp, cfg.dtype, cfg.grad_dtype) for z in zero_stages)
     layers = -(-traced.num_layers // cfg.pp)
@@ -90,12 +97,12 @@ def _least(tables: CostTables, names: list[str], field: str) -> float:
 
 
 def _least_kept(traced: TracedModel, tables: CostTables, names: list[str],
-                boundary: str | None) -> float:
+                boundary: str | None, graph: dict | None = None) -> float:
     """Bytes a section keeps at least of the tensors its savers read (its own nodes' and
     its input ``boundary``'s; :attr:`~autopar.planner.costs.tables.EdgeCost.saved_bytes`):
     per tensor, the smallest version any of them could keep."""
     members, least = set(names), {}
-    graph = {n.name: n for n in traced.gm.graph.nodes}
+    graph = {n.name: n for n in traced.gm.graph.nodes} if graph is None else graph
     for v in names:
         for j, u in enumerate(tensor_inputs(graph[v], traced.nodes)):
             if u.name not in members and u.name != boundary:
@@ -152,13 +159,15 @@ class LayerPieces:
 
 
 def layer_pieces(traced: TracedModel, tables: CostTables,
-                 layer_kept: tuple[float, float] | None = None) -> LayerPieces:
+                 layer_kept: tuple[float, float] | None = None,
+                 graph: dict | None = None) -> LayerPieces:
     """The :class:`LayerPieces` of ``tables``; ``layer_kept``: lower bounds on a layer's
     kept bytes without and with selective recompute over whole strategy choices
     (:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes`), tighter than each node's
-    least (the default)."""
+    least (the default); ``graph``: node name -> fx node of ``traced`` when already known."""
     layer, pre = traced.layers[0], traced.pre
-    kept = _least_kept(traced, tables, layer, pre[-1])
+    graph = {n.name: n for n in traced.gm.graph.nodes} if graph is None else graph
+    kept = _least_kept(traced, tables, layer, pre[-1], graph)
     act = _least(tables, layer, "saved_bytes") + kept
     sel = sum(min(c.saved_bytes - c.core_saved_bytes for c in tables.node[n]) for n in layer) + kept
     if layer_kept is not None:
@@ -168,7 +177,8 @@ def layer_pieces(traced: TracedModel, tables: CostTables,
         act=act, sel=sel,
         full=((act - tables.full_ckpt_bytes), _least(tables, layer[: last + 1], "rec_s")),
         selective=((act - sel), _least(tables, layer, "core_fwd_s")),
-        pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None),
+        pre_act=_least(tables, pre, "saved_bytes") + _least_kept(traced, tables, pre, None,
+                                                                 graph),
         layer_params=_least(tables, layer, "param_numel"),
         pre_params=_least(tables, pre, "param_numel"),
         pre_s=_least_time(tables, pre), post_s=_least_time(tables, traced.post))

@@ -11,6 +11,7 @@ enumerated space without solving every config.
 
 from __future__ import annotations
 
+import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -26,10 +27,11 @@ from autopar.planner.cpsat.terms import hint_strategies
 from autopar.planner.costs.decision import Decision
 from autopar.planner.strategies.megatron import allowed_strategies
 from autopar.planner.costs.predict import predict
-from autopar.planner.search.pruning import (order_bound_s, pruned_entry, step_lower_bound_s,
-                                     strategies_for, zero_choices)
+from autopar.planner.search.pruning import (order_bound_s, prefetch_order_bounds, pruned_entry,
+                                            step_lower_bound_s, strategies_for, zero_choices)
 from autopar.planner.strategies import NodeStrategies
 from autopar.planner.costs.cache import SearchCache
+from autopar.planner.search.speculate import in_turn
 from autopar.planner.search.outcome import (STOPPED, binding_stages, no_plan_error,
                                             solver_status, unsolved)
 from autopar.contract.support import RUNTIME_SUPPORT, RuntimeSupport
@@ -191,6 +193,8 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
     configs = candidate_configs(traced, cluster, global_batch_size, layout, support, why)
     if not configs:
         raise ValueError(no_config_message(cluster, global_batch_size, layout, why))
+    with ThreadPoolExecutor(SOLVE_BATCH) as pool:  # the order bounds' CP-SAT solves
+        prefetch_order_bounds(traced, cluster, configs, ctx.cache, layout, support, pool)
     bound = {c: order_bound_s(traced, cluster, c, ctx.cache, layout, support) for c in configs}
     configs.sort(key=bound.get)  # stable: equal bounds keep candidate_configs' order
     best, seen, statuses, lower, hints = _Best(), [], {}, {}, {}
@@ -227,12 +231,15 @@ def search(traced: TracedModel, cluster, global_batch_size: int, layout: Layout,
                 take(cfg, future.result(), cutoff)
     # a config CP-SAT stopped at its time limit (often one solved before any cutoff) is
     # solved once more with the best plan's cutoff, which prunes its search, in visit order
-    for cfg in [c for c in configs if statuses.get(c) in STOPPED]:
-        if lower[cfg] < best.step_s:
-            cutoff = best.step_s
-            take(cfg, solve_config(ctx, cfg, time_limit_s=time_limit_s,
-                                   cutoff_s=cutoff * (1 + CUTOFF_SLACK),
-                                   hint=hints.get(_hint_key(cfg))), cutoff)
+    # (each with the cutoff and hint the loop would give it, the next solved ahead: in_turn)
+    with ThreadPoolExecutor(SOLVE_BATCH) as pool:
+        in_turn([c for c in configs if statuses.get(c) in STOPPED],
+                lambda cfg: (best.step_s, hints.get(_hint_key(cfg)))
+                if lower[cfg] < best.step_s else None,
+                lambda cfg, args: solve_config(ctx, cfg, time_limit_s=time_limit_s,
+                                               cutoff_s=args[0] * (1 + CUTOFF_SLACK),
+                                               hint=args[1]),
+                lambda cfg, args, out: take(cfg, out, args[0]), pool, SOLVE_BATCH)
     best, best_t, best_tab = best.decision, best.step_s, best.tables
     if progress is not None:
         progress(len(seen), len(configs), best_t if best is not None else None)
@@ -313,10 +320,8 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[A
     search proved (``known_lower``: seconds per Config, e.g. a cutoff CP-SAT could not
     beat)."""
     missing = max(0, count + 1 - sum(1 for s in seen if s.feasible))  # the best is not one
-    lower = {k: max(known_lower.get(Config(**s.layout), 0.0), step_lower_bound_s(
-        ctx.traced, ctx.cluster, Config(**s.layout), ctx.cache, ctx.layout, ctx.support,
-        float("inf"))) for k, s in enumerate(seen) if s.feasible is None}
-    entries = sorted(lower, key=lower.get)[:missing]  # indices into seen
+    lower = _least_lower_bounds(ctx, seen, known_lower, missing)
+    entries = sorted(lower, key=lambda k: (lower[k], k))[:missing]  # indices into seen
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:
         futures = [pool.submit(solve_config, ctx, cfg, time_limit_s=time_limit_s,
                                hint=hints.get(_hint_key(cfg)))
@@ -337,3 +342,33 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[A
                           reason="slower" if status == "OPTIMAL" else
                           "slower (not proven optimal: CP-SAT stopped at its time limit; no "
                           f"plan of this config beats {floor_s:.4g} s)")
+
+
+def _least_lower_bounds(ctx: SearchContext, seen: list[Alternative], known_lower: dict,
+                        count: int) -> dict[int, float]:
+    """Index in ``seen`` -> step-time lower bound (seconds: the largest of ``known_lower``
+    and :func:`~autopar.planner.search.pruning.step_lower_bound_s` with TP communication)
+    of the unpriced configs (``feasible is None``), for at least the ``count`` least of them
+    (ties: the earlier index). The bounds are computed in order of the bound without TP
+    communication (never larger; its pieces are those the search ordered its configs by),
+    until that bound exceeds the ``count``-th least found: the configs left out cannot be
+    among the ``count`` least, so their CP-SAT layer-time solves are skipped."""
+    if count <= 0:
+        return {}
+
+    def bound(k: int, comm: bool) -> float:
+        cfg = Config(**seen[k].layout)
+        return max(known_lower.get(cfg, 0.0), step_lower_bound_s(
+            ctx.traced, ctx.cluster, cfg, ctx.cache, ctx.layout, ctx.support, float("inf"),
+            comm=comm))
+    cheap = {k: bound(k, False) for k, s in enumerate(seen) if s.feasible is None}
+    lower: dict[int, float] = {}
+    least: list[float] = []  # the count least bounds found, negated (a max-heap)
+    for k in sorted(cheap, key=lambda k: (cheap[k], k)):
+        if len(least) == count and cheap[k] > -least[0]:
+            break
+        lower[k] = bound(k, True)
+        heapq.heappush(least, -lower[k])
+        if len(least) > count:
+            heapq.heappop(least)
+    return lower

@@ -11,12 +11,14 @@ shared by the configs of one search live in its
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
 from dataclasses import asdict
 
 from autopar.graph.annotate import TracedModel
 from autopar.contract.plan import RECOMPUTE_MODES, Alternative, Layout
-from autopar.planner.search.bounds import (compute_bound_s, layer_pieces, memory_lower_bound_bytes,
-                                    min_layer_compute_s, step_bound_s)
+from autopar.planner.search.bounds import (compute_bound_s, expert_params, layer_pieces,
+                                           memory_lower_bound_bytes, min_layer_compute_s,
+                                           step_bound_s)
 from autopar.planner.costs.tables import Config, cost_tables
 from autopar.planner.search.layer_bounds import min_layer_kept_bytes, min_layer_time_s
 from autopar.planner.costs.reserve import max_usable_bytes, p2p_bytes
@@ -25,7 +27,7 @@ from autopar.planner.strategies import node_strategies
 from autopar.contract.support import RuntimeSupport
 
 __all__ = ["strategies_for", "zero_choices", "step_lower_bound_s", "order_bound_s",
-           "memory_bounds", "pruned_entry"]
+           "prefetch_order_bounds", "memory_bounds", "pruned_entry"]
 
 
 def strategies_for(traced: TracedModel, tp: int, sequence_parallel: bool, cache: SearchCache,
@@ -70,7 +72,8 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
         return bound
     tables = cost_tables(traced, strategies, cluster, cfg, cache, template_only=True)
     pieces = cache.layer_pieces(key, lambda: layer_pieces(
-        traced, tables, min_layer_kept_bytes(traced, strategies, tables, cluster)))
+        traced, tables, _layer_kept_bytes(traced, strategies, tables, cluster, cache),
+        cache.graph_index(lambda: {n.name: n for n in traced.gm.graph.nodes})))
     modes = RECOMPUTE_MODES if layout.recompute is None else (layout.recompute,)
     modes = tuple(m for m in modes if m in support.recompute)
     zero = zero_choices(layout, support, cfg)
@@ -83,6 +86,54 @@ def step_lower_bound_s(traced: TracedModel, cluster, cfg: Config, cache: SearchC
     layer_s = cache.layer_time_s(key, lambda: min_layer_time_s(traced, strategies, tables,
                                                                cluster))
     return max(bound, compute_bound_s(traced, cfg, layer_s), step_bound(layer_s))
+
+
+def _kept_key(traced: TracedModel, strategies, tables) -> tuple:
+    """What :func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes` of ``tables``
+    reads (:meth:`SearchCache.layer_kept_bytes`): the strategies and the edge tables, by
+    identity (the search's cache holds one object per answer and keeps it alive, so the
+    same object is the same answer), and the saved bytes of the template layer's nodes,
+    so a shared answer is the one a fresh solve gives. Configs that differ in ep alone
+    share the strategies and edges, and their nodes keep the same bytes."""
+    cfg = tables.config
+    saved = tuple((c.saved_bytes, c.core_saved_bytes)
+                  for n in traced.layers[0] for c in tables.node[n])
+    return (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.activation_bytes,
+            cfg.attention, id(strategies), tuple(map(id, tables.edge.values())), saved)
+
+
+def _layer_kept_bytes(traced: TracedModel, strategies, tables, cluster,
+                      cache: SearchCache) -> tuple[float, float]:
+    """:func:`~autopar.planner.search.layer_bounds.min_layer_kept_bytes` of ``tables``, once
+    per :func:`_kept_key`."""
+    return cache.layer_kept_bytes(_kept_key(traced, strategies, tables),
+                                  lambda: min_layer_kept_bytes(traced, strategies, tables,
+                                                               cluster))
+
+
+def prefetch_order_bounds(traced, cluster, configs: list[Config], cache: SearchCache,
+                          layout: Layout, support: RuntimeSupport, pool: Executor) -> None:
+    """Solve on ``pool``'s threads, into ``cache``, the CP-SAT models of the layer's least
+    kept bytes that :func:`order_bound_s` of ``configs`` will read (those whose memory lower
+    bound fits), one per :func:`_kept_key`: CP-SAT releases the GIL while it solves, so one
+    model is built while another solves. The answers are those :func:`order_bound_s`
+    would compute itself (each solve is deterministic and independent of the others)."""
+    jobs: dict[tuple, Future] = {}
+    priced: set[tuple] = set()  # the tables' keys (tp, micro-batch size, dtype, ...) seen
+    for cfg in configs:
+        mem_lb, usable = memory_bounds(traced, cluster, cfg, cache, layout, support)
+        pricing = (cfg.tp, cfg.micro_batch_size, cfg.dtype, cfg.attention,
+                   cfg.sequence_parallel, cfg.ep)
+        if mem_lb > usable or pricing in priced:
+            continue
+        priced.add(pricing)
+        strategies = strategies_for(traced, cfg.tp, cfg.sequence_parallel, cache, cfg.ep)
+        tables = cost_tables(traced, strategies, cluster, cfg, cache, template_only=True)
+        key = _kept_key(traced, strategies, tables)
+        if key not in jobs:
+            jobs[key] = pool.submit(min_layer_kept_bytes, traced, strategies, tables, cluster)
+    for key, job in jobs.items():
+        cache.layer_kept_bytes(key, job.result)
 
 
 def order_bound_s(traced, cluster, cfg: Config, cache: SearchCache, layout: Layout,
@@ -104,7 +155,9 @@ def memory_bounds(traced, cluster, cfg: Config, cache: SearchCache, layout: Layo
     ``cache`` (``traced.total_params()`` once per search)."""
     def compute() -> tuple[float, float]:
         total = cache.total_params(traced.total_params)
-        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg), total)
+        experts = cache.expert_params(lambda: expert_params(traced)) if cfg.ep > 1 else None
+        lb = memory_lower_bound_bytes(traced, cfg, zero_choices(layout, support, cfg), total,
+                                      experts)
         return lb, max_usable_bytes(p2p_bytes(traced, cfg), cluster, cfg)
     return cache.memory_bounds(cfg, compute)
 
