@@ -69,7 +69,7 @@ def expert_data_parallel_size(tp: int, dp: int, ep: int) -> int:
 
 def ep_problem(ep: int, dp: int, zero_stage: int | None,
                num_experts: Sequence[int], shardable: bool = True, tp: int = 1,
-               zero_stages: Sequence[int] = (0,)) -> str | None:
+               zero_stages: Sequence[int] = (0,), seq_len: int | None = None) -> str | None:
     """Why expert parallelism of degree ``ep`` does not run, or None.
 
     dp, tp: the data- and tensor-parallel sizes d and t (ep folds over the t·d ranks of a
@@ -77,7 +77,8 @@ def ep_problem(ep: int, dp: int, zero_stage: int | None,
     layer of the model (empty: none); shardable: every MoE layer's experts are one call of
     a transformers experts module; zero_stages: the stages the runner runs at ep > 1 (the
     autopar runtime: ZeRO-0; :attr:`autopar.contract.support.RuntimeSupport.
-    expert_zero_stages`).
+    expert_zero_stages`); seq_len: the sequence length s (under TP the experts run on each
+    TP rank's s/t tokens; None: not checked).
     """
     if ep == 1:
         return None
@@ -91,6 +92,9 @@ def ep_problem(ep: int, dp: int, zero_stage: int | None,
         return (f"ep={ep} does not divide tp·dp={ranks}: expert parallelism folds over the "
                 "tensor- and data-parallel ranks of a stage; choose ep in "
                 f"{[e for e in range(1, ranks + 1) if ranks % e == 0]}")
+    if experts_token_parallel(tp, ep) and seq_len is not None and seq_len % tp:
+        return (f"ep={ep} at tp={tp}: the experts run on each TP rank's share of a sequence's "
+                f"{seq_len} tokens, which tp does not divide; choose tp | seq_len or ep=1")
     bad = sorted({E for E in num_experts if E % ep})
     if bad:
         return f"ep={ep} does not divide the {bad[0]} experts of a MoE layer; choose ep | E"

@@ -159,6 +159,9 @@ def test_expert_groups_fold_over_the_tensor_and_data_parallel_ranks_of_a_stage()
     # the EP group spans TP (t = 2, d = 2, ep = 4): every rank of the stage in one group
     assert ep_problem(4, 2, 0, [4], tp=2) is None
     assert "does not divide tp·dp=4" in ep_problem(8, 2, 0, [8], tp=2)
+    # under TP each rank routes s/t tokens of a sequence: t must divide s
+    assert "which tp does not divide" in ep_problem(2, 2, 0, [4], tp=2, seq_len=15)
+    assert ep_problem(2, 2, 0, [4], tp=2, seq_len=16) is None
 
 
 def test_an_ep_group_straddling_nodes_unevenly_is_priced_with_fewer_ranks_per_node():

@@ -130,7 +130,8 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
                 why.setdefault("dp", f"global_batch_size={global_batch_size} is not divisible "
                                      f"by dp={dp}")
                 continue
-            for ep in _expert_degrees(blocks, layout, support, tp, dp, zeros, why):
+            for ep in _expert_degrees(blocks, layout, support, tp, dp, zeros, why,
+                                      traced.seq_len):
                 if tokens_only and ep == 1:
                     why.setdefault("moe_tp", f"{support.name} runs a mixture-of-experts model "
                                              "at tp > 1 as autopar prices it only with ep > 1 "
@@ -145,7 +146,7 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
 
 
 def _expert_degrees(blocks, layout: Layout, support, tp: int, dp: int,
-                    zeros: tuple[int, ...], why: dict) -> list[int]:
+                    zeros: tuple[int, ...], why: dict, seq_len: int | None = None) -> list[int]:
     """The EP degrees to try at tensor- and data-parallel sizes ``tp``, ``dp`` (ep folds
     over the tp·dp ranks of a stage): the layout's, else 1 and, where
     ``support`` runs expert parallelism, every ep > 1 that :func:`~autopar.techniques.
@@ -158,7 +159,8 @@ def _expert_degrees(blocks, layout: Layout, support, tp: int, dp: int,
     for ep in wanted:
         zero = layout.zero_stage if layout.zero_stage is not None else next(
             (z for z in zeros if z in support.expert_zero_stages), zeros[0] if zeros else None)
-        problem = ep_problem(ep, dp, zero, experts, shardable, tp, support.expert_zero_stages)
+        problem = ep_problem(ep, dp, zero, experts, shardable, tp, support.expert_zero_stages,
+                             seq_len)
         if ep > 1 and not support.expert_parallel:
             problem = f"the {support.name} runtime does not run expert parallelism; use ep=1"
         if problem:
