@@ -58,13 +58,12 @@ LAYOUTS = {  # name -> Layout fields (world 4); under TP the EP group spans TP r
 BATCH = 8  # global batch: micro-batches of 2 sequences
 
 
-@functools.lru_cache(maxsize=None)
-def ep_plan(layout: str, dtype: str = "fp32"):
-    """The tiny Mixtral's plan of ``layout``, as the cost model prices it."""
+def mixtral_plan(**fields):
+    """The tiny Mixtral's plan of the Layout ``fields`` (world 4, global batch 8), as the
+    cost model prices it (``autopar.evaluate``; its ValueError when a rule refuses it)."""
     import autopar
     from benchmarks.hf_families import build_family, tiny_cluster
 
-    fields = dict(LAYOUTS[layout], micro_batch_size=2, dtype=dtype)
     plan = autopar.evaluate(build_family("mixtral", device="meta"), tiny_cluster(4),
                             autopar.Layout(**fields), global_batch_size=BATCH,
                             seq_len=zoo.TINY_SEQ, model_name="mixtral")
@@ -75,6 +74,12 @@ def ep_plan(layout: str, dtype: str = "fp32"):
     return plan
 
 
+@functools.lru_cache(maxsize=None)
+def ep_plan(layout: str, dtype: str = "fp32"):
+    """The tiny Mixtral's plan of ``layout``, as the cost model prices it."""
+    return mixtral_plan(**LAYOUTS[layout], micro_batch_size=2, dtype=dtype)
+
+
 def _verify_rank(rank: int, world: int, plan, strict: bool) -> dict:
     from autopar.verify.check import verify
     from benchmarks.hf_families import build_family
@@ -82,17 +87,27 @@ def _verify_rank(rank: int, world: int, plan, strict: bool) -> dict:
     return verify(build_family("mixtral"), plan, steps=2, raise_on_failure=strict).to_dict()
 
 
-def _reports(layout: str, dtype: str, strict: bool = True) -> dict:
-    """Every rank's verify report (checked identical); rank 0's."""
-    reports = run_distributed(_verify_rank, 4, ep_plan(layout, dtype), strict, timeout_s=600)
+def check_reports(reports: list[dict], name: str) -> dict:
+    """Rank 0's of every rank's verify report of a 2-step run (checked identical, every
+    expert compared, no claim or non-finite value), printed."""
     report = reports[0]
-    print(layout, dtype, "max grad diff", report["max_grad_diff"], "losses",
+    print(name, report["layout"], "max grad diff", report["max_grad_diff"], "losses",
           [(s["parallel"], s["reference"]) for s in report["losses"]])
     assert all(r == report for r in reports[1:])
     assert len(report["losses"]) == 2 and not report["nonfinite"] and not report["claims"]
     experts = [p for p in report["params"] if ".experts." in p["key"]]
     assert len(experts) == 4  # gate_up_proj and down_proj of 2 layers, compared
     return report
+
+
+def verify_reports(plan, name: str, strict: bool = True) -> dict:
+    """:func:`check_reports` of ``plan`` verified at world 4."""
+    return check_reports(run_distributed(_verify_rank, 4, plan, strict, timeout_s=600), name)
+
+
+def _reports(layout: str, dtype: str, strict: bool = True) -> dict:
+    """:func:`verify_reports` of ``layout``'s plan in ``dtype``."""
+    return verify_reports(ep_plan(layout, dtype), layout, strict)
 
 
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "tp2·dp2·ep4"])
