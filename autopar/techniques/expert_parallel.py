@@ -47,8 +47,8 @@ FRAMEWORK_FLAGS = {
 }
 """Per target framework, its setting of the EP degree (Megatron-LM's arguments.py;
 torchtitan's ``Parallelism`` job config). autopar emits Megatron-LM's
-(:mod:`autopar.frameworks.megatron_moe`, at tp = 1, with ``--expert-tensor-parallel-size 1
---moe-token-dispatcher-type alltoall``); torchtitan's is not emitted (its EP borrows FSDP
+(:mod:`autopar.frameworks.megatron_moe`, at tp = 1 or, with sequence parallelism, at tp > 1,
+with ``--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall``); torchtitan's is not emitted (its EP borrows FSDP
 ranks and its MoE layers are its own models': :mod:`autopar.frameworks.torchtitan`)."""
 
 
