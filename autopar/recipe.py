@@ -337,9 +337,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         place_program_devices(module, init.device)
     experts = shard_experts(chunks, groups.ep_group, is_experts_module) if plan.ep > 1 else {}
     if experts_token_parallel(plan.tp, plan.ep):  # the EP group spans TP: each TP rank holds
-        # other experts, whose gradients are summed over the EDP group, not over TP
-        partial_names = [n for n in partial_names if n not in experts]
-        tp_sharded += [n for n in experts if n not in tp_sharded]
+        tp_sharded += [n for n in experts if n not in tp_sharded]  # other experts (the norm)
     pm = ParallelizedModel(
         module, groups, plan, shards, dict(traced.tied_params), rng, model_keys=local.keys,
         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,

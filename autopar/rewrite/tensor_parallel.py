@@ -51,7 +51,7 @@ from autopar.contract.placement import Placement
 from autopar.rewrite.pipeline import CHUNK, LAYER
 from autopar.rewrite.shard_modules import BiasAdd, BlockOrder, Conv1DShard
 from autopar.planner.strategies import (Strategy, decode_placements, gathers_for_partial_grad,
-                                        partial_grad_input)
+                                        partial_grad_input, partial_grad_params)
 
 __all__ = ["ShardSpec", "TPRewrite", "BiasAdd", "BlockOrder", "Conv1DShard",
            "apply_tensor_parallel"]
@@ -262,7 +262,7 @@ class _Rewriter:
             emb = VocabParallelEmbedding(weight, self.rank * weight.shape[0], mod.padding_idx)
             self._set(node, emb)
             self.partial_bias[node] = None
-        elif strat.name == "sharded":  # e.g. LayerNorm on sequence shards: partial grads
+        elif partial_grad_params(self.traced.nodes[node.name], strat):  # e.g. LayerNorm
             self.result.partial_grad_params.update(id(p) for p in mod.parameters())
 
     def _scale_size(self, node: fx.Node, strat: Strategy) -> None:

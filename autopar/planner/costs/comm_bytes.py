@@ -18,7 +18,7 @@ from autopar.planner.costs.tables import CostTables, state_bytes
 from autopar.planner.costs.step import head_rank, tied_param_numel
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from autopar.techniques.zero_stages import zero_stage
-from autopar.planner.strategies import NodeStrategies, tensor_inputs
+from autopar.planner.strategies import NodeStrategies, partial_grad_params, tensor_inputs
 
 __all__ = ["stage_stats", "dp_comm_bytes", "fsdp_units"]
 
@@ -98,7 +98,7 @@ def _partial_grad_param_sizes(traced, strategies, choice, names: list[str]) -> l
     for name in names:
         info, strat = traced.nodes[name], strategies[name][choice[name]]
         params = info.extra.get("param_sizes", {})
-        if strat.name == "sharded":
+        if partial_grad_params(info, strat):
             sizes += [int(n) for n in params.values()]
         elif strat.output.is_partial:
             to_shard = any(strategies[u.name][choice[u.name]].inputs[j].is_sharded

@@ -39,7 +39,7 @@ from autopar.techniques.tensor_parallel import tensor_parallel_mode
 
 __all__ = ["Strategy", "node_strategies", "reshard_kinds", "f_kind", "NodeStrategies",
            "SEQUENCE_DIM", "strategies_by_key", "decode_placements",
-           "tensor_inputs", "tied_groups", "param_split", "partial_grad_input",
+           "tensor_inputs", "tied_groups", "param_split", "partial_grad_input", "partial_grad_params",
            "gathers_for_partial_grad"]
 
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -335,6 +335,15 @@ def gathers_for_partial_grad(strategy: Strategy, j: int, src_placement: Placemen
     plain gathers of the same tensor; the solver, the predictor and the rewriter agree."""
     return (partial_grad_input(strategy, j) and src_placement.is_sharded
             and strategy.inputs[j].is_replicated)
+
+
+def partial_grad_params(info: NodeInfo, strategy: Strategy) -> bool:
+    """Does ``strategy`` leave node ``info``'s own replicated parameters with gradients that
+    are partial over TP (the runtime all-reduces them over TP after backward)? Yes for
+    "sharded" (e.g. LayerNorm on sequence shards), except an experts call on the TP ranks'
+    tokens: under expert parallelism over TP each TP rank holds other experts, whose
+    gradients are summed over their expert-data-parallel group instead."""
+    return strategy.name == "sharded" and "experts" not in info.extra
 
 
 def param_split(strategy: Strategy) -> str:
