@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch import fx
 
 from autopar.graph.experts import EXPERTS_INTERFACE, experts_shape, is_experts_module
 from autopar.runtime.compat import all_to_all_single_autograd, grouped_mm
@@ -275,20 +276,32 @@ def shard_experts(chunks: Sequence[nn.Module], ep_group: dist.ProcessGroup,
     """Replace every experts module the graphs of ``chunks`` (this rank's fx GraphModules)
     call (``is_experts``: :func:`autopar.graph.experts.is_experts_module`) by its
     :class:`ExpertParallelExperts` over ``ep_group``, at the same path, so parameter names
-    stay the original ones. Returns local parameter name (prefixed ``"j."`` by the chunk
-    index when there are several chunks, as an ``nn.ModuleList`` of them names it) -> the
-    slice of the original's dim 0 (experts) it holds. No collective; raises the
-    constructor's errors (an unsupported experts class, E not divisible by ep)."""
+    stay the original ones. The graphs nested in a chunk are searched too (a recompute
+    checkpoint's ``body``: :mod:`autopar.rewrite.recompute`). Returns local parameter name
+    (prefixed ``"j."`` by the chunk index when there are several chunks, as an
+    ``nn.ModuleList`` of them names it) -> the slice of the original's dim 0 (experts) it
+    holds. No collective; raises the constructor's errors (an unsupported experts class, E
+    not divisible by ep), and RuntimeError when an experts module is left whole (one the
+    search did not reach: every rank would hold all E experts, silently not EP)."""
     slices: dict[str, slice] = {}
     for j, chunk in enumerate(chunks):
         prefix = f"{j}." if len(chunks) > 1 else ""
-        for node in chunk.graph.nodes:
-            if node.op != "call_module" or not is_experts(chunk.get_submodule(node.target)):
-                continue
-            sharded = ExpertParallelExperts(chunk.get_submodule(node.target), ep_group)
-            chunk.set_submodule(node.target, sharded)
-            for name, _ in sharded.named_parameters():
-                slices[f"{prefix}{node.target}.{name}"] = sharded.global_expert_slice()
+        graphs = [(path, m) for path, m in chunk.named_modules() if isinstance(m, fx.GraphModule)]
+        for path, gm in graphs:
+            for node in gm.graph.nodes:
+                if node.op != "call_module" or not is_experts(gm.get_submodule(node.target)):
+                    continue
+                sharded = ExpertParallelExperts(gm.get_submodule(node.target), ep_group)
+                gm.set_submodule(node.target, sharded)
+                where = f"{prefix}{path}." if path else prefix
+                for name, _ in sharded.named_parameters():
+                    slices[f"{where}{node.target}.{name}"] = sharded.global_expert_slice()
+        left = [name for name, m in chunk.named_modules()
+                if is_experts(m) and not isinstance(m, ExpertParallelExperts)]
+        if left:
+            raise RuntimeError(f"experts module(s) {left} of chunk {j} are called outside "
+                               "the chunk's graphs and were not sharded over EP: a bug of "
+                               "autopar's rewrite, please report it")
     return slices
 
 

@@ -86,3 +86,62 @@ def test_unknown_parameters_and_parameterised_sub_modules_are_refused():
 def test_the_private_torch_names_resolve_on_this_torch():
     assert callable(compat.all_to_all_single_autograd) and callable(compat.grouped_mm)
     assert callable(compat.resolve_group_name)
+
+
+def _calls_experts(experts_module: torch.nn.Module) -> torch.fx.GraphModule:
+    """A GraphModule whose graph calls ``experts_module`` as submodule "experts"."""
+    graph = torch.fx.Graph()
+    args = [graph.placeholder(n) for n in ("hidden_states", "top_k_index", "top_k_weights")]
+    graph.output(graph.call_module("experts", tuple(args)))
+    root = torch.nn.Module()
+    root.experts = experts_module
+    return torch.fx.GraphModule(root, graph)
+
+
+def test_experts_inside_a_recompute_checkpoint_are_sharded_too():
+    # full recompute wraps a layer's graph in a Checkpointed "body": the experts call is in
+    # that nested graph, not the chunk's (it was missed: each rank kept all E experts)
+    from framework_startup import fake_process_group
+
+    from autopar.graph.experts import is_experts_module
+    from autopar.rewrite.recompute import Checkpointed
+    from autopar.runtime.expert_parallel import shard_experts
+
+    body = _calls_experts(experts("mixtral", 4, torch.float32))
+    graph = torch.fx.Graph()
+    args = [graph.placeholder(n) for n in ("hidden_states", "top_k_index", "top_k_weights")]
+    graph.output(graph.call_module("recompute_layer_0", tuple(args)))
+    root = torch.nn.Module()
+    root.recompute_layer_0 = Checkpointed(body)
+    chunk = torch.fx.GraphModule(root, graph)
+    with fake_process_group(rank=1, world_size=2):
+        slices = shard_experts([chunk], None, is_experts_module)
+    sharded = chunk.get_submodule("recompute_layer_0.body.experts")
+    assert isinstance(sharded, ExpertParallelExperts)
+    assert slices == {"recompute_layer_0.body.experts.gate_up_proj": slice(2, 4),
+                      "recompute_layer_0.body.experts.down_proj": slice(2, 4)}
+    assert sharded.down_proj.shape[0] == 2
+
+
+def test_experts_called_outside_the_graphs_are_reported_not_left_whole():
+    from framework_startup import fake_process_group
+
+    from autopar.graph.experts import is_experts_module
+    from autopar.runtime.expert_parallel import shard_experts
+
+    class Opaque(torch.nn.Module):  # an experts call fx cannot see
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = experts("mixtral", 4, torch.float32)
+
+        def forward(self, x, index, weights):
+            return self.experts(x, index, weights)
+
+    graph = torch.fx.Graph()
+    args = [graph.placeholder(n) for n in ("hidden_states", "top_k_index", "top_k_weights")]
+    graph.output(graph.call_module("moe", tuple(args)))
+    root = torch.nn.Module()
+    root.moe = Opaque()
+    with fake_process_group(rank=0, world_size=2):
+        with pytest.raises(RuntimeError, match=r"\['moe.experts'\].*not sharded over EP"):
+            shard_experts([torch.fx.GraphModule(root, graph)], None, is_experts_module)
