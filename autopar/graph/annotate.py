@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.graph.attention import LSE_BYTES, annotate_attention
-from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d,
+from autopar.graph.no_grad import mark_gradients
+from autopar.graph.ops import (SAVES_INPUTS, aten_kind, gemm_shapes, is_conv1d, returns_tensors,
                                is_parameter_read, node_flops, packet)
 
 __all__ = ["NodeInfo", "TracedModel", "annotate", "node_kind", "saves_inputs", "last_saver_index",
@@ -62,6 +63,10 @@ class NodeInfo:
     no_grad: the op runs in a ``torch.no_grad()`` region of forward (its output reaches the
         rest through ``detach``, :mod:`autopar.graph.no_grad`): it has no backward,
         saves nothing for one and makes no gradient partial.
+    carries_grad: the output gets a gradient in backward (a float tensor computed from a
+        parameter outside a no_grad region; not the token ids, buffers and what only they
+        feed, rotary cos/sin, masks, routing indices: :func:`~autopar.graph.no_grad.
+        mark_gradients`), so collectives of its gradient run.
     """
 
     name: str
@@ -81,6 +86,7 @@ class NodeInfo:
     layer: int | None = None
     section: str = "pre"
     no_grad: bool = False
+    carries_grad: bool = True
     extra: dict = field(default_factory=dict)
 
     @property
@@ -307,6 +313,7 @@ def annotate(gm: fx.GraphModule, *, seq_len: int, name: str,
         )
     _add_saved_bytes(gm, nodes)
     _mark_per_sequence(gm, nodes)
+    mark_gradients(gm, nodes)
     _mark_fused_blocks(gm, nodes)
     layers, pre, post = _group_layers(gm, nodes)
     return TracedModel(gm=gm, name=name, seq_len=seq_len, nodes=nodes, layers=layers,
@@ -346,7 +353,8 @@ def _mark_per_sequence(gm: fx.GraphModule, nodes: dict[str, NodeInfo]) -> None:
         if node.op == "placeholder":
             info.per_sequence = True
             continue
-        ins = [n for n in node.all_input_nodes if nodes[n.name].shape is not None]
+        ins = [n for n in node.all_input_nodes if nodes[n.name].shape is not None
+               or returns_tensors(n)]  # top-k's (values, indices)
         info.per_sequence = any(nodes[n.name].per_sequence for n in ins)
 
 

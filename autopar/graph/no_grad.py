@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from autopar.graph.ops import packet
 
-__all__ = ["inline_region"]
+__all__ = ["inline_region", "mark_gradients"]
 
 aten = torch.ops.aten
 
@@ -78,3 +78,25 @@ def _detached(graph: fx.Graph, out):
     new.meta.update({k: v for k, v in out.meta.items() if k != "no_grad"})
     new.meta["no_grad"] = True
     return new
+
+
+def mark_gradients(gm: fx.GraphModule, nodes: dict) -> None:
+    """Set ``carries_grad`` of every node's :class:`~autopar.graph.annotate.NodeInfo`
+    (``nodes``, by name; ``params`` filled): autograd's rule, forward in graph order. A
+    parameter read (``get_attr``) or a module call holding parameters carries a gradient; a
+    placeholder (token ids, targets), a buffer and a ``no_grad`` node do not; any other
+    node does when one of its tensor inputs does and its output is floating point (an
+    ``argmax`` or top-k index, an integer mask, is not differentiable; a node of several
+    outputs, top-k's (values, indices), when one of them is)."""
+    for node in gm.graph.nodes:
+        info = nodes[node.name]
+        val = node.meta.get("val", node.meta.get("tensor_meta"))
+        values = val if isinstance(val, (tuple, list)) and not hasattr(val, "dtype") else (val,)
+        floating = node.op == "call_module" or any(
+            getattr(getattr(v, "dtype", None), "is_floating_point", False) for v in values)
+        if node.op in ("placeholder", "output") or info.no_grad or not floating:
+            info.carries_grad = False
+        elif node.op == "get_attr" or (node.op == "call_module" and info.params):
+            info.carries_grad = bool(info.params)
+        else:
+            info.carries_grad = any(nodes[u.name].carries_grad for u in node.all_input_nodes)

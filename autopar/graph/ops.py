@@ -16,7 +16,7 @@ import torch.nn as nn
 __all__ = ["SDPA_ARGS", "POINTWISE", "SAVES_INPUTS", "VIEWS", "TRANSPOSES", "REDUCTIONS", "SOFTMAX",
            "MATMULS", "CREATION_OPS", "aten_kind", "linear_features", "is_conv1d", "packet",
            "op_name", "gemm_shapes", "GROUPED_MMS", "qualified_name", "is_grouped_mm",
-           "is_parameter_read", "node_flops"]
+           "is_parameter_read", "node_flops", "returns_tensors"]
 
 aten = torch.ops.aten
 
@@ -109,6 +109,12 @@ def is_parameter_read(node) -> bool:
             and hasattr(node.args[0], "op"):
         node = node.args[0]
     return node.op == "get_attr"
+
+
+def returns_tensors(node) -> bool:
+    """Does fx ``node`` return several tensors (top-k's values and indices)?"""
+    val = node.meta.get("val")
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
 
 
 def is_conv1d(mod: nn.Module) -> bool:

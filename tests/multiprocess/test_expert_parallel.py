@@ -181,6 +181,8 @@ def _bytes_rank(rank: int, world: int, plan) -> dict:
     return {"a2a": stats["comm_bytes"]["ep_all_to_all"], "a2a_predicted": predicted,
             "dp": stats["comm_bytes"]["dp_all_reduce"], "dp_predicted": dp_predicted,
             "calls": len(calls), "norm": stats["grad_norm"], "norm_gathered": norm,
+            "comm": stats["comm_bytes"],
+            "comm_predicted": plan.predicted.stage_stats[g.pp_rank]["comm_bytes"],
             "experts": sorted(expert_names), "rank": g.rank, **_refusals_and_reload(pm)}
 
 
@@ -226,6 +228,9 @@ def test_measured_all_to_all_bytes_equal_the_routing_s(layout):
         assert res["calls"] == 2 * plan.num_micro_batches  # 2 MoE layers per micro-batch
         assert res["a2a"] == res["a2a_predicted"] > 0, res
         assert res["dp"] == res["dp_predicted"], res
+        for kind, nbytes in res["comm"].items():  # the cost model's bytes, every kind but
+            if kind != "ep_all_to_all":  # the routing's (priced balanced: n_{r→d} = T·k/ep)
+                assert nbytes == res["comm_predicted"][kind], (kind, res)
         assert math.isclose(res["norm"], res["norm_gathered"], rel_tol=1e-6), res
         assert res["experts"] == [f"model.layers.{i}.mlp.experts.{n}" for i in (0, 1)
                                   for n in ("down_proj", "gate_up_proj")]

@@ -132,3 +132,24 @@ def test_blocks_are_found_in_every_layer_when_dense_and_moe_layers_alternate(mon
     model = families.build_family("qwen2_moe", device="meta", d=dict(zoo.TINY, layers=5))
     traced = trace_model(model, SEQ)
     assert [b.layer for b in moe_blocks(traced)] == [1, 3]  # MoE every 2nd layer, 1-based
+
+
+def test_only_tensors_that_get_a_gradient_carry_one():
+    # autograd's rule on the graph (NodeInfo.carries_grad): a TP collective of a gradient
+    # that never exists (the rotary tables', the routing indices') is neither run nor priced
+    traced = trace_model(families.build_family("mixtral", device="meta"), SEQ)
+    graph, info = {n.name: n for n in traced.gm.graph.nodes}, traced.nodes
+    block = moe_blocks(traced)[0]
+    hidden, index, weights = graph[block.experts[0]].args[:3]
+    assert info[hidden.name].carries_grad and info[weights.name].carries_grad
+    assert not info[index.name].carries_grad  # top-k's int64 indices
+    topk = next(n for n, g in graph.items() if "topk" in str(g.target))
+    assert info[topk].carries_grad  # (values, indices): the values do
+    assert info[block.router].carries_grad
+    assert not any(info[n].carries_grad for n, g in graph.items()
+                   if g.op == "placeholder" or (g.op == "get_attr" and not info[n].params))
+    assert all(info[n].carries_grad for n, g in graph.items() if g.op == "get_attr" and info[n].params)
+    rotary = [n for n, g in graph.items() if g.op == "call_function" and "cos" in str(g.target)]
+    assert rotary and not any(info[n].carries_grad for n in rotary)
+    # top-k's outputs grow with the batch like its input (priced per sequence)
+    assert all(info[n.name].per_sequence for n in (hidden, index, weights))

@@ -122,8 +122,10 @@ def _layer_costs(traced, strategies, tables, choice) -> list[dict[str, float]]:
     out = []
     for names in traced.layers:
         members = set(names)
-        outside = tuple(choice[u.name] for v in names
-                        for u in tensor_inputs(graph[v], traced.nodes) if u.name not in members)
+        outside = tuple((traced.nodes[u.name].section, traced.nodes[u.name].numel,  # what the
+                         strategies[u.name][choice[u.name]].key)  # edges in read (layer 0: pre)
+                        for v in names for u in tensor_inputs(graph[v], traced.nodes)
+                        if u.name not in members)
         key = (tuple(choice[n] for n in names), outside)
         if key not in seen:
             seen[key] = section_cost(traced, strategies, tables, choice, names)

@@ -316,7 +316,7 @@ def _rows(traced: TracedModel, strategies: NodeStrategies,
             # a parameter (or a view of one) that the consumer keeps is model state, not an
             # activation: autograd keeps a reference, no copy
             saves = saves_inputs(info) and not src_info.extra.get("param_read", False)
-            grad = not info.no_grad
+            grad = not info.no_grad and src_info.carries_grad  # a gradient crosses
             esig = ids.setdefault(("edge", src_info.numel, src_info.per_sequence, outs, wants,
                                    saves, grad), len(ids))
             edges.append((src.name, j, esig, src_info.numel, src_info.per_sequence, saves,
@@ -384,7 +384,7 @@ def _edge_table(outs: tuple, wants: tuple, nbytes: float, tp: int, tp_link, sp: 
     """{(ku, kv): EdgeCost | None} from producer output placements ``outs`` to consumer
     input placements ``wants`` for a tensor of ``nbytes`` (None: transition not offered);
     ``saves``: the consumer keeps its inputs for backward (:attr:`EdgeCost.saved_bytes`);
-    ``grad`` False: the consumer runs under ``no_grad``, so no gradient crosses the edge."""
+    ``grad`` False: no gradient crosses the edge (no_grad consumer, or ``carries_grad``)."""
     table = {}
     for ku, src in enumerate(outs):
         for kv, dst in enumerate(wants):

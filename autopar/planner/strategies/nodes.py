@@ -252,9 +252,11 @@ def node_strategies(traced: TracedModel, tp: int, sequence_parallel: bool = Fals
             out[node.name] = _experts_on_tokens(node, traced.nodes, tp)
         if node.name in written:
             out[node.name] = [s for s in out[node.name] if s.name == "replicate"]
-        if traced.nodes[node.name].no_grad:  # no gradient: none is partial, no f
-            out[node.name] = [replace(s, partial_grad_inputs=(False,) * len(s.partial_grad_inputs))
-                              for s in out[node.name]]
+        grads = tuple(not traced.nodes[node.name].no_grad and traced.nodes[u.name].carries_grad
+                      for u in tensor_inputs(node, traced.nodes))  # no gradient: no f
+        if not all(grads):
+            out[node.name] = [replace(s, partial_grad_inputs=tuple(
+                p and g for p, g in zip(s.partial_grad_inputs, grads))) for s in out[node.name]]
     return out
 
 
@@ -279,7 +281,8 @@ def _layer_twins(traced: TracedModel) -> dict[str, str]:
 
     def signature(name: str) -> tuple:
         info = nodes[name]
-        return info.kind, info.no_grad, info.shape, info.flops, info.param_numel, info.numel
+        return (info.kind, info.no_grad, info.carries_grad, info.shape, info.flops,
+                info.param_numel, info.numel)
     model = [signature(n) for n in traced.layers[1]]
     twins: dict[str, str] = {}
     for layer in traced.layers[2:]:
