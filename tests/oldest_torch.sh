@@ -4,7 +4,7 @@
 # 2.11.0 from PyPI (its CUDA build, about 4 GB with its NVIDIA libraries, which runs on the
 # CPU here; about 1 minute to install) and autopar[test] beside it, then:
 #   * the quick start's 4-rank training, with the plan it solves;
-#   * the unit tier (one process) but three groups whose subject does not depend on the
+#   * the unit tier (one process, on two pytest-xdist workers) but three groups whose subject does not depend on the
 #     torch version: the tests that hand autopar's emitted configurations to megatron-core,
 #     torchtitan and DeepSpeed's own code and start-up (FRAMEWORK_TESTS: those frameworks are installed,
 #     DeepSpeed built, against the main environment's torch only), the three property
@@ -76,5 +76,6 @@ if [ "${AUTOPAR_OLDEST_TORCH_ALL:-0}" = 1 ]; then
     PYTHON="$PY" bash tests/install_frameworks.sh
     exec "$PY" -m pytest -q -p no:cacheprovider
 fi
-exec "$PY" -m pytest -q -p no:cacheprovider tests/unit "${FRAMEWORK_TESTS[@]}" "${DOOR_TESTS[@]}" \
-    "${PLANNER_TESTS[@]}" "${MULTIPROCESS[@]}"
+"$PY" -m pytest -q -p no:cacheprovider -n 2 tests/unit "${FRAMEWORK_TESTS[@]}" "${DOOR_TESTS[@]}" \
+    "${PLANNER_TESTS[@]}"
+exec "$PY" -m pytest -q -p no:cacheprovider "${MULTIPROCESS[@]}"
