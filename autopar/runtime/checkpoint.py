@@ -29,6 +29,10 @@ How a rank stores parameter ``key`` (its TP shard ``p``, see ``ShardSpec``):
 * a plain contiguous TP split (``ShardSpec.dim`` set, no ``blocks``): a DTensor on the TP
   sub-mesh ``groups.device_mesh["tp"]`` with ``Shard(dim)``; DCP writes each TP rank's
   chunk once;
+* an experts module's parameter under expert parallelism (ep > 1: this rank's E/ep experts,
+  :mod:`autopar.runtime.expert_parallel`): a DTensor on a mesh of the EP group with
+  ``Shard(0)``; DCP writes each EP rank's experts once and a load under another ep (or
+  ep = 1) reads the experts it holds there;
 * replicated (dim None), tp = 1, or a fused-block layout (Megatron's fused QKV: rank r holds
   the r-th part of every block): the whole tensor (fused blocks are all-gathered over TP
   first), a plain tensor written by one rank.
@@ -78,7 +82,8 @@ from autopar.runtime.checkpoint_files import (CheckpointError, CheckpointWarning
                                               latest_checkpoint, on_rank0, resolve_checkpoint,
                                               staging_dir, verify_checkpoint, write_manifest)
 from autopar.runtime.checkpoint_state import (META_KEY, check_fits, checkpoint_keys,
-                                              dcp_metadata, from_loaded, key_sizes, layout_of,
+                                              dcp_metadata, expert_degree, from_loaded,
+                                              key_sizes, layout_of,
                                               local_keys, optim_key, rank_state_dict, rng_key,
                                               rng_state, set_rng_state, template)
 from autopar.runtime.health import CollectiveError, as_collective_error
@@ -163,19 +168,6 @@ def _meta(pm, extra: dict | None) -> bytes:
         "tied_aliases": dict(pm.tied_aliases), "extra": dict(extra or {})})
 
 
-def _refuse_expert_parallel(pm, what: str) -> None:
-    """Expert-parallel programs (ep > 1) are not checkpointed yet: raise before any
-    collective, on every rank alike (every rank holds the plan's ep)."""
-    if pm.groups.ep > 1:
-        raise NotImplementedError(
-            f"{what} at ep={pm.groups.ep}: each EP rank holds E/ep experts under the original "
-            "names, and autopar checkpoints store a key as one tensor split over TP only, so "
-            "the experts would be saved as one rank's slice; save from an ep=1 run of the "
-            "plan, or use pm.full_state_dict() (gathers the experts) and "
-            "pm.load_full_state_dict(...) (cuts this rank's experts) until checkpoints "
-            "store experts as dim-0 slices of their global tensors")
-
-
 def save_checkpoint(pm, path: str | os.PathLike, *, extra: dict | None = None,
                     async_save: bool = False) -> Future | None:
     """Save ``pm``'s training state to the checkpoint directory ``path`` (see the module
@@ -197,13 +189,11 @@ def save_checkpoint(pm, path: str | os.PathLike, *, extra: dict | None = None,
 
     Raises:
         ValueError: a parameter whose key starts with ``optim.`` or ``autopar.``.
-        NotImplementedError: an optimizer state that is not a tensor, or an expert-parallel
-            program (ep > 1; before any collective).
+        NotImplementedError: an optimizer state that is not a tensor.
         CollectiveError: a peer died or did not reach a collective within the timeout
             (naming the path, the step, the rank and the collective).
         CheckpointError: a file could not be written (naming it).
     """
-    _refuse_expert_parallel(pm, "save_checkpoint")
     _wait_for_pending_save(pm)
     target, step, group = Path(path), pm.steps_done, pm.groups.checkpoint_group
     with _named_failures(pm, "saving checkpoint", target, step):
@@ -238,9 +228,9 @@ def _warn_on_load(pm, path: Path, meta: dict, rng_restored: bool) -> None:
     if pm.groups.rank != 0:
         return
     if not rng_restored:
-        saved, here = ([layout[k] for k in ("tp", "pp", "dp")]
+        saved, here = ([layout.get(k, 1) for k in ("tp", "pp", "dp", "ep")]
                        for layout in (meta["layout"], layout_of(pm)))
-        warnings.warn(f"{path} was saved under tp/pp/dp {saved}, this program runs {here}: the "
+        warnings.warn(f"{path} was saved under tp/pp/dp/ep {saved}, this program runs {here}: the "
                       "RNG states are per rank, so they are not restored and dropout masks "
                       "restart from this run's seed (losses differ from an uninterrupted run "
                       "only through dropout)", CheckpointWarning, stacklevel=3)
@@ -267,7 +257,7 @@ def load_checkpoint(pm, path: str | os.PathLike) -> dict:
     names and dtypes from the checkpoint) and its hyperparameters (``param_groups``: lr,
     ...; a :class:`CheckpointWarning` names those that differ from the optimizer given to
     ``parallelize``), and restores ``pm.steps_done``. RNG states are per rank: they are
-    restored only when (tp, pp, dp) equal the saved layout; otherwise the generators keep
+    restored only when (tp, pp, dp, ep) equal the saved layout; otherwise the generators keep
     this run's seeds (a CheckpointWarning says so: dropout masks then differ from an
     uninterrupted run; losses without dropout do not). A ``path`` that an interrupted save
     left missing loads the previous checkpoint that save had set aside (with a warning).
@@ -277,10 +267,8 @@ def load_checkpoint(pm, path: str | os.PathLike) -> dict:
             file missing, truncated or changed (naming the file).
         ValueError: another model (missing or extra parameters, other shapes, another
             optimizer class).
-        NotImplementedError: an expert-parallel program (ep > 1; before any collective).
         CollectiveError: a peer died or did not reach a collective within the timeout.
     """
-    _refuse_expert_parallel(pm, "load_checkpoint")
     _wait_for_pending_save(pm)
     group = pm.groups.checkpoint_group
     with _named_failures(pm, "loading checkpoint", path, pm.steps_done):
@@ -305,13 +293,13 @@ def _load_verified(pm, path: Path, group) -> dict:
             states_of.setdefault(key, []).append(state)
     sd: dict[str, Any] = {}
     for key, (spec, names) in local.items():
-        device = params[names[0]].device
-        sd[key] = template(pm, spec, md[key], device)
+        device, ep = params[names[0]].device, expert_degree(pm, names)
+        sd[key] = template(pm, spec, md[key], device, ep)
         for state in states_of.get(key, []):
-            sd[optim_key(state, key)] = template(pm, spec, md[optim_key(state, key)], device)
+            sd[optim_key(state, key)] = template(pm, spec, md[optim_key(state, key)], device, ep)
     rank_rng = rng_key(pm.groups.rank)
-    same_layout = all(meta["layout"][k] == v for k, v in layout_of(pm).items()
-                      if k in ("tp", "pp", "dp"))
+    same_layout = all(meta["layout"].get(k, 1) == v for k, v in layout_of(pm).items()
+                      if k in ("tp", "pp", "dp", "ep"))
     if same_layout and rank_rng in keys:
         sd[rank_rng] = b""
     dcp.load(sd, checkpoint_id=str(path), process_group=group)
@@ -358,7 +346,6 @@ def load_latest_checkpoint(pm, directory: str | os.PathLike) -> LoadedCheckpoint
     Raises what :func:`load_checkpoint` raises but CheckpointError (that checkpoint is
     skipped and the next older one tried): ValueError for another model stops the search.
     """
-    _refuse_expert_parallel(pm, "load_latest_checkpoint")
     directory = Path(directory)
     group = pm.groups.checkpoint_group
     listed = on_rank0(lambda: [str(p) for p in latest_checkpoint(directory).candidates]

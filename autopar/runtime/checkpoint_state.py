@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.contract.placement import ShardSpec
@@ -34,7 +35,7 @@ def optim_key(state: str, key: str) -> str:
 
 def layout_of(pm) -> dict:
     g = pm.groups
-    return {"tp": g.tp, "pp": g.pp, "dp": g.dp, "world_size": g.world_size,
+    return {"tp": g.tp, "pp": g.pp, "dp": g.dp, "ep": g.ep, "world_size": g.world_size,
             "zero_stage": pm.dp_optimizer.zero_stage, "schedule": pm.schedule}
 
 
@@ -49,12 +50,20 @@ def local_keys(pm) -> dict[str, tuple[ShardSpec, list[str]]]:
     return out
 
 
-def full_shape(spec: ShardSpec, local_shape: torch.Size, tp: int) -> torch.Size:
-    """The original tensor's shape from a TP-local shape."""
+def full_shape(spec: ShardSpec, local_shape: torch.Size, tp: int, ep: int = 1) -> torch.Size:
+    """The original tensor's shape from a TP-local shape, or from an EP rank's experts
+    (``ep`` > 1: E/ep of them on dim 0)."""
     shape = list(local_shape)
-    if spec.dim is not None:
+    if ep > 1:
+        shape[0] *= ep
+    elif spec.dim is not None:
         shape[spec.dim] *= tp
     return torch.Size(shape)
+
+
+def expert_degree(pm, names: list[str]) -> int:
+    """ep when the parameters ``names`` (one key's) are an EP rank's experts, else 1."""
+    return pm.groups.ep if names[0] in pm.expert_slices else 1
 
 
 def is_split(spec: ShardSpec, tp: int) -> bool:
@@ -70,18 +79,34 @@ def tp_dtensor(pm, spec: ShardSpec, local: torch.Tensor, shape: torch.Size) -> D
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def to_saved(pm, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
-    """This rank's TP-local tensor (whole over DP) as the value DCP saves for its key."""
+def expert_dtensor(pm, local: torch.Tensor, shape: torch.Size) -> DTensor:
+    """``local``, this EP rank's experts (dim 0: E/ep of the E in ``shape``), as a DTensor
+    on a mesh of the EP group with ``Shard(0)``: DCP writes each EP rank's experts once (the
+    expert-data-parallel replicas hold the same chunk) and reshards them on load to any ep."""
+    mesh = DeviceMesh.from_group(pm.groups.ep_group, local.device.type)
+    return DTensor.from_local(local.contiguous(), mesh, [Shard(0)], run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
+def to_saved(pm, spec: ShardSpec, local: torch.Tensor, ep: int = 1) -> torch.Tensor:
+    """This rank's TP-local tensor (whole over DP) as the value DCP saves for its key;
+    ``ep`` > 1: the key's experts, this EP rank's E/ep of them (:func:`expert_dtensor`)."""
     g = pm.groups
+    if ep > 1:
+        return expert_dtensor(pm, local, full_shape(spec, local.shape, g.tp, ep))
     if is_split(spec, g.tp):
         return tp_dtensor(pm, spec, local, full_shape(spec, local.shape, g.tp))
     return whole_over_tp(local, spec, g)  # replicated as is; fused blocks all-gathered
 
 
 def template(pm, spec: ShardSpec, md: TensorStorageMetadata,
-              device: torch.device) -> torch.Tensor:
-    """An empty tensor on ``device`` that DCP fills with this rank's part of a saved key."""
+              device: torch.device, ep: int = 1) -> torch.Tensor:
+    """An empty tensor on ``device`` that DCP fills with this rank's part of a saved key
+    (``ep`` > 1: this EP rank's experts of it)."""
     g, dtype = pm.groups, md.properties.dtype
+    if ep > 1 and md.size != torch.Size([]):
+        local = [md.size[0] // ep, *md.size[1:]]
+        return expert_dtensor(pm, torch.empty(local, dtype=dtype, device=device), md.size)
     if md.size == torch.Size([]) or not is_split(spec, g.tp):
         return torch.empty(md.size, dtype=dtype, device=device)
     local = list(md.size)
@@ -122,18 +147,20 @@ def set_rng_state(pm, state: dict) -> None:
 def rank_state_dict(pm) -> dict[str, Any]:
     """The DCP state dict of this rank: the i-th of its stage's keys (sorted) is made whole
     over DP on DP rank i mod d, which alone holds it (collective over DP and, for fused
-    blocks, TP)."""
+    blocks, TP); an expert key is saved by every rank, its E/ep experts (ZeRO-0, the one
+    stage that runs at ep > 1: no collective)."""
     adapter, params = dp_state(pm.dp_optimizer), dict(pm.stage_module.named_parameters())
     sd: dict[str, Any] = {}
     for i, (key, (spec, names)) in enumerate(local_keys(pm).items()):
-        p, owner = params[names[0]], i % pm.groups.dp
+        ep = expert_degree(pm, names)
+        p, owner = params[names[0]], pm.groups.dp_rank if ep > 1 else i % pm.groups.dp
         value = adapter.param(p, owner)
         states = adapter.states(p, owner)
         if value is None:  # another DP rank holds this key
             continue
-        sd[key] = to_saved(pm, spec, value)
+        sd[key] = to_saved(pm, spec, value, ep)
         for state, v in states.items():
-            sd[optim_key(state, key)] = v if v.dim() == 0 else to_saved(pm, spec, v)
+            sd[optim_key(state, key)] = v if v.dim() == 0 else to_saved(pm, spec, v, ep)
     return sd
 
 
@@ -162,7 +189,8 @@ def check_fits(pm, path, keys: dict, meta: dict) -> None:
     local = {}
     params = dict(pm.stage_module.named_parameters())
     for key, (spec, names) in local_keys(pm).items():
-        local[key] = tuple(full_shape(spec, params[names[0]].shape, pm.groups.tp))
+        local[key] = tuple(full_shape(spec, params[names[0]].shape, pm.groups.tp,
+                                      expert_degree(pm, names)))
     everyone: list = [None] * pm.groups.world_size
     dist.all_gather_object(everyone, local, group=pm.groups.checkpoint_group)
     expected = {k: v for part in everyone for k, v in part.items()}

@@ -291,5 +291,6 @@ def test_load_full_state_dict_refuses_another_models_keys_unless_not_strict(runs
 def test_loading_under_another_layout_or_learning_rate_says_so(runs):
     warned = runs["warned"]
     assert len(warned) == 2, warned
-    assert any("RNG states" in w and "[2, 1, 2]" in w and "[2, 1, 1]" in w for w in warned), warned
+    assert any("RNG states" in w and "tp/pp/dp/ep [2, 1, 2, 1]" in w and "[2, 1, 1, 1]" in w
+               for w in warned), warned
     assert any("lr 0.05 -> 0.1" in w for w in warned), warned

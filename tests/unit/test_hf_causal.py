@@ -132,7 +132,9 @@ def test_decoder_config_is_left_as_it_is(family, tmp_path, caplog):
     path = _save(config, tmp_path)
     with caplog.at_level(logging.WARNING, logger="autopar.hf_models"):
         model, _ = load_model(f"hf:{path}", device="cpu", seed=0)
-    assert caplog.text == ""
+    # autopar's own log says nothing (transformers may warn about the config's token ids,
+    # once per process: whether this test sees it depends on the tests run before it)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("autopar")] == []
     with torch.device("meta"):
         own = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(path))

@@ -148,7 +148,8 @@ def test_only_tensors_that_get_a_gradient_carry_one():
     assert info[block.router].carries_grad
     assert not any(info[n].carries_grad for n, g in graph.items()
                    if g.op == "placeholder" or (g.op == "get_attr" and not info[n].params))
-    assert all(info[n].carries_grad for n, g in graph.items() if g.op == "get_attr" and info[n].params)
+    assert all(info[n].carries_grad for n, g in graph.items()
+               if g.op == "get_attr" and info[n].params)
     rotary = [n for n, g in graph.items() if g.op == "call_function" and "cos" in str(g.target)]
     assert rotary and not any(info[n].carries_grad for n in rotary)
     # top-k's outputs grow with the batch like its input (priced per sequence)
