@@ -122,8 +122,10 @@ def _layer_costs(traced, strategies, tables, choice) -> list[dict[str, float]]:
     out = []
     for names in traced.layers:
         members = set(names)
-        outside = tuple((traced.nodes[u.name].section, traced.nodes[u.name].numel,  # what the
-                         strategies[u.name][choice[u.name]].key)  # edges in read (layer 0: pre)
+        # what the layer's edges in read (layer 0: the pre section's outputs), not only
+        # their strategy index, which an embedding and a layer's output can share
+        outside = tuple((traced.nodes[u.name].section, traced.nodes[u.name].numel,
+                         strategies[u.name][choice[u.name]].key)
                         for v in names for u in tensor_inputs(graph[v], traced.nodes)
                         if u.name not in members)
         key = (tuple(choice[n] for n in names), outside)
