@@ -170,3 +170,27 @@ def test_sequence_parallelism_is_the_solvers_choice(tp8_plan):
     assert free.sequence_parallel and not tp8_plan.sequence_parallel
     assert free.predicted.step_time_s < tp8_plan.predicted.step_time_s
     assert free.predicted.peak_memory_bytes < tp8_plan.predicted.peak_memory_bytes
+
+
+def test_a_stopped_solve_gets_the_best_stages_for_its_strategies(monkeypatch):
+    """CP-SAT stopped at its limit (FEASIBLE) leaves the pipeline cuts and recompute short of
+    the best for the strategies it chose; ``polish_stages`` re-solves them with the
+    strategies fixed: a strictly better plan of the same strategies, priced as predict
+    prices it, and still FEASIBLE (nothing proven for the config)."""
+    import autopar.planner.search.branch_and_bound as bb
+    from autopar.planner.costs.predict import predict
+    from autopar.planner.costs.tables import Config
+
+    traced = trace_model(_meta("gpt-8.3b"), 2048)
+    cluster = autopar.Cluster.dgx_a100(nodes=4)
+    ctx = SearchContext.of(traced, cluster, autopar.Layout(), FULL_SPACE)
+    cfg = Config(tp=2, pp=8, dp=2, micro_batch_size=1, num_micro_batches=16)
+    polished = bb.solve_config(ctx, cfg, time_limit_s=0.02)
+    monkeypatch.setattr(bb, "polish_stages", lambda *args: None)
+    joint = bb.solve_config(ctx, cfg, time_limit_s=0.02)  # the same solve, not polished
+    assert polished.status == joint.status == "FEASIBLE"
+    assert polished.decision.strategy == joint.decision.strategy
+    assert polished.decision.objective_s < joint.decision.objective_s
+    pred = predict(traced, polished.strategies, polished.tables, cluster, polished.decision,
+                   global_batch_size=32)
+    assert polished.decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)

@@ -23,7 +23,7 @@ from autopar.contract.plan import Alternative, Layout, SolverStatus
 from autopar.planner.search.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.costs.tables import Config, CostTables, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
-from autopar.planner.cpsat.terms import hint_strategies
+from autopar.planner.cpsat.terms import hint_strategies, polish_stages
 from autopar.planner.costs.decision import Decision
 from autopar.planner.strategies.megatron import allowed_strategies
 from autopar.planner.costs.predict import predict
@@ -116,7 +116,10 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
     (:class:`~autopar.planner.cpsat.ConfigModel`) within ``time_limit_s`` seconds of
     deterministic time, only for plans faster than ``cutoff_s`` seconds when given;
     ``assume_memory``: memory rows behind assumption literals (to name binding stages);
-    ``hint``: strategy indices per node to try first (:func:`hint_strategies`)."""
+    ``hint``: strategy indices per node to try first (:func:`hint_strategies`). A solve
+    stopped at the limit (FEASIBLE) is polished (:func:`polish_stages`: its stages, recompute
+    and ZeRO stage re-solved for the strategies it chose); its status and bound stay the
+    joint solve's."""
     from ortools.sat.python import cp_model
 
     traced, cluster, layout, support, cache = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
@@ -142,6 +145,9 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
         return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
     bound_s = max(0.0, solver.BestObjectiveBound() / model.units_per_second / cfg.virtual_stages)
+    if status == cp_model.FEASIBLE:  # stopped short: the stages' best for its strategies
+        solver = (polish_stages(model, solver, time_limit_s) or (status, solver))[1]  # (still
+        # FEASIBLE: not proven for the config)
     decision = (model.decision(solver, ctx.mapping)
                 if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None)
     return Solved(decision, solver.StatusName(status), tables, strategies, bound_s, model)
