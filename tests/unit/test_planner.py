@@ -194,3 +194,25 @@ def test_a_stopped_solve_gets_the_best_stages_for_its_strategies(monkeypatch):
     pred = predict(traced, polished.strategies, polished.tables, cluster, polished.decision,
                    global_batch_size=32)
     assert polished.decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)
+
+
+def test_a_runner_up_cp_sat_finds_nothing_for_is_priced_with_the_searchs_strategies():
+    """A runner-up whose joint solve finds no plan in its time (UNKNOWN) is priced with the
+    strategies of the search's plan of the same key, its stages solved for them: the report
+    shows a step time for it instead of none."""
+    import autopar.planner.search.branch_and_bound as bb
+    from autopar.planner.costs.predict import predict
+    from autopar.planner.costs.tables import Config
+
+    traced = trace_model(_meta("gpt-8.3b"), 2048)
+    cluster = autopar.Cluster.dgx_a100(nodes=4)
+    ctx = SearchContext.of(traced, cluster, autopar.Layout(), FULL_SPACE)
+    best = bb.solve_config(ctx, Config(tp=2, pp=8, dp=2, micro_batch_size=1,
+                                       num_micro_batches=16), time_limit_s=1.0)
+    cfg = Config(tp=2, pp=4, dp=4, micro_batch_size=1, num_micro_batches=8)
+    joint, priced = bb._runner_up(ctx, cfg, 0.003, best.decision.strategy)
+    assert joint.status == "UNKNOWN" and joint.decision is None
+    assert priced.decision.strategy == best.decision.strategy
+    pred = predict(traced, priced.strategies, priced.tables, cluster, priced.decision,
+                   global_batch_size=32)
+    assert priced.decision.objective_s == pytest.approx(pred.step_time_s, rel=1e-3)

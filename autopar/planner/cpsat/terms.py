@@ -25,7 +25,7 @@ from autopar.techniques.recompute_modes import recomputed_by
 __all__ = ["SECTIONS", "TIME_KEYS", "SectionTerms", "template_map", "precision_scale", "int_var",
            "deferred_weight_grads", "OrderedMakespan", "ordered_pipeline",
            "product_var", "tied_param_units", "add_exposed_dp", "solve_deterministic",
-           "add_recompute_rows", "RECOMPUTE_LAYOUTS", "polish_stages"]
+           "add_recompute_rows", "RECOMPUTE_LAYOUTS", "polish_stages", "fix_strategies"]
 
 RECOMPUTE_LAYOUTS = ("per_layer", "block", "uniform")
 """How recompute modes may be laid over the layers (``RuntimeSupport.recompute_layout``)."""
@@ -157,6 +157,16 @@ def hint_strategies(cm, strategy: dict[str, int]) -> None:
         if name in strategy:
             for k, x in enumerate(xs):
                 cm.model.AddHint(x, k == strategy[name])
+
+
+def fix_strategies(cm, strategy: dict[str, int]) -> None:
+    """Fix every strategy boolean of ``cm`` (a ConfigModel) of a node in ``strategy`` (node
+    name -> strategy index) to it (rows ``fixed[x]``): what is left to solve is the stages,
+    recompute and ZeRO stage, a small model (:func:`polish_stages`)."""
+    for name, xs in cm.choice.items():
+        if name in strategy:
+            for k, x in enumerate(xs):
+                cm.model.Add(x == int(k == strategy[name])).WithName("fixed[x]")
 
 
 def polish_stages(cm, solver: cp_model.CpSolver, max_time_s: float):

@@ -23,7 +23,7 @@ from autopar.contract.plan import Alternative, Layout, SolverStatus
 from autopar.planner.search.configs import candidate_configs, no_config_message, validate_layout
 from autopar.planner.costs.tables import Config, CostTables, cost_tables
 from autopar.planner.cpsat import ConfigModel, template_map
-from autopar.planner.cpsat.terms import hint_strategies, polish_stages
+from autopar.planner.cpsat.terms import fix_strategies, hint_strategies, polish_stages
 from autopar.planner.costs.decision import Decision
 from autopar.planner.strategies.megatron import allowed_strategies
 from autopar.planner.costs.predict import predict
@@ -111,7 +111,8 @@ class Solved:
 
 def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                  cutoff_s: float | None = None, assume_memory: bool = False,
-                 hint: dict[str, int] | None = None) -> Solved:
+                 hint: dict[str, int] | None = None,
+                 fixed: dict[str, int] | None = None) -> Solved:
     """Solve one Config of the search ``ctx`` with CP-SAT
     (:class:`~autopar.planner.cpsat.ConfigModel`) within ``time_limit_s`` seconds of
     deterministic time, only for plans faster than ``cutoff_s`` seconds when given;
@@ -119,7 +120,8 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
     ``hint``: strategy indices per node to try first (:func:`hint_strategies`). A solve
     stopped at the limit (FEASIBLE) is polished (:func:`polish_stages`: its stages, recompute
     and ZeRO stage re-solved for the strategies it chose); its status and bound stay the
-    joint solve's."""
+    joint solve's. ``fixed``: strategy indices per node the plan must take
+    (:func:`fix_strategies`; its bound then holds for those strategies only)."""
     from ortools.sat.python import cp_model
 
     traced, cluster, layout, support, cache = (ctx.traced, ctx.cluster, ctx.layout, ctx.support,
@@ -141,6 +143,8 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
         model.add_cutoff(cutoff_s)
     if hint:
         hint_strategies(model, hint)
+    if fixed:
+        fix_strategies(model, fixed)
     if assume_memory:
         return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
@@ -329,12 +333,12 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[A
     lower = _least_lower_bounds(ctx, seen, known_lower, missing)
     entries = sorted(lower, key=lambda k: (lower[k], k))[:missing]  # indices into seen
     with ThreadPoolExecutor(SOLVE_BATCH) as pool:
-        futures = [pool.submit(solve_config, ctx, cfg, time_limit_s=time_limit_s,
-                               hint=hints.get(_hint_key(cfg)))
+        futures = [pool.submit(_runner_up, ctx, cfg, time_limit_s, hints.get(_hint_key(cfg)))
                    for cfg in (Config(**seen[k].layout) for k in entries)]
     for k, future in zip(entries, futures):
-        out = future.result()
-        decision, status, tables, strategies = out.decision, out.status, out.tables, out.strategies
+        out, priced = future.result()
+        decision, status, tables, strategies = (priced.decision, out.status, priced.tables,
+                                                priced.strategies)
         if decision is None:
             feasible, reason = unsolved(status, float("inf"))
             seen[k] = replace(seen[k], feasible=feasible, reason=reason)
@@ -348,6 +352,19 @@ def _price_alternatives(ctx: SearchContext, global_batch_size: int, seen: list[A
                           reason="slower" if status == "OPTIMAL" else
                           "slower (not proven optimal: CP-SAT stopped at its time limit; no "
                           f"plan of this config beats {floor_s:.4g} s)")
+
+
+def _runner_up(ctx: SearchContext, cfg: Config, time_limit_s: float,
+               hint: dict[str, int] | None) -> tuple[Solved, Solved]:
+    """(the joint solve of a runner-up ``cfg`` hinted with ``hint``, the solve whose plan it
+    reports): the joint one, or when that found none in ``time_limit_s`` (UNKNOWN) and the
+    search has a plan of the same strategies' key, the best stages for those strategies
+    (``fixed``: a small model, :func:`polish_stages`); the joint solve's bound stays the
+    config's floor."""
+    out = solve_config(ctx, cfg, time_limit_s=time_limit_s, hint=hint)
+    if out.decision is None and out.status == "UNKNOWN" and hint:
+        return out, solve_config(ctx, cfg, time_limit_s=time_limit_s, fixed=hint)
+    return out, out
 
 
 def _least_lower_bounds(ctx: SearchContext, seen: list[Alternative], known_lower: dict,
