@@ -13,7 +13,8 @@ own files and before the write results are gathered: the hook wraps
   and a fresh program loads it to exactly the previous parameters.
 
 The cases cover world sizes 2 and 4 (the coordinator, rank 0, killed at 4), a world-size
-change (saved at 2, crashed at 4) and a stopped rank at 2. Damaged copies of a complete
+change (saved at 2, crashed at 4) and a stopped rank at 2, and an expert-parallel save (the
+tiny Mixtral under dp4·ep2, an EP rank killed: the experts' Shard(0) chunks). Damaged copies of a complete
 checkpoint (a shard deleted, truncated, a byte flipped, ``.metadata`` or the manifest
 missing) each raise a CheckpointError naming the file, locally and on every rank of a
 load, before anything is modified; ``load_latest_checkpoint`` skips a damaged newest
@@ -225,3 +226,85 @@ def test_load_latest_checkpoint_skips_a_damaged_newest_and_says_why(runs):
         assert path == str(directory / "step_1") and extra == {"step": 1}, rank_out["latest"]
         assert [p for p, _ in skipped] == [str(directory / "step_2")], skipped
         assert "bytes, the manifest" in skipped[0][1], skipped
+
+
+# -- expert parallelism: the experts are saved as Shard(0) DTensors over the EP group -------
+EP_LAYOUT = dict(tp=1, pp=1, dp=4, ep=2, micro_batch_size=2, dtype="fp32")
+
+
+def _ep_plan_json() -> str:
+    from benchmarks.hf_families import build_family, tiny_cluster
+    from benchmarks.model_zoo import TINY_SEQ
+
+    return autopar.evaluate(build_family("mixtral", device="meta"), tiny_cluster(4),
+                            autopar.Layout(**EP_LAYOUT), global_batch_size=8,
+                            seq_len=TINY_SEQ, model_name="mixtral").to_json()
+
+
+def _ep_program(plan_json: str, seed: int):
+    from benchmarks.hf_families import build_family
+
+    return autopar.parallelize(build_family("mixtral", seed=seed),
+                               plan=autopar.Plan.from_json(plan_json), optimizer=ADAMW,
+                               timeout=TIMEOUT_S)
+
+
+def _ep_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from benchmarks.model_zoo import TINY_SEQ
+
+    idx = torch.randint(0, 128, (8, TINY_SEQ), generator=torch.Generator().manual_seed(step))
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def _ep_save_worker(rank: int, world: int, plan_json: str, path: str) -> dict:
+    pm = _ep_program(plan_json, seed=0)
+    pm.train_step(*_ep_batch(0))
+    pm.save_checkpoint(path, extra={"step": 1})
+    return pm.full_state_dict()
+
+
+def _ep_crash_worker(rank: int, world: int, plan_json: str, path: str, victim: int) -> tuple:
+    pm = _ep_program(plan_json, seed=1)
+    for step in (1, 2):
+        pm.train_step(*_ep_batch(step))
+    if rank == victim:
+        checkpoint._writer = type("Faulty", (_FaultyWriter,), {"fault": "kill"})
+    start = time.monotonic()
+    try:
+        pm.save_checkpoint(path, extra={"step": 2})
+        return time.monotonic() - start, None, "no error"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return time.monotonic() - start, type(exc).__name__, str(exc)
+
+
+def _ep_load_worker(rank: int, world: int, plan_json: str, path: str) -> dict:
+    pm = _ep_program(plan_json, seed=2)
+    return {"extra": pm.load_checkpoint(path), "state": pm.full_state_dict()}
+
+
+def test_a_rank_killed_while_writing_an_expert_parallel_checkpoint(tmp_path):
+    """dp4·ep2 (each EP rank writes its own experts' chunk): EP rank 1 of the first EP
+    group killed after writing its files; the others fail naming the save within the
+    timeout, and the checkpoint is exactly the previous one, experts included."""
+    pytest.importorskip("transformers")
+    plan_json, path = _ep_plan_json(), tmp_path / "ep"
+    saved = run_distributed(_ep_save_worker, 4, plan_json, str(path), timeout_s=300)[0]
+    shutil.copytree(path, tmp_path / "ep.copy")
+    reports = run_survivors(_ep_crash_worker, 4, plan_json, str(path), 1, expected=3)
+    assert sorted(reports) == [0, 2, 3], reports
+    for rank, (elapsed, kind, message) in reports.items():
+        assert kind == CollectiveError.__name__, (rank, kind, message)
+        assert message.startswith("saving checkpoint ") and "step 2 on rank" in message, message
+        assert elapsed < TIMEOUT_S + SLACK_S, (rank, elapsed, message)
+    got = export_consolidated(path, tmp_path / "got.pt")
+    want = export_consolidated(tmp_path / "ep.copy", tmp_path / "want.pt")
+    assert got["extra"] == want["extra"] == {"step": 1}
+    experts = [k for k in want["model"] if ".experts." in k]
+    assert experts and all(want["model"][k].shape[0] == 4 for k in experts)  # all E experts
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    loaded = run_distributed(_ep_load_worker, 4, plan_json, str(path), timeout_s=300)
+    for rank_out in loaded:
+        assert rank_out["extra"] == {"step": 1}
+        for key, value in saved.items():
+            assert torch.equal(rank_out["state"][key], value), key
