@@ -97,7 +97,13 @@ def _crash_worker(rank: int, world: int, plan_json: str, path: str, fault: str,
     pm = _parallel(plan_json, seed=1)
     for idx, tgt in batches(2):
         pm.train_step(idx, tgt)
-    if rank == victim:
+    return _faulty_save(pm, path, fault if rank == victim else None)
+
+
+def _faulty_save(pm, path: str, fault: str | None) -> tuple:
+    """Save step 2 over ``path``, this rank killed or stopped inside the write when
+    ``fault``; (seconds in the save, exception type or None, message)."""
+    if fault is not None:
         checkpoint._writer = type("Faulty", (_FaultyWriter,), {"fault": fault})
     start = time.monotonic()
     try:
@@ -267,14 +273,7 @@ def _ep_crash_worker(rank: int, world: int, plan_json: str, path: str, victim: i
     pm = _ep_program(plan_json, seed=1)
     for step in (1, 2):
         pm.train_step(*_ep_batch(step))
-    if rank == victim:
-        checkpoint._writer = type("Faulty", (_FaultyWriter,), {"fault": "kill"})
-    start = time.monotonic()
-    try:
-        pm.save_checkpoint(path, extra={"step": 2})
-        return time.monotonic() - start, None, "no error"
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return time.monotonic() - start, type(exc).__name__, str(exc)
+    return _faulty_save(pm, path, "kill" if rank == victim else None)
 
 
 def _ep_load_worker(rank: int, world: int, plan_json: str, path: str) -> dict:
