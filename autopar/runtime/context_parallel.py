@@ -21,7 +21,10 @@ attention :func:`torch.nn.functional.scaled_dot_product_attention` with a boolea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.runtime.tp_ops import Group, gather_to_tp_region_with_partial_grad, group_size
@@ -30,29 +33,20 @@ from autopar.techniques.context_parallel import cp_problem, sequence_chunks
 __all__ = ["shard_sequence", "unshard_sequence", "context_parallel_attention"]
 
 
-def _rank(group: Group) -> int:
-    import torch.distributed as dist
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _chunks(x: torch.Tensor, dim: int, parts: int) -> tuple[torch.Tensor, ...]:
-    if x.shape[dim] % parts:
-        raise ValueError(cp_problem(parts // 2, x.shape[dim]) or
-                         f"dim {dim} of size {x.shape[dim]} does not split into {parts} chunks")
-    return x.chunk(parts, dim)
-
-
 def shard_sequence(x: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
     """This CP rank's tokens of ``x``: chunks cp_rank and 2cp−1−cp_rank of the 2·cp equal
     chunks along ``dim``, concatenated. x: (..., s, ...) -> (..., s/cp, ...), e.g. input ids
     (b, s) -> (b, s/cp). Raises ValueError unless 2·cp divides s."""
     if cp == 1:
         return x
-    chunks = _chunks(x, dim, 2 * cp)
+    problem = cp_problem(cp, x.shape[dim])
+    if problem:
+        raise ValueError(problem)
+    chunks = x.chunk(2 * cp, dim)
     return torch.cat([chunks[j] for j in sequence_chunks(cp, cp_rank)], dim)
 
 
-def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+def unshard_sequence(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """The inverse of :func:`shard_sequence`: ``parts[i]`` is CP rank i's (..., s/cp, ...);
     returns (..., s, ...) in sequence order."""
     cp = len(parts)
@@ -63,15 +57,6 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         for j, chunk in zip(sequence_chunks(cp, rank), part.chunk(2, dim)):
             chunks[j] = chunk
     return torch.cat(chunks, dim)
-
-
-def _in_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
-    """(b, h, s, d) gathered in rank order (rank i's chunks i, 2cp−1−i) -> sequence order."""
-    b, h, s, d = gathered.shape
-    blocks = gathered.reshape(b, h, 2 * cp, s // (2 * cp), d)
-    held = [j for rank in range(cp) for j in sequence_chunks(cp, rank)]  # chunk at each slot
-    slot = [held.index(j) for j in range(2 * cp)]
-    return blocks[:, :, slot].reshape(b, h, s, d)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -85,7 +70,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (:func:`shard_sequence` along dim 2) -> (b, h, s/cp, d). ``group``: the CP group (None:
     the world; one rank: plain causal SDPA). ``scale``, ``enable_gqa``: as SDPA's.
 
-    Raises ValueError unless 2·cp divides each rank's s/cp·cp tokens evenly (s/cp even).
+    Raises ValueError unless q, k and v have the same even local length (two chunks).
     """
     cp = group_size(group)
     if cp == 1:
@@ -96,10 +81,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"length (two chunks per rank), got {q.shape[2]}, {k.shape[2]}, "
                          f"{v.shape[2]}")
     c = q.shape[2] // 2  # tokens per chunk
-    keys = _in_sequence_order(gather_to_tp_region_with_partial_grad(k, group, 2), cp)
-    values = _in_sequence_order(gather_to_tp_region_with_partial_grad(v, group, 2), cp)
+    # gathered in rank order along the sequence: rank i's (b, h_kv, s/cp, d), then in order
+    keys, values = (unshard_sequence(gather_to_tp_region_with_partial_grad(t, group, 2)
+                                     .chunk(cp, 2), dim=2) for t in (k, v))
     outs = []
-    for local, j in enumerate(sequence_chunks(cp, _rank(group))):
+    for local, j in enumerate(sequence_chunks(cp, dist.get_rank(group))):
         end = (j + 1) * c  # the chunk's queries see keys [0, end)
         rows = torch.arange(j * c, end, device=q.device)[:, None]
         mask = rows >= torch.arange(end, device=q.device)[None, :]  # (c, end), lower right

@@ -181,8 +181,8 @@ def polish_stages(cm, solver: cp_model.CpSolver, max_time_s: float):
     Returns (status, solver) of that solve when its plan is strictly better, else None.
     The joint solve's objective bound stays the config's bound (this one holds only for
     those strategies)."""
-    for xs in cm.choice.values():
-        for x in xs:
+    for xs in cm.choice.values():  # every boolean of ``choice``, Megatron's f[u] included
+        for x in xs:  # (a one-literal list, possibly false: not a strategy index)
             cm.model.Add(x == solver.Value(x)).WithName("polish[x]")
     cm.model.ClearHints()
     for v in (*cm.layers_on_rank, *cm.recompute_full, *cm.recompute_selective, *cm.zero.values()):

@@ -149,9 +149,9 @@ def solve_config(ctx: SearchContext, cfg: Config, *, time_limit_s: float = DEFAU
         return Solved(None, "", tables, strategies, 0.0, model)
     status, solver = model.solve(time_limit_s)
     bound_s = max(0.0, solver.BestObjectiveBound() / model.units_per_second / cfg.virtual_stages)
-    if status == cp_model.FEASIBLE:  # stopped short: the stages' best for its strategies
-        solver = (polish_stages(model, solver, time_limit_s) or (status, solver))[1]  # (still
-        # FEASIBLE: not proven for the config)
+    if status == cp_model.FEASIBLE:  # stopped short: the stages' best for its strategies;
+        # the status stays FEASIBLE (nothing is proven for the config)
+        solver = (polish_stages(model, solver, time_limit_s) or (status, solver))[1]
     decision = (model.decision(solver, ctx.mapping)
                 if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None)
     return Solved(decision, solver.StatusName(status), tables, strategies, bound_s, model)
