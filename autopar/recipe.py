@@ -185,7 +185,7 @@ def agreed_plan(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     _check_process_group()
     world = dist.get_world_size()
     if plan is not None:
-        validate_degrees(plan.tp, plan.pp, plan.dp, world)
+        validate_degrees(plan.tp * plan.cp, plan.pp, plan.dp, world)
         check_plan(plan, world_size=world, executable=True)  # the one plan validator
     else:
         if cluster is None or global_batch_size is None or seq_len is None:
@@ -238,10 +238,11 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         check_expert_parallel(plan, traced.traced)
     groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
                                   head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
-                                      plan.pp, plan.virtual_stages), ep=plan.ep)
+                                      plan.pp, plan.virtual_stages), ep=plan.ep, cp=plan.cp)
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
     program = apply_plan(traced.traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                         tp_group=groups.tp_group, rng=rng)
+                         tp_group=groups.tp_group, rng=rng, cp_rank=groups.cp_rank,
+                         cp_group=groups.cp_group)
     if init is None:
         for chunk in program.chunks:  # Module.to keeps each Parameter (program.shards' ids)
             chunk.to(groups.device)
@@ -288,7 +289,7 @@ def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
     local_model = cast_floating(copy.deepcopy(model), PARAM_DTYPES[plan.dtype])
     if on_meta(local_model):  # real buffers beside meta parameters: their values are the
         meta_buffers(local_model)  # Initializer's, the trace needs shapes on one device
-    traced = trace_model(local_model, plan.seq_len)
+    traced = trace_model(local_model, plan.seq_len // plan.cp)  # CP: this rank's s/c tokens
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for name, b in local_model.named_buffers(remove_duplicate=False):
         buffers.setdefault(id(b), (name, b))
@@ -353,7 +354,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     pm.expert_slices = experts
     if init is not None and zero3:
         _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
-                                                dp=plan.dp, **where), groups)
+                                                dp=groups.dp, **where), groups)
     return pm
 
 

@@ -79,6 +79,8 @@ class Layout:
         autopar runtime's), fp32 under fp32 training.
     ep: expert-parallel size: each MoE layer's experts split over ep of the d data-parallel
         ranks (:mod:`autopar.techniques.expert_parallel`); 1 for a dense model.
+    cp: context-parallel size c: each sequence's tokens split over c ranks
+        (:mod:`autopar.techniques.context_parallel`); N = t·c·p·d GPUs.
     """
 
     tp: int | None = None
@@ -93,9 +95,10 @@ class Layout:
     dtype: str | None = None
     grad_dtype: str | None = None
     ep: int | None = None
+    cp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "ep"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "ep", "cp"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -136,8 +139,8 @@ class Layout:
             key, sep, value = item.partition("=")
             key = aliases.get(key.strip(), key.strip())
             if not sep or key not in {f.name for f in fields(cls)}:
-                raise ValueError(f"cannot parse layout item {item!r} in {text!r}; "
-                                 "expected key=value with keys tp, pp, dp, ep, mbs, zero_stage, "
+                raise ValueError(f"cannot parse layout item {item!r} in {text!r}; expected "
+                                 "key=value with keys tp, pp, dp, ep, cp, mbs, zero_stage, "
                                  "recompute, schedule, virtual_stages, sequence_parallel, dtype, "
                                  "grad_dtype")
             value = value.strip()
@@ -244,10 +247,10 @@ class Plan:
     cluster: the cluster as ``Cluster.to_dict()``.
     global_batch_size, seq_len: B and s of one step.
     tp, pp, dp, micro_batch_size, num_micro_batches, schedule, zero_stage,
-    virtual_stages, sequence_parallel, dtype, grad_dtype, ep: the layout (grad_dtype None in a
-    plan saved before autopar priced it: the dtype's own; ep 1, left out of the JSON, for a
-    plan without expert parallelism);
-    B = dp · micro_batch_size · num_micro_batches.
+    virtual_stages, sequence_parallel, dtype, grad_dtype, ep, cp: the layout (grad_dtype None
+    in a plan saved before autopar priced it: the dtype's own; ep and cp 1, left out of the
+    JSON, for a plan without expert or context parallelism);
+    B = dp · micro_batch_size · num_micro_batches (cp splits each sequence, not the batch).
     attention: the attention kernel the plan is priced with, "math" or "flash"
         (:data:`ATTENTION_KERNELS`), when its target fixes one other than the cluster's
         (:meth:`autopar.contract.support.RuntimeSupport.attention_for`: torchtitan runs flash in
@@ -301,6 +304,7 @@ class Plan:
     grad_dtype: str | None = None
     attention: str | None = None
     ep: int = 1
+    cp: int = 1
     alternatives: list[Alternative] = field(default_factory=list)
     binding: list[str] = field(default_factory=list)
     replicated_ops: ReplicatedOps | None = None
@@ -309,8 +313,8 @@ class Plan:
     solve_wall_s: float = field(default=0.0, compare=False)
 
     @property
-    def num_gpus(self) -> int:  # N = t·p·d
-        return self.tp * self.pp * self.dp
+    def num_gpus(self) -> int:  # N = t·c·p·d
+        return self.tp * self.cp * self.pp * self.dp
 
     def layout(self) -> Layout:
         """The plan's layout (recompute given only when uniform across layers)."""
@@ -320,7 +324,8 @@ class Plan:
                       recompute=modes.pop() if len(modes) == 1 else None,
                       schedule=self.schedule, virtual_stages=self.virtual_stages,
                       sequence_parallel=self.sequence_parallel, dtype=self.dtype,
-                      grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype), ep=self.ep)
+                      grad_dtype=grad_dtype_of(self.dtype, self.grad_dtype), ep=self.ep,
+                      cp=self.cp)
 
     @property
     def attention_kernel(self) -> str:
@@ -338,12 +343,12 @@ class Plan:
         data["alternatives"] = [a.to_dict() for a in self.alternatives]
         if data["attention"] is None:
             del data["attention"]
-        if data["ep"] == 1:
-            del data["ep"]
+        for name in ("ep", "cp"):
+            if data[name] == 1:
+                del data[name]
         return data
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """:meth:`to_dict` as JSON, keys sorted (byte-identical for equal plans)."""
+    def to_json(self, indent: int | None = 2) -> str:  # keys sorted: equal plans, equal bytes
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
@@ -370,8 +375,7 @@ class Plan:
         data = {k: getattr(self, k) for k in keys}
         if grad_dtype_of(self.dtype, self.grad_dtype) != grad_dtype_of(self.dtype, None):
             data["grad_dtype"] = self.grad_dtype  # digests of plans before it unchanged
-        if self.ep != 1:
-            data["ep"] = self.ep
+        data.update({k: getattr(self, k) for k in ("ep", "cp") if getattr(self, k) != 1})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> str:
@@ -389,7 +393,8 @@ class Plan:
         p = self.predicted
         rec = ",".join(sorted(set(self.recompute)))
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{ep} mbs={self.micro_batch_size} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep} mbs={self.micro_batch_size} "
                 f"m={self.num_micro_batches} {self.schedule} zero={self.zero_stage} "
                 f"recompute={rec}: step {p.step_time_s:.3f} s, {p.tflops_per_gpu:.1f} TFLOP/s/GPU, "
                 f"MFU {p.mfu:.1%}, peak memory {p.peak_memory_bytes / 2**30:.1f} GiB")

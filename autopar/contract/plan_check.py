@@ -39,6 +39,7 @@ from autopar.contract.plan import (ATTENTION_KERNELS, DTYPES, GRAD_DTYPES, PLAN_
                           SolverStatus)
 from autopar.contract.support import (RUNTIME_SUPPORT, RuntimeSupport, check_executable,
                                      pipeline_problem)
+from autopar.techniques.context_parallel import cp_problem
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 from cost_models.hardware import Cluster
 
@@ -196,7 +197,7 @@ def _check_replicated(src: str, data) -> ReplicatedOps:
 def _check_fields(src: str, data: dict) -> None:
     """Types of the top-level fields (before any arithmetic on them)."""
     for name in ("global_batch_size", "seq_len", "tp", "pp", "dp", "micro_batch_size",
-                 "num_micro_batches", "virtual_stages", "ep"):
+                 "num_micro_batches", "virtual_stages", "ep", "cp"):
         if name in data:
             _expect(src, name, data[name], _is_int(data[name]) and data[name] >= 1,
                     "a positive int")
@@ -324,13 +325,18 @@ def check_plan(plan: Plan, *, source: str = "plan", world_size: int | None = Non
     if plan.sequence_parallel and plan.tp == 1:
         raise PlanError(src, "sequence_parallel", "is true with tp=1 (sequence parallelism "
                         "splits over the TP group)", "set it to false, or re-plan with --tp")
-    if (plan.tp * plan.dp) % plan.ep:
-        raise PlanError(src, "ep", f"is {plan.ep}, which does not divide tp·dp="
-                        f"{plan.tp * plan.dp} (expert parallelism folds over the tensor- and "
+    folded = plan.tp * plan.cp * plan.dp
+    if folded % plan.ep:
+        raise PlanError(src, "ep", f"is {plan.ep}, which does not divide tp·cp·dp={folded} "
+                        "(expert parallelism folds over the tensor-, context- and "
                         "data-parallel ranks of a stage)", "re-plan with --ep")
+    problem = cp_problem(plan.cp, plan.seq_len)
+    if problem:
+        raise PlanError(src, "cp", f"is {plan.cp}: {problem}", "re-plan with --cp")
     _check_placements(plan, src)
     if world_size is not None and plan.num_gpus != world_size:
-        raise PlanError(src, "tp/pp/dp", f"need tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = "
+        raise PlanError(src, "tp/cp/pp/dp", f"need tp*cp*pp*dp = "
+                        f"{plan.tp}*{plan.cp}*{plan.pp}*{plan.dp} = "
                         f"{plan.num_gpus} processes but the world size is {world_size}",
                         f"launch {plan.num_gpus} processes or pass a plan for {world_size}")
     if executable:

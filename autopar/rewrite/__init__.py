@@ -10,6 +10,9 @@ its number):
    TP operators. First, because the plan's placements name the nodes of the graph *as
    traced*, and every later pass must see the collectives it inserts (recompute
    checkpoints them with their layer, the cut assigns them to a chunk).
+   1b. context parallelism (:mod:`autopar.rewrite.context_parallel`): causal attention over
+   the CP group, this rank's token positions. After TP, whose placements name the
+   attention nodes as traced (the pass keeps their names); the graph was traced at s/c.
 2. dropout RNG (:mod:`autopar.rewrite.dropout`): dropouts on TP-sharded tensors fork the
    tracker's tensor-parallel stream. After TP, whose placements decide which dropouts
    are sharded; before recompute, which must checkpoint the forked modules (and the
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from autopar.contract.plan import Plan
+from autopar.rewrite.context_parallel import apply_context_parallel
 from autopar.rewrite.dropout import apply_dropout_rng
 from autopar.rewrite.pipeline import LAYER, annotate_chunks, split_chunks
 from autopar.techniques.pipeline_schedules import pipeline_schedule
@@ -58,13 +62,15 @@ class RankProgram:
 
 
 def apply_plan(traced, plan: Plan, *, tp_rank: int, pp_rank: int, tp_group: Group,
-               rng: RNGStatesTracker) -> RankProgram:
+               rng: RNGStatesTracker, cp_rank: int = 0, cp_group: Group = None) -> RankProgram:
     """Rewrite ``traced.gm`` in place into the program of the rank at (``tp_rank``,
     ``pp_rank``) of ``plan``, running the passes in the order of the module docstring.
 
     traced: :class:`~autopar.graph.annotate.TracedModel` of the local copy of the model
         (its parameters are sharded into new Parameters; the model is not modified).
     tp_group: this rank's TP process group; rng: the program's RNG tracker, seeded.
+    cp_rank, cp_group: this rank's place in its CP group and the group (plan.cp > 1; the
+        graph then traced at s/c tokens).
     Raises the passes' errors: ValueError (placements not of this graph or tp),
     NotImplementedError (a layout the rewrite cannot express, e.g. a chunk boundary
     crossed by more than one tensor).
@@ -74,6 +80,8 @@ def apply_plan(traced, plan: Plan, *, tp_rank: int, pp_rank: int, tp_group: Grou
                                tp_rank=tp_rank, group=tp_group,
                                sequence_parallel=plan.sequence_parallel, ep=plan.ep)
     gm = tp.gm
+    apply_context_parallel(gm, cp=plan.cp, cp_rank=cp_rank, group=cp_group,     # 1b
+                           local_seq_len=plan.seq_len // plan.cp)
     apply_dropout_rng(gm, plan.placements, rng)                           # 2
     layer_nodes = [[n.name for n in gm.graph.nodes if n.meta.get(LAYER) == layer]
                    for layer in range(traced.num_layers)]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from autopar.runtime.rng import RNGStatesTracker
+from autopar.rewrite.context_parallel import ContextParallelAttention
 from autopar.rewrite.dropout import AttentionCore, ForkedRNG, attention_core
 from autopar.techniques.recompute_modes import recompute_mode
 
@@ -132,13 +133,15 @@ def checkpoint_attention_core(gm: fx.GraphModule, names: list[str], layer: int,
             core, tensors = attention_core(n)
             gm.add_submodule(target, Checkpointed(core, tracker))
             n.op, n.target, n.args, n.kwargs = "call_module", target, tensors, {}
-        elif n.op == "call_module" and _is_forked_core(gm.get_submodule(n.target)):
+        elif n.op == "call_module" and _is_core_module(gm.get_submodule(n.target)):
             gm.add_submodule(target, Checkpointed(gm.get_submodule(n.target), tracker))
             n.target = target
 
 
-def _is_forked_core(module: nn.Module) -> bool:
-    return isinstance(module, ForkedRNG) and isinstance(module.body, AttentionCore)
+def _is_core_module(module: nn.Module) -> bool:
+    """The dropout pass's ``ForkedRNG(AttentionCore)`` or the CP pass's attention."""
+    return (isinstance(module, ForkedRNG) and isinstance(module.body, AttentionCore)
+            or isinstance(module, ContextParallelAttention))
 
 
 RUNNERS = {f.__name__: f for f in (keep_layer, checkpoint_layer, checkpoint_attention_core)}

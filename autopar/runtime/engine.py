@@ -4,7 +4,10 @@
 its TP collectives inside) and implements one training step:
 
 1. Every rank receives the same global batch (B, s), B = d * b * m, and keeps its DP
-   slice of B/d rows, cut into m micro-batches of b rows.
+   slice of B/d rows, cut into m micro-batches of b rows; under context parallelism (c
+   ranks per replica) its s/c tokens of each row (two of 2c chunks,
+   :func:`~autopar.runtime.context_parallel.shard_sequence`), its loss the mean over them
+   (equal shares: the mean over the c·d ranks of the gradient axis is the global mean).
 2. Forward/backward of the stage over the m micro-batches. pp == 1: plain gradient
    accumulation, each micro-batch loss scaled by 1/m. pp > 1: the pipeline schedule
    (GPipe, 1F1B or interleaved 1F1B over v chunks) of :mod:`autopar.runtime.schedule`;
@@ -55,6 +58,7 @@ from torch import nn
 
 from autopar.runtime.health import (NonFiniteError, as_collective_error, check_step_options,
                                    clip_coefficient, nonfinite_message)
+from autopar.runtime.context_parallel import shard_sequence
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
 from autopar.runtime.stats import CommMeter, SavedActivationTracker
@@ -101,7 +105,7 @@ class ParallelModule(nn.Module):
         groups: this rank's process groups.
         micro_batch_size: b, rows per micro-batch.
         num_micro_batches: m, micro-batches per step and DP replica.
-        seq_len: s.
+        seq_len: s (each of the c CP ranks runs s/c of every sequence's tokens).
         hidden_size: h, the width of the activation between stages.
         schedule: a pipeline schedule's name (:data:`SCHEDULES`; ignored when pp == 1).
         optimizer_factory: builds an element-wise optimizer (SGD, Adam, AdamW, ...) from a
@@ -216,7 +220,8 @@ class ParallelModule(nn.Module):
         self.optimizer = self.dp_optimizer.optimizer
         self.runner: PipelineRunner | None = None
         if groups.pp > 1:
-            shapes = [StageShapes(micro_batch_size, seq_len, hidden_size, activation_dtype,
+            shapes = [StageShapes(micro_batch_size, seq_len // groups.cp, hidden_size,
+                                  activation_dtype,
                                   *dims, tp=groups.tp, logits_width=logits_width)
                       for dims in boundary_shard_dims]
             self.runner = PipelineRunner(chunks, groups, shapes, num_micro_batches,
@@ -251,19 +256,22 @@ class ParallelModule(nn.Module):
         return self.stage_module(*args)
 
     def _local_batch(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This DP replica's rows: (B, s) -> (B/d, s). Raises ValueError on a wrong shape."""
+        """This DP replica's rows, and under context parallelism this CP rank's tokens of
+        them: (B, s) -> (B/d, s/c). Raises ValueError on a wrong shape."""
         g, b, m, s = self.groups, self.micro_batch_size, self.num_micro_batches, self.seq_len
-        expected = (g.dp * b * m, s)
+        replicas = g.dp // g.cp
+        expected = (replicas * b * m, s)
         for name, t in (("idx", idx), ("targets", targets)):
             if tuple(t.shape) != expected:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)} but the plan needs the global batch "
-                    f"(B, s) = ({g.dp}*{b}*{m}, {s}) = {expected} (dp * micro_batch_size * "
+                    f"(B, s) = ({replicas}*{b}*{m}, {s}) = {expected} (dp * micro_batch_size * "
                     f"num_micro_batches rows of seq_len tokens)"
                 )
         rows = b * m
-        start = g.dp_rank * rows
-        return idx[start : start + rows], targets[start : start + rows]
+        start = g.data_rank * rows
+        return tuple(shard_sequence(t[start:start + rows], g.cp, g.cp_rank)
+                     for t in (idx, targets))
 
     def _accumulate(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """pp == 1: forward/backward each micro-batch, loss / m. Returns the mean loss (detached)."""

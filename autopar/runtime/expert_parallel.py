@@ -314,7 +314,7 @@ def check_expert_parallel(plan, traced) -> None:
     gm = traced.gm
     calls = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     experts = [experts_shape(m)["num_experts"] for m in calls if is_experts_module(m)]
-    problem = ep_problem(plan.ep, plan.dp, plan.zero_stage, experts, tp=plan.tp,
-                         seq_len=plan.seq_len)
+    problem = ep_problem(plan.ep, plan.dp * plan.cp, plan.zero_stage, experts, tp=plan.tp,
+                         seq_len=plan.seq_len // plan.cp)  # CP: folded over c·d, s/c tokens
     if problem:
         raise ValueError(f"{problem} (the plan's ep={plan.ep})")

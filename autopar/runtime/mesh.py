@@ -1,8 +1,17 @@
-"""Process groups for a (tp, pp, dp) layout, laid out Megatron-style, with ep folded over TP×DP.
+"""Process groups for a (tp, cp, pp, dp) layout, laid out Megatron-style, with ep folded over TP×CP×DP.
 
-TP is innermost (neighbouring ranks, the fastest links), then DP, then PP::
+TP is innermost (neighbouring ranks, the fastest links), then CP, then DP, then PP
+(Megatron's order tp, cp, dp, pp)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (data_rank + d * pp_rank))
+
+Context parallelism shards no parameter: the c·d ranks of a stage with one TP rank hold the
+same weights and average their gradients, so they form one data-parallel mesh axis of c·d
+ranks (Megatron's data-parallel group "with context parallel"; torchtitan's ``dp_shard_cp``)
+whose index is ``dp_rank = cp_rank + c·data_rank``: every data-parallel collective (the
+gradient all-reduce or reduce-scatter, ZeRO's shards, FSDP2's mesh) runs over it as it
+does without CP. The c ranks of one ``data_rank`` split each of its sequences
+(``cp_group``).
 
 Expert parallelism of degree ep (ep | t·d) folds over the t·d ranks of one pipeline stage
 (:func:`autopar.techniques.expert_parallel.expert_ranks`, Megatron-Core's expert mesh with
@@ -10,7 +19,7 @@ expert-TP 1): stage rank j = tp_rank + t·dp_rank (consecutive global ranks) is 
 ``j % ep`` of EP group ``j // ep``, and its expert-data-parallel (EDP) group is the t·d/ep
 ranks of the stage with its EP rank (they hold the same experts).
 
-The (tp, pp, dp) part is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
+The (tp, pp, c·d) part is the row-major order of a ``DeviceMesh`` of shape (pp, dp, tp) named
 ("pp", "dp", "tp"), built on the rank's device type (:mod:`autopar.runtime.device`). The
 degrees are validated before any collective runs, so a wrong launch is a clear error on
 every rank instead of a hang, and every group gets one timeout (by default the world
@@ -48,16 +57,17 @@ class ParallelGroups:
     """This rank's coordinates and process groups. Build with :meth:`build`.
 
     Attributes:
-        mesh_shape: (p, d, t): the pipeline, data- and tensor-parallel sizes, in the
-            DeviceMesh's row-major order (``tp``, ``pp``, ``dp`` and ``world_size`` = t*p*d
-            read it: the groups describe a mesh, the layout's degrees live in the plan).
+        mesh_shape: (p, c·d, t): the pipeline, data- (with context-) and tensor-parallel
+            sizes, in the DeviceMesh's row-major order (``tp``, ``pp``, ``dp`` and
+            ``world_size`` = t*p*c*d read it: the groups describe a mesh, the layout's
+            degrees live in the plan).
         rank: global rank of this process.
         tp_rank: index in the TP group (innermost).
         pp_rank: pipeline stage index of this rank.
-        dp_rank: data-parallel replica index.
+        dp_rank: index on the data-parallel axis, cp_rank + c·data_rank (module docstring).
         tp_group: ranks sharing (pp_rank, dp_rank).
         pp_group: ranks sharing (tp_rank, dp_rank): one per stage, ordered by pp_rank.
-        dp_group: ranks sharing (tp_rank, pp_rank).
+        dp_group: ranks sharing (tp_rank, pp_rank): the c·d ranks gradients average over.
         embedding_group: {first-stage rank, last-stage rank} with this rank's (tp_rank,
             dp_rank), for the tied-embedding gradient; None when pp == 1, when the first
             pipeline rank also holds the head (a V placement), or on a middle stage.
@@ -77,6 +87,9 @@ class ParallelGroups:
             ``timeout``); None when ep == 1.
         edp_group: the t·d/ep ranks of the stage holding this rank's experts, over which
             expert gradients are summed; ``dp_group`` when ep == 1 (it is then the same set).
+        cp: the context-parallel degree c (1: none).
+        cp_group: the c ranks splitting this rank's sequences (with ``timeout``): those
+            sharing (tp_rank, pp_rank, data_rank), in cp_rank order; None when cp == 1.
     """
 
     mesh_shape: tuple[int, int, int]
@@ -98,23 +111,27 @@ class ParallelGroups:
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, *, device: torch.device | None = None,
               timeout: timedelta | float | None = None,
-              head_pp_rank: int | None = None, ep: int = 1) -> ParallelGroups:
+              head_pp_rank: int | None = None, ep: int = 1, cp: int = 1) -> ParallelGroups:
         """Create the groups; call on every rank, in the same order, after init_process_group.
 
         device: this rank's device (default :func:`~autopar.runtime.device.rank_device`).
         timeout: seconds or a timedelta for every group (default: the world group's).
         head_pp_rank: the pipeline rank of the last model chunk (default p - 1; 0 for a V
             placement, where no embedding group is made).
-        ep: the expert-parallel degree, folded over TP×DP (module docstring).
+        ep: the expert-parallel degree, folded over TP×CP×DP (module docstring).
+        cp: the context-parallel degree c; ``dp`` is d, the data-parallel replicas.
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
-            ValueError: see :func:`validate_degrees`, a timeout that is not positive, or ep
-                not a positive divisor of tp·dp (raised before any collective).
+            ValueError: see :func:`validate_degrees` (with tp·cp for tp), a timeout that is
+                not positive, cp not a positive int, or ep not a positive divisor of
+                tp·cp·dp (raised before any collective).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -122,7 +139,10 @@ class ParallelGroups:
                 "torchrun) before ParallelGroups.build"
             )
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        validate_degrees(tp, pp, dp, world_size)
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"cp={cp!r} must be a positive int (the context-parallel degree)")
+        validate_degrees(tp * cp, pp, dp, world_size)
+        dp *= cp  # the data-parallel axis: c·d ranks (module docstring)
         _validate_ep(ep, tp * dp)
         head = pp - 1 if head_pp_rank is None else head_pp_rank
         if not 0 <= head < pp:
@@ -150,6 +170,7 @@ class ParallelGroups:
                                             backend="gloo"),
             ep=ep, ep_rank=(tp_rank + tp * dp_rank) % ep, ep_group=ep_group,
             edp_group=edp_group if edp_group is not None else mesh.get_group("dp"),
+            cp=cp, cp_group=_cp_group(tp, pp, dp, cp, rank, timeout),
         )
 
     def destroy(self, *, mesh_groups: bool = True) -> None:
@@ -166,6 +187,7 @@ class ParallelGroups:
         groups = (self.embedding_group, self.world_group, self.checkpoint_group)
         if self.ep > 1:  # expert parallelism's own groups (at ep = 1 the EDP group is dp's)
             groups += (self.ep_group, self.edp_group)
+        groups += (self.cp_group,)
         if mesh_groups:
             groups += (self.tp_group, self.pp_group, self.dp_group)
         done: set[int] = set()
@@ -187,12 +209,22 @@ class ParallelGroups:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size d (replicas)."""
+        """The data-parallel axis: c·d ranks (d replicas, each split over c CP ranks)."""
         return self.mesh_shape[1]
 
     @property
+    def cp_rank(self) -> int:
+        """Index in the CP group: which two chunks of each sequence this rank holds."""
+        return self.dp_rank % self.cp
+
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel replica whose rows of the global batch this rank reads."""
+        return self.dp_rank // self.cp
+
+    @property
     def world_size(self) -> int:
-        """N = t*p*d, every rank of the mesh."""
+        """N = t*p*c*d, every rank of the mesh."""
         return self.mesh_shape[0] * self.mesh_shape[1] * self.mesh_shape[2]
 
     def pp_rank_to_global(self, pp_rank: int) -> int:
@@ -205,13 +237,15 @@ class ParallelGroups:
         return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
 
     def axis_names(self) -> dict[str, str]:
-        """Process-group name -> axis ("tp", "pp", "dp", "ep", "embedding"), for
+        """Process-group name -> axis ("tp", "pp", "dp", "ep", "cp", "embedding"), for
         :class:`CommMeter`: the EDP group counts as "dp" (expert gradients are the DP
         reduction of the experts)."""
         names = {self.tp_group.group_name: "tp", self.pp_group.group_name: "pp",
                  self.dp_group.group_name: "dp"}
         if self.ep_group is not None:
             names[self.ep_group.group_name] = "ep"
+        if self.cp_group is not None:
+            names[self.cp_group.group_name] = "cp"
         if self.edp_group is not None and self.edp_group.group_name not in names:
             names[self.edp_group.group_name] = "dp"
         if self.embedding_group is not None:
@@ -293,3 +327,21 @@ def _expert_groups(tp: int, pp: int, dp: int, ep: int, rank: int, timeout: timed
             elif rank in ranks:
                 edp_mine = group
     return ep_mine, edp_mine
+
+
+def _cp_group(tp: int, pp: int, dp: int, cp: int, rank: int, timeout: timedelta | None
+              ) -> dist.ProcessGroup | None:
+    """This rank's CP group, creating every one in the same order on all ranks (new_group
+    is collective): the cp consecutive data-parallel indices ``c·data_rank + i`` of one
+    (tp_rank, pp_rank). ``dp`` is the data-parallel axis (c·d). None when cp == 1."""
+    if cp == 1:
+        return None
+    mine = None
+    for pp_rank in range(pp):
+        for data_rank in range(dp // cp):
+            for tp_rank in range(tp):
+                ranks = [tp_rank + tp * (cp * data_rank + i + dp * pp_rank) for i in range(cp)]
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+    return mine

@@ -69,3 +69,27 @@ def test_one_rank_is_causal_attention():
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
     assert torch.equal(context_parallel_attention(q, k, v, None),
                        F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_a_plans_cp_is_saved_checked_and_counted_in_its_gpus():
+    import dataclasses
+
+    from autopar.contract.errors import PlanError
+    from autopar.contract.plan import Layout, Plan
+    from autopar.contract.plan_check import check_plan
+    from helpers import tiny_plan
+
+    assert Layout.parse("tp=2,cp=4").cp == 4
+    with pytest.raises(ValueError, match="Layout.cp must be a positive int"):
+        Layout(cp=0)
+    base = tiny_plan(1, 1, 2)
+    assert "cp" not in base.to_dict()  # a plan without CP reads as before
+    plan = dataclasses.replace(base, dp=1, cp=2, global_batch_size=base.global_batch_size // 2)
+    assert Plan.from_json(plan.to_json()) == plan and plan.to_dict()["cp"] == 2
+    assert plan.num_gpus == 2 and plan.layout().cp == 2 and " cp=2 " in plan.headline()
+    assert plan.decision_digest() != dataclasses.replace(plan, cp=1).decision_digest()
+    check_plan(plan, world_size=2)
+    with pytest.raises(PlanError, match=r"tp\*cp\*pp\*dp = 1\*2\*1\*1 = 2 processes"):
+        check_plan(plan, world_size=4)
+    with pytest.raises(PlanError, match="cp.*choose a cp with 2·cp"):  # s = 16
+        check_plan(dataclasses.replace(plan, cp=16))
