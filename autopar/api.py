@@ -30,7 +30,8 @@ from autopar.planner.search.outcome import SolverTimeLimitError
 from autopar.targets import target_support
 from autopar.contract.support import check_positive_ints
 from autopar.planner.search import DEFAULT_TIME_LIMIT_S, SearchResult, search
-from autopar.graph.capture import trace_model
+from autopar.graph.context_parallel import context_parallel_trace, folded_layout
+from autopar.techniques.context_parallel import cp_degrees, cp_problem
 
 __all__ = ["plan", "evaluate", "evaluate_plan", "what_if_plans", "plan_from_search",
            "check_problem"]
@@ -73,6 +74,9 @@ def check_problem(model, cluster, *, global_batch_size, seq_len, layout=None,
         raise ValueError(f"time_limit_s must be a positive number of seconds, got "
                          f"{time_limit_s!r}")
     check_seq_len(model, seq_len)
+    problem = cp_problem(layout.cp or 1, seq_len)
+    if problem:
+        raise ValueError(problem)
     return cluster, layout
 
 
@@ -102,11 +106,29 @@ def plan(model: torch.nn.Module, cluster, *, global_batch_size: int, seq_len: in
     cluster, layout = check_problem(model, cluster, global_batch_size=global_batch_size,
                                     seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
     support = target_support(target)  # an unknown target fails before tracing
-    traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    result = search(traced, cluster, global_batch_size, layout, support,
-                    progress=progress, time_limit_s=time_limit_s)
-    return plan_from_search(traced, model, cluster, result, global_batch_size=global_batch_size,
-                            seq_len=seq_len, model_name=model_name)
+    if layout.cp not in (None, 1) and not support.context_parallel:
+        raise ValueError(f"cp={layout.cp}: the {support.name} target runs no context "
+                         "parallelism in autopar's plans; use cp=1 or --target autopar")
+    degrees = cp_degrees(seq_len, cluster.num_gpus,
+                         layout.cp if layout.cp is not None or support.context_parallel else 1)
+    plans, failures = [], []
+    for cp in degrees:  # one search per CP degree, each on the trace at s/c (module docstring)
+        try:
+            traced = context_parallel_trace(model, seq_len, cp, name=model_name,
+                                            dtype=layout.dtype or cluster.dtype)
+            result = search(traced, cluster, global_batch_size * cp, folded_layout(layout, cp),
+                            support, progress=progress, time_limit_s=time_limit_s)
+        except (InfeasibleError, SolverTimeLimitError, ValueError) as exc:
+            if len(degrees) == 1:
+                raise
+            failures.append(exc)
+            continue
+        plans.append(plan_from_search(traced, model, cluster, result,
+                                      global_batch_size=global_batch_size, seq_len=seq_len,
+                                      model_name=model_name))
+    if not plans:
+        raise failures[0]  # cp = 1's: what stops the plain layouts
+    return min(plans, key=lambda p: p.predicted.step_time_s)
 
 
 def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_size: int,
@@ -139,9 +161,11 @@ def evaluate(model: torch.nn.Module, cluster, layout: Layout, *, global_batch_si
                                     seq_len=seq_len, layout=layout, time_limit_s=time_limit_s)
     start = time.perf_counter()
     layout = complete_hand_layout(layout)
-    traced = trace_model(model, seq_len, name=model_name, dtype=layout.dtype or cluster.dtype)
-    decision, tables, strategies = hand_decision(traced, cluster, layout, global_batch_size,
-                                                 stage_layers, recompute)
+    cp = layout.cp or 1
+    traced = context_parallel_trace(model, seq_len, cp, name=model_name,
+                                    dtype=layout.dtype or cluster.dtype)
+    decision, tables, strategies = hand_decision(traced, cluster, folded_layout(layout, cp),
+                                                 global_batch_size * cp, stage_layers, recompute)
     out = plan_from_decision(traced, model, cluster, decision, tables, strategies,
                              global_batch_size=global_batch_size, seq_len=seq_len,
                              model_name=model_name)
@@ -166,7 +190,7 @@ def evaluate_plan(model: torch.nn.Module, cluster, plan: Plan) -> Plan:
     traced = check_plan_fits_model(plan, model)
     decision, tables, strategies = decision_from_plan(traced, cluster, plan)
     pred = predict(traced, strategies, tables, cluster, decision,
-                   global_batch_size=plan.global_batch_size)
+                   global_batch_size=plan.global_batch_size * plan.cp)  # c·B rows of s/c
     return replace(plan, predicted=pred, replicated_ops=replicated_ops(
         traced, strategies, plan.placements, plan.tp, plan.sequence_parallel))
 

@@ -73,6 +73,11 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
     "llama3-70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80,
                                  num_attention_heads=64, num_key_value_heads=8,
                                  intermediate_size=28672, **_LLAMA3)),
+    # Table 3's 405B, with the 131,072 positions of its long-context stage (section 3.4.2)
+    "llama3-405b": ("llama", dict(hidden_size=16384, num_hidden_layers=126,
+                                  num_attention_heads=128, num_key_value_heads=8,
+                                  intermediate_size=53248,
+                                  **{**_LLAMA3, "max_position_embeddings": 131072})),
 }
 
 # The families the model zoo (benchmarks/model_zoo.py) captures and plans; any other

@@ -82,7 +82,8 @@ TARGETS: dict[str, RuntimeSupport] = {
         sequence_parallel=framework_sequence_parallel("torchtitan"), virtual_stages=(1, 2, 3, 4),
         dtypes=DTYPES, grad_dtypes=("fp32",), placements="megatron", recompute_layout="uniform",
         ddp_1d_only=True, mixed_precision_by_fsdp=True,
-        attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",))), expert_parallel=False),
+        attention_kernels=(("bf16", ("flash",)), ("fp32", ("math",))), expert_parallel=False,
+        context_parallel=False),
     "deepspeed": RuntimeSupport(
         name="deepspeed", schedules=framework_schedules("deepspeed"),
         zero_stages=framework_zero_stages("deepspeed"),
@@ -90,7 +91,7 @@ TARGETS: dict[str, RuntimeSupport] = {
         sequence_parallel=framework_sequence_parallel("deepspeed"), virtual_stages=(1,),
         dtypes=DTYPES, recompute_layout="uniform", even_stages=True,
         max_tp=framework_max_tp("deepspeed"),
-        pipeline_zero_stages=(1,), expert_parallel=False),
+        pipeline_zero_stages=(1,), expert_parallel=False, context_parallel=False),
 }
 """Target name -> the plans its runner executes (module docstring)."""
 

@@ -162,7 +162,7 @@ def tiny_plan(family: str, layout: dict):
     import autopar
     from cost_models.hardware import Cluster, LinkSpec
 
-    world = layout["tp"] * layout["pp"] * layout["dp"]
+    world = layout["tp"] * layout["pp"] * layout["dp"] * layout.get("cp", 1)
     a100 = Cluster.dgx_a100(1)
     fast = LinkSpec(name="ideal", bandwidth_gbps=1e6, latency_s=1e-12, source="model zoo")
     cluster = Cluster(device=a100.device, gpus_per_node=world, nodes=1, intra_node=fast,

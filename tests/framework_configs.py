@@ -98,6 +98,9 @@ def _megatron_flag_parser():
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length"):
         p.add_argument(flag, type=int)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a", "a2a+p2p"],
+                   default="p2p")
     for flag in ("--vocab-size", "--max-position-embeddings",  # GPTModel's, not the config's
                  "--rotary-base"):
         p.add_argument(flag, type=int)
@@ -214,6 +217,8 @@ def megatron_fields_from_flags(argv: Sequence[str]) -> dict[str, Any]:
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "attention_backend": AttnBackend[args.attention_backend],
+        "context_parallel_size": args.context_parallel_size,
+        "cp_comm_type": args.cp_comm_type,
     }
     if args.swiglu:
         fields["activation_func"] = torch.nn.functional.silu

@@ -265,7 +265,7 @@ def megatron_startup(argv: Sequence[str], world_size: int, rank: int = 0) -> Meg
     (:func:`framework_configs.megatron_fields_from_flags`, its asserts included);
     ``megatron.core.parallel_state.initialize_model_parallel(tensor_model_parallel_size,
     pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
-    context_parallel_size=1)``, what Megatron-LM's ``_initialize_distributed`` calls (it
+    context_parallel_size)``, what Megatron-LM's ``_initialize_distributed`` calls (it
     raises RuntimeError unless tp·pp·cp divides the world size and builds every tp, pp,
     dp, cp, embedding and expert group); megatron-core's micro-batch calculator
     (``init_num_microbatches_calculator`` with the data-parallel size parallel_state
@@ -315,7 +315,8 @@ def megatron_startup(argv: Sequence[str], world_size: int, rank: int = 0) -> Meg
             tensor_model_parallel_size=fields["tensor_model_parallel_size"],
             pipeline_model_parallel_size=fields["pipeline_model_parallel_size"],
             virtual_pipeline_model_parallel_size=fields["virtual_pipeline_model_parallel_size"],
-            context_parallel_size=1, create_gloo_process_groups=False,
+            context_parallel_size=fields["context_parallel_size"],
+            create_gloo_process_groups=False,
             expert_model_parallel_size=fields.get("expert_model_parallel_size", 1),
             expert_tensor_parallel_size=fields.get("expert_tensor_parallel_size"))
         dp = parallel_state.get_data_parallel_world_size()

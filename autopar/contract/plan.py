@@ -50,14 +50,13 @@ causal tiles and recomputes the scores in backward (:mod:`autopar.graph.attentio
 
 
 def grad_dtype_of(dtype: str, grad_dtype: str | None) -> str:
-    """The gradient dtype of a run in ``dtype`` whose gradient dtype is ``grad_dtype``
-    (None: the training dtype's own, bf16 gradients under bf16 training)."""
+    """The gradients' dtype of a run in ``dtype`` (``grad_dtype`` None: the dtype's own)."""
     return "fp32" if dtype == "fp32" else (grad_dtype or "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages the cost model prices (Rajbhandari et al. 2020): 0 is plain DP."""
-# payload kinds of ``last_step_stats()["comm_bytes"]`` and ``Prediction.stage_stats``
 COMM_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "pp_p2p", "dp_all_reduce",
-              "dp_reduce_scatter", "dp_all_gather", "other", "ep_all_to_all")
+              "dp_reduce_scatter", "dp_all_gather", "other", "ep_all_to_all", "cp_all_gather",
+              "cp_reduce_scatter")  # of last_step_stats()["comm_bytes"], Prediction.stage_stats
 
 
 @dataclass(frozen=True)

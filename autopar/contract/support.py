@@ -176,6 +176,7 @@ class RuntimeSupport:
         while the cost model prices them on the TP ranks' tokens only with ep > 1 and whole
         for all tokens at ep = 1 (:mod:`autopar.frameworks.megatron_moe`); a search then
         tries a MoE model at tp > 1 only with ep > 1 and sequence parallelism.
+    context_parallel: the runner splits sequences over cp > 1 ranks (a search then tries cp > 1).
     """
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -198,6 +199,7 @@ class RuntimeSupport:
     expert_parallel: bool = True
     expert_zero_stages: tuple[int, ...] = (0,)
     moe_tp: bool = True
+    context_parallel: bool = True
 
     @property
     def default_grad_dtype(self) -> str | None:
@@ -343,12 +345,13 @@ def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported 
     """The first field of ``plan`` (a :class:`~autopar.contract.plan.Plan`) that ``support``'s runner
     does not execute, or None: the schedule, the ZeRO stage with this mesh
     (:meth:`RuntimeSupport.zero_stages_for`), v, sequence parallelism (at tp > 1), the
-    dtype, the gradient dtype under bf16, each recompute mode, tp above ``max_tp``. The
+    dtype, the gradient dtype under bf16, each recompute mode, tp above ``max_tp``, cp > 1
+    where the runner has no context parallelism. The
     one executability check of ``parallelize`` (:func:`check_executable`), plan files
     (:mod:`autopar.contract.plan_check`) and the framework targets
     (:func:`autopar.frameworks.targets.outside_target`)."""
-    checks = [("schedule", plan.schedule, support.schedules),
-              ("zero_stage", plan.zero_stage, support.zero_stages_for(plan.pp, plan.tp, plan.dp)),
+    zeros = support.zero_stages_for(plan.pp, plan.tp, plan.dp * getattr(plan, "cp", 1))
+    checks = [("schedule", plan.schedule, support.schedules), ("zero_stage", plan.zero_stage, zeros),
               ("virtual_stages", plan.virtual_stages, support.virtual_stages),
               ("dtype", plan.dtype, support.dtypes)]
     if plan.tp > 1:
@@ -368,6 +371,8 @@ def unsupported(plan, support: RuntimeSupport = RUNTIME_SUPPORT) -> Unsupported 
                            f"{record.refused_recompute[refused[0]]}")
     if support.max_tp is not None and plan.tp > support.max_tp:
         return Unsupported("tp", plan.tp, tuple(range(1, support.max_tp + 1)))
+    if getattr(plan, "cp", 1) > 1 and not support.context_parallel:
+        return Unsupported("cp", plan.cp, (1,))
     return None
 
 

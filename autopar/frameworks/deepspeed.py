@@ -147,7 +147,7 @@ def read_deepspeed_config(config: dict | str, num_gpus: int | None = None) -> Fr
     layout = Layout(tp=1, pp=p, dp=d, micro_batch_size=b, zero_stage=zero,
                     recompute=recompute_mode_for("deepspeed", str(interval)).name,
                     schedule=schedule_for("deepspeed", "TrainSchedule").name,
-                    virtual_stages=1, sequence_parallel=False, ep=1,
+                    virtual_stages=1, sequence_parallel=False, ep=1, cp=1,
                     dtype=dtype, grad_dtype=dtype)
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization", "bf16", "pipeline", "autopar", "data_types",

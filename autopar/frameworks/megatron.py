@@ -7,7 +7,7 @@ script whose bash arrays or variables hold them) into a :class:`FrameworkRun`;
 name with underscores):
 
 * parallel sizes: ``--tensor-model-parallel-size`` t, ``--pipeline-model-parallel-size`` p
-  (d = GPUs / (t·p)), ``--sequence-parallel``, ``--use-distributed-optimizer`` (ZeRO-1);
+  (d = GPUs / (t·c·p)), ``--sequence-parallel``, ``--use-distributed-optimizer`` (ZeRO-1);
 * batch: ``--micro-batch-size`` b, ``--global-batch-size`` B (default d·b);
 * pipeline: ``--num-layers-per-virtual-pipeline-stage`` n (v = L / (p·n)) or
   ``--num-virtual-stages-per-pipeline-rank`` v (interleaved 1F1B when v > 1);
@@ -39,9 +39,12 @@ name with underscores):
   ``--moe-token-dispatcher-type``, ``--moe-grouped-gemm``): :mod:`~autopar.frameworks.megatron_moe`
   (ep read into ``Layout.ep``; alltoall dispatch and expert-TP 1 priced, the rest refused).
 
+* context parallelism: ``--context-parallel-size`` c into ``Layout.cp``, emitted with
+  ``--cp-comm-type all_gather`` (what autopar prices); the default ``p2p`` ring is priced as
+  all-gather (the same K/V bytes, not overlapped; said in ``ignored``), ``a2a`` refused.
+
 Read as Megatron-LM reads them, or refused by name where autopar cannot price the run
-yet (:func:`_refuse_unpriced`): ``--context-parallel-size`` above 1,
-``--use-megatron-fsdp``, ``--use-torch-fsdp2``, any ``--fp8-*`` flag,
+yet (:func:`_refuse_unpriced`): ``--use-megatron-fsdp``, ``--use-torch-fsdp2``, any ``--fp8-*`` flag,
 ``--recompute-modules`` other than ``core_attn`` under selective recompute. ``--swiglu``
 without ``--ffn-hidden-size`` has int(8h/3/64)·64 (arguments.py); ``--num-query-groups``
 counts only with ``--group-query-attention``; ``--pipeline-model-parallel-layout`` may hold p·v stages
@@ -89,15 +92,16 @@ _INT = ("tensor-model-parallel-size", "pipeline-model-parallel-size", "micro-bat
         "max-position-embeddings", "make-vocab-size-divisible-by", "context-parallel-size",
         *MOE_INT)
 _TEXT = ("recompute-granularity", "recompute-method", "activations-checkpoint-method",
-         "pipeline-model-parallel-layout", "main-grads-dtype", "attention-backend", *MOE_TEXT)
+         "pipeline-model-parallel-layout", "main-grads-dtype", "attention-backend",
+         "cp-comm-type", *MOE_TEXT)
 _FLOAT = ("hidden-dropout", "attention-dropout")
 _BOOL = ("sequence-parallel", "use-distributed-optimizer", "bf16", "fp16", "swiglu",
          "group-query-attention", "untie-embeddings-and-output-weights",
          "recompute-activations", "checkpoint-activations", "grad-reduce-in-bf16",
          "accumulate-allreduce-grads-in-fp32", "use-megatron-fsdp", "use-torch-fsdp2", *MOE_BOOL)
 _LIST = ("recompute-modules",)  # nargs="+"
-_REFUSED = {  # read but not priced yet: refused by name, never priced as something else
-    "context-parallel-size": lambda v: v > 1 and "context parallelism",
+_REFUSED = {  # read, not priced yet: refused by name, never priced as something else
+    "cp-comm-type": lambda v: v in ("a2a", "a2a+p2p") and f"context parallelism by {v}",
     "use-megatron-fsdp": lambda v: "Megatron-FSDP (sharded data parallelism)",
     "use-torch-fsdp2": lambda v: "PyTorch FSDP2 under Megatron-LM",
 }
@@ -200,10 +204,9 @@ def _recompute(flags: dict, ignored: list[str]) -> tuple[str, str | None, int | 
 
 
 def _refuse_unpriced(flags: dict, unknown: list[str]) -> None:
-    """ValueError naming the first flag whose run autopar cannot price yet (context
-    parallelism, FSDP under Megatron-LM, FP8, selective recompute of modules other than
-    core attention; MoE flags: :func:`~autopar.frameworks.megatron_moe.read_moe_flags`)
-    rather than price another run."""
+    """ValueError naming the first flag whose run autopar cannot price yet (all-to-all
+    context parallelism, FSDP under Megatron-LM, FP8, selective recompute of modules other
+    than core attention; MoE: :func:`~autopar.frameworks.megatron_moe.read_moe_flags`)."""
     for name, rule in _REFUSED.items():
         what = name in flags and rule(flags[name])
         if what:
@@ -236,10 +239,13 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
             raise ValueError(f"the Megatron-LM flags give no --{need}")
     t, p = flags.get("tensor-model-parallel-size", 1), flags.get("pipeline-model-parallel-size", 1)
     L, b = flags["num-layers"], flags["micro-batch-size"]
-    if num_gpus is not None and num_gpus % (t * p):
-        raise ValueError(f"{num_gpus} GPUs are not divisible by tp*pp = {t}*{p}; give the "
-                         "cluster the flags were written for")
-    d = num_gpus // (t * p) if num_gpus is not None else None
+    c = flags.get("context-parallel-size", 1)
+    if num_gpus is not None and num_gpus % (t * c * p):
+        raise ValueError(f"{num_gpus} GPUs are not divisible by tp*cp*pp = {t}*{c}*{p}; give "
+                         "the cluster the flags were written for")
+    d = num_gpus // (t * c * p) if num_gpus is not None else None
+    if c > 1 and flags.get("cp-comm-type", "p2p") == "p2p":  # Megatron-LM's default
+        ignored.append(f"--cp-comm-type p2p (cp={c}): priced as all_gather, not overlapped")
     ep, moe = read_moe_flags(flags, t, d, ignored)
     v = flags.get("num-virtual-stages-per-pipeline-rank") or 1
     if "num-layers-per-virtual-pipeline-stage" in flags:
@@ -278,7 +284,7 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
                     zero_stage=1 if flags.get("use-distributed-optimizer") else 0,
                     recompute=recompute, schedule=default_schedule(v).name,
                     virtual_stages=v, sequence_parallel=sp, dtype=dtype, grad_dtype=grad_dtype,
-                    ep=ep)
+                    ep=ep, cp=c)
     h = flags.get("hidden-size")
     shape = {"num_layers": L, "hidden_size": h,
              "num_attention_heads": flags.get("num-attention-heads"),
@@ -295,9 +301,8 @@ def read_megatron_args(source: str, num_gpus: int | None = None) -> FrameworkRun
              "dropout": flags.get("hidden-dropout", 0.1),  # Megatron-LM's default
              "untied": bool(flags.get("untie-embeddings-and-output-weights")), **moe}
     if "num-query-groups" in flags and not flags.get("group-query-attention"):
-        ignored.append(f"--num-query-groups {flags['num-query-groups']}: without "
-                       "--group-query-attention Megatron-LM keeps a key/value head per query "
-                       "head, priced so")
+        ignored.append(f"--num-query-groups {flags['num-query-groups']}: without --group-query-"
+                       "attention Megatron-LM keeps a key/value head per query head, priced so")
     if shape["vocab_size"] is None and any(w.startswith("--vocab-file") for w in unknown):
         multiple = flags.get("make-vocab-size-divisible-by", 128) * t
         shape["vocab_size"] = pad_vocab_size(50257, multiple)
@@ -336,6 +341,8 @@ def megatron_args(plan) -> list[str]:
             "--attention-dropout", f"{shape.get('dropout', 0.0):g}",
             "--tensor-model-parallel-size", str(plan.tp),
             "--pipeline-model-parallel-size", str(plan.pp)] + moe_parallel_args(plan)
+    if plan.cp > 1:  # Megatron-Core's all-gather CP, as priced
+        out += ["--context-parallel-size", str(plan.cp), "--cp-comm-type", "all_gather"]
     sp = tensor_parallel_mode(plan.sequence_parallel)  # its flag beside --tensor-model-...
     out += [sp.frameworks["megatron"]] * sp.shards_sequence + ["--micro-batch-size", str(
         plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
@@ -358,15 +365,14 @@ def megatron_args(plan) -> list[str]:
     zero = zero_stage(plan.zero_stage)  # the distributed optimizer when it shards
     out += [zero.frameworks["megatron"]] if zero.shards_optimizer else []
     if plan.dtype == "bf16":
-        out += ["--bf16"] + (["--grad-reduce-in-bf16"]
-                             if plan_grad_dtype(plan) == "bf16" else [])
+        out += ["--bf16"] + ["--grad-reduce-in-bf16"] * (plan_grad_dtype(plan) == "bf16")
     out += ["--attention-backend", "flash" if plan.attention_kernel == "flash" else "unfused"]
     return out
 
 
 def _rotary_base(theta) -> list[str]:
-    """``--rotary-base`` for a rope theta other than Megatron-LM's default 10000 (arguments.py
-    L1655 at core_v0.16.1: an int); ValueError for a theta no int states."""
+    """``--rotary-base`` for a rope theta other than Megatron-LM's default 10000 (an int,
+    arguments.py L1655 at core_v0.16.1); ValueError otherwise."""
     if theta is None or theta == 10000:
         return []
     if theta != int(theta):
@@ -386,8 +392,8 @@ def format_megatron_args(plan) -> str:
         lines.append(" ".join(shlex.quote(a) for a in args[i:i + 1 + takes]))
         i += 1 + takes
     head = (f"# autopar plan for {plan.model} on {plan.num_gpus} GPUs "
-            f"(tp={plan.tp} pp={plan.pp} dp={plan.dp}"
-            + (f" ep={plan.ep}" if plan.ep > 1 else "") + "): predicted step "
+            f"(tp={plan.tp}" + (f" cp={plan.cp}" if plan.cp > 1 else "") + f" pp={plan.pp} "
+            f"dp={plan.dp}" + (f" ep={plan.ep}" if plan.ep > 1 else "") + "): predicted step "
             f"{plan.predicted.step_time_s:.3f} s\n"
             + ("# export CUDA_DEVICE_MAX_CONNECTIONS=1\n" if plan.tp > 1 else "")
             + f"# {torchrun_line(plan)} pretrain_gpt.py \\\n")

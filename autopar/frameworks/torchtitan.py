@@ -211,6 +211,10 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
                          f"degree={shard}: autopar reads DDP or FSDP with explicit degrees, "
                          "not HSDP or an inferred -1")
     t, p = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1)
+    if par.get("context_parallel_degree", 1) > 1:  # never read as data parallelism
+        raise ValueError(f"context_parallel_degree={par['context_parallel_degree']}: "
+                         "torchtitan's context parallelism (ring attention) is not priced by "
+                         "autopar yet; it would price another run, so it refuses it")
     if par.get("expert_parallel_degree", 1) > 1:
         raise ValueError(f"expert_parallel_degree={par['expert_parallel_degree']}: torchtitan "
                          "folds EP over its FSDP ranks (ParallelDims: efsdp = dp_shard*cp*tp/"
@@ -250,7 +254,7 @@ def read_torchtitan_toml(text: str) -> FrameworkRun:
     layout = Layout(tp=t, pp=p, dp=d, micro_batch_size=b, zero_stage=3 if shard > 1 else 0,
                     recompute=recompute, schedule=schedule.name, virtual_stages=v,
                     sequence_parallel=t > 1, dtype=dtype, grad_dtype="fp32",
-                    ep=1)  # expert_parallel_degree > 1 is refused above
+                    ep=1, cp=1)  # expert and context parallel degrees > 1 refused above
     batch = train.get("global_batch_size", -1)
     known = {"parallelism", "training", "activation_checkpoint"}
     ignored = [f"[{s}]" for s in data if s not in known] + notes

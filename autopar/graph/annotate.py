@@ -105,12 +105,15 @@ class NodeInfo:
                       tp: int = 1) -> float:
         """Attention-core bytes (dropped by selective recompute) for the "math" kernel
         (softmax kept) or the "flash" kernel (output + log-sum-exp kept; the output not
-        again where a consumer keeps the same storage, which ``tp`` = 1 guarantees)."""
+        again where a consumer keeps the same storage, which ``tp`` = 1 guarantees), and
+        under context parallelism the gathered K and V beyond the local ones
+        (``extra["cp_kv_elems"]``, :mod:`autopar.graph.context_parallel`)."""
+        kv = activation_bytes * self.extra.get("cp_kv_elems", 0)  # context parallelism's
         if attention == "flash":
             aliased = tp == 1 and self.extra.get("flash_output_aliased", False)
             output = 0 if aliased else activation_bytes * self.flash_elems
-            return output + LSE_BYTES * self.lse_elems
-        return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems
+            return output + LSE_BYTES * self.lse_elems + kv
+        return activation_bytes * self.core_elems + MASK_BYTES * self.core_mask_elems + kv
 
 
 @dataclass

@@ -21,16 +21,20 @@ recomputes the scores (Q·Kᵀ once more: 2.5 times the forward FLOPs, the same 
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.graph.ops import SDPA_ARGS
 
-__all__ = ["LSE_BYTES", "annotate_attention"]
+__all__ = ["LSE_BYTES", "annotate_attention", "unrepeated_kv"]
 
 LSE_BYTES = 4
 """Bytes per log-sum-exp value a fused kernel keeps: fp32 whatever the activations' dtype."""
 
 _ALIASES = ("view", "transpose", "contiguous")
+_RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.reshape}
+_EXPANDS = {torch.ops.aten.expand.default}
+_UNSQUEEZES = {torch.ops.aten.unsqueeze.default, torch.unsqueeze}
 """Node kinds that pass a fused attention output on without copying it."""
 
 
@@ -73,3 +77,26 @@ def _kept_by_a_consumer(node: fx.Node, nodes: dict) -> bool:
             return True
         frontier.extend(u for u in current.users if nodes[u.name].kind in _ALIASES)
     return False
+
+
+def unrepeated_kv(k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(k0, v0) when ``k`` and ``v`` are Hugging Face's ``repeat_kv`` of them, (b, h_kv, s,
+    d) -> (b, h_kv·g, s, d) as ``reshape(expand(unsqueeze(x, 2), (b, h_kv, g, s, d)))``
+    (each key/value head repeated for its g query heads, SDPA's ``enable_gqa`` order), the
+    same g for both; else None."""
+    found = []
+    for node in (k, v):
+        expand = node.args[0] if node.op == "call_function" and node.target in _RESHAPES \
+            and node.args else None
+        unsqueeze = expand.args[0] if isinstance(expand, fx.Node) and \
+            expand.target in _EXPANDS else None
+        if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target in _UNSQUEEZES
+                and tuple(unsqueeze.args[1:]) == (2,)):
+            return None
+        x = unsqueeze.args[0]
+        shape, out = x.meta["tensor_meta"].shape, node.meta["tensor_meta"].shape
+        if len(shape) != 4 or out[1] % shape[1] or tuple(out[2:]) != tuple(shape[2:]):
+            return None
+        found.append((x, out[1] // shape[1]))
+    (k0, gk), (v0, gv) = found
+    return (k0, v0) if gk == gv else None

@@ -31,7 +31,8 @@ __all__ = ["complete_hand_layout", "hand_decision", "check_fits_memory"]
 
 def complete_hand_layout(layout: Layout) -> Layout:
     """``layout`` with the defaults a hand layout is priced with: recompute "none", ZeRO
-    stage 0, schedule "1f1b" (interleaved 1F1B when v > 1), sequence parallelism off, ep 1.
+    stage 0, schedule "1f1b" (interleaved 1F1B when v > 1), sequence parallelism off, ep
+    and cp 1.
     Raises ValueError when tp, pp, dp or micro_batch_size is missing."""
     if not layout.is_complete():
         raise ValueError("evaluate needs tp, pp, dp and micro_batch_size; use autopar.plan "
@@ -44,7 +45,7 @@ def complete_hand_layout(layout: Layout) -> Layout:
                   schedule=layout.schedule or default_schedule(v).name,
                   virtual_stages=layout.virtual_stages,
                   sequence_parallel=bool(layout.sequence_parallel), dtype=layout.dtype,
-                  grad_dtype=layout.grad_dtype, ep=layout.ep or 1)
+                  grad_dtype=layout.grad_dtype, ep=layout.ep or 1, cp=layout.cp or 1)
 
 
 def hand_decision(traced: TracedModel, cluster, layout: Layout, global_batch_size: int,

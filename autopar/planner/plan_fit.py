@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
-from autopar.graph.capture import trace_model
+from autopar.graph.context_parallel import context_parallel_trace
 from autopar.models import default_seq_len, model_config
 from autopar.contract.plan import Plan
 from autopar.contract.plan_check import PlanError
@@ -59,7 +59,7 @@ def check_plan_fits_model(plan: Plan, model: nn.Module, traced: TracedModel | No
         check_seq_len(model, plan.seq_len)
     except ValueError as exc:
         raise PlanError(src, "seq_len", str(exc), "re-plan with a smaller --seq-len") from None
-    traced = traced or trace_model(model, plan.seq_len, dtype=plan.dtype)
+    traced = traced or context_parallel_trace(model, plan.seq_len, plan.cp, dtype=plan.dtype)
     names = {n.name for n in traced.gm.graph.nodes}
     missing, extra = sorted(set(plan.placements) - names), sorted(names - set(plan.placements))
     if missing or extra:

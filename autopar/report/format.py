@@ -19,8 +19,8 @@ __all__ = ["GIB", "recompute_counts", "TIME_KINDS", "MEMORY_KINDS", "TIME_KIND_N
 
 GIB = 2**30  # bytes per GiB
 # Display order of Prediction.time_s_by_kind; kinds a cost model adds later come after.
-TIME_KINDS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_p2p", "dp_comm", "bubble",
-              "optimizer", "step_end")
+TIME_KINDS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_p2p", "dp_comm",
+              "bubble", "optimizer", "step_end")
 # Display order of Prediction.memory_bytes_by_stage's kinds (bytes per GPU).
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations")
 TIME_KIND_NOTES = {
@@ -32,6 +32,8 @@ TIME_KIND_NOTES = {
     "bubble": "pipeline fill and drain: idle time",
     "optimizer": "optimizer step",
     "ep_comm": "expert parallelism's all-to-alls: tokens to their experts and back",
+    "cp_comm": "context parallelism's all-gathers of keys and values (and reduce-scatters "
+               "of their gradients)",
     "step_end": "all-reduces closing the step: tied embedding gradient, loss and gradient norm",
 }
 

@@ -14,7 +14,10 @@ stay:
   constants alone that equals the lower-triangular one (Hugging Face models build it from
   ``arange`` nodes): the pass evaluates it. The mask's nodes are then removed.
   Attention with dropout, or with any other mask (padding, sliding window, document
-  masks), is refused by name: its mask would have to follow the chunks.
+  masks), is refused by name: its mask would have to follow the chunks. Keys and values
+  that Hugging Face's ``repeat_kv`` expanded for grouped-query attention are taken before
+  the expansion (:func:`~autopar.graph.attention.unrepeated_kv`, SDPA's ``enable_gqa``): the CP group gathers the
+  h_kv heads, as Megatron-Core and Llama 3 do, not their g-fold repeats.
 * each ``arange(0, n)`` over the n = s/c local tokens (the token positions a learned or
   rotary position embedding reads, e.g. Hugging Face's ``cache_position``) becomes this
   rank's global positions (:func:`~autopar.techniques.context_parallel.local_positions`).
@@ -31,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.graph.attention import unrepeated_kv
 from autopar.graph.ops import SDPA_ARGS
 from autopar.runtime.context_parallel import context_parallel_attention
 from autopar.runtime.tp_ops import Group
@@ -99,10 +103,16 @@ def apply_context_parallel(gm: fx.GraphModule, *, cp: int, cp_rank: int, group: 
             if computed:
                 raise NotImplementedError(f"{node.name}: argument(s) {computed} are computed "
                                           "in the graph; context parallelism needs constants")
+            q, k, v = node.args[:3]
+            groups = unrepeated_kv(k, v)  # gather the h_kv heads, not their repeats
+            if groups is not None:
+                kwargs["enable_gqa"] = True
             target = f"cp_attention_{node.name}"
             gm.add_submodule(target, ContextParallelAttention(group, kwargs))
-            node.op, node.target, node.args, node.kwargs = "call_module", target, \
-                tuple(node.args[:3]), {}
+            node.op, node.target, node.kwargs = "call_module", target, {}
+            node.args = (q, *groups) if groups is not None else (q, k, v)
+            for repeated in (k, v) if groups is not None else ():
+                _erase_unused(gm, repeated)
             if isinstance(mask, fx.Node):
                 _erase_unused(gm, mask)
             done.append(node.name)

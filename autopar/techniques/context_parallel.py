@@ -28,8 +28,15 @@ Pure Python: the planner, the runtime, the report and the frameworks import it.
 
 from __future__ import annotations
 
-__all__ = ["sequence_chunks", "local_positions", "cp_problem", "cp_ranks",
-           "kv_all_gather_elems", "FRAMEWORK_FLAGS", "SOURCE"]
+__all__ = ["sequence_chunks", "local_positions", "cp_problem", "cp_ranks", "cp_degrees",
+           "kv_all_gather_elems", "CP_MIN_LOCAL_TOKENS", "FRAMEWORK_FLAGS", "SOURCE"]
+
+CP_MIN_LOCAL_TOKENS = 8192
+"""The search tries cp > 1 only while each rank keeps at least this many tokens of a
+sequence: Llama 3 extended its context to 128K tokens with cp = 16, 8K tokens per rank
+(arXiv:2407.21783, Table 4), and trained at 8K without CP. A search-space rule (each cp is
+a search of its own), not a limit of the runtime: a pinned ``Layout.cp`` is priced and run
+at any length."""
 
 SOURCE = ("Grattafiori et al. 2024 (The Llama 3 Herd of Models, arXiv:2407.21783), section "
           "3.3.2: all-gather context parallelism with 2·cp load-balanced chunks")
@@ -97,3 +104,13 @@ def kv_all_gather_elems(batch: int, seq_len: int, kv_heads: int, head_dim: int) 
     receives (cp−1)/cp of them) and what the reduce-scatter of their gradients sums in
     backward (arXiv:2407.21783 section 3.3.2)."""
     return 2 * batch * seq_len * kv_heads * head_dim
+
+
+def cp_degrees(seq_len: int, num_gpus: int, pinned: int | None = None) -> list[int]:
+    """The context-parallel degrees a search tries for sequences of ``seq_len`` tokens on
+    ``num_gpus`` GPUs: ``pinned`` when given, else 1 and every divisor c of the GPUs with
+    2·c | s and s/c >= :data:`CP_MIN_LOCAL_TOKENS`."""
+    if pinned is not None:
+        return [pinned]
+    return [c for c in range(1, num_gpus + 1) if num_gpus % c == 0 and (
+        c == 1 or seq_len % (2 * c) == 0 and seq_len // c >= CP_MIN_LOCAL_TOKENS)]

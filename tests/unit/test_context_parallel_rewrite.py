@@ -61,6 +61,11 @@ def test_a_hugging_face_causal_mask_is_checked_and_removed():
     assert not {"le.Tensor", "cumsum.default", "diff.default"} & ops  # the mask's nodes gone
     assert _targets(gm).count(cp_positions) == 1  # cache_position, read by the rotary tables
     assert len(gm.graph.nodes) < before - 20
+    for name in done:  # K and V gathered before repeat_kv: h_kv = 2 heads, SDPA's GQA
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        assert [a.meta["tensor_meta"].shape[1] for a in node.args] == [4, 2, 2]
+        assert gm.get_submodule(node.target).kwargs["enable_gqa"] is True
+    assert "expand" not in " ".join(str(t) for t in _targets(gm))  # the repeats are gone
 
 
 def test_attention_dropout_is_refused():

@@ -50,12 +50,12 @@ def _gpt(layers: int) -> dict:
 
 def _plan(base: Plan, target: str, config: dict, *, tp=1, pp=1, dp=1, mbs=1, m=1, zero=0,
           schedule="1f1b", v=1, recompute="none", stages=None, dtype="bf16",
-          grad_dtype=None, check=True) -> Plan:
+          grad_dtype=None, check=True, cp=1) -> Plan:
     """``base`` with this layout (B = dp·mbs·m, s = 64), checked inside ``target``'s space
     unless not ``check``."""
     layers = config.get("num_hidden_layers") or config["n_layer"]
     plan = dataclasses.replace(
-        base, model="tiny", model_config=config, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
+        base, model="tiny", model_config=config, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=mbs,
         num_micro_batches=m, global_batch_size=dp * mbs * m, seq_len=64, schedule=schedule,
         virtual_stages=v, zero_stage=zero,
         recompute=recompute if isinstance(recompute, list) else [recompute] * layers,
@@ -220,13 +220,16 @@ MEGATRON = {  # name -> (model, layout); world sizes 4-16
     "llama-gqa-uneven-block": (_llama(6), dict(
         tp=2, pp=2, mbs=1, m=2, stages=[[0, 2], [2, 6]], grad_dtype="fp32",
         recompute=["full", "none", "full", "none", "none", "none"])),
+    "llama-cp2-tp2": (_llama(4), dict(tp=2, cp=2, dp=2, mbs=1, m=2, zero=1,
+                                      recompute="selective")),
 }
 
 
 @pytest.mark.parametrize("name", list(MEGATRON))
 def test_megatron_starts_the_plan(base_plan, name):
     """parallel_state's data-parallel size is the plan's d; TransformerConfig has the plan's
-    tp, pp, v, sequence parallelism and layers per (pipeline rank, virtual stage); the DDP
+    tp, pp, v, sequence parallelism, cp (all-gather CP) and layers per (pipeline rank,
+    virtual stage); the DDP
     config reduces in fp32 exactly when the plan has fp32 gradients under bf16 and shards
     the optimizer at ZeRO-1; megatron-core's micro-batch count is the plan's m."""
     pytest.importorskip("megatron.core")
@@ -237,8 +240,10 @@ def test_megatron_starts_the_plan(base_plan, name):
     dp, tc, ddp, *_ = fs.megatron_startup(fs.megatron_argv(emit(plan, "megatron")), plan.num_gpus)
     assert dp == plan.dp
     assert (tc.tensor_model_parallel_size, tc.pipeline_model_parallel_size,
-            tc.virtual_pipeline_model_parallel_size or 1, tc.sequence_parallel) == (
-        plan.tp, plan.pp, plan.virtual_stages, plan.sequence_parallel)
+            tc.virtual_pipeline_model_parallel_size or 1, tc.sequence_parallel,
+            tc.context_parallel_size) == (
+        plan.tp, plan.pp, plan.virtual_stages, plan.sequence_parallel, plan.cp)
+    assert plan.cp == 1 or tc.cp_comm_type == "all_gather"  # the CP autopar prices
     assert tc.params_dtype == DTYPES[plan.dtype]
     assert fc.megatron_stage_layers(tc) == [[hi - lo for lo, hi in plan.stage_layers[r::plan.pp]]
                                            for r in range(plan.pp)]

@@ -218,7 +218,8 @@ def test_sc21_table_1_flags_read_as_the_papers_layouts(size):
     assert run.layout == autopar.Layout(
         tp=t, pp=p, dp=8 * values["NNODES"] // (t * p), micro_batch_size=values["MBS"],
         zero_stage=0, recompute="full", schedule="interleaved_1f1b" if v > 1 else "1f1b",
-        virtual_stages=v, sequence_parallel=False, dtype="bf16", grad_dtype="bf16", ep=1)
+        virtual_stages=v, sequence_parallel=False, dtype="bf16", grad_dtype="bf16", ep=1,
+        cp=1)
     assert run.global_batch_size == values["GBS"] and run.seq_len == 2048
     assert run.model["num_layers"] == values["NLS"] and run.model["hidden_size"] == values["HS"]
     assert run.model["vocab_size"] == pad_vocab_size(50257, 128 * t)  # as Megatron-LM pads
@@ -449,7 +450,7 @@ def test_megatron_gpt3_175b_example_script_reads_as_written():
     assert run.layout == autopar.Layout(tp=8, pp=16, dp=8, micro_batch_size=1, zero_stage=0,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
                                         sequence_parallel=False, dtype="bf16",
-                                        grad_dtype="bf16", ep=1)  # --fp16: fp16 grads
+                                        grad_dtype="bf16", ep=1, cp=1)  # --fp16: fp16 grads
     assert (run.global_batch_size, run.seq_len) == (1536, 2048)
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "num_attention_heads")} == \
         {"num_layers": 96, "hidden_size": 12288, "num_attention_heads": 96}
@@ -493,7 +494,7 @@ def test_megatron_llama3_8b_example_script_reads_in_bf16():
     assert run.layout == autopar.Layout(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=1,
                                         recompute="none", schedule="1f1b", virtual_stages=1,
                                         sequence_parallel=False, dtype="bf16",
-                                        grad_dtype="bf16", ep=1)
+                                        grad_dtype="bf16", ep=1, cp=1)
     assert (run.global_batch_size, run.seq_len) == (128, 8192)
     assert {k: run.model[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size",
                                       "num_query_groups", "vocab_size", "swiglu", "untied")} == {
@@ -505,7 +506,8 @@ def test_megatron_llama3_8b_example_script_reads_in_bf16():
 
 
 @pytest.mark.parametrize("edit, match", [
-    (("CP_SIZE=1", "CP_SIZE=2"), "--context-parallel-size 2: context parallelism"),
+    (("    --context-parallel-size $CP_SIZE\n", "    --context-parallel-size 2\n"
+      "    --cp-comm-type a2a\n"), "--cp-comm-type a2a: context parallelism by a2a"),
     (("    --use-distributed-optimizer\n", "    --use-megatron-fsdp\n"), "Megatron-FSDP"),
     (("    --use-distributed-optimizer\n", "    --use-torch-fsdp2\n"), "FSDP2"),
     (("    --disable-bias-linear \n", "    --disable-bias-linear\n    --num-experts 8\n"
@@ -542,6 +544,15 @@ def test_megatron_flags_read_as_megatron_reads_them():
     assert (run.layout.pp, run.layout.virtual_stages, run.layout.schedule) == (
         4, 2, "interleaved_1f1b")
     assert [hi - lo for lo, hi in run.stage_layers] == [3, 4, 4, 4, 4, 4, 4, 5]
+    # context parallelism: c ranks of the GPUs' t·c·p·d; the default p2p ring priced as
+    # the all-gather autopar emits, and said so
+    run = read_megatron_args(_llama3_8b(("CP_SIZE=1", "CP_SIZE=2")), 16)
+    assert (run.layout.cp, run.layout.dp) == (2, 16 // (run.layout.tp * 2 * run.layout.pp))
+    assert any("--cp-comm-type p2p (cp=2): priced as all_gather" in n for n in run.ignored)
+    run = read_megatron_args(_llama3_8b(("    --context-parallel-size $CP_SIZE\n",
+                                         "    --context-parallel-size 2\n    --cp-comm-type "
+                                         "all_gather\n")), 16)
+    assert run.layout.cp == 2 and not any("cp-comm-type" in n for n in run.ignored)
 
 
 def test_megatron_mixtral_example_script_read_with_its_expert_parallelism():

@@ -24,7 +24,8 @@ from autopar.contract.plan import Plan  # noqa: E402
 # and 70B as in meta-llama/Meta-Llama-3-{8B,70B} ("8.03B", "70.6B" on the model cards).
 PUBLISHED_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168,
                     "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
-                    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+                    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+                    "llama3-405b": 405_853_388_800}  # meta-llama/Llama-3.1-405B's count
 
 
 def _params(model) -> int:

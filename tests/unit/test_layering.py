@@ -23,10 +23,11 @@ AUTOPAR = REPO / "autopar"
 MAX_LINES = 400
 
 # autopar.runtime modules the rewrite may load: Megatron's TP operators and their modules,
-# the vocab-parallel embedding/cross-entropy, and the RNG tracker (and the package itself).
+# the vocab-parallel embedding/cross-entropy, context-parallel attention, and the RNG
+# tracker (and the package itself).
 REWRITE_MAY_LOAD = {"autopar.runtime", "autopar.runtime.rng", "autopar.runtime.device",
                     "autopar.runtime.tp_ops", "autopar.runtime.tp_modules",
-                    "autopar.runtime.vocab_parallel",
+                    "autopar.runtime.vocab_parallel", "autopar.runtime.context_parallel",
                     "autopar.runtime.compat"}  # the TP operators' collectives across torch versions
 
 _BARE_AUTOPAR = """\
@@ -161,7 +162,8 @@ def test_the_planner_entry_loads_no_framework_emitters():
 
 
 def test_rewrite_loads_only_tp_operators_and_rng_from_runtime():
-    """The rewrite reads the plan: from the runtime only the operators it inserts (with the
+    """The rewrite reads the plan: from the runtime only the operators it inserts (TP's,
+    context-parallel attention; with the
     compatibility module their collectives' names come from) and the RNG tracker (with the
     device module it forks generators through); from the planner only the strategy vocabulary that decodes the plan's keys
     (``planner.strategies.decode_placements``), never the solver, search or OR-Tools."""

@@ -42,8 +42,13 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
     comm["tp_reduce_scatter"] = m * (total["tp_reduce_scatter"] + total["fwd_tp_reduce_scatter"])
     # expert parallelism: dispatch, combine and the counts in forward, both reversed in backward
     comm["ep_all_to_all"] = m * (total["ep_all_to_all"] + total["fwd_ep_all_to_all"])
+    # context parallelism: K and V all-gathered in forward (again where recomputed: the
+    # attention core under selective recompute), their gradients reduce-scattered
+    comm["cp_all_gather"] = m * total["cp_all_gather"] * (1 + _selective_share(decision, cfg, i))
+    comm["cp_reduce_scatter"] = m * total["cp_reduce_scatter"]
     for layer in full_layers:  # full recompute: forward comm again
-        for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "ep_all_to_all"):
+        for kind in ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "ep_all_to_all",
+                     "cp_all_gather"):
             comm[kind] += m * layer[f"rec_fwd_{kind}"]
     # activations forward, their gradients backward, at every chunk cut of this rank whose
     # other side runs on another rank (a V placement's middle cut stays on rank p - 1); a
@@ -81,6 +86,13 @@ def stage_stats(traced: TracedModel, strategies: NodeStrategies, tables: CostTab
     comm["other"] += 16.0 * (cfg.tp * p * cfg.dp > 1)
     return {"comm_bytes": comm, "model_state_bytes": memory["parameters"] + memory["gradients"]
             + memory["optimizer_states"], "saved_activation_bytes": saved}
+
+
+def _selective_share(decision, cfg, i: int) -> float:
+    """The share of pipeline rank i's layers under selective recompute (their attention
+    core, context parallelism's all-gathers in it, runs again in backward)."""
+    layers = rank_layers(decision.stage_layers, cfg.pp, i, schedule=cfg.schedule)
+    return sum(decision.recompute[l] == "selective" for l in layers) / max(1, len(layers))
 
 
 def _shards(traced, strategies, decision, layer: int, tp: int) -> int:

@@ -111,16 +111,18 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
     :func:`~autopar.planner.costs.predict.predict` prediction,
     up to five faster-first feasible alternatives and three infeasible ones from ``seen``
     (the search's per-config records), the binding line (:func:`peak_memory_line`) and
-    the ops TP leaves whole (:func:`~autopar.planner.strategies.replicated.replicated_ops`)."""
-    cfg = decision.config
+    the ops TP leaves whole (:func:`~autopar.planner.strategies.replicated.replicated_ops`).
+    ``global_batch_size`` and ``seq_len``: the plan's B and s (``traced`` is at s/c tokens
+    under context parallelism, :mod:`autopar.graph.context_parallel`)."""
+    cfg = decision.config  # under context parallelism dp = c·d over c·B rows of s/c tokens
     pred = predict(traced, strategies, tables, cluster, decision,
-                   global_batch_size=global_batch_size)
+                   global_batch_size=global_batch_size * cfg.cp)
     placements = {name: strategies[name][k].key for name, k in decision.strategy.items()}
     feasible = sorted((s for s in seen if s.feasible), key=lambda s: s.step_time_s)
     others = feasible[1:6] + [s for s in seen if s.feasible is False][:3]
     return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
                 global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
-                dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+                dp=cfg.dp // cfg.cp, cp=cfg.cp, micro_batch_size=cfg.micro_batch_size,
                 num_micro_batches=cfg.num_micro_batches, schedule=cfg.schedule,
                 zero_stage=decision.zero_stage, recompute=decision.recompute,
                 stage_layers=decision.stage_layers, placements=placements, predicted=pred,
@@ -136,13 +138,14 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
 def decision_from_plan(traced: TracedModel, cluster, plan: Plan
                        ) -> tuple[Decision, CostTables, NodeStrategies]:
     """``plan``'s exact decisions (placements, stages, recompute, ZeRO) as a Decision on
-    ``cluster``, with the cost tables and strategies to price it. Raises ValueError when a
+    ``cluster``, with the cost tables and strategies to price it (``traced``: the model at
+    s/c tokens, :func:`~autopar.graph.context_parallel.context_parallel_trace`). Raises ValueError when a
     placement does not exist for this model at the plan's tp
     (:func:`~autopar.planner.strategies.decode_placements`)."""
-    cfg = Config(plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.num_micro_batches,
-                 plan.schedule, plan.virtual_stages, plan.dtype,
+    cfg = Config(plan.tp, plan.pp, plan.dp * plan.cp, plan.micro_batch_size,
+                 plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.dtype,
                  plan.attention or cluster.attention,
-                 plan.sequence_parallel, plan.grad_dtype, plan.ep)
+                 plan.sequence_parallel, plan.grad_dtype, plan.ep, plan.cp)
     strategies = node_strategies(traced, plan.tp, plan.sequence_parallel, plan.ep)
     decoded = decode_placements(traced, plan.placements, plan.tp, plan.sequence_parallel,
                                 plan.ep)

@@ -43,7 +43,9 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
     kernel, FlashAttention-2, Dao 2023, Algorithm 1 and 2) computes only the tiles on and
     below the diagonal of a causal node (:data:`CAUSAL_SKIP_FRACTION`, ``extra
     ["causal_skip"]``) and recomputes Q·Kᵀ in backward (five GEMMs where the math kernel runs
-    four: 2.5 times the forward FLOPs, as the same benchmark counts them)."""
+    four: 2.5 times the forward FLOPs, as the same benchmark counts them). Under context
+    parallelism the math kernel runs ``extra["cp_score_fraction"]`` of the local × whole
+    scores (:mod:`autopar.graph.context_parallel`)."""
     div, gemms = strat.compute_divisor, info.extra.get("gemms")
     if info.kind == "sdpa":  # a fused kernel with its own measured rate (a CPU process)
         head = min(min(g[1:]) for g in gemms) if gemms else 0  # min(s, hd)
@@ -79,4 +81,7 @@ def gemm_times_s(info: NodeInfo, strat: Strategy, b: int, dev: DeviceSpec,
         wgrad += d_weight if weights else 0.0
     if flash and info.extra.get("causal_skip"):
         fwd, bwd = fwd * CAUSAL_SKIP_FRACTION, bwd * CAUSAL_SKIP_FRACTION
+    elif info.kind == "sdpa" and not flash:  # context parallelism: each chunk's keys only
+        share = info.extra.get("cp_score_fraction", 1.0)
+        fwd, bwd = fwd * share, bwd * share
     return fwd, bwd, wgrad

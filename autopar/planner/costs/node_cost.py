@@ -51,7 +51,12 @@ class StrategyCost:
     :mod:`autopar.planner.costs.expert_cost`): a2a_s, the all-to-alls' seconds (part of
     fwd_s and bwd_s, two in each); a2a_fwd_bytes / a2a_bwd_bytes, the bytes they send in
     forward and backward; expert_param_numel, the part of param_numel whose gradients are
-    reduced over the expert-data-parallel group.
+    reduced over the expert-data-parallel group. Under context parallelism (an attention
+    node of a trace annotated by :mod:`autopar.graph.context_parallel`): cp_s, the seconds
+    of the all-gather of K and V (part of fwd_s, core_fwd_s and rec_s) and of the
+    reduce-scatter of their gradients (part of bwd_s); cp_fwd_bytes / cp_bwd_bytes, their
+    payloads as the runtime's meter counts them (the all-gather's input, the
+    reduce-scatter's).
     """
 
     fwd_s: float
@@ -67,6 +72,9 @@ class StrategyCost:
     a2a_fwd_bytes: float = 0.0
     a2a_bwd_bytes: float = 0.0
     expert_param_numel: float = 0.0
+    cp_s: float = 0.0
+    cp_fwd_bytes: float = 0.0
+    cp_bwd_bytes: float = 0.0
 
 
 def _param_numel(info, strat: Strategy) -> float:
@@ -162,10 +170,31 @@ def node_cost(info, strat: Strategy, b: int, cluster: Cluster, tp: int, in_numel
     core = info.core_bytes_at(act_bytes, attention, tp) * b / (tp if sharded else 1)
     saved = MASK_BYTES * info.mask_elems * b / (tp if sharded else 1) + core
     saved += act_bytes * inner[0] * b if inner else 0.0
-    return StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
+    cost = StrategyCost(fwd_s=fwd, bwd_s=bwd, param_numel=_param_numel(info, strat),
                         saved_bytes=saved, core_saved_bytes=core,
                         core_fwd_s=rec if info.kind == "sdpa" else 0.0, rec_s=rec,
                         wgrad_s=wgrad_share * bwd)
+    return _context_parallel(cost, info, b / div, cluster, tp, act_bytes)
+
+
+def _context_parallel(cost: StrategyCost, info, b: float, cluster: Cluster, tp: int,
+                      act_bytes: int) -> StrategyCost:
+    """``cost`` of an attention node under context parallelism (``extra["cp"]``: its
+    trace's annotation) with the all-gather of this rank's K and V in forward (again when
+    recomputed) and the reduce-scatter of their gradients in backward, over the CP group
+    (c ranks of stride t: :func:`cost_models.comm.group_link`), exposed (Llama 3's
+    all-gather CP, arXiv:2407.21783 section 3.3.2, does not overlap it); ``b``: the
+    sequences per micro-batch over the heads' split."""
+    cp = info.extra.get("cp", 1)
+    if cp == 1:
+        return cost
+    local = act_bytes * info.extra["cp_gather_elems"] * b  # this rank's K and V
+    link = comm.group_link(cluster, cp, tp)
+    gather = comm.all_gather_time_s(cp * local, cp, link)
+    scatter = comm.reduce_scatter_time_s(cp * local, cp, link)
+    return replace(cost, fwd_s=cost.fwd_s + gather, bwd_s=cost.bwd_s + scatter,
+                   core_fwd_s=cost.core_fwd_s + gather, rec_s=cost.rec_s + gather,
+                   cp_s=gather + scatter, cp_fwd_bytes=local, cp_bwd_bytes=cp * local)
 
 
 def dispatches(info) -> bool:

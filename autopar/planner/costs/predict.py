@@ -64,8 +64,11 @@ def section_cost(traced: TracedModel, strategies: NodeStrategies, tables: CostTa
         if position[node.name] <= last:  # full recompute re-runs this node's forward
             out["rec_fwd_s"] += c.rec_s
             out["rec_fwd_ep_all_to_all"] += c.a2a_fwd_bytes
+            out["rec_fwd_cp_all_gather"] += c.cp_fwd_bytes
         for key, val in (("fwd_s", c.fwd_s), ("bwd_s", c.bwd_s), ("wgrad_s", c.wgrad_s),
-                         ("core_fwd_s", c.core_fwd_s), ("a2a_s", c.a2a_s),
+                         ("core_fwd_s", c.core_fwd_s), ("a2a_s", c.a2a_s), ("cp_s", c.cp_s),
+                         ("cp_all_gather", c.cp_fwd_bytes),
+                         ("cp_reduce_scatter", c.cp_bwd_bytes),
                          ("fwd_ep_all_to_all", c.a2a_fwd_bytes),
                          ("ep_all_to_all", c.a2a_bwd_bytes),
                          ("expert_params", c.expert_param_numel),
@@ -258,6 +261,9 @@ def predict(traced: TracedModel, strategies: NodeStrategies, tables: CostTables,
     if cfg.ep > 1:  # the experts' all-to-alls, priced inside their nodes' compute
         breakdown["compute"] -= m * total["a2a_s"]
         breakdown["ep_comm"] = m * total["a2a_s"]
+    if total["cp_s"]:  # context parallelism's K/V all-gathers, inside attention's compute
+        breakdown["compute"] -= m * total["cp_s"]
+        breakdown["cp_comm"] = m * total["cp_s"]
     n = cfg.tp * p * cfg.dp
     model_flops = tables.model_flops_per_seq * global_batch_size
     core_flops = _sdpa_flops(traced)

@@ -51,8 +51,9 @@ DP_BUCKET_BYTES = 25 * 2**20    # gradient all-reduce bucket (torch DDP bucket_c
 
 @dataclass(frozen=True)
 class Config:
-    """A mesh shape and micro-batching: the part of a plan fixed before CP-SAT runs (ep:
-    the expert-parallel degree, folded over the dp ranks: :mod:`autopar.techniques.expert_parallel`)."""
+    """A mesh shape and micro-batching: the part of a plan fixed before CP-SAT runs. ep: the
+    expert-parallel degree, folded over dp (:mod:`autopar.techniques.expert_parallel`); cp: the
+    context-parallel degree c, priced at s/c tokens, dp = c·d (:mod:`autopar.graph.context_parallel`)."""
 
     tp: int
     pp: int
@@ -66,15 +67,14 @@ class Config:
     sequence_parallel: bool = False
     grad_dtype: str | None = None
     ep: int = 1
+    cp: int = 1
 
     @property
-    def activation_bytes(self) -> int:
-        """Bytes per activation/communicated element: 2 (bf16) or 4 (fp32)."""
+    def activation_bytes(self) -> int:  # per activation or communicated element
         return ACTIVATION_BYTES if self.dtype == "bf16" else 4
 
     @property
-    def grads(self) -> str:
-        """The gradients' dtype (:func:`autopar.contract.plan.grad_dtype_of`)."""
+    def grads(self) -> str:  # the gradients' dtype (autopar.contract.plan.grad_dtype_of)
         return grad_dtype_of(self.dtype, self.grad_dtype)
 
 
@@ -280,7 +280,7 @@ def _node_key(info) -> tuple:
     return (info.kind, info.no_grad, info.flops, info.per_sequence, info.numel, info.param_numel,
             info.saved_elems, info.mask_elems, info.core_elems, info.core_mask_elems,
             info.flash_elems, info.lse_elems, extra.get("flash_output_aliased", False),
-            extra.get("score_passes_elems", 0),
+            extra.get("score_passes_elems", 0), extra.get("cp", 1), extra.get("cp_kv_elems", 0),
             extra.get("gemms"), extra.get("gemm_folded"), extra.get("gemm_weights", False),
             extra.get("inner"), tuple(sorted(extra.get("experts", {}).items())),
             tuple((n.endswith("bias"), v) for n, v in extra.get("param_sizes", {}).items()))

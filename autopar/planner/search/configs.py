@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from autopar.contract import support as support_rules
 from autopar.graph.annotate import TracedModel
+from autopar.graph.context_parallel import trace_cp
 from autopar.graph.moe import moe_blocks
 from autopar.contract.plan import Layout
 from autopar.planner.costs.tables import Config
@@ -88,9 +89,12 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
     reason each rule rejected a config for (the error when none is left). ``chunks_given``:
     the caller cuts the layers into chunks itself (a hand layout's ``stage_layers``, e.g.
     Megatron's uneven first and last stages), so the rule's L % (pp·v) is not applied.
+    A trace at s/c (context parallelism, :func:`~autopar.graph.context_parallel.trace_cp`)
+    gets configs of cp = c and dp = c·d (``layout.dp`` and ``global_batch_size`` are then
+    c·d and c·B: :func:`~autopar.graph.context_parallel.folded_layout`).
     """
     n, heads, L = cluster.num_gpus, _heads(traced), traced.num_layers
-    blocks = moe_blocks(traced)
+    blocks, cp = moe_blocks(traced), trace_cp(traced)
     # Megatron's pattern splits whole key/value heads (megatron-core: num_query_groups % tp)
     kv = _kv_heads(traced) if support.placements == "megatron" else None
     why = {} if why is None else why
@@ -109,8 +113,12 @@ def candidate_configs(traced: TracedModel, cluster, global_batch_size: int, layo
         # 1) runs as priced only with the EP group spanning TP (ep > 1) under SP
         tokens_only = tp > 1 and blocks and not support.moe_tp and not support.as_written
         for pp in divisors(n // tp):
-            dp = n // (tp * pp)
+            dp = n // (tp * pp)  # c·d under context parallelism (autopar.graph.context_parallel)
             if pp > L or layout.pp not in (None, pp) or layout.dp not in (None, dp):
+                continue
+            if dp % cp:
+                why.setdefault("cp", f"cp={cp} does not divide the {dp} ranks left by tp={tp} "
+                                     f"pp={pp} (N = tp·cp·pp·dp)")
                 continue
             zeros = support.zero_stages_for(pp, tp, dp)
             if layout.zero_stage is not None and \
@@ -218,7 +226,7 @@ def _micro_configs(traced, cluster, layout: Layout, support, schedules, why: dic
                     why.setdefault(f"pipeline {sched} pp={pp}", f"at pp={pp}, m={m}: {problem}")
                     continue
                 out += [Config(tp, pp, dp, mbs, m, sched, v, dtype, attention, sp,
-                               grad_dtype, ep) for sp in sequence_parallel]
+                               grad_dtype, ep, trace_cp(traced)) for sp in sequence_parallel]
     if layout.micro_batch_size is not None and per_replica % layout.micro_batch_size:
         why.setdefault("mbs", f"micro_batch_size={layout.micro_batch_size} does not divide "
                               f"the {per_replica} sequences of a replica at dp={dp} (choose "
