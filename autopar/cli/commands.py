@@ -88,7 +88,7 @@ def _layout(args: argparse.Namespace) -> Layout:
     return Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch_size=args.micro_batch_size,
                   zero_stage=args.zero_stage, recompute=args.recompute, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
-                  dtype=args.dtype, ep=args.ep)
+                  dtype=args.dtype, ep=args.ep, cp=args.cp)
 
 
 def default_hand_layouts(model_name: str, cluster: Cluster) -> dict[str, Layout]:

@@ -225,7 +225,11 @@ def _add_layout_args(parser: argparse.ArgumentParser, *, required: bool) -> None
     g.add_argument("--pp", type=_positive_int, required=required, metavar="P",
                    help="pipeline-parallel size p (number of stages)")
     g.add_argument("--dp", type=_positive_int, required=required, metavar="D",
-                   help="data-parallel size d; t · p · d must equal the number of GPUs")
+                   help="data-parallel size d; t · c · p · d must equal the number of GPUs")
+    g.add_argument("--cp", type=_positive_int, default=None, metavar="C",
+                   help="context-parallel size c: each sequence's tokens split over c ranks "
+                        "(2c must divide the sequence length; default: the solver's, or 1 "
+                        "for a hand layout)")
     g.add_argument("--ep", type=_positive_int, default=None, metavar="E",
                    help="expert-parallel size: each MoE layer's experts over ep of the d "
                         "data-parallel ranks (ep divides d and the expert count)")

@@ -14,8 +14,8 @@ class Alternative:
     """One config the search visited, and what became of it.
 
     layout: the config's fields as saved (tp, pp, dp, micro_batch_size, num_micro_batches,
-        schedule, virtual_stages, dtype, attention, sequence_parallel, grad_dtype; ep when
-        above 1).
+        schedule, virtual_stages, dtype, attention, sequence_parallel, grad_dtype; ep and cp
+        when above 1; a search's own records hold dp = c·d, a plan's d).
     feasible: True when priced (it fits), False when proven not to fit (by CP-SAT or a
         memory lower bound), None when not priced (a step-time lower bound no better than
         the best, or cut off by it).
@@ -35,9 +35,10 @@ class Alternative:
     peak_memory_bytes: float | None = None
     min_memory_bytes: float | None = None
 
-    def __post_init__(self) -> None:  # ep = 1 (no expert parallelism) is left out, as in plans
-        if self.layout.get("ep") == 1:
-            object.__setattr__(self, "layout", {k: v for k, v in self.layout.items() if k != "ep"})
+    def __post_init__(self) -> None:  # ep = 1 and cp = 1 are left out, as in plans
+        if self.layout.get("ep") == 1 or self.layout.get("cp") == 1:
+            object.__setattr__(self, "layout", {k: v for k, v in self.layout.items()
+                                                if k not in ("ep", "cp") or v != 1})
 
     @property
     def priced(self) -> bool:

@@ -74,8 +74,8 @@ def format_layout(layout: Layout | dict) -> str:
     data = layout if isinstance(layout, dict) else vars(layout)
     short = {"micro_batch_size": "mbs", "zero_stage": "zero", "virtual_stages": "v",
              "sequence_parallel": "sp", "num_micro_batches": "m"}
-    defaults = {"virtual_stages": 1, "sequence_parallel": False, "ep": 1}  # omitted: noise
-    order = ("tp", "pp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero_stage",
+    defaults = {"virtual_stages": 1, "sequence_parallel": False, "ep": 1, "cp": 1}  # noise
+    order = ("tp", "cp", "pp", "dp", "ep", "micro_batch_size", "num_micro_batches", "zero_stage",
              "recompute", "schedule", "virtual_stages", "sequence_parallel")
     keys = [k for k in order if k in data] + sorted(k for k in data if k not in order)
     items = [(k, data[k]) for k in keys if data[k] is not None and defaults.get(k) != data[k]]

@@ -1,9 +1,9 @@
-"""The rank map of a plan: which global ranks (and nodes) form each tensor-, pipeline- and
-data-parallel group, as a Markdown section of the report (no picture).
+"""The rank map of a plan: which global ranks (and nodes) form each tensor-, context-,
+pipeline- and data-parallel group, as a Markdown section of the report (no picture).
 
 Ranks are numbered in Megatron-LM's order (``megatron/core/parallel_state.py``):
-``rank = tp_rank + t · (dp_rank + d · pp_rank)``, so tensor-parallel peers are adjacent
-and share a node when t divides the GPUs per node.
+``rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))``, so tensor-parallel peers
+are adjacent and share a node when t divides the GPUs per node.
 """
 
 from __future__ import annotations
@@ -13,21 +13,31 @@ from autopar.contract.plan import Plan
 __all__ = ["rank_groups", "rank_layout_section"]
 
 
-def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Global ranks of every TP, PP and DP group in Megatron-LM's order.
+def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Global ranks of every TP, CP (cp > 1), PP and DP group in Megatron-LM's order.
 
-    ``rank = tp_rank + t · (dp_rank + d · pp_rank)``: tensor-parallel peers are adjacent
-    ranks (so they share a node when t divides the GPUs per node), then data-parallel
-    replicas, then pipeline stages.
+    ``rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))``: tensor-parallel peers
+    are adjacent ranks (so they share a node when t divides the GPUs per node), then the
+    context-parallel ranks of a sequence, then data-parallel replicas, then pipeline
+    stages. A DP group holds the d replicas of one CP rank (gradients are averaged over the
+    c·d ranks of its CP and DP groups).
     """
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
 
-    return {
-        "TP": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "PP": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "DP": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+    groups = {
+        "TP": [[rank(t, c, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)
+               for c in range(cp)],
+        "CP": [[rank(t, c, d, p) for c in range(cp)] for p in range(pp) for d in range(dp)
+               for t in range(tp)],
+        "PP": [[rank(t, c, d, p) for p in range(pp)] for d in range(dp) for c in range(cp)
+               for t in range(tp)],
+        "DP": [[rank(t, c, d, p) for d in range(dp)] for p in range(pp) for c in range(cp)
+               for t in range(tp)],
     }
+    if cp == 1:
+        del groups["CP"]
+    return groups
 
 
 def _short_list(values: list[int], limit: int = 16) -> str:
@@ -46,7 +56,8 @@ def rank_layout_section(plan: Plan, max_ranks: int = 64, shown: int = 4) -> list
     """
     per_node = int(plan.cluster.get("gpus_per_node") or plan.num_gpus)
     rows = []
-    for kind, groups in rank_groups(plan.tp, plan.pp, plan.dp).items():
+    cp = plan.cp
+    for kind, groups in rank_groups(plan.tp, plan.pp, plan.dp, cp).items():
         limit = len(groups) if plan.num_gpus <= max_ranks else shown
         for g, ranks in enumerate(groups[:limit]):
             nodes = sorted({r // per_node for r in ranks})
@@ -54,11 +65,14 @@ def rank_layout_section(plan: Plan, max_ranks: int = 64, shown: int = 4) -> list
         if limit < len(groups):
             rows.append([kind, "…", f"{len(groups) - limit} more groups "
                          f"({len(groups)} {kind} groups in all)", ""])
+    order = "tp_rank + t·(cp_rank + c·(dp_rank + d·pp_rank))" if cp > 1 else \
+        "tp_rank + t·(dp_rank + d·pp_rank)"
+    cps = f"{plan.tp * plan.pp * plan.dp} CP groups of {cp}, " if cp > 1 else ""
     lines = ["## Rank layout", "",
-             f"Global rank = tp_rank + t·(dp_rank + d·pp_rank) (Megatron-LM order); node = "
-             f"rank // {per_node} GPUs per node. {plan.pp * plan.dp} TP groups of {plan.tp}, "
-             f"{plan.tp * plan.dp} PP groups of {plan.pp}, {plan.tp * plan.pp} DP groups of "
-             f"{plan.dp}.", ""]
+             f"Global rank = {order} (Megatron-LM order); node = rank // {per_node} GPUs per "
+             f"node. {plan.pp * plan.dp * cp} TP groups of {plan.tp}, {cps}"
+             f"{plan.tp * plan.dp * cp} PP groups of {plan.pp}, {plan.tp * plan.pp * cp} DP "
+             f"groups of {plan.dp}.", ""]
     header = ["group", "index", "global ranks", "nodes"]
     return lines + ["| " + " | ".join(header) + " |", "| :--- | ---: | :--- | :--- |"] + \
         ["| " + " | ".join(row) + " |" for row in rows] + [""]

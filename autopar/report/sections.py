@@ -62,9 +62,11 @@ def layout_section(plan: Plan) -> list[str]:
     rows = [
         ["model", f"`{plan.model}`"],
         ["cluster", cluster_line(plan)],
-        ["GPUs N = t·p·d", f"{plan.num_gpus}"],
+        ["GPUs N = t·c·p·d" if plan.cp > 1 else "GPUs N = t·p·d", f"{plan.num_gpus}"],
         ["global batch B / sequence length s", f"{plan.global_batch_size} / {plan.seq_len}"],
         ["tensor parallel t", f"{plan.tp}" + tensor_parallel_mode(plan.sequence_parallel).title],
+        *([["context parallel c", f"{plan.cp} (each sequence split over c ranks)"]]
+          if plan.cp > 1 else []),
         ["pipeline parallel p", f"{plan.pp}"],
         ["data parallel d", f"{plan.dp}"],
         ["micro-batch size b", f"{plan.micro_batch_size}"],

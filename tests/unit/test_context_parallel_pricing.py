@@ -71,3 +71,30 @@ def test_plan_takes_a_pinned_cp_and_refuses_a_target_without_one():
     with pytest.raises(ValueError, match="torchtitan target runs no context parallelism"):
         autopar.plan(model, fast_cluster(4), global_batch_size=BATCH, seq_len=SEQ,
                      layout=autopar.Layout(cp=2), target="torchtitan")
+
+
+def test_the_cli_takes_cp(tmp_path):
+    from autopar.contract.plan import Plan
+    from helpers import run_cli
+
+    out = tmp_path / "plan.json"
+    code, stdout, stderr = run_cli(["evaluate", "--model", "gpt-tiny", "--cluster", "local-cpu",
+                                    "--nodes", "1", "--global-batch-size", "8", "--tp", "1",
+                                    "--cp", "2", "--pp", "1", "--dp", "2", "--mbs", "1",
+                                    "-o", str(out)])
+    assert code == 0, stderr
+    plan = Plan.from_json(out.read_text())
+    assert (plan.cp, plan.dp, plan.num_gpus) == (2, 2, 4) and " cp=2 " in stdout
+
+
+def test_the_reports_rank_groups_are_the_runtimes():
+    from autopar.report.ranks import rank_groups
+    from autopar.techniques.context_parallel import cp_ranks
+
+    groups = rank_groups(tp=2, pp=2, dp=2, cp=2)  # rank = t + 2·(c + 2·(d + 2·p))
+    assert groups["CP"][:2] == [[0, 2], [1, 3]] and groups["DP"][:2] == [[0, 4], [1, 5]]
+    assert sorted(r for g in groups["CP"] for r in g) == list(range(16))
+    for group in groups["CP"]:  # the record's CP groups (the runtime's), per stage
+        stage = group[0] // 8
+        assert [r + 8 * stage for r in cp_ranks(group[0] % 8, 2, 2, 2)[1]] == group
+    assert "CP" not in rank_groups(tp=2, pp=1, dp=2)

@@ -10,7 +10,7 @@ within :data:`STAGE_SLACK` layers of an even split (:func:`stage_size_range`).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.graph.annotate import TracedModel
 from autopar.models import model_config
@@ -119,7 +119,9 @@ def plan_from_decision(traced: TracedModel, model, cluster, decision: Decision,
                    global_batch_size=global_batch_size * cfg.cp)
     placements = {name: strategies[name][k].key for name, k in decision.strategy.items()}
     feasible = sorted((s for s in seen if s.feasible), key=lambda s: s.step_time_s)
-    others = feasible[1:6] + [s for s in seen if s.feasible is False][:3]
+    others = [alt if alt.layout.get("cp", 1) == 1 else replace(alt, layout={  # d, not c·d
+        **alt.layout, "dp": alt.layout["dp"] // alt.layout["cp"]})
+        for alt in feasible[1:6] + [s for s in seen if s.feasible is False][:3]]
     return Plan(model=model_name, model_config=model_config(model), cluster=cluster.to_dict(),
                 global_batch_size=global_batch_size, seq_len=seq_len, tp=cfg.tp, pp=cfg.pp,
                 dp=cfg.dp // cfg.cp, cp=cfg.cp, micro_batch_size=cfg.micro_batch_size,
