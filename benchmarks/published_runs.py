@@ -3,8 +3,9 @@
     python benchmarks/published_runs.py            # print the table, write the report
     python benchmarks/published_runs.py --fit      # re-fit the calibration rows' efficiency
 
-The mixture-of-experts rows are ``benchmarks/published_moe_runs.py``'s (their section of the
-report is kept here as that script last wrote it).
+The mixture-of-experts rows are ``benchmarks/published_moe_runs.py``'s and Llama 3 405B's
+``benchmarks/published_llama3.py``'s (their sections of the report are kept here as those
+scripts last wrote them).
 
 Every row is a training run whose per-GPU throughput a paper reports. autopar builds the
 same GPT (``GPTConfig(dropout=0.1)`` on the meta device, as Megatron trains it), prices the
@@ -377,11 +378,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{auto_line(autos[-1])}  ({autos[-1]['seconds']:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).parent))  # the sibling script of the MoE rows
-    from published_moe_runs import existing_section  # kept as its own script wrote it
+    from published_llama3 import existing_section as llama3_section  # as they wrote them
+    from published_moe_runs import existing_section
 
-    moe = existing_section(args.out)
-    args.out.write_text(markdown(rows) + auto_markdown(autos) + ("\n" + moe if moe else ""),
-                        encoding="utf-8")
+    moe, llama3 = existing_section(args.out), llama3_section(args.out)
+    args.out.write_text(markdown(rows) + auto_markdown(autos) + ("\n" + moe if moe else "")
+                        + ("\n" + llama3 if llama3 else ""), encoding="utf-8")
     print(f"report written to {args.out}")
     return 0
 

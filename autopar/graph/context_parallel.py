@@ -16,7 +16,11 @@ attention node (:func:`context_parallel_trace`):
   computes every score of each local chunk against the keys up to its end: chunks i and
   2c−1−i of s/2c queries see (i + 1) + (2c − i) = 2c + 1 chunks of keys, (2c + 1)/(4c) of
   the local × whole scores (``extra["cp_score_fraction"]``), and keeps that softmax
-  (``core_elems``);
+  (``core_elems``). The fused price is Megatron-Core's (Transformer Engine's causal
+  kernels); autopar's runtime passes each chunk a boolean mask, which a GPU's kernels run
+  without skipping tiles, (2c + 1)/(2c) of the priced score work (torch's lower-right
+  ``CausalBias``, which would skip them, is a tensor subclass that the runtime's
+  dispatch-mode byte meter cannot carry: measured, torch 2.13);
 * the all-gather of the local K and V (``extra["cp_gather_elems"]``, k + v elements in,
   c·(k + v) out) in forward and the reduce-scatter of their gradients in backward run over
   the CP group (:func:`autopar.planner.costs.node_cost.node_cost`); K and V that Hugging

@@ -196,6 +196,8 @@ def comm_section(plan: Plan) -> list[str]:
     by_kind = dict(plan.predicted.comm_bytes_by_kind)
     if plan.ep == 1:  # no expert parallelism: no all-to-all to show
         by_kind.pop("ep_all_to_all", None)
+    if plan.cp == 1:  # no context parallelism: no K/V all-gathers
+        by_kind.pop("cp_all_gather", None), by_kind.pop("cp_reduce_scatter", None)
     rows = [[k, format_bytes(by_kind[k])] for k in ordered(by_kind, ())]
     if len(rows) > 1:
         rows.append(["**total**", format_bytes(sum(by_kind.values()))])
