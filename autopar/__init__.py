@@ -1,6 +1,6 @@
 """autopar: automatic tensor/pipeline/data-parallel plans for GPT training.
 
-Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :class:`Cluster`,
+Public face: :func:`plan`, :func:`evaluate`, :func:`parallelize`, :func:`dry_run`, :class:`Cluster`,
 :class:`Layout`, :class:`Plan`, :mod:`report` (``report.write_report``), :func:`load_model`,
 :func:`init_model` and :func:`meta_parameters`.
 """
@@ -19,7 +19,7 @@ from autopar.planner.search.outcome import SolverTimeLimitError
 from autopar.graph.capture import TraceError
 
 __all__ = ["Cluster", "Layout", "Plan", "Prediction", "plan", "evaluate", "evaluate_plan", "parallelize",
-           "report", "load_model", "init_model", "meta_parameters", "InfeasibleError", "TraceError", "PlanError",
+           "dry_run", "report", "load_model", "init_model", "meta_parameters", "InfeasibleError", "TraceError", "PlanError",
            "SolverTimeLimitError"]
 
 
@@ -35,6 +35,20 @@ def init_model(model, seed=0, *, device=None, init_fn=None):
     from autopar.runtime.materialize import init_model as materialize
 
     return materialize(model, seed, device=device, init_fn=init_fn)
+
+
+def dry_run(model, plan, *, ranks=None, optimizer=None, seed=0):
+    """Build ``plan``'s ranks at its full world size in this one process (torch's fake
+    process group, fake tensors: nothing allocated, nothing sent), run one training step of
+    each and compare its collective bytes, model states and saved-activation peak with the
+    plan's prediction. ``ranks``: a rank, several, or None for one per pipeline stage.
+    Returns a :class:`~autopar.verify.dry_run.DryRunReport` (``.ok``, ``.table()``,
+    ``.to_dict()``); raises ``DryRunError`` naming the rank and the op or field that
+    failed, RuntimeError inside an initialised process group
+    (:func:`autopar.verify.dry_run.dry_run`, imported lazily)."""
+    from autopar.verify.dry_run import dry_run as run
+
+    return run(model, plan, ranks=ranks, optimizer=optimizer, seed=seed)
 
 
 def meta_parameters():

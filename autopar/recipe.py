@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable
 
@@ -40,12 +39,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.graph.annotate import TracedModel
-from autopar.graph.capture import COMPUTE_DTYPES, cast_floating, meta_buffers, trace_model
 from autopar.graph.experts import is_experts_module
 from autopar.contract.plan_check import check_plan
 from autopar.planner.plan_fit import check_plan_fits_model, check_seq_len
 from autopar.contract.placement import parse_strategy_key
 from autopar.contract.plan import Plan
+from autopar.local_trace import PARAM_DTYPES, LocalTrace, ModelKeys, local_trace
 from autopar.rewrite import RankProgram, apply_plan
 from autopar.contract.placement import ShardSpec
 from autopar.runtime.engine import ParallelModule, token_cross_entropy
@@ -219,13 +218,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     (:mod:`autopar.runtime.materialize`)."""
     check_step_options(max_norm, on_nonfinite)  # local checks first, before any collective
     timeout = as_timeout(timeout) if timeout is not None else None
-    traced = None
-    if plan is not None:  # before any collective, on the graph the rewrite will use
-        check_plan(plan, executable=True)  # the plan's own fields (autopar.contract.plan_check)
-        check_seq_len(model, plan.seq_len)
-        traced = _local_trace(model, plan)
-        check_plan_matches(model, plan, traced.traced)
-        check_expert_parallel(plan, traced.traced)
+    traced = checked_trace(model, plan) if plan is not None else None  # the rewrite's graph
     # an accelerator backend without an accelerator fails here, before any collective
     device = rank_device() if dist.is_initialized() else torch.device("cpu")
     init = None
@@ -234,11 +227,42 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
     _check_process_group()
     plan = agreed_plan(model, cluster, plan, global_batch_size=global_batch_size, seq_len=seq_len)
     if traced is None:  # solved on rank 0: every rank holds it now, all raise alike
-        traced = _local_trace(model, plan)
+        traced = local_trace(model, plan)
         check_expert_parallel(plan, traced.traced)
-    groups = ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
-                                  head_pp_rank=pipeline_schedule(plan.schedule).head_rank(
-                                      plan.pp, plan.virtual_stages), ep=plan.ep, cp=plan.cp)
+    groups = plan_groups(plan, device, timeout)
+    return build_program(traced, plan, groups, optimizer, seed=seed, init=init,
+                         max_norm=max_norm, on_nonfinite=on_nonfinite,
+                         measure_every=measure_every)
+
+
+def checked_trace(model: nn.Module, plan: Plan) -> LocalTrace:
+    """This rank's trace of ``model`` for ``plan``, after the local checks of the plan
+    against the model (no collective): :func:`~autopar.contract.plan_check.check_plan`,
+    the sequence length, :func:`check_plan_matches` and the expert-parallel layout.
+    Raises ValueError (PlanError) naming the first problem."""
+    check_plan(plan, executable=True)  # the plan's own fields (autopar.contract.plan_check)
+    check_seq_len(model, plan.seq_len)
+    traced = local_trace(model, plan)
+    check_plan_matches(model, plan, traced.traced)
+    check_expert_parallel(plan, traced.traced)
+    return traced
+
+
+def plan_groups(plan: Plan, device: torch.device, timeout: timedelta | None) -> ParallelGroups:
+    """The plan's process groups on the initialised world (collective: every rank calls it)."""
+    head = pipeline_schedule(plan.schedule).head_rank(plan.pp, plan.virtual_stages)
+    return ParallelGroups.build(plan.tp, plan.pp, plan.dp, device=device, timeout=timeout,
+                                head_pp_rank=head, ep=plan.ep, cp=plan.cp)
+
+
+def build_program(traced: LocalTrace, plan: Plan, groups: ParallelGroups, optimizer, *,
+                  seed: int = 0, init: Initializer | None = None,
+                  agree: Callable[[Callable[[], None], ParallelGroups], None] | None = None,
+                  **step_options) -> ParallelizedModel:
+    """Steps 3 to 5 on built ``groups``: the rewrite, the shards' values (from ``init`` for
+    a model on meta) and the runtime. ``agree(build, groups)`` runs a local build step
+    that may raise ValueError and agrees on its outcome over the world (default: an
+    all-gather of the outcomes; a dry run on a fake process group passes its own, local)."""
     rng = seed_rank(seed, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank, device=groups.device)
     program = apply_plan(traced.traced, plan, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                          tp_group=groups.tp_group, rng=rng, cp_rank=groups.cp_rank,
@@ -247,58 +271,7 @@ def parallelize(model: nn.Module, cluster=None, plan: Plan | None = None, *,
         for chunk in program.chunks:  # Module.to keeps each Parameter (program.shards' ids)
             chunk.to(groups.device)
     return _parallel_module(traced, plan, groups, program, optimizer, rng, init,
-                            max_norm=max_norm, on_nonfinite=on_nonfinite,
-                            measure_every=measure_every)
-
-
-PARAM_DTYPES = COMPUTE_DTYPES
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelKeys:
-    """The whole model's state-dict names, every rank alike (tied aliases included).
-
-    Attributes:
-        parameters: every parameter name (``named_parameters(remove_duplicate=False)``).
-        buffers: every buffer name, persistent or not (rotary ``inv_freq``, masks).
-    """
-
-    parameters: frozenset[str]
-    buffers: frozenset[str]
-
-
-@dataclass(frozen=True)
-class _LocalTrace:
-    """The trace of this rank's model copy, and the copy's buffers by ``id`` (name, tensor:
-    held so that the ids stay theirs) for naming the rewritten program's buffers."""
-
-    traced: TracedModel
-    buffers: dict[int, tuple[str, torch.Tensor]]
-    keys: ModelKeys
-
-    def buffer_keys(self, module: nn.Module) -> dict[str, str]:
-        """``module``'s buffer names -> the model's buffer keys."""
-        return {n: self.buffers[id(b)][0] for n, b in module.named_buffers() if id(b) in self.buffers}
-
-
-def _local_trace(model: nn.Module, plan: Plan) -> _LocalTrace:
-    """The trace of this rank's copy of ``model`` in the plan's dtype (the graph the plan
-    was made on: :func:`~autopar.graph.capture.trace_model`'s ``dtype``). ZeRO-3: the
-    (sharded) parameters then go back to fp32 master weights; FSDP2 casts them to the
-    plan's dtype when it gathers them (runtime.fsdp), so the graph computes as traced."""
-    local_model = cast_floating(copy.deepcopy(model), PARAM_DTYPES[plan.dtype])
-    if on_meta(local_model):  # real buffers beside meta parameters: their values are the
-        meta_buffers(local_model)  # Initializer's, the trace needs shapes on one device
-    traced = trace_model(local_model, plan.seq_len // plan.cp)  # CP: this rank's s/c tokens
-    buffers: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, b in local_model.named_buffers(remove_duplicate=False):
-        buffers.setdefault(id(b), (name, b))
-    if zero_stage(plan.zero_stage).shards_parameters:  # FSDP2 keeps fp32 shards
-        cast_floating(local_model, torch.float32)
-    keys = ModelKeys(
-        parameters=frozenset(n for n, _ in local_model.named_parameters(remove_duplicate=False)),
-        buffers=frozenset(n for n, _ in local_model.named_buffers(remove_duplicate=False)))
-    return _LocalTrace(traced, buffers, keys)
+                            agree=agree or _agreed, **step_options)
 
 
 def _agreed(build: Callable[[], None], groups: ParallelGroups) -> None:
@@ -316,9 +289,10 @@ def _agreed(build: Callable[[], None], groups: ParallelGroups) -> None:
         raise ValueError(f"rank {failed[0][0]}: {failed[0][1]}")
 
 
-def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
+def _parallel_module(local: LocalTrace, plan: Plan, groups: ParallelGroups,
                      program: RankProgram, optimizer, rng: RNGStatesTracker | None = None,
-                     init: Initializer | None = None, **step_options) -> ParallelizedModel:
+                     init: Initializer | None = None, agree=None,
+                     **step_options) -> ParallelizedModel:
     """Steps 4 and 5: this rank's chunks, materialised from ``init`` when the model is on
     meta, in a :class:`ParallelizedModel`, parameters named as in the chunk module
     (``program``'s by-id records turned into by-name ones)."""
@@ -333,7 +307,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
     zero3 = zero_stage(plan.zero_stage).shards_parameters
     where = dict(tp_rank=groups.tp_rank, tp=plan.tp, buffer_keys=local.buffer_keys(module))
     if init is not None and not zero3:
-        _agreed(lambda: materialize_shards(module, shards, init, **where), groups)
+        (agree or _agreed)(lambda: materialize_shards(module, shards, init, **where), groups)
     elif init is not None:  # the graphs first: FSDP2 subclasses the stage's class
         place_program_devices(module, init.device)
     experts = shard_experts(chunks, groups.ep_group, is_experts_module) if plan.ep > 1 else {}
@@ -353,7 +327,7 @@ def _parallel_module(local: _LocalTrace, plan: Plan, groups: ParallelGroups,
         boundary_shard_dims=_boundary_shard_dims(traced, plan, groups.pp_rank))
     pm.expert_slices = experts
     if init is not None and zero3:
-        _agreed(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
+        (agree or _agreed)(lambda: materialize_fsdp_shards(module, shards, init, dp_rank=groups.dp_rank,
                                                 dp=groups.dp, **where), groups)
     return pm
 

@@ -1,12 +1,13 @@
-"""Command line, six verbs: ``autopar plan``, ``evaluate``, ``compare``, ``report``,
-``calibrate`` and ``verify``.
+"""Command line, seven verbs: ``autopar plan``, ``evaluate``, ``compare``, ``report``,
+``calibrate``, ``verify`` and ``dryrun``.
 
 argparse turns flags into the plain calls of the library (``autopar.load_model``,
 ``Cluster.from_name``, ``autopar.plan`` / ``autopar.evaluate``, ``report.write_report``);
 nothing here decides anything the library would not. ``compare`` prints the solver's plan
 beside hand-written layouts (views in :mod:`autopar.cli.compare`); ``calibrate`` measures
 the local CPU profile with ``autopar.runtime.calibrate.calibrate_local``; ``verify`` runs a
-saved plan on local processes against one device (:mod:`autopar.cli.verify`). The flags and --help
+saved plan on local processes against one device (:mod:`autopar.cli.verify`); ``dryrun``
+builds ranks of a saved plan at its full size on this CPU (:mod:`autopar.cli.dry_run`). The flags and --help
 texts live in :mod:`autopar.cli.parser`; the search's progress line (stderr, on a terminal
 only, never with --json) in :mod:`autopar.cli.progress`. Every verb takes ``--json``:
 stdout then holds one JSON document and nothing else.
@@ -16,7 +17,8 @@ a divisibility rule, a plan file that is not a valid plan: ``autopar.contract.pl
 an output path that cannot be written) · 3 no layout fits (``autopar.InfeasibleError``) ·
 4 the model cannot be traced (``autopar.TraceError``) · 5 ``verify``: the program does not
 match one device, or is not finite · 6 CP-SAT stopped at its time limit without a plan
-(``autopar.SolverTimeLimitError``) · 1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
+(``autopar.SolverTimeLimitError``) · 7 ``dryrun``: a rank cannot be built at the plan's
+size or disagrees with the prediction · 1 anything else (a bug: please report it). Errors print one line on stderr; ``--debug``
 shows the traceback instead.
 """
 
@@ -33,6 +35,7 @@ from pathlib import Path
 import autopar
 import autopar.frameworks
 from autopar.api import what_if_plans
+from autopar.cli.dry_run import run_dry_run
 from autopar.cli.verify import run_verify
 from autopar.cli.compare import (compare, comparison_lines, format_compare, plan_table,
                                  profile_lines, report_summary)
@@ -307,7 +310,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "evaluate": _cmd_evaluate, "report": _cmd_report,
-            "compare": _cmd_compare, "calibrate": _cmd_calibrate, "verify": run_verify}
+            "compare": _cmd_compare, "calibrate": _cmd_calibrate, "verify": run_verify,
+            "dryrun": run_dry_run}
 
 
 def _exit_code(exc: BaseException) -> tuple[int, str]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["Bucket", "BucketReadiness", "cut_buckets", "BUCKET_BYTES", "FIRST_BUCKET_BYTES",
+__all__ = ["Bucket", "BucketReadiness", "cut_buckets", "chunk_parameters", "BUCKET_BYTES", "FIRST_BUCKET_BYTES",
            "DONE"]
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
@@ -127,14 +127,20 @@ class BucketReadiness:
         launch: starts a bucket's collective and returns its handle (``async_op=True``).
         expected: accumulations each parameter receives per round (a step's micro-batches
             for ZeRO-0/1; 1 for ZeRO-2, whose round is one micro-batch).
+        uses: parameter id -> backward passes per micro-batch that accumulate into it (the
+            model chunks of this rank holding it: a V placement's first rank holds the tied
+            embedding in its first and its last chunk); 1 when absent.
 
     Raises RuntimeError (in backward) when a parameter accumulates more often than
     ``expected`` times in a round: its bucket would have been reduced too early.
     """
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[Bucket], object], *,
-                 expected: int) -> None:
+                 expected: int, uses: dict[int, int] | None = None) -> None:
         self.buckets, self.launch, self.expected = buckets, launch, expected
+        uses = uses or {}
+        self._expected = {id(b): expected * sum(uses.get(id(p), 1) for p in b.params)
+                          for b in buckets}  # accumulations that complete each bucket
         self._buckets_of: dict[int, list[Bucket]] = {}
         for bucket in buckets:
             for p in bucket.params:
@@ -160,7 +166,7 @@ class BucketReadiness:
             return
         for bucket in self._buckets_of[id(p)]:
             bucket.count += 1
-            expected = self.expected * len(bucket.params)
+            expected = self._expected[id(bucket)]
             if bucket.count > expected:
                 raise RuntimeError(f"a parameter of shape {tuple(p.shape)} accumulated its "
                                    f"gradient more than {self.expected} times in one round; "
@@ -182,3 +188,9 @@ class BucketReadiness:
         self._active = False
         return self.buckets
 
+
+def chunk_parameters(stage_module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a rank's model chunks, once per chunk holding them: the chunks of
+    an ``nn.ModuleList`` (interleaved and V placements) each in turn, else the module's."""
+    chunks = stage_module if isinstance(stage_module, nn.ModuleList) else [stage_module]
+    return [p for chunk in chunks for p in chunk.parameters()]

@@ -33,6 +33,14 @@ or renames one of them is fixed in this file alone. Checked against torch 2.13.
   all-to-all with uneven splits whose backward is the all-to-all with the splits swapped,
   which expert parallelism's dispatch and combine use
   (:mod:`autopar.runtime.expert_parallel`).
+* The fake process group and fake tensors of a dry run (:mod:`autopar.verify.dry_run`):
+  :func:`init_fake_process_group` (the "fake" backend, registered by importing
+  ``torch.testing._internal.distributed.fake_pg``), ``FakeTensorMode``
+  (``torch._subclasses.fake_tensor``), :func:`is_fake`, and :func:`storage_key` (a key of a
+  tensor's storage while it lives: ``StorageImpl``'s address, ``storage._cdata``, since a
+  fake tensor's ``data_ptr`` is 0), :func:`values` (a tensor's values as floats, zeros
+  for a fake tensor, which has none) and :func:`real_tensors` (real tensors inside a fake
+  mode: ``unset_fake_temporarily``, for the RNG tracker's generator states).
 * ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (public since 2.10), else the private
   ``torch._grouped_mm`` of older builds, else None (callers then loop over the groups).
 
@@ -46,6 +54,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.modules.dropout import _DropoutNd as DropoutBase
@@ -53,7 +62,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["TorchDispatchMode", "DropoutBase", "op_schema", "unbox_process_group", "group_timeout",
            "group_options", "cpu_memory_events", "resolve_group_name", "all_gather_single", "reduce_scatter_single",
-           "PipelineStage", "all_to_all_single_autograd", "grouped_mm"]
+           "PipelineStage", "all_to_all_single_autograd", "grouped_mm", "FakeTensorMode",
+           "init_fake_process_group", "is_fake", "storage_key", "values", "real_tensors"]
 
 # (out, in, group=...): the whole tensor gathered / this rank's reduced slice, one call
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,3 +136,33 @@ def cpu_memory_events(prof) -> list[tuple[int, int]]:
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
     return sorted(events)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank ``rank`` of a world of ``world_size`` on torch's "fake"
+    backend: every collective returns at once without moving data (its outputs keep what
+    they held), so one process builds and steps any rank's program."""
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers "fake"
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shapes and dtypes, no values: a dry run's)."""
+    return isinstance(t, FakeTensor)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A key of ``t``'s storage, unique among the storages alive (views share it)."""
+    return t.untyped_storage()._cdata
+
+
+def values(t: torch.Tensor) -> list[float]:
+    """``t.tolist()``, or zeros of its length for a fake tensor (which holds no values)."""
+    return [0.0] * t.numel() if is_fake(t) else t.tolist()
+
+
+def real_tensors():
+    """A context in which tensors are real even inside a ``FakeTensorMode`` (a no-op
+    outside one): generator states must stay real to be set again."""
+    return unset_fake_temporarily()

@@ -58,6 +58,8 @@ from torch import nn
 
 from autopar.runtime.health import (NonFiniteError, as_collective_error, check_step_options,
                                    clip_coefficient, nonfinite_message)
+from autopar.runtime.buckets import chunk_parameters
+from autopar.runtime.compat import values
 from autopar.runtime.context_parallel import shard_sequence
 from autopar.runtime.mesh import ParallelGroups
 from autopar.runtime.schedule import PipelineRunner, StageShapes
@@ -67,7 +69,6 @@ from autopar.runtime.zero import DistributedOptimizer
 from autopar.contract.support import check_positive_ints, pipeline_problem
 from autopar.techniques.pipeline_schedules import DEFAULT_SCHEDULE, PIPELINE_SCHEDULES, SCHEDULES
 from autopar.techniques.zero_stages import zero_stage as zero_stage_record
-
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -210,7 +211,7 @@ class ParallelModule(nn.Module):
             named = dict(stage_module.named_parameters())
             deferred = self.tied_parameters + [named[n] for n in partial_grad_parameter_names]
             self.dp_optimizer = DistributedOptimizer(
-                stage_module.parameters(), optimizer_factory, dp_group=groups.dp_group,
+                chunk_parameters(stage_module), optimizer_factory, dp_group=groups.dp_group,
                 zero_stage=zero_stage, master_dtype=master_dtype,
                 accumulations=num_micro_batches, deferred=deferred,
                 experts=[named[n] for n in expert_parameter_names], expert_group=groups.edp_group)
@@ -383,7 +384,7 @@ class ParallelModule(nn.Module):
         share[1] = self.dp_optimizer.grad_square_sum(self._norm_counted)
         if g.world_size > 1:
             dist.all_reduce(share, op=dist.ReduceOp.SUM, group=g.world_group)
-        loss, square = share.tolist()
+        loss, square = values(share)  # a dry run's fake tensors: zeros
         return loss, math.sqrt(square)  # NaN and inf stay what they are
 
     def last_step_stats(self) -> dict:

@@ -41,6 +41,9 @@ from autopar.runtime.compat import group_options, group_timeout
 from autopar.runtime.device import rank_device
 from autopar.techniques.expert_parallel import expert_ranks
 
+# the checkpoint group's backend by the world's: gloo (checkpoints move CPU tensors), but on
+# a dry run's "fake" world (autopar.verify.dry_run) the fake backend, which serves any device
+_CHECKPOINT_BACKEND = {"fake": None}
 
 def validate_degrees(tp: int, pp: int, dp: int, world_size: int) -> None:
     """Check that tp, pp, dp are positive ints whose product is ``world_size``.
@@ -167,7 +170,7 @@ class ParallelGroups:
             device_mesh=mesh, device=device, timeout=timeout,
             world_group=dist.new_group(list(range(world_size)), timeout=timeout),
             checkpoint_group=dist.new_group(list(range(world_size)), timeout=timeout,
-                                            backend="gloo"),
+                                            backend=_CHECKPOINT_BACKEND.get(dist.get_backend(), "gloo")),
             ep=ep, ep_rank=(tp_rank + tp * dp_rank) % ep, ep_group=ep_group,
             edp_group=edp_group if edp_group is not None else mesh.get_group("dp"),
             cp=cp, cp_group=_cp_group(tp, pp, dp, cp, rank, timeout),

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.runtime.compat import real_tensors
 from autopar.runtime.device import default_generators
 
 __all__ = ["TENSOR_PARALLEL", "RNGStatesTracker", "RankSeeds", "rank_seeds", "seed_rank"]
@@ -91,15 +92,17 @@ class RNGStatesTracker:
 
     def get_states(self) -> States:
         """A copy of every stream's state (name -> generator states)."""
-        return {name: tuple(s.clone() for s in states) for name, states in self._states.items()}
+        with real_tensors():  # a dry run's fake mode: states stay real tensors
+            return {name: tuple(s.clone() for s in states) for name, states in self._states.items()}
 
     def set_states(self, states: States) -> None:
         """Replace the streams' states (e.g. with what :meth:`get_states` returned earlier)."""
         unknown = set(states) - set(self._states)
         if unknown:
             raise ValueError(f"unknown RNG streams {sorted(unknown)}; known: {sorted(self._states)}")
-        for name, value in states.items():
-            self._states[name] = tuple(s.clone() for s in value)
+        with real_tensors():
+            for name, value in states.items():
+                self._states[name] = tuple(s.clone() for s in value)
 
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL) -> Iterator[None]:
@@ -108,15 +111,17 @@ class RNGStatesTracker:
         if name not in self._states:
             raise KeyError(f"RNG stream {name!r} was never added; known: {sorted(self._states)}")
         generators = default_generators(self.device)
-        outside = [g.get_state() for g in generators]
-        for g, state in zip(generators, self._states[name]):
-            g.set_state(state)
+        with real_tensors():  # a dry run's fake mode: generator states stay real tensors
+            outside = [g.get_state() for g in generators]
+            for g, state in zip(generators, self._states[name]):
+                g.set_state(state)
         try:
             yield
         finally:
-            self._states[name] = tuple(g.get_state() for g in generators)
-            for g, state in zip(generators, outside):
-                g.set_state(state)
+            with real_tensors():
+                self._states[name] = tuple(g.get_state() for g in generators)
+                for g, state in zip(generators, outside):
+                    g.set_state(state)
 
 
 @dataclass(frozen=True)

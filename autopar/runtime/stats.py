@@ -30,15 +30,14 @@ from torch.distributed.tensor import DTensor
 
 from autopar.contract.plan import COMM_KINDS
 from autopar.runtime.compat import (TorchDispatchMode, cpu_memory_events, op_schema,
-                                    resolve_group_name, unbox_process_group)
+                                    resolve_group_name, storage_key, unbox_process_group)
 
 __all__ = ["SavedActivationTracker", "CommMeter", "PeakAllocation"]
 
 
 def _storages(params: Iterable[nn.Parameter]) -> set[int]:
     """Data pointers of the parameters' storages (a DTensor's: its local shard's)."""
-    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-            for p in params}
+    return {storage_key(p.to_local() if isinstance(p, DTensor) else p) for p in params}
 
 
 class _Saved:
@@ -71,7 +70,7 @@ class SavedActivationTracker:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(t)  # not data_ptr: a dry run's fake tensors have none
         exclude = self.exclude if self.module is None else _storages(self.module.parameters())
         if key in exclude or t.device.type == "meta":
             return t

@@ -13,9 +13,8 @@ stage:
   elements; DP rank r owns the r-th of d equal shards of every bucket (Megatron's
   per-bucket sharding), so a bucket's reduction can start as soon as backward has produced
   its gradients, while backward goes on.
-* ZeRO-0: the parameters' ``.grad`` are views of one persistent flat gradient, which each
-  bucket all-reduces (as torch's DDP with ``gradient_as_bucket_view``); every rank updates
-  everything.
+* ZeRO-0: the parameters' ``.grad`` view one persistent flat gradient, which each bucket
+  all-reduces (as torch's DDP with ``gradient_as_bucket_view``); every rank updates all.
 * ZeRO-1: the same persistent flat gradient; each bucket is reduce-scattered in place
   (rank r receives the sum of its shard), the optimizer updates only the owned shards, and
   each bucket's updated shards are all-gathered back into the buffer: the bytes of one
@@ -35,17 +34,16 @@ stage:
   buffer itself (no copy): 4 + 4 + 8.
 
 The optimizer runs on one flat tensor per owned shard, so it must be element-wise (SGD,
-Adam, AdamW, ...), as for Megatron's distributed optimizer; per-tensor methods (LAMB,
-Adafactor) would see flat pieces instead of the model's tensors.
+Adam, AdamW, ...), as Megatron's; per-tensor ones (LAMB, Adafactor) would see flat pieces.
 
 Expert parallelism (ZeRO-0): the ``experts`` (this rank's E/ep experts) end the buffer in
 buckets of their own, summed over the expert-data-parallel group (the t·d/ep ranks of the
-stage with the same experts: all d replicas, each TP rank's share of the tokens when the
-EP group spans TP) and divided by d; the all-to-all's backward brings the EP group's.
-"""
+stage with the same experts: all d replicas, each TP rank's token share when EP spans TP),
+divided by d; the all-to-all's backward brings the EP group's."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -54,7 +52,7 @@ from torch import nn
 
 from autopar.runtime.buckets import (BUCKET_BYTES, DONE, FIRST_BUCKET_BYTES, Bucket,
                                      BucketReadiness, cut_buckets)
-from autopar.runtime.compat import all_gather_single, reduce_scatter_single
+from autopar.runtime.compat import all_gather_single, reduce_scatter_single, storage_key
 from autopar.runtime.health import square_sum
 from autopar.contract.support import EXECUTED_ZERO_STAGES
 
@@ -73,7 +71,8 @@ class DistributedOptimizer:
     """Gradient sync + optimizer step for one stage's parameters over the DP group.
 
     Args:
-        params: the stage's parameters (each once; tied parameters are one object).
+        params: the stage's parameters, once per chunk holding them (a V placement's
+            tied embedding twice: :func:`~autopar.runtime.buckets.chunk_parameters`).
         optimizer_factory: builds an element-wise torch optimizer from a list of tensors.
         dp_group: the data-parallel process group (d ranks).
         zero_stage: 0, 1 or 2 (see the module docstring).
@@ -117,6 +116,8 @@ class DistributedOptimizer:
                              f"{EXECUTED_ZERO_STAGES}); ZeRO-3 shards parameters: use "
                              "autopar.runtime.fsdp.FullyShardedOptimizer")
         params = [p for p in params if p.requires_grad]
+        uses = Counter(id(p) for p in params)  # a parameter in several of the rank's chunks
+        params = list({id(p): p for p in params}.values())
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) > 1:
             raise ValueError(f"a stage's parameters must share one dtype and device, got {kinds}; "
@@ -175,7 +176,7 @@ class DistributedOptimizer:
         self._readiness = None
         if self.d > 1:
             launch = self._launch_micro_batch if self._grads is None else self._launch
-            self._readiness = BucketReadiness(self.buckets, launch,
+            self._readiness = BucketReadiness(self.buckets, launch, uses=uses,
                                               expected=1 if self._grads is None else accumulations)
         self._norm_ranges: tuple[object, list[tuple[int, int, int]]] | None = None
 
@@ -356,8 +357,7 @@ class DistributedOptimizer:
         storages = {}
         for p in self.params:  # views of one flat gradient count once
             if p.grad is not None:
-                st = p.grad.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
+                storages[storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
         total += sum(storages.values())
         if self._shard_grads is not None:
             total += self._shard_grads.numel() * self._shard_grads.element_size()
