@@ -199,10 +199,10 @@ class _OpWatch(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.last: str | None = None
+        self.last = None  # the OpOverload (named only when a failure asks)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.last = str(func)
+        self.last = func
         if func is torch.ops.aten._local_scalar_dense.default:
             return 1.0 if args[0].is_floating_point() else 1
         return func(*args, **(kwargs or {}))

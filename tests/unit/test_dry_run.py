@@ -42,19 +42,22 @@ def _plan(model, layout: str, batch: int, cluster=CLUSTER_64):
                             global_batch_size=batch, seq_len=64)
 
 
-CASES = {  # name: (model, layout, global batch)
-    "gpt-tp2-pp4-dp8-selective": (_gpt, "tp=2,pp=4,dp=8,mbs=2,zero_stage=1,recompute=selective", 64),
-    "llama-tp2-cp2-pp2-dp8": (_llama, "tp=2,cp=2,pp=2,dp=8,mbs=1,zero_stage=1", 16),
+CASES = {  # name: (model, layout, global batch, cluster)
+    "gpt-tp2-pp4-dp8-selective": (_gpt, "tp=2,pp=4,dp=8,mbs=2,zero_stage=1,recompute=selective",
+                                  64, CLUSTER_64),
+    "llama-tp2-cp2-pp2-dp8": (_llama, "tp=2,cp=2,pp=2,dp=8,mbs=1,zero_stage=1", 16, CLUSTER_64),
+    # d = 12: the ZeRO-1 buffer padded to a multiple of d, priced so (1T's plan has d = 12)
+    "gpt-tp2-pp2-dp12": (_gpt, "tp=2,pp=2,dp=12,mbs=1,zero_stage=1", 48, Cluster.dgx_a100(6)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_rank_class_at_world_64_moves_the_predicted_bytes(case):
-    """One rank per stage, built at world 64: every collective kind's bytes and the model
+    """One rank per stage, built at world 64 (48): every collective kind's bytes and the model
     states equal the plan's prediction exactly; its groups and layers are the plan's."""
-    build, layout, batch = CASES[case]
+    build, layout, batch, cluster = CASES[case]
     model = build()
-    plan = _plan(model, layout, batch)
+    plan = _plan(model, layout, batch, cluster)
     report = dry_run(model, plan)
     block = plan.tp * plan.cp * plan.dp
     assert [c.rank for c in report.checks] == rank_classes(plan) == \

@@ -155,11 +155,16 @@ def model_state_bytes_by_kind(params: float, zero_stage: int, cfg: Config,
     ``expert_params`` of them experts under expert parallelism: ZeRO shards optimizer
     states (z >= 1), gradients (z >= 2) and parameters (z = 3) over d, the experts' over
     the t·d/ep ranks of their expert-data-parallel group (Rajbhandari et al. 2020, Fig. 1);
-    bytes per parameter from :func:`~autopar.planner.costs.tables.state_bytes`."""
+    bytes per parameter from :func:`~autopar.planner.costs.tables.state_bytes`. ZeRO-1/2
+    shard one flat buffer padded to a multiple of d elements (the runtime's
+    ``DistributedOptimizer``, as Megatron's), so the dense ``params`` count padded."""
     b = state_bytes(cfg.dtype, cfg.grad_dtype, zero_stage)
     out = dict.fromkeys(("parameters", "gradients", "optimizer_states"), 0.0)
     e = expert_data_parallel_size(cfg.tp, cfg.dp, cfg.ep)
-    for n, d in ((params - expert_params, cfg.dp), (expert_params, e)):
+    dense = params - expert_params
+    if zero_stage in (1, 2) and cfg.dp > 1 and dense == int(dense):
+        dense = -(-int(dense) // cfg.dp) * cfg.dp
+    for n, d in ((dense, cfg.dp), (expert_params, e)):
         out["parameters"] += n * b.param / (d if zero_stage >= 3 else 1)
         out["gradients"] += n * b.grad / (d if zero_stage >= 2 else 1)
         out["optimizer_states"] += n * b.optimizer / (d if zero_stage >= 1 else 1)
