@@ -24,7 +24,9 @@ only the plan:
 
 The ``verify=True`` option of the public :func:`autopar.parallelize` runs
 :func:`autopar.verify.check.verify` between steps 1 and 2; this module never imports
-autopar.verify.
+autopar.verify. :func:`autopar.verify.dry_run.dry_run` runs the same steps for any rank
+on a fake process group: :func:`checked_trace`, :func:`plan_groups` and
+:func:`build_program` (with a local ``agree``) are the pieces ``parallelize`` is made of.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from autopar.runtime.rng import RNGStatesTracker, seed_rank
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy
 from autopar.techniques.pipeline_schedules import pipeline_schedule
 
-__all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES"]
+__all__ = ["check_plan_matches", "parallelize", "agreed_plan", "ParallelizedModel", "PARAM_DTYPES",
+           "checked_trace", "plan_groups", "build_program"]
 
 
 class ParallelizedModel(ParallelModule):

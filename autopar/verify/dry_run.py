@@ -9,8 +9,10 @@ For each rank asked for, in this process and one rank at a time:
    there as :func:`autopar.parallelize` does (tp/pp/dp/cp/ep peers, DeviceMesh);
 3. under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage), the rank's
    program is built exactly as :func:`autopar.parallelize` builds it (rewrite, shards,
-   optimizer, ZeRO / FSDP2) and runs one whole training step: every micro-batch through the
-   plan's schedule, the gradient reductions and the optimizer step;
+   ZeRO-0/1 buffers, optimizer) and runs two whole training steps: every micro-batch
+   through the plan's schedule, the gradient reductions and the optimizer step; the second
+   is measured (the first also carries torch.distributed.pipelining's one-time warm-up vote
+   between neighbouring stages, as on a cluster);
 4. what the step measured (:meth:`~autopar.recipe.ParallelizedModel.last_step_stats`: the
    payload bytes of every collective by kind, the model states held, the peak of the
    activations saved for backward, counted on the live fake storages) is compared with
@@ -125,7 +127,7 @@ class DryRunReport:
         mib = 2 ** 20
         rows = [f"dry run of tp={self.plan.tp} cp={self.plan.cp} pp={self.plan.pp} "
                 f"dp={self.plan.dp} on {self.plan.num_gpus} ranks (fake process group, "
-                "fake tensors; one step)",
+                "fake tensors; the second of two steps measured)",
                 f"{'rank':>6} {'stage':>5} {'layers':>9} {'comm bytes':>11} "
                 f"{'model states MiB':>21} {'saved activations MiB':>30} {'wall s':>7}"]
         for c in self.checks:
